@@ -1,0 +1,238 @@
+"""Model and engine configuration.
+
+Data flow: an HF ``config.json`` dict -> ``ModelConfig.from_hf`` (the architecture
+facts the forward pass needs); user settings -> ``EngineConfig`` (batching, cache,
+graphs). Both validate in ``__post_init__`` so "invalid" means one thing everywhere.
+This module imports no torch: the operator and the server validate configs with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# HF model_type -> (family, attention_bias default, qk_norm)
+_KNOWN_MODEL_TYPES: dict[str, tuple[str, bool, bool]] = {
+    "llama": ("llama", False, False),
+    "mistral": ("llama", False, False),
+    "qwen2": ("llama", True, False),
+    "qwen3": ("llama", False, True),
+    "mixtral": ("moe", False, False),
+    "qwen3_moe": ("moe", False, True),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts of one checkpoint (the subset the engine supports)."""
+
+    family: str  # "llama" (dense) | "moe"
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in ("llama", "moe"):
+            raise ValueError(f"ModelConfig.family must be 'llama' or 'moe', got {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.family == "moe":
+            if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"MoE model needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                    f"num_experts ({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("MoE model needs moe_intermediate_size > 0")
+        elif self.intermediate_size <= 0:
+            raise ValueError(f"intermediate_size must be > 0, got {self.intermediate_size}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not supported (supported: llama3, default); "
+                    "remove rope_scaling from config.json or use a supported model")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict; raises on unsupported features."""
+        model_type = hf.get("model_type")
+        if model_type not in _KNOWN_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; supported: "
+                f"{sorted(_KNOWN_MODEL_TYPES)}")
+        family, bias_default, qk_norm = _KNOWN_MODEL_TYPES[model_type]
+        if hf.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true is not supported")
+        if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported (config.json sliding_window)")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")  # newer transformers nest rope settings here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        num_experts = 0
+        topk = 0
+        moe_inter = 0
+        norm_topk = True
+        if family == "moe":
+            num_experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+            topk = hf.get("num_experts_per_tok", 0)
+            if model_type == "mixtral":
+                moe_inter = hf["intermediate_size"]
+                norm_topk = True  # Mixtral: softmax over the chosen k
+            else:
+                moe_inter = hf["moe_intermediate_size"]
+                norm_topk = bool(hf.get("norm_topk_prob", False))
+                if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+                    raise ValueError(
+                        "Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                        "is not supported")
+        return cls(
+            family=family,
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf.get("intermediate_size", 0),
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", bias_default)),
+            qk_norm=qk_norm,
+            num_experts=num_experts,
+            num_experts_per_tok=topk,
+            moe_intermediate_size=moe_inter,
+            norm_topk_prob=norm_topk,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+    def with_num_layers(self, num_layers: int) -> ModelConfig:
+        """A copy that keeps only the first ``num_layers`` layers (tiered measurement)."""
+        if not 0 < num_layers <= self.num_hidden_layers:
+            raise ValueError(
+                f"num_layers_override must be in 1..{self.num_hidden_layers}, got {num_layers}")
+        return dataclasses.replace(self, num_hidden_layers=num_layers)
+
+
+@dataclass
+class EngineConfig:
+    """What to serve and how: batching, KV cache, CUDA graphs."""
+
+    model: str = "tiny-llama"  # preset name or path to an HF-style folder
+    dtype: str | None = None  # None -> float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None -> "cuda" when available, else "cpu"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None -> sized from free memory
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    cuda_graph_batch_sizes: list[int] | None = None  # None -> defaults clipped to max_num_seqs
+    # Decode graphs read a fixed number of KV blocks per sequence; one graph set per
+    # width keeps short contexts from paying for max_model_len. Token counts; None ->
+    # [512, 2048, max_model_len] clipped to max_model_len.
+    cuda_graph_context_lens: list[int] | None = None
+    enforce_eager: bool = False
+    num_layers_override: int | None = None
+    seed: int = 0
+    gpu_memory_utilization: float = 0.90
+    forward_pass: str | None = None  # bundle folder; None -> the stock forward pass
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"EngineConfig.num_kv_blocks={self.num_kv_blocks} holds "
+                f"{self.num_kv_blocks * self.block_size} tokens, less than max_model_len="
+                f"{self.max_model_len}; raise num_kv_blocks or lower max_model_len")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step")
+        if self.cuda_graph_batch_sizes is None:
+            sizes = [s for s in DEFAULT_CUDA_GRAPH_BATCH_SIZES if s <= self.max_num_seqs]
+            if self.max_num_seqs not in sizes and self.max_num_seqs < DEFAULT_CUDA_GRAPH_BATCH_SIZES[-1]:
+                sizes.append(self.max_num_seqs)
+            self.cuda_graph_batch_sizes = sizes
+        else:
+            if any(s <= 0 for s in self.cuda_graph_batch_sizes):
+                raise ValueError(f"cuda_graph_batch_sizes must be positive, got {self.cuda_graph_batch_sizes}")
+            self.cuda_graph_batch_sizes = sorted(set(self.cuda_graph_batch_sizes))
+        if self.cuda_graph_context_lens is None:
+            lens = [n for n in (512, 2048) if n < self.max_model_len] + [self.max_model_len]
+            self.cuda_graph_context_lens = lens
+        else:
+            if any(n <= 0 for n in self.cuda_graph_context_lens):
+                raise ValueError(f"cuda_graph_context_lens must be positive, got {self.cuda_graph_context_lens}")
+            lens = sorted({min(n, self.max_model_len) for n in self.cuda_graph_context_lens})
+            if lens[-1] != self.max_model_len:
+                lens.append(self.max_model_len)
+            self.cuda_graph_context_lens = lens
+        if self.num_layers_override is not None and self.num_layers_override <= 0:
+            raise ValueError(f"num_layers_override must be > 0, got {self.num_layers_override}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch  # local: keeps this module importable without torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"

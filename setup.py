@@ -1,0 +1,24 @@
+"""Package discovery for the one-distribution, one-namespace layout.
+
+pyproject.toml maps each code folder to a subpackage of `shapeshift`; this
+walks those folders so every nested package ends up in a built wheel without
+a hand-kept list.
+"""
+from pathlib import Path
+
+from setuptools import setup
+
+ROOTS = {"engine": "shapeshift.engine", "kernels": "shapeshift.kernels", "operator": "shapeshift.operator"}
+
+
+def find_packages() -> list[str]:
+    here = Path(__file__).parent
+    packages = []
+    for folder, name in ROOTS.items():
+        for init in sorted((here / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(here / folder)
+            packages.append(".".join([name, *rel.parts]) if rel.parts else name)
+    return packages
+
+
+setup(packages=find_packages(), package_data={"shapeshift.engine": ["forward_passes/**/*"]})
