@@ -226,6 +226,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._publish_stats()
             while not self._stop.is_set():
                 self.last_heartbeat = time.monotonic()
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
@@ -246,7 +247,6 @@ class AsyncEngine:
         try:
             command = self._commands.get(timeout=IDLE_POLL_SECONDS) if block else self._commands.get_nowait()
         except queue.Empty:
-            self._publish_stats()
             return
         while True:
             self._handle_command(command)
@@ -312,6 +312,9 @@ class AsyncEngine:
                 time.sleep(0.1)
             return
         self._consecutive_step_failures = 0
+        # Publish before delivering: a client that scrapes /metrics right after
+        # its response must already see this step's counters.
+        self._publish_stats()
         now = time.monotonic()
         for out in outputs:
             state = self._states.get(out.request_id)
@@ -400,9 +403,16 @@ class AsyncEngine:
 
 
 def forward_pass_identity(engine: Any, stats: Any) -> tuple[str, str]:
-    """(name, sha256) of the active forward pass, from the stats or the engine."""
+    """(name, sha256) of the active forward pass.
+
+    The name comes from `EngineStats.forward_pass_name`; the digest from the
+    engine's active bundle (its manifest digest when it has one, else the sha256
+    of its forward.py), read on every publish so a hot swap shows at once.
+    """
     name = getattr(stats, "forward_pass_name", None) or "unknown"
     sha256 = getattr(stats, "forward_pass_sha256", None)
-    if sha256 is None:
-        sha256 = getattr(engine, "forward_pass_sha256", None)
+    bundle = getattr(engine, "bundle", None)
+    if sha256 is None and bundle is not None:
+        manifest = getattr(bundle, "manifest", None)
+        sha256 = getattr(manifest, "digest", None) or getattr(bundle, "source_sha256", None)
     return str(name), str(sha256 or "unknown")

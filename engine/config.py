@@ -181,6 +181,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = 0.90
     forward_pass: str | None = None  # bundle folder; None -> the stock forward pass
+    forward_pass_recipe: dict[str, Any] | None = None  # knob values overriding the bundle's recipe.yaml
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -89,6 +89,9 @@ def error_from_validation(exc: ValidationError) -> APIError:
                         param=param, code="unknown_field")
     msg = err.get("msg", "invalid value")
     msg = msg.removeprefix("Value error, ")
+    given = err.get("input")
+    if kind != "value_error" and isinstance(given, (str, int, float, bool)) and len(repr(given)) <= 40:
+        msg = f"{msg}, got {given!r}"
     return APIError(400, f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
 
 

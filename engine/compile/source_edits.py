@@ -1,0 +1,174 @@
+'''Source edits: mechanical rewrites of the forward-pass module that the search can switch on.
+
+Data flow: base forward.py text (the stock module, or an LLM agent's module that keeps
+the stock structure) + enabled edit names --apply_edits--> new forward.py text.
+
+Each edit appends an override block to the module: it subclasses the class bound to
+``StockForwardPass`` at that point and rebinds the name, so edits compose in a fixed
+order and ``build()`` (which looks the class up when called) returns the most derived
+one. The result is one self-contained module, shipped as a bundle like any other and
+held to the same verification gates: an edit that changes the numbers is rejected there.
+
+Edits:
+  fused_qkv      q/k/v projections as one GEMM over a concatenated weight (derived table,
+                 built once in ``build``; costs one extra copy of the attention weights)
+  fused_gate_up  gate/up projections of the dense MLP as one GEMM, then SiLU-and-mul
+  triton_kernels RMSNorm and SiLU-and-mul through the Triton kernels of shapeshift.kernels,
+                 each with the tile config named by the recipe's ``kernel.<op>`` knob (CUDA)
+'''
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SourceEdit:
+    name: str
+    doc: str
+    block: str  # Python source appended to the module
+    cuda_only: bool = False
+    families: tuple[str, ...] = ()  # empty: every family
+    requires_class: str = "StockForwardPass"
+
+
+_FUSED_QKV = '''
+# ---- source edit: fused_qkv (one GEMM for q, k and v) ----
+_BaseBeforeFusedQKV = StockForwardPass
+
+
+class StockForwardPass(_BaseBeforeFusedQKV):  # noqa: F811 - the edit rebinds the name on purpose
+    def __init__(self, cfg, weights, recipe):
+        super().__init__(cfg, weights, recipe)
+        # Derived tables: [Hq*D + 2*Hkv*D, H] weight (and bias) concatenated once at build time.
+        self._qkv = [torch.cat([l.q_proj, l.k_proj, l.v_proj], dim=0) for l in self.layers]
+        self._qkv_bias = [None if l.q_bias is None else torch.cat([l.q_bias, l.k_bias, l.v_bias])
+                          for l in self.layers]
+        self._q_width = cfg.num_attention_heads * cfg.head_dim
+        self._kv_width = cfg.num_key_value_heads * cfg.head_dim
+
+    def attention(self, layer_idx, layer, x, cos, sin, ctx, kv_cache):
+        cfg = self.cfg
+        tokens = x.shape[0]
+        qkv = F.linear(x, self._qkv[layer_idx], self._qkv_bias[layer_idx])  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self._q_width, self._kv_width, self._kv_width], dim=-1)
+        q = q.reshape(tokens, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if not ctx.is_prefill and self._decode_attention is not None:
+            o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        else:
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale)
+        return F.linear(o.reshape(tokens, -1), layer.o_proj)
+'''
+
+_FUSED_GATE_UP = '''
+# ---- source edit: fused_gate_up (one GEMM for the MLP's gate and up projections) ----
+_BaseBeforeFusedGateUp = StockForwardPass
+
+
+def _silu_and_mul_torch(gate_up):
+    """gate_up: [T, 2I] -> [T, I] (silu(gate) * up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class StockForwardPass(_BaseBeforeFusedGateUp):  # noqa: F811
+    def __init__(self, cfg, weights, recipe):
+        super().__init__(cfg, weights, recipe)
+        self._gate_up = {id(l): torch.cat([l.gate_proj, l.up_proj], dim=0)  # [2I, H]
+                         for l in self.layers if l.router is None}
+        self._silu_and_mul = _silu_and_mul_torch
+
+    def mlp(self, layer, x, ctx):
+        fused = self._gate_up.get(id(layer))
+        if fused is None:
+            return super().mlp(layer, x, ctx)
+        return F.linear(self._silu_and_mul(F.linear(x, fused)), layer.down_proj)
+'''
+
+_TRITON_KERNELS = '''
+# ---- source edit: triton_kernels (RMSNorm / SiLU-and-mul through shapeshift.kernels) ----
+_BaseBeforeTritonKernels = StockForwardPass
+
+
+def _kernel_config(recipe, op):
+    """The recipe's kernel.<op> value: "default" (the registry's per-GPU choice) or a config dict."""
+    from shapeshift.kernels.registry import KernelConfig
+
+    value = recipe.get("kernel." + op, "default")
+    return None if value in (None, "default") else KernelConfig.from_dict(value)
+
+
+class StockForwardPass(_BaseBeforeTritonKernels):  # noqa: F811
+    def __init__(self, cfg, weights, recipe):
+        super().__init__(cfg, weights, recipe)
+        if self.embed.device.type != "cuda":
+            raise ValueError("edit triton_kernels needs a CUDA device (Triton on the CPU is interpreter-only)")
+        from shapeshift.kernels.rmsnorm import rmsnorm as _rmsnorm_kernel
+
+        self._rmsnorm_kernel = _rmsnorm_kernel
+        self._rmsnorm_config = _kernel_config(self.recipe, "rmsnorm")
+        try:
+            from shapeshift.kernels.activation import silu_and_mul as _silu_kernel
+        except ImportError:
+            _silu_kernel = None
+        if _silu_kernel is not None and hasattr(self, "_silu_and_mul"):
+            config = _kernel_config(self.recipe, "silu_and_mul")
+            self._silu_and_mul = lambda x: _silu_kernel(x, config=config)
+
+    def _norm(self, x, weight):
+        shape = x.shape
+        return self._rmsnorm_kernel(x.reshape(-1, shape[-1]), weight, self.cfg.rms_norm_eps,
+                                    config=self._rmsnorm_config).view(shape)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(self.layers):
+            h = h + self.attention(i, layer, self._norm(h, layer.input_norm), cos, sin, ctx, kv_cache)
+            h = h + self.mlp(layer, self._norm(h, layer.post_norm), ctx)
+        h = h[ctx.last_token_indices]
+        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+'''
+
+EDITS: dict[str, SourceEdit] = {
+    e.name: e
+    for e in (
+        SourceEdit("fused_qkv", "q/k/v projections as one GEMM over a concatenated weight", _FUSED_QKV),
+        SourceEdit("fused_gate_up", "MLP gate/up projections as one GEMM (dense models)", _FUSED_GATE_UP,
+                   families=("llama",)),
+        SourceEdit("triton_kernels", "RMSNorm and SiLU-and-mul through the Triton kernels with tuned tiles",
+                   _TRITON_KERNELS, cuda_only=True),
+    )
+}
+ORDER = tuple(EDITS)  # application order: later edits build on earlier ones
+
+
+class SourceEditError(ValueError):
+    """An edit cannot apply to this module (it lacks the class the edit extends)."""
+
+
+def apply_edits(source: str, names: list[str] | tuple[str, ...]) -> str:
+    """`source` with the named edits appended in the canonical order; unknown names raise."""
+    unknown = sorted(set(names) - set(EDITS))
+    if unknown:
+        raise SourceEditError(f"unknown source edits {unknown}; known: {list(EDITS)}")
+    out = source
+    for name in ORDER:
+        if name not in names:
+            continue
+        edit = EDITS[name]
+        if f"class {edit.requires_class}" not in source:
+            raise SourceEditError(
+                f"source edit {name!r} extends class {edit.requires_class}, which this forward.py does not define")
+        out = out.rstrip("\n") + "\n\n" + edit.block.strip("\n") + "\n"
+    return out

@@ -1,0 +1,260 @@
+"""Stock forward pass: Llama-family dense (Llama 3.x, SmolLM2, Qwen2 qkv bias, Qwen3 q/k
+norm) and top-k routed MoE (Mixtral, Qwen3-MoE), as code over the flat weights dict.
+
+Data flow per step: token ids [T] -> embedding [T, H] -> per layer (RMSNorm -> q/k/v
+projections -> optional q/k RMSNorm -> rotary -> KV written to the paged cache ->
+paged attention -> o_proj -> residual -> RMSNorm -> MLP or MoE -> residual) -> rows of
+each sequence's last new token [B, H] -> final RMSNorm -> lm_head -> float32 logits [B, V].
+
+The pass never owns weights: ``build`` only keeps references into the engine's dict
+(plus small derived tables such as the rotary cos/sin), so a new pass can be built and
+swapped without reloading the model. Each op is a small function chosen through the
+recipe (``attention_backend``, ``moe_backend``), so a compiled variant can replace one
+op by a kernel without touching the rest.
+
+Recipe knobs (recipe.yaml):
+  attention_backend: torch | triton   paged decode attention implementation
+  moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
+                                      tokens*top_k <= this, else run all experts densely
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from shapeshift.engine.attention import AttentionContext, paged_attention, write_kv
+from shapeshift.engine.config import ModelConfig
+
+FORWARD_PASS_NAME = "stock"
+CACHE_FORMAT_VERSION = 1  # bump when the KV layout or its contents' meaning changes
+MAX_ROPE_POSITIONS = 1 << 17
+
+
+# ----------------------------------------------------------------------------- ops
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] -> [..., N]; variance in float32, scaled in the input dtype (as HF does)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_tables(cfg: ModelConfig, num_positions: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_positions, head_dim // 2] in ``dtype`` (angles computed in float32)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama 3.1+: stretch low frequencies by `factor`, keep high ones, blend between.
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    positions = torch.arange(num_positions, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # [P, D/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, D/2]; rotate-half convention (HF Llama)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def dense_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: x [T, H] -> [T, H]."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H] -> routing weights [T, k] float32, expert ids [T, k] int64."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_sparse(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """Loop over experts that got tokens (data-dependent shapes: eager prefill only).
+
+    x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()  # one sync per layer
+    token_of = order // ids.shape[1]
+    weight_of = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start:start + count]
+        g, u = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[expert]) * weight_of[start:start + count, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += count
+    return out
+
+
+def moe_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """Gather each token's chosen experts (static shapes; cheap when T*k is small)."""
+    w_gu = gate_up[ids]  # [T, k, 2I, H]
+    h = torch.matmul(w_gu, x[:, None, :, None]).squeeze(-1)  # [T, k, 2I]
+    g, u = h.chunk(2, dim=-1)
+    y = torch.matmul(down[ids], (F.silu(g) * u)[..., None]).squeeze(-1)  # [T, k, H]
+    return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def moe_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by a mostly-zero [T, E] matrix (static shapes;
+    reads each expert once, so it beats gathering once T*k exceeds E)."""
+    num_experts = gate_up.shape[0]
+    dense_weights = torch.zeros(x.shape[0], num_experts, device=x.device, dtype=torch.float32)
+    dense_weights.scatter_(1, ids, weights)  # [T, E]
+    h = torch.matmul(x[None], gate_up.transpose(1, 2))  # [E, T, 2I]
+    g, u = h.chunk(2, dim=-1)
+    y = torch.matmul(F.silu(g) * u, down.transpose(1, 2))  # [E, T, H]
+    return (y.float() * dense_weights.t()[..., None]).sum(dim=0).to(x.dtype)
+
+
+def _triton_decode_attention() -> Callable[..., torch.Tensor]:
+    try:
+        from shapeshift.kernels.decode_attention import decode_attention
+    except ImportError as exc:
+        raise ValueError(
+            "recipe attention_backend=triton needs shapeshift.kernels.decode_attention "
+            f"(Triton) importable ({exc}); use attention_backend: torch") from exc
+    return decode_attention
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    gate_proj: torch.Tensor | None = None
+    up_proj: torch.Tensor | None = None
+    down_proj: torch.Tensor | None = None
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+
+
+class StockForwardPass:
+    name = FORWARD_PASS_NAME
+    cache_format_version = CACHE_FORMAT_VERSION
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.recipe = dict(recipe)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.scale = cfg.head_dim ** -0.5
+        num_positions = min(cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
+        self.cos, self.sin = rope_tables(cfg, num_positions, self.embed.device, self.embed.dtype)
+        backend = self.recipe.get("attention_backend", "torch")
+        if backend == "torch":
+            self._decode_attention = None
+        elif backend == "triton":
+            self._decode_attention = _triton_decode_attention()
+        else:
+            raise ValueError(f"recipe attention_backend must be 'torch' or 'triton', got {backend!r}")
+        self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        layer = LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
+            q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
+            v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"])
+        if self.cfg.attention_bias:
+            layer.q_bias, layer.k_bias, layer.v_bias = (w[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+        if self.cfg.qk_norm:
+            layer.q_norm, layer.k_norm = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
+        if self.cfg.family == "moe":
+            layer.router = w[p + "mlp.gate.weight"]
+            layer.experts_gate_up = w[p + "mlp.experts.gate_up_proj"]
+            layer.experts_down = w[p + "mlp.experts.down_proj"]
+        else:
+            layer.gate_proj, layer.up_proj = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
+            layer.down_proj = w[p + "mlp.down_proj.weight"]
+        return layer
+
+    # ------------------------------------------------------------------ blocks
+    def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.shape[0]
+        q = F.linear(x, layer.q_proj, layer.q_bias).view(tokens, cfg.num_attention_heads, cfg.head_dim)
+        k = F.linear(x, layer.k_proj, layer.k_bias).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        v = F.linear(x, layer.v_proj, layer.v_bias).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)  # [T, Hq, D]
+        k = apply_rotary(k, cos, sin)  # [T, Hkv, D]
+        k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if not ctx.is_prefill and self._decode_attention is not None:
+            o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+        else:
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale)  # [T, Hq, D]
+        return F.linear(o.reshape(tokens, -1), layer.o_proj)
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        if layer.router is None:
+            return dense_mlp(x, layer.gate_proj, layer.up_proj, layer.down_proj)
+        weights, ids = route(x, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        if ctx.is_prefill:
+            return moe_sparse(x, weights, ids, layer.experts_gate_up, layer.experts_down)
+        if x.shape[0] * self.cfg.num_experts_per_tok <= self.moe_gather_max_rows:
+            return moe_gather(x, weights, ids, layer.experts_gate_up, layer.experts_down)
+        return moe_dense(x, weights, ids, layer.experts_gate_up, layer.experts_down)
+
+    # ------------------------------------------------------------------ entry
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                kv_cache: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
+        eps = self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        for i, layer in enumerate(self.layers):
+            h = h + self.attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, ctx, kv_cache)
+            h = h + self.mlp(layer, rms_norm(h, layer.post_norm, eps), ctx)
+        h = h[ctx.last_token_indices]  # [B, H]: only these rows need the head
+        return F.linear(rms_norm(h, self.final_norm, eps), self.lm_head).float()
+
+
+def build(model_config: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> StockForwardPass:
+    return StockForwardPass(model_config, weights, recipe)

@@ -1,0 +1,199 @@
+"""LLMEngine: the synchronous engine the server, the bench and the compile loop drive.
+
+Data flow: ``EngineConfig`` -> loader (weights once, tokenizer, ModelConfig) -> forward
+pass built from a bundle over those weights -> preallocated ``KVCache`` ->
+``BlockManager`` + ``Scheduler`` + ``ModelRunner`` (CUDA graphs captured on CUDA).
+Requests enter with ``add_request``; each ``step()`` is
+``batch = scheduler.schedule(); out = runner.run(batch); scheduler.postprocess(batch, out)``
+and returns one ``RequestOutput`` per request that produced a token or finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, ModelConfig
+from .forward_pass import Bundle, build_forward_pass, load_bundle
+from .kv_cache import KVCache, choose_num_blocks
+from .loader import TORCH_DTYPES, load_model
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import RequestOutput, ScheduledBatch, Scheduler
+from .sequence import Sequence
+
+__all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "EngineStats",
+           "InvalidRequestError", "PromptTooLongError"]
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    batch_size_last_step: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_free_blocks: int
+    forward_pass_name: str
+    num_preemptions: int = 0
+    num_kv_blocks: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = TORCH_DTYPES[config.resolved_dtype()]
+        torch.manual_seed(config.seed)  # unseeded sampling draws from the global generator
+        loaded = load_model(config)
+        self.model_name = loaded.name
+        self.model_config: ModelConfig = loaded.model_config
+        self.weights = loaded.weights
+        self.tokenizer = loaded.tokenizer
+        if config.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.model_config.max_position_embeddings}; lower max_model_len")
+        self.bundle: Bundle = load_bundle(config.forward_pass, config.forward_pass_recipe)
+        self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
+        num_blocks = choose_num_blocks(self.model_config, config, self.dtype, self.device)
+        self.kv_cache = KVCache.allocate(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          tag=self.bundle.cache_tag)
+        eos = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, tokenizer=self.tokenizer, eos_token_ids=eos)
+        self.runner = ModelRunner(self.model_config, config, self.forward_pass, self.kv_cache, self.device)
+        self.runner.capture_cudagraphs()
+        self._requests: dict[str, Sequence] = {}
+        self._abort_outputs: list[RequestOutput] = []
+        self._batch_size_last_step = 0
+
+    @property
+    def forward_pass_name(self) -> str:
+        return self.bundle.name
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token", "prompt")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.config.max_model_len} tokens including output, so the prompt must be shorter "
+                f"than {self.config.max_model_len}", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                       generator=generator)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return
+        self._requests.pop(request_id, None)
+        self._abort_outputs.append(RequestOutput(
+            request_id=request_id, new_token_ids=[], output_token_ids=seq.output_token_ids, text_delta="",
+            finished=True, finish_reason="abort", num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, logprobs=None))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        out = self.runner.run(batch) if not batch.is_empty else None
+        outputs = self.scheduler.postprocess(batch, out)
+        self._batch_size_last_step = len(batch.seqs)
+        for o in outputs:
+            if o.finished:
+                self._requests.pop(o.request_id, None)
+        if self._abort_outputs:
+            outputs = self._abort_outputs + outputs
+            self._abort_outputs = []
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {}
+        while len(results) < len(ids):
+            for o in self.step():
+                if o.finished and o.request_id in ids:
+                    results[o.request_id] = o.output_token_ids
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            batch_size_last_step=self._batch_size_last_step,
+            prefix_cache_queried_tokens=self.block_manager.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
+            num_free_blocks=self.block_manager.num_free_blocks, forward_pass_name=self.forward_pass_name,
+            num_preemptions=self.scheduler.num_preemptions, num_kv_blocks=self.block_manager.num_blocks)
+
+    # ------------------------------------------------------------------ verification helpers
+    def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, V] for every prompt position, computed through the paged cache
+        (blocks are borrowed and returned; prefix-cache counters are not touched)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine (no requests in flight)")
+        seq = Sequence(request_id="__prompt_logits__", prompt_token_ids=list(prompt_token_ids),
+                       params=SamplingParams(max_tokens=1))
+        bm = self.block_manager
+        if not bm.can_append(seq, seq.num_tokens):
+            raise RuntimeError(f"prompt of {seq.num_tokens} tokens does not fit the KV cache")
+        bm.append_slots(seq, seq.num_tokens)
+        try:
+            batch = ScheduledBatch(seqs=[seq], num_new_tokens=[seq.num_tokens])
+            return self.runner.prompt_logits(batch)
+        finally:
+            bm.deallocate(seq)
+
+    # ------------------------------------------------------------------ hot swap
+    def set_forward_pass(self, bundle: Bundle, forward_pass: Any | None = None) -> None:
+        """Swap the forward pass (built over the same weights) and re-capture graphs.
+
+        Call between steps. Blocks cached under another KV format stop matching.
+        """
+        fp = forward_pass if forward_pass is not None else build_forward_pass(bundle, self.model_config, self.weights)
+        self.bundle, self.forward_pass = bundle, fp
+        self.runner.forward_pass = fp
+        self.block_manager.set_tag(bundle.cache_tag)
+        self.runner.capture_cudagraphs()
+
+    def load_forward_pass(self, path: str | Path, recipe_override: dict[str, Any] | None = None) -> None:
+        self.set_forward_pass(load_bundle(path, recipe_override))
+

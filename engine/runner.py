@@ -1,0 +1,248 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the forward pass, samples.
+
+Data flow: ``ScheduledBatch`` -> ``prepare_prefill`` (any mix of prefill chunks and
+decodes; eager) or ``prepare_decode`` (one token per sequence) -> token ids [T],
+positions [T], ``AttentionContext`` -> ``forward_pass.forward`` -> float32 logits [B, V]
+-> ``sample`` for the sequences that reach their last known token -> ``RunnerOutput``.
+
+On CUDA, decode batches replay CUDA graphs captured per (batch bucket, KV width bucket):
+static input buffers sized for the largest bucket, captured from the largest to the
+smallest in one shared memory pool after a warm-up run; padded rows write their KV into
+the cache's null block. The KV width (blocks read per sequence) is fixed per graph
+because the torch attention reads a fixed-shape window; a few widths keep short
+contexts from paying for max_model_len. Prefill, mixed batches and batches above the
+largest bucket run eagerly; on the CPU everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .attention import AttentionContext
+from .config import EngineConfig, ModelConfig
+from .kv_cache import KVCache
+from .sampling import sample
+from .scheduler import RunnerOutput, ScheduledBatch
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch_size: int
+    width: int  # KV blocks read per sequence
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, forward_pass: Any, kv_cache: KVCache,
+                 device: torch.device) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.forward_pass = forward_pass
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
+        self.use_pinned = device.type == "cuda"
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graph_batch_sizes: list[int] = []
+        self.graph_widths: list[int] = []
+        self._static: dict[str, torch.Tensor] = {}
+        self._graph_pool = None
+
+    # ------------------------------------------------------------------ host -> device
+    def _to_device(self, data: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if self.use_pinned:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare_prefill(self, batch: ScheduledBatch, all_logits: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """Any mix of prefill chunks and decodes -> ids [T], positions [T], context.
+
+        ``all_logits`` makes the context select every new token's row (prompt logits).
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start.append(query_start[-1] + n)
+            context_lens.append(start + n)
+            block_tables[i, :len(table)] = table
+        last = list(range(query_start[-1])) if all_logits else [q - 1 for q in query_start[1:]]
+        ctx = AttentionContext(
+            is_prefill=True,
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            query_start_loc=self._to_device(query_start, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
+            last_token_indices=self._to_device(last, torch.int64),
+            query_start_loc_cpu=query_start,
+            context_lens_cpu=context_lens,
+        )
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    def _decode_host_arrays(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+        bs = self.block_size
+        seqs = batch.seqs
+        input_ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+        positions = np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=len(seqs))
+        slots = np.fromiter((s.block_table[(s.num_tokens - 1) // bs] * bs + (s.num_tokens - 1) % bs for s in seqs),
+                            dtype=np.int64, count=len(seqs))
+        return input_ids, positions, slots, positions.astype(np.int32) + 1, [s.block_table for s in seqs]
+
+    def prepare_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """One new token per sequence (eager decode: CPU, or above the largest graph)."""
+        input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch)
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        n = len(tables)
+        ctx = AttentionContext(
+            is_prefill=False,
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            max_query_len=1,
+            max_context_len=int(context_lens.max()),
+            last_token_indices=torch.arange(n, dtype=torch.int64, device=self.device),
+        )
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+
+    # ------------------------------------------------------------------ run
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        if batch.is_decode:
+            logits = self._run_decode(batch)
+            sampling_rows = list(range(len(batch.seqs)))
+        else:
+            input_ids, positions, ctx = self.prepare_prefill(batch)
+            logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+            sampling_rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        token_ids: list[int | None] = [None] * len(batch.seqs)
+        logprobs: list[float | None] | None = None
+        if sampling_rows:
+            if len(sampling_rows) < len(batch.seqs):
+                logits = logits[torch.tensor(sampling_rows, device=logits.device)]
+            seqs = [batch.seqs[i] for i in sampling_rows]
+            want_logprobs = any(s.params.logprobs for s in seqs)
+            tokens, lps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], want_logprobs)
+            for row, tok in zip(sampling_rows, tokens):
+                token_ids[row] = tok
+            if lps is not None:
+                logprobs = [None] * len(batch.seqs)
+                for row, lp in zip(sampling_rows, lps):
+                    logprobs[row] = lp
+        return RunnerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        n = len(batch.seqs)
+        if self.graphs and n <= self.graph_batch_sizes[-1]:
+            needed_width = max(len(s.block_table) for s in batch.seqs)
+            graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
+            width = next(w for w in self.graph_widths if w >= needed_width)
+            return self._replay(batch, self.graphs[(graph_bs, width)])
+        input_ids, positions, ctx = self.prepare_decode(batch)
+        return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+
+    @torch.inference_mode()
+    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """float32 logits [T, V] of every new token of a (prefill) batch."""
+        input_ids, positions, ctx = self.prepare_prefill(batch, all_logits=True)
+        return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _replay(self, batch: ScheduledBatch, g: _Graph) -> torch.Tensor:
+        n = len(batch.seqs)
+        input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch)
+        host = self._static_host
+        host["input_ids"][:n] = input_ids
+        host["positions"][:n] = positions
+        host["slot_mapping"][:n] = slots
+        host["slot_mapping"][n:g.batch_size] = self.kv_cache.null_slot  # padded rows write to the null block
+        host["context_lens"][:n] = context_lens
+        host["context_lens"][n:g.batch_size] = 1
+        bt = host["block_tables"]
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = t
+        # One copy per buffer, only over the rows this graph reads.
+        s, h = self._static, self._static_host_t
+        s["input_ids"][:g.batch_size].copy_(h["input_ids"][:g.batch_size], non_blocking=True)
+        s["positions"][:g.batch_size].copy_(h["positions"][:g.batch_size], non_blocking=True)
+        s["slot_mapping"][:g.batch_size].copy_(h["slot_mapping"][:g.batch_size], non_blocking=True)
+        s["context_lens"][:g.batch_size].copy_(h["context_lens"][:g.batch_size], non_blocking=True)
+        s["block_tables"][:n, :g.width].copy_(h["block_tables"][:n, :g.width], non_blocking=True)
+        g.graph.replay()
+        return s["logits"][:n]
+
+    def capture_cudagraphs(self) -> None:
+        """(Re)capture decode graphs for every (batch bucket, width bucket); CUDA only."""
+        self.graphs.clear()
+        self._graph_pool = None
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = sorted(self.config.cuda_graph_batch_sizes or [])
+        if not sizes:
+            return
+        widths = sorted({math.ceil(n / self.block_size) for n in self.config.cuda_graph_context_lens or []}
+                        | {self.max_blocks_per_seq})
+        max_bs = sizes[-1]
+        dev = self.device
+        vocab = self.model_config.vocab_size
+        self._static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), self.kv_cache.null_slot, dtype=torch.int64, device=dev),
+            "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "last_token_indices": torch.arange(max_bs, dtype=torch.int64, device=dev),
+            "logits": torch.zeros(max_bs, vocab, dtype=torch.float32, device=dev),
+        }
+        self._static_host_t = {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory()
+                               for k, v in self._static.items() if k in
+                               ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")}
+        self._static_host = {k: v.numpy() for k, v in self._static_host_t.items()}
+        s = self._static
+        torch.cuda.synchronize(dev)
+        for width in reversed(widths):
+            for bs in reversed(sizes):
+                ctx = AttentionContext(
+                    is_prefill=False, slot_mapping=s["slot_mapping"][:bs], block_tables=s["block_tables"][:bs, :width],
+                    context_lens=s["context_lens"][:bs], query_start_loc=s["query_start_loc"][:bs + 1],
+                    max_query_len=1, max_context_len=width * self.block_size,
+                    last_token_indices=s["last_token_indices"][:bs])
+                # Warm-up outside the graph: lazy initialisation (cuBLAS handles, autotuning)
+                # must not happen during capture.
+                s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx,
+                                                                 self.kv_cache)
+                if self._graph_pool is None:
+                    self._graph_pool = graph.pool()
+                self.graphs[(bs, width)] = _Graph(graph, bs, width)
+                torch.cuda.synchronize(dev)
+        self.graph_batch_sizes = sizes
+        self.graph_widths = widths

@@ -1,0 +1,215 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Data flow per step: ``schedule()`` picks, under a token budget, (1) the running
+sequences in admission order, one decode token or the next prefill chunk each,
+preempting from the back of the running list when KV blocks run out, then (2) waiting
+sequences (prefix-cache lookup, first chunk) while the budget, ``max_num_seqs`` and the
+free blocks allow -> ``ScheduledBatch`` -> the runner computes logits and samples for
+sequences whose chunk reaches their last known token -> ``postprocess`` advances
+``num_computed_tokens``, commits full blocks to the prefix cache, appends sampled
+tokens, detokenizes, applies stop conditions and returns ``RequestOutput``s.
+
+A preempted sequence loses its blocks and is recomputed from its prompt plus the
+tokens it already generated; its generator is untouched (one draw per sampled token),
+so greedy and seeded requests resume with the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+from .tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[float] | None = None  # logprobs of new_token_ids when requested
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly one token (the CUDA-graph case)."""
+        return bool(self.seqs) and all(n == 1 for n in self.num_new_tokens)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Does sequence i reach its last known token this step (so it samples one)?"""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+@dataclass
+class RunnerOutput:
+    token_ids: list[int | None]  # per batch sequence; None where it does not sample
+    logprobs: list[float | None] | None = None
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, tokenizer: Any = None, eos_token_ids: list[int] | None = None) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids or [])
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        if self.tokenizer is not None and seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._finish(seq, "abort")
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self._finish(seq, "abort")
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_append(seq, num_new):
+                victim = self.running.pop()  # the most recently admitted goes first
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            bm.append_slots(seq, num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+        # Admit waiting sequences only when nothing was preempted: a preemption means
+        # memory is short, and admitting would only preempt again next step.
+        while (self.waiting and budget > 0 and not batch.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            cached = bm.num_cached_tokens(seq)
+            num_new = min(seq.num_tokens - cached, budget)
+            if not bm.can_allocate(seq, num_new):
+                break
+            bm.allocate(seq, num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ postprocess
+    def postprocess(self, batch: ScheduledBatch, output: RunnerOutput | None) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule and postprocess
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            self.block_manager.commit(seq)
+            token = output.token_ids[i] if output is not None else None
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            logprob = None
+            if seq.params.logprobs and output.logprobs is not None:
+                logprob = output.logprobs[i]
+                seq.logprobs.append(logprob)
+            delta = self._append_text_and_check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, seq.finish_reason)
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, new_token_ids=[token], output_token_ids=seq.output_token_ids,
+                text_delta=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                logprobs=None if logprob is None else [logprob]))
+        return outputs
+
+    def _append_text_and_check_stop(self, seq: Sequence, token: int) -> str:
+        """Update the sequence's text and finish_reason; return the text to emit now."""
+        params = seq.params
+        stop_by_token = (token in params.stop_token_ids
+                         or (not params.ignore_eos and token in self.eos_token_ids))
+        if seq.detokenizer is not None and not stop_by_token:
+            old_len = len(seq.text)
+            seq.text += seq.detokenizer.step([token])
+            if params.stop:
+                start = max(0, old_len - max(len(s) for s in params.stop) + 1)
+                found = [idx for idx in (seq.text.find(s, start) for s in params.stop) if idx >= 0]
+                if found:
+                    seq.text = seq.text[:min(found)]
+                    seq.finish_reason = "stop"
+        if seq.finish_reason is None:
+            if stop_by_token:
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            end = len(seq.text)
+        else:
+            # Hold back a possible beginning of a stop string until it is decided.
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            end = max(seq.num_text_emitted, len(seq.text) - holdback)
+        delta = seq.text[seq.num_text_emitted:end]
+        seq.num_text_emitted = end
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        if seq.block_table:
+            self.block_manager.deallocate(seq)

@@ -1,0 +1,498 @@
+"""OpenAI-compatible HTTP server over the engine.
+
+Data flow for a request:
+
+    body bytes --protocol.*Request.model_validate_json--> request model      (400 on bad JSON/fields)
+      -> model name check                                                     (404 model_not_found)
+      -> prompt token ids (string via the tokenizer, chat via its template)  (400 too long / bad ids)
+      -> SamplingParams                                                       (400 naming the field)
+      -> AsyncEngine.submit -> RequestStream                                  (429 full, 503 dead)
+      -> first output awaited (so engine-side rejections are still 4xx/5xx)
+      -> JSON response, or SSE `data: {...}` chunks ending with `data: [DONE]`
+
+Client disconnects abort the request in the engine (streaming: the response
+generator is closed; non-streaming: the handler polls `is_disconnected`).
+`/health` is 200 while the engine loop runs, 503 otherwise; `/metrics` renders
+this server's own Prometheus registry (see `metrics.py` for the names).
+
+`build_app(async_engine, metrics, served_model_name)` is the app factory used by
+tests in-process; `build_server(...)` also creates the engine; `serve(...)`
+runs uvicorn (the `shapeshift serve` command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import traceback
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shapeshift.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestRejectedError,
+    RequestStream,
+)
+from shapeshift.engine.metrics import EngineMetrics
+from shapeshift.engine.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+    error_from_validation,
+    new_id,
+    now_unix,
+)
+
+logger = logging.getLogger("shapeshift.engine.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+DEFAULT_MAX_WAITING = 256
+# Prompts longer than this (characters) are tokenized off the event loop so a
+# 128K-token prompt does not stall every other connection.
+TOKENIZE_OFF_LOOP_CHARS = 16_384
+DISCONNECT_POLL_SECONDS = 0.5
+
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                    "stop_token_ids", "stop", "logprobs", "ignore_eos")
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
+class _Handlers:
+    """Request handling bound to one engine; the FastAPI routes delegate here."""
+
+    def __init__(self, async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.max_model_len = int(self.engine.config.max_model_len)
+        self.vocab_size = int(self.engine.model_config.vocab_size)
+        self.created = now_unix()
+
+    # ------------------------------------------------------------ parsing
+
+    def parse(self, model_cls: type, raw: bytes) -> Any:
+        try:
+            req = model_cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise error_from_validation(exc) from None
+        if req.model != self.served_model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist on this server; "
+                                f"it serves '{self.served_model_name}' (see /v1/models).",
+                           param="model", code="model_not_found")
+        return req
+
+    async def _off_loop_if_long(self, size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if size > TOKENIZE_OFF_LOOP_CHARS:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    async def completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return list(await self._off_loop_if_long(
+                len(req.prompt), self.engine.tokenizer.encode, req.prompt, add_special_tokens=True))
+        bad = [t for t in req.prompt if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"Invalid value for 'prompt': token id {bad[0]} is outside the "
+                                f"vocabulary (size {self.vocab_size}).", param="prompt", code="invalid_value")
+        return list(req.prompt)
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        size = sum(len(m["content"]) for m in messages)
+        tok = self.engine.tokenizer
+        try:
+            text = await self._off_loop_if_long(
+                size, tok.apply_chat_template, messages, add_generation_prompt=bool(req.add_generation_prompt))
+        except Exception as exc:  # template errors (e.g. role order) are the client's to fix
+            raise APIError(400, f"Invalid value for 'messages': the chat template rejected them: {exc}",
+                           param="messages", code="invalid_value") from None
+        # The template already spells out BOS and role markers.
+        return list(await self._off_loop_if_long(size, tok.encode, text, add_special_tokens=False))
+
+    def sampling_params(self, req: Any, prompt_len: int, max_tokens: int | None,
+                        max_tokens_param: str, logprobs: bool) -> Any:
+        from shapeshift.engine.sampling import SamplingParams
+
+        if prompt_len >= self.max_model_len:
+            raise APIError(400, f"The prompt is {prompt_len} tokens long but this server's context "
+                                f"(max_model_len) is {self.max_model_len} tokens, which must also hold at "
+                                "least one generated token. Shorten the prompt.",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room if isinstance(req, ChatCompletionRequest) else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+        elif max_tokens > room:
+            raise APIError(400, f"Invalid value for '{max_tokens_param}': the prompt ({prompt_len} tokens) plus "
+                                f"{max_tokens_param} ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
+                                f"ask for at most {room} tokens.",
+                           param=max_tokens_param, code="context_length_exceeded")
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        kwargs = dict(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            msg = str(exc)
+            param = next((f for f in _SAMPLING_FIELDS if f in msg), None)
+            if param == "max_tokens":
+                param = max_tokens_param
+            raise APIError(400, f"Invalid sampling parameters: {msg}", param=param, code="invalid_value") from None
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: Any, arrival: float) -> RequestStream:
+        try:
+            return self.async_engine.submit(request_id, prompt_ids, params, arrival_time=arrival)
+        except EngineOverloadedError as exc:
+            self.metrics.count_request("rejected")
+            raise APIError(429, str(exc), code="server_overloaded") from None
+        except EngineDeadError as exc:
+            self.metrics.count_request("error")
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable") from None
+
+    # ------------------------------------------------------------ streams
+
+    @staticmethod
+    def stream_error(exc: BaseException) -> APIError:
+        if isinstance(exc, RequestRejectedError):
+            param = exc.param or ("prompt" if "prompt" in str(exc).lower() else None)
+            err = APIError(400, f"The engine rejected the request: {exc}", param=param, code="invalid_value")
+            err.already_counted = True  # the engine loop counted it as `invalid`
+            return err
+        if isinstance(exc, EngineDeadError):
+            return APIError(503, f"The engine is not running: {exc}", code="engine_unavailable")
+        if isinstance(exc, EngineStepError):
+            return APIError(500, f"The engine failed while serving this request: {exc}. "
+                                 "Other requests are unaffected; retry.", code="engine_error")
+        return APIError(500, f"Internal error: {exc!r}", code="internal_error")
+
+    async def first_output(self, stream: RequestStream) -> Any:
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "The request ended before producing any output.", code="engine_error") from None
+        except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+            raise self.stream_error(exc) from None
+        except BaseException:
+            stream.abort()
+            raise
+
+    async def collect(self, stream: RequestStream, first: Any, request: Request) -> list[Any]:
+        """All outputs of a non-streaming request; aborts if the client goes away."""
+        outputs = [first]
+        while not stream.finished:
+            nxt = asyncio.ensure_future(stream.__anext__())
+            try:
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_SECONDS)
+                    if done:
+                        break
+                    if await request.is_disconnected():
+                        nxt.cancel()
+                        stream.abort()
+                        raise _ClientDisconnected()
+            except BaseException:
+                nxt.cancel()
+                stream.abort()
+                raise
+            try:
+                outputs.append(nxt.result())
+            except StopAsyncIteration:
+                break
+            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+                raise self.stream_error(exc) from None
+        return outputs
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------ handlers
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: CompletionRequest = self.parse(CompletionRequest, await request.body())
+        prompt_ids = await self.completion_prompt_ids(req)
+        want_logprobs = req.logprobs is not None
+        params = self.sampling_params(req, len(prompt_ids), req.max_tokens, "max_tokens", want_logprobs)
+        request_id = new_id("cmpl")
+        stream = self.submit(request_id, prompt_ids, params, arrival)
+        first = await self.first_output(stream)
+        created = now_unix()
+
+        def choice_parts(outs: list[Any], text_offset_start: int) -> tuple[str, list[int], CompletionLogprobs | None]:
+            text = "".join(o.text_delta for o in outs)
+            token_ids = [t for o in outs for t in o.new_token_ids]
+            lp = None
+            if want_logprobs:
+                lp = CompletionLogprobs()
+                offset = text_offset_start
+                for o in outs:
+                    for i, tid in enumerate(o.new_token_ids):
+                        tok = self.token_text(tid)
+                        lp.tokens.append(tok)
+                        lp.token_logprobs.append(_logprob_at(o, i))
+                        lp.text_offset.append(offset)
+                        offset += len(tok)
+            return text, token_ids, lp
+
+        if not req.stream:
+            outs = await self.collect(stream, first, request)
+            last = outs[-1]
+            text, token_ids, lp = choice_parts(outs, 0)
+            body = CompletionResponse(
+                id=request_id, created=created, model=self.served_model_name,
+                choices=[CompletionChoice(text=text, finish_reason=_finish_reason(last), logprobs=lp,
+                                          token_ids=token_ids if req.return_token_ids else None)],
+                usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
+            return JSONResponse(body.model_dump(exclude_none=True))
+
+        async def events() -> AsyncIterator[str]:
+            offset = 0
+            last = None
+            try:
+                async for out in _prepend(first, stream):
+                    last = out
+                    text, token_ids, lp = choice_parts([out], offset)
+                    offset += len(text)
+                    if not text and not out.finished and not token_ids:
+                        continue
+                    chunk = CompletionResponse(
+                        id=request_id, created=created, model=self.served_model_name,
+                        choices=[CompletionChoice(text=text, finish_reason=_finish_reason(out), logprobs=lp,
+                                                  token_ids=token_ids if req.return_token_ids else None)])
+                    yield _sse(chunk.model_dump(exclude_none=True))
+                if req.include_usage_in_stream() and last is not None:
+                    usage = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                               choices=[], usage=UsageInfo.of(len(prompt_ids),
+                                                                              len(last.output_token_ids)))
+                    yield _sse(usage.model_dump(exclude_none=True))
+            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+                yield _sse(self.stream_error(exc).body())
+            finally:
+                stream.abort()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        req: ChatCompletionRequest = self.parse(ChatCompletionRequest, await request.body())
+        prompt_ids = await self.chat_prompt_ids(req)
+        want_logprobs = bool(req.logprobs)
+        params = self.sampling_params(req, len(prompt_ids), req.requested_max_tokens(),
+                                      req.max_tokens_param(), want_logprobs)
+        request_id = new_id("chatcmpl")
+        stream = self.submit(request_id, prompt_ids, params, arrival)
+        first = await self.first_output(stream)
+        created = now_unix()
+
+        def logprobs_of(outs: list[Any]) -> ChatLogprobs | None:
+            if not want_logprobs:
+                return None
+            content = []
+            for o in outs:
+                for i, tid in enumerate(o.new_token_ids):
+                    tok = self.token_text(tid)
+                    content.append(ChatTokenLogprob(token=tok, logprob=_logprob_at(o, i),
+                                                    bytes=list(tok.encode("utf-8"))))
+            return ChatLogprobs(content=content)
+
+        if not req.stream:
+            outs = await self.collect(stream, first, request)
+            last = outs[-1]
+            token_ids = [t for o in outs for t in o.new_token_ids]
+            body = ChatCompletionResponse(
+                id=request_id, created=created, model=self.served_model_name,
+                choices=[ChatChoice(message=ChatResponseMessage(content="".join(o.text_delta for o in outs)),
+                                    finish_reason=_finish_reason(last), logprobs=logprobs_of(outs),
+                                    token_ids=token_ids if req.return_token_ids else None)],
+                usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
+            return JSONResponse(body.model_dump(exclude_none=True))
+
+        async def events() -> AsyncIterator[str]:
+            last = None
+            try:
+                head = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+                yield _sse(head.model_dump(exclude_none=True))
+                async for out in _prepend(first, stream):
+                    last = out
+                    if not out.text_delta and not out.finished and not out.new_token_ids:
+                        continue
+                    chunk = ChatCompletionChunk(
+                        id=request_id, created=created, model=self.served_model_name,
+                        choices=[ChatChunkChoice(
+                            delta=ChatDelta(content=out.text_delta), finish_reason=_finish_reason(out),
+                            logprobs=logprobs_of([out]),
+                            token_ids=list(out.new_token_ids) if req.return_token_ids else None)])
+                    yield _sse(chunk.model_dump(exclude_none=True))
+                if req.include_usage_in_stream() and last is not None:
+                    usage = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                                choices=[], usage=UsageInfo.of(len(prompt_ids),
+                                                                               len(last.output_token_ids)))
+                    yield _sse(usage.model_dump(exclude_none=True))
+            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+                yield _sse(self.stream_error(exc).body())
+            finally:
+                stream.abort()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def models(self) -> dict[str, Any]:
+        card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+
+def _finish_reason(out: Any) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def _logprob_at(out: Any, i: int) -> float:
+    # RequestOutput.logprobs holds one value per token of `new_token_ids`.
+    lps = out.logprobs
+    if lps is None or i >= len(lps):
+        return float("nan")
+    return float(lps[i])
+
+
+async def _prepend(first: Any, stream: RequestStream) -> AsyncIterator[Any]:
+    yield first
+    if first.finished:
+        return
+    async for out in stream:
+        yield out
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str,
+              *, stop_engine_on_shutdown: bool = True) -> FastAPI:
+    """The FastAPI app over a started (or to-be-started) `AsyncEngine`."""
+    handlers = _Handlers(async_engine, metrics, served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            if stop_engine_on_shutdown:
+                await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="Shapeshift engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.handlers = handlers
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status_code < 500 and exc.status_code != 429 and not getattr(exc, "already_counted", False):
+            metrics.count_request("invalid")
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = f"{exc.detail}: {request.method} {request.url.path}"
+        return _error_response(APIError(exc.status_code, msg, code=str(exc.status_code)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s:\n%s", request.url.path, traceback.format_exc())
+        return _error_response(APIError(500, f"Internal error: {exc!r}", code="internal_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            return await handlers.completions(request)
+        except _ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            return await handlers.chat_completions(request)
+        except _ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return handlers.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy, reason = async_engine.is_healthy()
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        return _error_response(APIError(503, f"Engine unhealthy: {reason}", code="engine_unavailable"))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def build_server(config: Any, *, served_model_name: str | None = None,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> tuple[FastAPI, AsyncEngine]:
+    """Load the engine for `config` (an `EngineConfig`) and wrap it in an app."""
+    from shapeshift.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
+    metrics = EngineMetrics(name)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
+    return build_app(async_engine, metrics, name), async_engine
+
+
+def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+          max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info") -> None:
+    """Run the server until interrupted (blocking)."""
+    import uvicorn
+
+    app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting)
+    logger.info("serving %s on http://%s:%d", app.state.handlers.served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,113 @@
+"""Argument checks shared by the kernel launchers.
+
+Every launcher validates shapes, dtypes, devices and strides on the host (metadata only, never
+tensor values, so launchers stay free of device syncs and can be captured in CUDA graphs) and
+raises `ValueError` naming the op, the argument, what it got and what it expected.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1 set before importing triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pretty_shape(shape: Sequence[int | None]) -> str:
+    items = ["*" if s is None else str(s) for s in shape]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    tensor: object,
+    *,
+    shape: Sequence[int | None] | None = None,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument; `None` entries in `shape` accept any size."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and tensor.dim() != ndim:
+        expected = f"shape {_pretty_shape(shape)}" if shape is not None else f"{ndim} dims"
+        raise ValueError(f"{op}: {name} must have {expected}, got shape {tuple(tensor.shape)}")
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(tensor.shape, shape)):
+            if want is not None and got != want:
+                raise ValueError(
+                    f"{op}: {name} has shape {tuple(tensor.shape)} but expected {_pretty_shape(shape)} "
+                    f"(dim {axis} must be {want})"
+                )
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if tensor.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} has dtype {tensor.dtype}, expected one of: {_dtype_names(dtypes)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(
+            f"{op}: {name} is on {tensor.device} but the other inputs are on {device}; move it with .to({str(device)!r})"
+        )
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (strides {tensor.stride()}); call .contiguous() first")
+    if last_dim_contiguous and tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{op}: {name} must have a unit stride in its last dim (got strides {tensor.stride()}); "
+            "call .contiguous() first"
+        )
+    return tensor
+
+
+def check_runnable_device(op: str, tensor: torch.Tensor) -> None:
+    """Triton kernels run on CUDA, or on the CPU only through the interpreter."""
+    if tensor.device.type == "cuda":
+        return
+    if tensor.device.type == "cpu" and interpreter_active():
+        return
+    raise ValueError(
+        f"{op}: inputs are on {tensor.device}; Triton kernels need CUDA tensors, or CPU tensors with "
+        f"TRITON_INTERPRET=1 set before triton is imported. Use {op}_ref() for plain torch."
+    )
+
+
+def check_same_dtype(op: str, reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, tensor in others.items():
+        if tensor.dtype != reference.dtype:
+            raise ValueError(
+                f"{op}: {name} has dtype {tensor.dtype} but {reference_name} has {reference.dtype}; they must match"
+            )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST_DOT, DOT_PRECISION) constexprs for kernels that call `triton_helpers.dot`.
+
+    Triton's CPU interpreter (seen in 3.7.1) multiplies bfloat16 dot operands as raw 16-bit
+    integers, so under the interpreter bfloat16 dots are upcast to float32 first. float32 dots
+    use exact IEEE products rather than tf32, so float32 results stay float32-accurate.
+    """
+    upcast = interpreter_active() and dtype == torch.bfloat16
+    return upcast, "ieee" if (dtype == torch.float32 or upcast) else "tf32"

@@ -1,0 +1,301 @@
+"""Paged decode attention with grouped-query heads and split-K (flash-decoding).
+
+Math, for each sequence b and query head h (kv head g = h // (Hq / Hkv)), over the
+n = context_lens[b] cached tokens j:
+    s_j   = scale * <q[b, h], K_j>
+    out   = sum_j softmax(s)_j * V_j
+with K_j, V_j = k_cache/v_cache[block_tables[b, j // bs], j % bs, g]. A sequence with
+context length 0 (a padding row of a CUDA-graph batch) gets a zero output.
+
+Data flow (two passes):
+  pass 1, grid (B, Hkv, NUM_SPLITS): each program takes every query head of one kv group
+    (GQA: K/V are read once for the whole group) and one contiguous slice of the context,
+    runs an online softmax over BLOCK_N-token tiles gathered through the block table, and
+    writes its normalised partial output [B, Hq, S, D] and log2-sum-exp [B, Hq, S] (float32).
+  pass 2, grid (B, Hq): merges the S partials with weights 2^(lse_s - max lse).
+With NUM_SPLITS == 1, pass 1 writes the final output directly and pass 2 is skipped.
+All grid sizes come from static shapes (B, Hkv, NUM_SPLITS), never from context_lens values,
+so the launcher can be captured in a CUDA graph; the split boundaries are computed on the
+device from context_lens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import FLOAT_DTYPES, dot_flags, check_runnable_device, check_same_dtype, check_tensor, dtype_name, next_power_of_2
+from .triton_helpers import dot
+from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D] (written when NUM_SPLITS == 1)
+    partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32
+    partial_lse_ptr,  # [B, Hq, NUM_SPLITS] float32 (log2 domain)
+    scale_log2,  # softmax scale * log2(e)
+    stride_q_b, stride_q_h,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_bt_b,
+    stride_o_b, stride_o_h,
+    block_size,
+    num_q_heads,
+    QUERY_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + b)
+    # Split the context into NUM_SPLITS slices of whole BLOCK_N tiles (computed on the device).
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < QUERY_GROUP
+    q_head = kv_head * QUERY_GROUP + g  # [BLOCK_G]
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_q_b + q_head[:, None] * stride_q_h + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if not USE_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tok = tile_start + tl.arange(0, BLOCK_N)
+        tok_mask = tok < end
+        block_id = tl.load(block_tables_ptr + b * stride_bt_b + tok // block_size, mask=tok_mask, other=0).to(tl.int64)
+        slot = tok % block_size
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + block_id[:, None] * stride_k_block + slot[:, None] * stride_k_slot
+                    + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot
+                    + kv_head * stride_v_head + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            scores = dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        scores = tl.where(tok_mask[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0
+    out = tl.where(has_tokens[:, None], acc / tl.where(has_tokens, l_i, 1.0)[:, None], 0.0)
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_o_b + q_head[:, None] * stride_o_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (b * num_q_heads + q_head) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_attention_reduce_kernel(
+    partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32
+    partial_lse_ptr,  # [B, Hq, NUM_SPLITS] float32
+    out_ptr,  # [B, Hq, D]
+    stride_o_b, stride_o_h,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    row0 = (b * num_q_heads + h) * NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + row0 + s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # Empty splits carry lse = -inf (weight 0); a fully empty row (context 0) yields zeros.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    denom = tl.sum(weights, axis=0)
+    parts = tl.load(partial_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_o_b + h * stride_o_h + d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch reference: gathers each sequence's K/V and runs softmax attention in float32."""
+    B, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(B, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        tok = torch.arange(n, device=q.device)
+        blocks = block_tables[b, tok // block_size].long()
+        k = k_cache[blocks, tok % block_size].float()  # [n, Hkv, D]
+        v = v_cache[blocks, tok % block_size].float()
+        k = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out.to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Decode attention for q [B, Hq, D] over paged caches [num_blocks, block_size, Hkv, D].
+
+    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, including
+    the one just written). Returns out [B, Hq, D] (or writes `out`). No host syncs.
+    """
+    op = "decode_attention"
+    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_runnable_device(op, q)
+    B, num_q_heads, head_dim = q.shape
+    device = q.device
+    check_tensor(op, "k_cache", k_cache, shape=(None, None, None, head_dim), device=device)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    check_tensor(op, "v_cache", v_cache, shape=tuple(k_cache.shape), device=device)
+    check_same_dtype(op, "q", q, k_cache=k_cache, v_cache=v_cache)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{op}: q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
+    check_tensor(op, "block_tables", block_tables, shape=(B, None), dtypes=(torch.int32,), device=device)
+    check_tensor(op, "context_lens", context_lens, shape=(B,), dtypes=(torch.int32,), device=device)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    check_tensor(op, "out", out, shape=(B, num_q_heads, head_dim), device=device)
+    check_same_dtype(op, "q", q, out=out)
+    max_context = block_tables.shape[1] * block_size
+    if config is None:
+        problem = {"batch": B, "q_heads": num_q_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
+                   "max_context": max_context, "block_size": block_size, "dtype": dtype_name(q.dtype)}
+        config = DECODE_ATTENTION_SPEC.default_config(problem, device)
+    if B == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    use_dot = config.variant == "dot"
+    block_g = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
+    block_d = max(16, next_power_of_2(head_dim))
+    num_splits = config["NUM_SPLITS"]
+    upcast_dot, dot_precision = dot_flags(q.dtype)
+    if num_splits > 1:
+        partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    else:
+        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        block_size, num_q_heads,
+        QUERY_GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=config["BLOCK_N"], NUM_SPLITS=num_splits, USE_DOT=use_dot,
+        UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _decode_attention_reduce_kernel[(B, num_q_heads)](
+            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_power_of_2(num_splits)),
+            num_warps=2 if head_dim <= 64 else 4,
+        )
+    return out
+
+
+def _choose_default(problem, key: str) -> KernelConfig:
+    if key == "interpreter":
+        return KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=2)
+    batch, kv_heads = int(problem["batch"]), int(problem["kv_heads"])
+    max_context = int(problem["max_context"])
+    block_n = 64 if int(problem["head_dim"]) <= 128 else 32
+    # Enough (sequence, kv head, split) programs to cover every SM about twice, but no split
+    # shorter than ~4 tiles (the merge pass and partial writes would dominate).
+    sms = 132 if key == "sm90" else 108
+    want = max(1, (2 * sms) // max(1, batch * kv_heads))
+    by_length = max(1, max_context // (4 * block_n))
+    splits = 1 << (min(want, by_length, 32).bit_length() - 1)
+    return KernelConfig.make("dot", num_warps=4, num_stages=3 if key == "sm90" else 2, BLOCK_N=block_n,
+                             NUM_SPLITS=splits)
+
+
+def _constraint(config: KernelConfig, problem) -> bool:
+    # More splits than tiles in the longest context only produces empty programs.
+    return config["NUM_SPLITS"] * config["BLOCK_N"] <= max(config["BLOCK_N"], int(problem["max_context"]))
+
+
+_AXES = {"BLOCK_N": (16, 32, 64, 128), "NUM_SPLITS": (1, 2, 4, 8, 16, 32), "num_warps": (2, 4, 8),
+         "num_stages": (1, 2, 3, 4)}
+
+DECODE_ATTENTION_SPEC = register(
+    KernelSpec(
+        op="decode_attention",
+        module=__name__,
+        launcher=decode_attention,
+        reference=decode_attention_ref,
+        search_space=SearchSpace(
+            variants=(
+                VariantSpace("dot", _AXES, "tensor-core dots; query group padded to 16 rows"),
+                VariantSpace("fma", _AXES, "broadcast multiply-reduce on CUDA cores (small groups)"),
+            ),
+            constraint=_constraint,
+        ),
+        choose_default=_choose_default,
+        problem_keys=("batch", "q_heads", "kv_heads", "head_dim", "max_context", "block_size", "dtype"),
+        doc=__doc__ or "",
+    )
+)

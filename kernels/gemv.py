@@ -1,0 +1,238 @@
+"""Batch-1 to small-batch GEMV / skinny GEMM that streams the weight at memory bandwidth.
+
+Math: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), accumulated in float32, M in 1..16
+(decode batches); W is the nn.Linear weight layout [out_features, in_features].
+
+Data flow: grid (cdiv(N, BLOCK_N), SPLIT_K). Program (n, s) streams the W tile rows
+[n*BLOCK_N, (n+1)*BLOCK_N) over its K slice in BLOCK_K steps (the only large read: each weight
+byte is read exactly once) against the matching x slice (tiny, L2 resident), then
+  SPLIT_K == 1: writes y[:, tile] (+ bias) in the output dtype;
+  SPLIT_K > 1:  writes a float32 partial [SPLIT_K, M, N]; a second kernel sums the partials,
+                adds the bias and casts.
+Split-K exists because at small N (e.g. 2048 outputs) there are too few row tiles to keep all
+132 SMs of an H200 streaming; the split multiplies the number of independent programs.
+Variants: "dot" pads the rows of x to 16 and uses tensor-core dots (their operands go through
+shared memory with Triton's software pipelining, which keeps several weight tiles in flight);
+"fma" multiplies and reduces on CUDA cores with x held in registers (M <= 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
+                     next_power_of_2)
+from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from .triton_helpers import dot
+
+MAX_M = 16
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    y_ptr,  # [M, N] (SPLIT_K == 1)
+    partial_ptr,  # [SPLIT_K, M, N] float32 (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    stride_x_m,
+    stride_w_n,
+    stride_y_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is a multiple of SPLIT_K * BLOCK_K: no K masks in the loop
+    USE_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    kk = tl.arange(0, BLOCK_K)
+    # Row pointers clamp out-of-range rows to row 0 instead of masking them, so W loads carry
+    # no N mask and stay 16-byte vectorised; the garbage columns are never stored.
+    n_safe = tl.where(n_mask, n, 0).to(tl.int64)
+    w_ptrs = w_ptr + n_safe[:, None] * stride_w_n + (k_start + kk)[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + m[:, None] * stride_x_m + (k_start + kk)[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + kk) < k_end
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc += dot(x, tl.trans(w), UPCAST_DOT, DOT_PRECISION)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None] * stride_y_m + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(partial_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    partial_ptr,  # [SPLIT_K, M, N] float32
+    bias_ptr,  # [N]
+    y_ptr,  # [M, N]
+    M,
+    N,
+    stride_y_m,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + (s * M + m) * N + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_y_m + n, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch reference in float32: x @ weight^T (+ bias), cast to x's dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) for x [M, K] with 1 <= M <= 16 and weight [N, K]."""
+    op = "gemv"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_runnable_device(op, x)
+    M, K = x.shape
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"{op}: x has {M} rows; this kernel serves 1..{MAX_M} rows (use a GEMM for larger batches)")
+    check_tensor(op, "weight", weight, shape=(None, K), device=x.device)
+    check_same_dtype(op, "x", x, weight=weight)
+    N = weight.shape[0]
+    if bias is not None:
+        check_tensor(op, "bias", bias, shape=(N,), device=x.device)
+        check_same_dtype(op, "x", x, bias=bias)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    check_tensor(op, "out", out, shape=(M, N), device=x.device)
+    check_same_dtype(op, "x", x, out=out)
+    if config is None:
+        config = GEMV_SPEC.default_config({"m": M, "n": N, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
+    if N == 0:
+        return out
+    use_dot = config.variant == "dot"
+    block_m = 16 if use_dot else next_power_of_2(M)
+    if not use_dot and M > 4:
+        raise ValueError(f"{op}: the 'fma' variant serves at most 4 rows, got {M}; use the 'dot' variant")
+    split_k = config["SPLIT_K"]
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    upcast_dot, dot_precision = dot_flags(x.dtype)
+    partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias_arg = bias if bias is not None else out
+    _gemv_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, weight, bias_arg, out, partial,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_K=K % (split_k * block_k) == 0, USE_DOT=use_dot, HAS_BIAS=bias is not None,
+        UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        reduce_block = 1024
+        _split_k_reduce_kernel[(M, triton.cdiv(N, reduce_block))](
+            partial, bias_arg, out, M, N, out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
+        )
+    return out
+
+
+def _choose_default(problem, key: str) -> KernelConfig:
+    n, k = int(problem["n"]), int(problem["k"])
+    if key == "interpreter":
+        return KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)
+    sms = 132 if key == "sm90" else 108
+    # Little's law: ~4 TB/s x ~1 us of HBM latency is ~4 MB in flight, ~32 KB per SM. 32x128
+    # bf16 weight tiles (8 KB), 4 pipeline stages and ~4 resident programs per SM cover that.
+    block_k = 128 if k >= 128 else 64
+    # Wide row tiles when there are plenty of rows; narrow ones (and split-K) when N is small, so
+    # that at least ~4 programs per SM stream concurrently; no K slice shorter than 512.
+    block_n = 64 if n >= 64 * 4 * sms else 32
+    while True:
+        row_tiles = triton.cdiv(n, block_n)
+        split_k = 1
+        while row_tiles * split_k < 4 * sms and k // (split_k * 2) >= 512:
+            split_k *= 2
+        if row_tiles * split_k >= 2 * sms or block_n == 16:
+            break
+        block_n //= 2
+    return KernelConfig.make("dot", num_warps=4, num_stages=4 if key == "sm90" else 3, BLOCK_N=block_n,
+                             BLOCK_K=block_k, SPLIT_K=split_k)
+
+
+def _constraint(config: KernelConfig, problem) -> bool:
+    if config.variant == "fma" and int(problem["m"]) > 4:
+        return False
+    # Every split must get at least one K tile.
+    return config["SPLIT_K"] * config["BLOCK_K"] <= max(config["BLOCK_K"], int(problem["k"]))
+
+
+GEMV_SPEC = register(
+    KernelSpec(
+        op="gemv",
+        module=__name__,
+        launcher=gemv,
+        reference=gemv_ref,
+        search_space=SearchSpace(
+            variants=(
+                VariantSpace(
+                    "dot",
+                    {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128, 256, 512), "SPLIT_K": (1, 2, 4, 8, 16),
+                     "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5, 6)},
+                    "x rows padded to 16, tensor-core dots, pipelined weight tiles",
+                ),
+                VariantSpace(
+                    "fma",
+                    {"BLOCK_N": (8, 16, 32, 64), "BLOCK_K": (128, 256, 512, 1024), "SPLIT_K": (1, 2, 4, 8, 16),
+                     "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)},
+                    "CUDA-core multiply-reduce, M <= 4",
+                ),
+            ),
+            constraint=_constraint,
+        ),
+        choose_default=_choose_default,
+        problem_keys=("m", "n", "k", "dtype"),
+        doc=__doc__ or "",
+    )
+)

@@ -1,0 +1,427 @@
+"""The drift timer: Prometheus -> observed traffic -> decision -> status (+ a CompileRun).
+
+Data flow of one check of one InferenceDeployment:
+
+    spec, status  --policy_from_spec / baseline_for / state_from_status-->  DriftPolicy, baseline, DriftState
+    PrometheusTraffic(url).observe(selector, window)  --> ObservedTraffic | TrafficQueryError
+    active CompileRuns of the deployment (listed from the API)
+        --run_check (drift.decide)--> CheckResult(decision, next state, observed)
+        --status_patch--> status.observedTraffic, status.drift, conditions TrafficObserved + Drifted
+        --decision Compile and policy OnDrift--> build_drift_compile_run --> CompileRun owned by the
+          deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score
+
+``drift_check`` is the kopf timer; everything it calls except the two API
+calls (list CompileRuns, create one) and the Prometheus queries is pure and
+tested without a cluster. The timer ticks every ``SHAPESHIFT_DRIFT_TIMER_SECONDS``
+(default 10) and skips deployments whose ``spec.compilation.drift.checkIntervalSeconds``
+has not passed since ``status.drift.lastCheckTime``, so each deployment keeps
+its own pace with one timer.
+
+Operator-wide settings come from the environment (the Helm chart sets them):
+``SHAPESHIFT_PROMETHEUS_URL`` (the default Prometheus; ``spec.prometheusUrl``
+overrides it per deployment), ``SHAPESHIFT_PROMETHEUS_NAMESPACE_LABEL`` and
+``SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL`` (target label names, default
+``namespace`` and ``deployment``), ``SHAPESHIFT_DRIFT_MIN_REQUESTS`` (default 20).
+
+This module registers its timer when imported; ``operator/handlers.py``
+imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Mapping
+
+import kopf
+
+from shapeshift.engine.traffic import TrafficProfile, builtin_profile
+from shapeshift.operator.builders import LABEL_DEPLOYMENT, MANAGED_BY, Parent
+from shapeshift.operator.drift import (
+    Compile,
+    CompileInProgress,
+    CoolingDown,
+    Decision,
+    Drifting,
+    DriftPolicy,
+    DriftState,
+    NoData,
+    Observation,
+    Stable,
+    decide,
+)
+from shapeshift.operator.models import (
+    API_VERSION,
+    COMPILE_RUN,
+    GROUP,
+    INFERENCE_DEPLOYMENT,
+    VERSION,
+    Condition,
+    DriftThresholds,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    set_condition,
+)
+from shapeshift.operator.prometheus import (
+    ObservedTraffic,
+    PrometheusTraffic,
+    SeriesSelector,
+    TrafficQueryError,
+)
+
+__all__ = [
+    "CheckResult",
+    "DriftSettings",
+    "active_compile_run",
+    "baseline_for",
+    "build_drift_compile_run",
+    "drift_check",
+    "drift_compile_run_name",
+    "policy_from_spec",
+    "run_check",
+    "selector_for",
+    "state_from_status",
+    "status_patch",
+]
+
+log = logging.getLogger(__name__)
+
+CONDITION_TRAFFIC = "TrafficObserved"
+CONDITION_DRIFT = "Drifted"
+FINISHED_PHASES = ("Succeeded", "Failed")
+TRAFFIC_REASONS = ("PrometheusUnreachable", "NoTraffic", "TooFewRequests")  # NoData reasons about the traffic
+TIMER_SECONDS = float(os.environ.get("SHAPESHIFT_DRIFT_TIMER_SECONDS", "10"))
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    """Operator-wide settings of the drift detector."""
+
+    prometheus_url: str | None = None
+    namespace_label: str = "namespace"
+    deployment_label: str = "deployment"
+    min_requests: int = 20
+    query_timeout_seconds: float = 5.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "DriftSettings":
+        return cls(
+            prometheus_url=env.get("SHAPESHIFT_PROMETHEUS_URL") or None,
+            namespace_label=env.get("SHAPESHIFT_PROMETHEUS_NAMESPACE_LABEL") or "namespace",
+            deployment_label=env.get("SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL") or "deployment",
+            min_requests=int(env.get("SHAPESHIFT_DRIFT_MIN_REQUESTS") or 20),
+            query_timeout_seconds=float(env.get("SHAPESHIFT_PROMETHEUS_TIMEOUT_SECONDS") or 5.0),
+        )
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    decision: Decision
+    state: DriftState
+    observed: ObservedTraffic | None
+
+
+# ---- pure pieces -----------------------------------------------------------------------------
+
+
+def thresholds_of(spec: InferenceDeploymentSpec) -> DriftThresholds:
+    """The spec's thresholds; a Manual deployment without them is still observed with the defaults."""
+    return spec.compilation.drift or DriftThresholds()
+
+
+def policy_from_spec(spec: InferenceDeploymentSpec, settings: DriftSettings) -> DriftPolicy:
+    t = thresholds_of(spec)
+    return DriftPolicy(
+        prompt_length_relative=t.prompt_length_relative_change,
+        prefix_cache_hit_rate_absolute=t.prefix_hit_rate_absolute_change,
+        consecutive_checks=t.consecutive_checks,
+        cooldown=timedelta(seconds=spec.compilation.cooldown_seconds),
+        min_requests=settings.min_requests,
+    )
+
+
+def selector_for(namespace: str, name: str, spec: InferenceDeploymentSpec, settings: DriftSettings) -> SeriesSelector:
+    return SeriesSelector(
+        namespace=namespace, deployment=name, model=spec.model.display_name,
+        namespace_label=settings.namespace_label, deployment_label=settings.deployment_label,
+    )
+
+
+def baseline_for(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus) -> TrafficProfile | None:
+    """What the active forward pass was compiled for; before any compile, the spec's assumed profile."""
+    if status.compiled_for is not None:
+        return status.compiled_for
+    if spec.traffic_profile is not None:
+        return builtin_profile(spec.traffic_profile)
+    return None
+
+
+def state_from_status(status: InferenceDeploymentStatus) -> DriftState:
+    return DriftState(
+        consecutive=status.drift.consecutive_checks if status.drift else 0,
+        last_compile_at=status.last_compile_time,
+    )
+
+
+def run_check(
+    *,
+    observe: Callable[[], ObservedTraffic],
+    baseline: TrafficProfile | None,
+    policy: DriftPolicy,
+    state: DriftState,
+    active_compile_run: str | None,
+    now: datetime,
+) -> CheckResult:
+    """One check: call ``observe`` (Prometheus), then decide. Query errors become NoData."""
+    try:
+        observed = observe()
+    except TrafficQueryError as err:
+        no_data = NoData(err.reason, str(err))  # type: ignore[arg-type]
+        decision, next_state = decide(observation=None, baseline=baseline, policy=policy, state=state,
+                                      active_compile_run=active_compile_run, now=now, no_data=no_data)
+        return CheckResult(decision, next_state, None)
+    decision, next_state = decide(
+        observation=Observation(observed.profile, observed.quality.requests), baseline=baseline, policy=policy,
+        state=state, active_compile_run=active_compile_run, now=now,
+    )
+    return CheckResult(decision, next_state, observed)
+
+
+def _drift_message(decision: Decision) -> tuple[str, str, str]:
+    """(status, reason, message) of the Drifted condition."""
+    if isinstance(decision, NoData):
+        return "Unknown", decision.reason, decision.message
+    over = "; ".join(f"{d.name} {d.change:+.2f}" for d in decision.dimensions if d.exceeded)
+    if isinstance(decision, Stable):
+        return "False", "WithinThresholds", f"traffic within thresholds (severity {decision.severity:.2f} of 1)"
+    if isinstance(decision, Drifting):
+        return "True", "Drifting", (f"over a threshold for {decision.consecutive} of {decision.required} "
+                                    f"consecutive checks: {over}")
+    if isinstance(decision, CompileInProgress):
+        return "True", "CompileInProgress", f"drift persists; CompileRun {decision.compile_run} is still running: {over}"
+    if isinstance(decision, CoolingDown):
+        return "True", "CoolingDown", (f"drift persists; next automatic CompileRun allowed after "
+                                       f"{decision.until.isoformat()}: {over}")
+    assert isinstance(decision, Compile)
+    return "True", "DriftPersisted", decision.reason
+
+
+def status_patch(
+    result: CheckResult,
+    status: InferenceDeploymentStatus,
+    *,
+    now: datetime,
+    compile_run: str | None = None,
+    compile_blocked: str | None = None,
+) -> dict[str, Any]:
+    """The status fields one check writes (a merge patch, camelCase).
+
+    ``compile_run``: the CompileRun created by this check. ``compile_blocked``:
+    why a Compile decision created nothing (policy Manual).
+    """
+    decision = result.decision
+    conditions = list(status.conditions or [])
+    patch: dict[str, Any] = {}
+    if result.observed is not None:
+        patch["observedTraffic"] = result.observed.profile.to_dict()
+        q = result.observed.quality
+        conditions = set_condition(
+            conditions, CONDITION_TRAFFIC, "True", "Observed",
+            f"{q.requests:.0f} requests from {q.targets} target(s) over {q.window_seconds}s", now=now)
+    if isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS:
+        conditions = set_condition(conditions, CONDITION_TRAFFIC, "False", decision.reason, decision.message, now=now)
+
+    status_value, reason, message = _drift_message(decision)
+    if isinstance(decision, Compile):
+        if compile_run is not None:
+            reason, message = "CompileRunCreated", f"created CompileRun {compile_run}: {decision.reason}"
+        elif compile_blocked is not None:
+            reason, message = "DriftPersisted", f"{decision.reason} ({compile_blocked})"
+    conditions = set_condition(conditions, CONDITION_DRIFT, status_value, reason, message, now=now)
+
+    drift: dict[str, Any] = {
+        "consecutiveChecks": result.state.consecutive,
+        "lastCheckTime": _iso(now),
+    }
+    if not isinstance(decision, NoData):
+        by_name = {d.name: d for d in decision.dimensions}
+        drift.update({
+            "score": round(decision.score, 6),
+            "promptLengthRelativeChange": {
+                key: round(by_name[f"promptLength.{key}"].change, 6) for key in ("p50", "p90", "p99")},
+            "exceeded": any(d.exceeded for d in decision.dimensions),
+        })
+        hit = by_name.get("prefixCacheHitRate")
+        drift["prefixCacheHitRateChange"] = None if hit is None else round(hit.change, 6)
+    else:
+        drift["exceeded"] = None
+    patch["drift"] = drift
+    patch["conditions"] = [c.to_wire() for c in conditions]
+    if compile_run is not None:
+        patch["lastCompileRun"] = compile_run
+        patch["lastCompileTime"] = _iso(now)
+    return patch
+
+
+def drift_compile_run_name(deployment: str, now: datetime) -> str:
+    """``<deployment>-drift-<yymmddHHMMSS>``: deterministic per check, within the CompileRun name limit."""
+    return f"{deployment[:30].rstrip('-')}-drift-{now.astimezone(timezone.utc):%y%m%d%H%M%S}"
+
+
+def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decision: Compile,
+                            now: datetime) -> dict[str, Any]:
+    """A CompileRun owned by the deployment, carrying the traffic that triggered it."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": COMPILE_RUN.kind,
+        "metadata": {
+            "name": drift_compile_run_name(parent.name, now),
+            "namespace": parent.namespace,
+            "labels": {**MANAGED_BY, LABEL_DEPLOYMENT: parent.name, f"{GROUP}/trigger": "drift"},
+            "annotations": {f"{GROUP}/drift-reason": decision.reason[:1024]},
+            "ownerReferences": [parent.owner_reference()],
+        },
+        "spec": {
+            "deploymentRef": {"name": parent.name},
+            "traffic": {"inline": decision.snapshot.to_dict()},
+            "budget": spec.compilation.budget.to_wire(),
+            "trigger": {"reason": "Drift", "driftScore": round(decision.score, 6), "observedAt": _iso(now)},
+        },
+    }
+
+
+def active_compile_run(compile_runs: list[Mapping[str, Any]], deployment: str) -> str | None:
+    """The oldest unfinished CompileRun of ``deployment`` among ``compile_runs`` (any trigger)."""
+    mine = [
+        run for run in compile_runs
+        if (run.get("spec") or {}).get("deploymentRef", {}).get("name") == deployment
+        and (run.get("status") or {}).get("phase") not in FINISHED_PHASES
+    ]
+    mine.sort(key=lambda run: (run["metadata"].get("creationTimestamp") or "", run["metadata"]["name"]))
+    return mine[0]["metadata"]["name"] if mine else None
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime) -> bool:
+    last = status.drift.last_check_time if status.drift else None
+    if last is None:
+        return True
+    # Half a timer tick of slack, so a 60 s interval on a 10 s timer is not stretched to 70 s.
+    slack = timedelta(seconds=TIMER_SECONDS / 2)
+    return now - last >= timedelta(seconds=thresholds_of(spec).check_interval_seconds) - slack
+
+
+# ---- the kopf timer --------------------------------------------------------------------------
+
+_custom_objects = None
+
+
+def _custom_objects_api():
+    """A CustomObjectsApi, configured in-cluster or from $KUBECONFIG, created once."""
+    global _custom_objects
+    if _custom_objects is None:
+        import kubernetes
+
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        _custom_objects = kubernetes.client.CustomObjectsApi()
+    return _custom_objects
+
+
+@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
+def drift_check(
+    spec: kopf.Spec,
+    status: kopf.Status,
+    name: str,
+    namespace: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """Observe traffic in Prometheus, judge drift, write status; under OnDrift, compile on persisting drift."""
+    try:
+        typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
+    except ValueError as err:  # the API server's schema should have refused it; nothing to observe
+        raise kopf.PermanentError(f"spec does not parse: {err}") from err
+    typed_status = InferenceDeploymentStatus.model_validate(dict(status or {}))
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    if not _due(typed_status, typed_spec, now):
+        return
+    settings = DriftSettings.from_env()
+    api = _custom_objects_api()
+    runs = api.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    active = active_compile_run(runs, name)
+    url = typed_spec.prometheus_url or settings.prometheus_url
+    window = timedelta(seconds=thresholds_of(typed_spec).window_seconds)
+    selector = selector_for(namespace, name, typed_spec, settings)
+
+    def observe() -> ObservedTraffic:
+        if not url:
+            raise _NoPrometheusAddress(
+                "no Prometheus address: set the chart value prometheus.url (SHAPESHIFT_PROMETHEUS_URL) "
+                "or spec.prometheusUrl")
+        with PrometheusTraffic(url, timeout_seconds=settings.query_timeout_seconds) as prom:
+            return prom.observe(selector, window, at=now, name=f"{name}-observed")
+
+    result = run_check(
+        observe=observe,
+        baseline=baseline_for(typed_spec, typed_status),
+        policy=policy_from_spec(typed_spec, settings),
+        state=state_from_status(typed_status),
+        active_compile_run=active,
+        now=now,
+    )
+    decision = result.decision
+    created: str | None = None
+    blocked: str | None = None
+    if isinstance(decision, Compile):
+        if typed_spec.compilation.policy == "OnDrift":
+            created = _create_compile_run(api, build_drift_compile_run(Parent.from_body(body), typed_spec, decision, now))
+            kopf.info(body, reason="CompileRunCreated", message=f"drift persisted, created CompileRun {created}: "
+                                                                 f"{decision.reason}")
+        else:
+            blocked = "policy Manual: create a CompileRun to act on it, or set spec.compilation.policy OnDrift"
+            # Under Manual nothing starts a cooldown: keep the counter at its ceiling instead.
+            result = CheckResult(decision, DriftState(consecutive=policy_from_spec(typed_spec, settings)
+                                                      .consecutive_checks,
+                                                      last_compile_at=typed_status.last_compile_time),
+                                 result.observed)
+    previous = _condition(typed_status, CONDITION_TRAFFIC)
+    if (isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS
+            and (previous is None or previous.reason != decision.reason)):
+        kopf.warn(body, reason=decision.reason, message=decision.message[:1000])
+    for key, value in status_patch(result, typed_status, now=now, compile_run=created,
+                                   compile_blocked=blocked).items():
+        patch.status[key] = value
+    logger.info("drift check: %s%s", decision.kind, f" -> CompileRun {created}" if created else "")
+
+
+class _NoPrometheusAddress(TrafficQueryError):
+    reason = "PrometheusUnreachable"
+
+
+def _condition(status: InferenceDeploymentStatus, type_: str) -> Condition | None:
+    return next((c for c in status.conditions or [] if c.type == type_), None)
+
+
+def _create_compile_run(api: Any, body: dict[str, Any]) -> str:
+    """Create the CompileRun; one that already exists under the same name (a retried check) is kept."""
+    from kubernetes.client.exceptions import ApiException
+
+    meta = body["metadata"]
+    try:
+        api.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], COMPILE_RUN.plural, body)
+    except ApiException as err:
+        if err.status != 409:
+            raise kopf.TemporaryError(
+                f"creating CompileRun {meta['name']} failed ({err.status} {err.reason}): {err.body}", delay=30
+            ) from err
+    return meta["name"]

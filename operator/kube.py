@@ -1,0 +1,167 @@
+"""The operator's few cluster operations, on the official kubernetes client.
+
+    desired child (builders) --ensure()--> created | updated | unchanged
+    StatusUpdate (status.py) --write_status()--> status subresource (only on change)
+
+`ensure` is get-or-create-then-patch keyed by the `shapeshift.dev/spec-hash`
+annotation: an existing child whose hash matches is left alone (no write, no
+new resourceVersion); one whose hash differs gets a JSON merge patch of the
+desired labels, annotations, owner references and body. `create_only=True`
+(Jobs, whose pod template is immutable) never patches.
+
+`write_status` reads the object, merges the owned fields and conditions, and
+patches only when something changed, with the read resourceVersion as a
+precondition so concurrent writers (the compile worker, other timers) are
+not overwritten: a conflict re-reads and retries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiException
+
+from shapeshift.operator.builders import SPEC_HASH
+from shapeshift.operator.models import GROUP, VERSION, Condition, Kind
+from shapeshift.operator.status import StatusUpdate, merged_conditions
+
+MERGE_PATCH = "application/merge-patch+json"
+
+# kind -> (API class, method suffix)
+_TYPED = {
+    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
+    "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
+    "ServiceAccount": (kubernetes.client.CoreV1Api, "namespaced_service_account"),
+    "Pod": (kubernetes.client.CoreV1Api, "namespaced_pod"),
+    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
+    "Job": (kubernetes.client.BatchV1Api, "namespaced_job"),
+    "Role": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"),
+    "RoleBinding": (kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"),
+}
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    """In a pod: the ServiceAccount; elsewhere: $KUBECONFIG or ~/.kube/config."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        cfg = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
+        return kubernetes.client.ApiClient(cfg)
+    return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+
+
+def _json(resp: Any) -> dict[str, Any]:
+    return json.loads(resp.data)
+
+
+class Kube:
+    """Thin, dict-based access for the handlers (thread-safe like the ApiClient it wraps)."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient):
+        self.api_client = api_client
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.core = kubernetes.client.CoreV1Api(api_client)
+
+    def _typed(self, kind: str):
+        cls, suffix = _TYPED[kind]
+        return cls(self.api_client), suffix
+
+    # ---- built-in kinds
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        api, suffix = self._typed(kind)
+        try:
+            return _json(getattr(api, f"read_{suffix}")(name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        api, suffix = self._typed(kind)
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        data = _json(getattr(api, f"list_{suffix}")(namespace, label_selector=selector, _preload_content=False))
+        return data.get("items") or []
+
+    def ensure(self, desired: dict[str, Any], *, create_only: bool = False) -> tuple[str, dict[str, Any]]:
+        """Make the child exist as built; returns (action, object as stored)."""
+        kind, meta = desired["kind"], desired["metadata"]
+        api, suffix = self._typed(kind)
+        existing = self.get(kind, meta["namespace"], meta["name"])
+        if existing is None:
+            try:
+                created = _json(getattr(api, f"create_{suffix}")(meta["namespace"], desired, _preload_content=False))
+                return "created", created
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+                existing = self.get(kind, meta["namespace"], meta["name"])
+                if existing is None:
+                    raise
+        have = ((existing.get("metadata") or {}).get("annotations") or {}).get(SPEC_HASH)
+        if have == meta["annotations"][SPEC_HASH] or create_only:
+            return "unchanged", existing
+        body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+        body["metadata"] = {
+            "labels": meta.get("labels") or {},
+            "annotations": meta.get("annotations") or {},
+            "ownerReferences": meta.get("ownerReferences") or [],
+        }
+        patched = _json(getattr(api, f"patch_{suffix}")(
+            meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH, _preload_content=False))
+        return "updated", patched
+
+    # ---- custom resources
+
+    def get_custom(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, kind.plural, name, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def write_status(self, kind: Kind, namespace: str, name: str, update: StatusUpdate,
+                     generation: int | None = None, attempts: int = 5) -> tuple[bool, dict[str, Any]]:
+        """Merge `update` into the stored status; patch only on change. Returns (changed, status)."""
+        for _ in range(attempts):
+            obj = self.get_custom(kind, namespace, name)
+            if obj is None:
+                return False, {}
+            current = obj.get("status") or {}
+            patch: dict[str, Any] = {}
+            for key, value in update.fields.items():
+                if value is None:
+                    if key in current:
+                        patch[key] = None
+                elif _normal(current.get(key)) != _normal(value):
+                    patch[key] = value
+            if update.conditions:
+                existing = [Condition.model_validate(c) for c in current.get("conditions") or []]
+                merged = merged_conditions(existing, update, generation)
+                merged_wire = [c.to_wire() for c in merged]
+                if merged_wire != [c.to_wire() for c in existing]:
+                    patch["conditions"] = merged_wire
+            if not patch:
+                return False, current
+            body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": patch}
+            try:
+                stored = _json(self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, kind.plural, name, body,
+                    _content_type=MERGE_PATCH, _preload_content=False))
+                return True, stored.get("status") or {}
+            except ApiException as error:
+                if error.status == 409:
+                    continue  # someone else wrote in between: re-read and merge again
+                if error.status == 404:
+                    return False, {}
+                raise
+        raise kubernetes.client.ApiException(status=409, reason=f"status of {kind.kind} {namespace}/{name} kept changing")
+
+
+def _normal(value: Any) -> Any:
+    """Compare JSON the way the API server stores it (ints and floats, key order)."""
+    return json.loads(json.dumps(value, sort_keys=True)) if value is not None else None

@@ -1,0 +1,340 @@
+"""Observed traffic of one deployment, read from Prometheus.
+
+Data flow:
+
+    engine pods --/metrics--> Prometheus (scrape adds namespace/deployment labels)
+    TrafficQuery(selector, window, at) --PromQL over prometheus-api-client-->
+        histogram_quantile(q, sum by (le) (rate(shapeshift_prompt_tokens_bucket{sel}[w])))   p50/p90/p99
+        sum by (le) (increase(shapeshift_prompt_tokens_bucket{sel}[w]))                      histogram
+        same for shapeshift_generation_tokens                                               output lengths
+        sum(increase(shapeshift_prompt_tokens_count{sel}[w]))                               requests
+        sum(rate(hits[w])) / sum(rate(queries[w]))                                          prefix-cache hit rate
+        sum(avg_over_time(running[w])) + sum(avg_over_time(waiting[w]))                     concurrency
+        count(count by (instance) (shapeshift_prompt_tokens_count{sel}))                   targets seen
+    --> ObservedTraffic(profile: TrafficProfile, quality: DataQuality)
+
+Nothing is ever invented: Prometheus unreachable or answering with an error
+raises ``PrometheusUnreachable``; a window without traffic (no series, or
+series that did not move) raises ``NoTrafficData``. Both are
+``TrafficQueryError``, so the drift timer can say why in a condition and not
+compile.
+
+Which series belong to a deployment is a label selector. The engine itself
+only labels with ``model``; ``namespace`` and ``deployment`` are target labels
+that the scrape configuration adds (the chart's ServiceMonitor and the
+annotation-based scrape config in docs/helm.md both copy them from the pod).
+Their label names are configurable for clusters that name them otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import requests
+from prometheus_api_client import PrometheusApiClientException
+from prometheus_api_client.prometheus_connect import PrometheusConnect
+from urllib3.util.retry import Retry
+
+from shapeshift.engine.traffic import LengthDistribution, TrafficProfile, TrafficWindow
+
+__all__ = [
+    "DataQuality",
+    "NoTrafficData",
+    "ObservedTraffic",
+    "PrometheusTraffic",
+    "PrometheusUnreachable",
+    "SeriesSelector",
+    "TrafficQueryError",
+    "parse_duration",
+]
+
+PROMPT_TOKENS = "shapeshift_prompt_tokens"
+GENERATION_TOKENS = "shapeshift_generation_tokens"
+CACHE_QUERIES = "shapeshift_prefix_cache_queries_tokens_total"
+CACHE_HITS = "shapeshift_prefix_cache_hits_tokens_total"
+REQUESTS_RUNNING = "shapeshift_requests_running"
+REQUESTS_WAITING = "shapeshift_requests_waiting"
+
+
+class TrafficQueryError(RuntimeError):
+    """No observed profile could be built; ``reason`` is a condition reason."""
+
+    reason = "TrafficQueryFailed"
+
+
+class PrometheusUnreachable(TrafficQueryError):
+    """Prometheus did not answer, or answered with an error."""
+
+    reason = "PrometheusUnreachable"
+
+
+class NoTrafficData(TrafficQueryError):
+    """Prometheus answered, but the window holds no traffic for this selector."""
+
+    reason = "NoTraffic"
+
+
+@dataclass(frozen=True)
+class SeriesSelector:
+    """Which series are one deployment's. Empty values are left out of the matcher."""
+
+    namespace: str | None = None
+    deployment: str | None = None
+    model: str | None = None
+    namespace_label: str = "namespace"
+    deployment_label: str = "deployment"
+    model_label: str = "model"
+
+    def matcher(self, extra: dict[str, str] | None = None) -> str:
+        """``{namespace="ns",deployment="d",model="m"}`` with values escaped for PromQL."""
+        pairs: list[tuple[str, str]] = []
+        for label, value in ((self.namespace_label, self.namespace), (self.deployment_label, self.deployment),
+                             (self.model_label, self.model)):
+            if value:
+                pairs.append((label, value))
+        pairs.extend((extra or {}).items())
+        return "{" + ",".join(f'{label}="{_escape(value)}"' for label, value in pairs) + "}"
+
+    def describe(self) -> str:
+        return self.matcher() if self.matcher() != "{}" else "all series"
+
+
+@dataclass(frozen=True)
+class DataQuality:
+    """How much the observed profile can be trusted."""
+
+    requests: float  # requests counted over the window (increase() extrapolates, so fractional)
+    targets: int  # scrape targets (pods) contributing series now
+    window_seconds: int
+    evaluated_at: datetime
+    prefix_cache_queried_tokens: float  # prompt tokens looked up in the window; 0 means no hit rate
+    queries: dict[str, str] = field(default_factory=dict)  # name -> PromQL, for status and debugging
+
+
+@dataclass(frozen=True)
+class ObservedTraffic:
+    profile: TrafficProfile
+    quality: DataQuality
+
+
+def parse_duration(text: str | int | float | timedelta) -> timedelta:
+    """``"5m"``, ``"90s"``, ``"1h30m"``, a number of seconds, or a timedelta."""
+    if isinstance(text, timedelta):
+        return text
+    if isinstance(text, (int, float)):
+        return timedelta(seconds=float(text))
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    total, number, i, raw = 0.0, "", 0, text.strip()
+    while i < len(raw):
+        ch = raw[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = "ms" if raw.startswith("ms", i) else ch
+        if unit not in units or not number:
+            raise ValueError(f"cannot read duration {text!r}: use Prometheus style like '30s', '5m' or '1h30m'")
+        total += float(number) * units[unit]
+        number, i = "", i + len(unit)
+    if number:
+        raise ValueError(f"duration {text!r} has a number without a unit (s, m, h, d)")
+    if total <= 0:
+        raise ValueError(f"duration {text!r} must be positive")
+    return timedelta(seconds=total)
+
+
+class PrometheusTraffic:
+    """Reads observed traffic from one Prometheus through prometheus-api-client."""
+
+    def __init__(self, url: str, *, timeout_seconds: float = 5.0, headers: dict[str, str] | None = None,
+                 disable_ssl: bool = False) -> None:
+        self.url = url.rstrip("/")
+        # One quick attempt: the drift timer retries on its own schedule, and a
+        # check stuck in urllib3's backoff would delay the NoData condition.
+        self._client = PrometheusConnect(
+            url=self.url, headers=headers, disable_ssl=disable_ssl,
+            retry=Retry(total=0, connect=0, read=0, status=0), timeout=timeout_seconds,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "PrometheusTraffic":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def query(self, promql: str, at: datetime | None = None) -> list[dict[str, Any]]:
+        """An instant query; connection failures and error answers become PrometheusUnreachable."""
+        params = {"time": f"{at.timestamp():.3f}"} if at is not None else None
+        try:
+            return self._client.custom_query(promql, params=params)
+        except requests.RequestException as err:
+            raise PrometheusUnreachable(
+                f"Prometheus at {self.url} cannot be reached ({_short_cause(err)}); check the "
+                "operator's Prometheus address (chart value prometheus.url) and that Prometheus is running"
+            ) from err
+        except PrometheusApiClientException as err:
+            raise PrometheusUnreachable(
+                f"Prometheus at {self.url} rejected the query {promql!r}: {err}"
+            ) from err
+        except ValueError as err:  # a body that is not JSON: something else listens on that address
+            raise PrometheusUnreachable(
+                f"{self.url} did not answer like a Prometheus HTTP API ({err}); check the address"
+            ) from err
+
+    def scalar(self, promql: str, at: datetime | None = None) -> float | None:
+        """The value of a one-element vector, or None when the vector is empty or NaN."""
+        result = self.query(promql, at)
+        if not result:
+            return None
+        if len(result) > 1:
+            raise TrafficQueryError(
+                f"expected one series from {promql!r}, got {len(result)}: {[r.get('metric') for r in result]}"
+            )
+        value = float(result[0]["value"][1])
+        return None if math.isnan(value) else value
+
+    def observe(self, selector: SeriesSelector, window: str | timedelta = "5m", *, at: datetime | None = None,
+                name: str | None = None) -> ObservedTraffic:
+        """The traffic profile of ``selector``'s series over ``window`` ending at ``at`` (default: now)."""
+        span = parse_duration(window)
+        if span < timedelta(seconds=1):
+            raise ValueError(f"window {window!r} is shorter than a second")
+        w = _promql_duration(span)
+        evaluated_at = at or datetime.now(timezone.utc)
+        sel = selector.matcher()
+        q: dict[str, str] = {
+            "requests": f"sum(increase({PROMPT_TOKENS}_count{sel}[{w}]))",
+            "targets": f"count(count by (instance) ({PROMPT_TOKENS}_count{sel}))",
+            "cacheQueried": f"sum(increase({CACHE_QUERIES}{sel}[{w}]))",
+            "prefixCacheHitRate": f"sum(rate({CACHE_HITS}{sel}[{w}])) / sum(rate({CACHE_QUERIES}{sel}[{w}]))",
+            "requestRate": f"sum(rate({PROMPT_TOKENS}_count{sel}[{w}]))",
+            "concurrency": (f"sum(avg_over_time({REQUESTS_RUNNING}{sel}[{w}]))"
+                            f" + sum(avg_over_time({REQUESTS_WAITING}{sel}[{w}]))"),
+        }
+        for metric, key in ((PROMPT_TOKENS, "prompt"), (GENERATION_TOKENS, "output")):
+            buckets = f"sum by (le) (rate({metric}_bucket{sel}[{w}]))"
+            for label, quant in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+                q[f"{key}.{label}"] = f"histogram_quantile({quant}, {buckets})"
+            q[f"{key}.histogram"] = f"sum by (le) (increase({metric}_bucket{sel}[{w}]))"
+
+        requests_seen = self.scalar(q["requests"], evaluated_at)
+        if requests_seen is None:
+            raise NoTrafficData(
+                f"Prometheus at {self.url} has no {PROMPT_TOKENS} series for {selector.describe()} in the last "
+                f"{w}: no engine pod of this deployment is being scraped (check the ServiceMonitor or scrape "
+                "annotations and the namespace/deployment target labels)"
+            )
+        if requests_seen <= 0:
+            raise NoTrafficData(f"no requests reached {selector.describe()} in the last {w}")
+
+        prompt = self._distribution(q, "prompt", evaluated_at, selector, w)
+        output = self._distribution(q, "output", evaluated_at, selector, w)
+        queried = self.scalar(q["cacheQueried"], evaluated_at) or 0.0
+        # No prompt tokens looked up (cache off, or series missing): the hit rate is unknown, not zero.
+        hit_rate = self.scalar(q["prefixCacheHitRate"], evaluated_at) if queried > 0 else None
+        rate = self.scalar(q["requestRate"], evaluated_at)
+        concurrency = self.scalar(q["concurrency"], evaluated_at)
+        targets = int(self.scalar(q["targets"], evaluated_at) or 0)
+
+        profile = TrafficProfile(
+            name=name or f"observed-{evaluated_at.strftime('%Y%m%dT%H%M%SZ')}",
+            description=f"observed in Prometheus for {selector.describe()} over {w}",
+            prompt_length=prompt,
+            output_length=output,
+            concurrency=max(1, int(math.ceil(concurrency))) if concurrency else 1,
+            arrival_rate=rate if rate and rate > 0 else None,
+            prefix_cache_hit_rate=None if hit_rate is None else min(1.0, max(0.0, hit_rate)),
+            window=TrafficWindow(
+                start=evaluated_at - span,
+                end=evaluated_at,
+                duration_seconds=max(1, int(span.total_seconds())),
+                source="prometheus",
+                requests=int(round(requests_seen)),
+            ),
+        )
+        quality = DataQuality(
+            requests=requests_seen,
+            targets=targets,
+            window_seconds=int(span.total_seconds()),
+            evaluated_at=evaluated_at,
+            prefix_cache_queried_tokens=queried,
+            queries=q,
+        )
+        return ObservedTraffic(profile=profile, quality=quality)
+
+    def _distribution(self, q: dict[str, str], key: str, at: datetime, selector: SeriesSelector,
+                      w: str) -> LengthDistribution:
+        quantiles: dict[str, float] = {}
+        for label in ("p50", "p90", "p99"):
+            value = self.scalar(q[f"{key}.{label}"], at)
+            if value is None or not math.isfinite(value):
+                metric = PROMPT_TOKENS if key == "prompt" else GENERATION_TOKENS
+                raise NoTrafficData(
+                    f"{metric} for {selector.describe()} has no observations in the last {w} "
+                    f"({label} is {'empty' if value is None else value})"
+                )
+            quantiles[label] = value
+        # histogram_quantile interpolates inside a bucket, so values are fractional tokens;
+        # round up and keep them ordered (they are, up to float noise).
+        p50 = max(1, math.ceil(quantiles["p50"] - 1e-9))
+        p90 = max(p50, math.ceil(quantiles["p90"] - 1e-9))
+        p99 = max(p90, math.ceil(quantiles["p99"] - 1e-9))
+        histogram = self._histogram(q[f"{key}.histogram"], at)
+        top = max((b["le"] for b in histogram if b["weight"] > 0), default=p99)
+        return LengthDistribution.model_validate({
+            "p50": p50, "p90": p90, "p99": p99, "max": max(p99, top),
+            "histogram": histogram or None,
+        })
+
+    def _histogram(self, promql: str, at: datetime) -> list[dict[str, float]]:
+        """Per-bucket (not cumulative) request counts over the window, finite buckets only."""
+        cumulative: list[tuple[float, float]] = []
+        for series in self.query(promql, at):
+            le = float(series["metric"].get("le", "nan"))
+            value = float(series["value"][1])
+            if math.isfinite(le) and not math.isnan(value):
+                cumulative.append((le, value))
+        cumulative.sort()
+        buckets, previous = [], 0.0
+        for le, count in cumulative:
+            buckets.append({"le": max(1, int(math.ceil(le))), "weight": max(0.0, count - previous)})
+            previous = max(previous, count)
+        # Buckets below 1 token (none in the engine's layout) would collapse onto le=1; merge them.
+        merged: dict[int, float] = {}
+        for b in buckets:
+            merged[b["le"]] = merged.get(b["le"], 0.0) + b["weight"]
+        result = [{"le": le, "weight": w} for le, w in sorted(merged.items())]
+        # Empty buckets above the longest request carry nothing; leading ones stay,
+        # because each bucket's lower edge is the previous bucket's `le`.
+        while result and result[-1]["weight"] <= 0:
+            result.pop()
+        return result
+
+
+def _short_cause(err: BaseException) -> str:
+    """``ConnectionError: ... Connection refused`` without the URL-encoded query urllib3 repeats."""
+    text = str(err)
+    if "Caused by" in text:
+        text = text.rsplit("Caused by", 1)[1].strip(" ()")
+        if ": " in text:
+            text = text.rsplit(": ", 1)[1].strip(" ()\"'")
+    return f"{type(err).__name__}: {text}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _promql_duration(span: timedelta) -> str:
+    seconds = span.total_seconds()
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{int(round(seconds * 1000))}ms"

@@ -1,0 +1,206 @@
+"""What is really running -> status. Pure functions over the objects' JSON.
+
+    Deployment + engine pods   --inference_deployment_status()--> StatusUpdate
+    Job + compile pods + status --compile_run_status()----------> StatusUpdate
+
+A `StatusUpdate` names only the status fields the operator owns (other
+writers, the compile worker and the rollout, own the rest) plus the
+conditions it sets; `kube.write_status` merges it into what is stored. The
+timers call these functions on every resync; the result depends only on the
+observed objects, so an unchanged cluster gives an unchanged status and no
+write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shapeshift.operator.models import (
+    Condition,
+    CompileRunStatus,
+    TERMINAL_PHASES,
+    get_condition,
+)
+
+
+@dataclass
+class StatusUpdate:
+    fields: dict[str, Any]  # wire names -> values (None deletes the field)
+    conditions: list[tuple[str, Literal["True", "False", "Unknown"], str, str]] = field(default_factory=list)
+    # (type, status, reason, message)
+
+    def condition(self, type: str) -> tuple[str, str, str, str] | None:
+        return next((c for c in self.conditions if c[0] == type), None)
+
+
+# ---- pods ----------------------------------------------------------------------------------
+
+
+def _pod_condition(pod: dict[str, Any], type: str) -> dict[str, Any] | None:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == type), None)
+
+
+def unschedulable_message(pods: list[dict[str, Any]]) -> str | None:
+    """The scheduler's message for the first pod it could not place, if any."""
+    for pod in pods:
+        if (pod.get("spec") or {}).get("nodeName"):
+            continue
+        cond = _pod_condition(pod, "PodScheduled")
+        if cond and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            return f"pod {pod['metadata']['name']}: {cond.get('message') or 'no node fits'}"
+    return None
+
+
+def newest(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not pods:
+        return None
+    return max(pods, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
+
+
+# ---- InferenceDeployment -------------------------------------------------------------------
+
+
+def inference_deployment_status(
+    *,
+    generation: int | None,
+    desired_replicas: int,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    deployment_name: str,
+    service_name: str,
+    selector: str,
+) -> StatusUpdate:
+    """Phase, replica counts and Ready/Scheduled conditions from the engine Deployment and pods."""
+    st = (deployment or {}).get("status") or {}
+    replicas = int(st.get("replicas") or 0)
+    ready = int(st.get("readyReplicas") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    dep_generation = (deployment or {}).get("metadata", {}).get("generation")
+    rolled = deployment is not None and st.get("observedGeneration") == dep_generation
+    dep_conditions = {c.get("type"): c for c in st.get("conditions") or []}
+    progressing = dep_conditions.get("Progressing") or {}
+    unschedulable = unschedulable_message(pods)
+
+    conditions: list[tuple[str, Literal["True", "False", "Unknown"], str, str]] = []
+    if deployment is None:
+        phase, message = "Pending", f"Deployment {deployment_name} does not exist yet"
+    elif progressing.get("reason") == "ProgressDeadlineExceeded":
+        phase, message = "Degraded", f"Deployment {deployment_name}: {progressing.get('message', 'progress deadline exceeded')}"
+    elif rolled and ready >= desired_replicas and updated >= desired_replicas and replicas == desired_replicas:
+        phase, message = "Ready", f"{ready}/{desired_replicas} engine pods ready"
+    elif unschedulable:
+        phase, message = "Degraded", f"{ready}/{desired_replicas} engine pods ready; {unschedulable}"
+    else:
+        phase, message = "Progressing", f"{ready}/{desired_replicas} engine pods ready"
+
+    conditions.append(("Ready", "True" if phase == "Ready" else "False", "AllReplicasReady" if phase == "Ready" else
+                       ("Unschedulable" if unschedulable else "ReplicasNotReady"), message))
+    if unschedulable:
+        conditions.append(("Scheduled", "False", "Unschedulable", unschedulable))
+    elif pods:
+        conditions.append(("Scheduled", "True", "Bound", "every engine pod is bound to a node"))
+    return StatusUpdate(
+        fields={
+            "observedGeneration": generation,
+            "phase": phase,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "selector": selector,
+            "deployment": deployment_name,
+            "service": service_name,
+            "message": message,
+        },
+        conditions=conditions,
+    )
+
+
+# ---- CompileRun ----------------------------------------------------------------------------
+
+
+def _job_condition(job: dict[str, Any], type: str) -> dict[str, Any] | None:
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type and c.get("status") == "True":
+            return c
+    return None
+
+
+def compile_run_status(
+    *,
+    current: CompileRunStatus,
+    job: dict[str, Any] | None,
+    job_name: str,
+    pods: list[dict[str, Any]],
+) -> StatusUpdate:
+    """The run's phase from its Job (the Job's fate is final) and its newest pod.
+
+    Phases only move forward: a worker-reported `Verifying` is not turned
+    back into `Running`, and a terminal phase is never changed.
+    """
+    if current.phase in TERMINAL_PHASES:
+        return StatusUpdate(fields={})
+    if job is None:
+        if current.job_name:
+            return StatusUpdate(
+                fields={"phase": "Failed", "message": f"Job {job_name} was deleted before it finished"},
+                conditions=[("Failed", "True", "JobDeleted", f"Job {job_name} was deleted before it finished"),
+                            ("Complete", "False", "JobDeleted", "")],
+            )
+        return StatusUpdate(fields={"phase": current.phase or "Pending"})
+
+    job_status = job.get("status") or {}
+    complete = _job_condition(job, "Complete")
+    failed = _job_condition(job, "Failed")
+    pod = newest(pods)
+    fields: dict[str, Any] = {"jobName": job_name}
+    if pod is not None:
+        fields["podName"] = pod["metadata"]["name"]
+        if (pod.get("spec") or {}).get("nodeName"):
+            fields["nodeName"] = pod["spec"]["nodeName"]
+    if job_status.get("startTime"):
+        fields["startTime"] = job_status["startTime"]
+
+    if complete is not None:
+        done = job_status.get("completionTime") or complete.get("lastTransitionTime")
+        champion = f"; champion {current.champion}" if current.champion else ""
+        msg = f"Job {job_name} completed{champion}"
+        fields.update(phase="Succeeded", completionTime=done, message=msg)
+        return StatusUpdate(fields, [("Complete", "True", complete.get("reason") or "Completed", msg),
+                                     ("Failed", "False", "Completed", "")])
+    if failed is not None:
+        reason = failed.get("reason") or "JobFailed"
+        detail = failed.get("message") or "the compile Job failed"
+        msg = f"Job {job_name} failed ({reason}): {detail}"
+        fields.update(phase="Failed", completionTime=failed.get("lastTransitionTime"), message=msg)
+        return StatusUpdate(fields, [("Failed", "True", reason, msg), ("Complete", "False", reason, "")])
+
+    unschedulable = unschedulable_message(pods)
+    if unschedulable:
+        msg = f"compile pod cannot be scheduled: {unschedulable}"
+        fields.update(phase="Pending", message=msg)
+        return StatusUpdate(fields, [("Scheduled", "False", "Unschedulable", msg)])
+    if pod is None or not (pod.get("spec") or {}).get("nodeName"):
+        fields.update(phase=current.phase or "Pending", message=f"Job {job_name} created; waiting for its pod to be scheduled")
+        return StatusUpdate(fields, [])
+    node = pod["spec"]["nodeName"]
+    bound = ("Scheduled", "True", "Bound", f"pod {pod['metadata']['name']} bound to node {node}")
+    pod_phase = (pod.get("status") or {}).get("phase")
+    if pod_phase == "Running":
+        phase = current.phase if current.phase in ("Running", "Verifying") else "Running"
+        fields.update(phase=phase, message=f"compiling on node {node}")
+    else:
+        phase = current.phase if current.phase in ("Running", "Verifying") else "Scheduled"
+        fields.update(phase=phase, message=f"pod {pod['metadata']['name']} bound to node {node}; starting")
+    return StatusUpdate(fields, [bound])
+
+
+def merged_conditions(existing: list[Condition], update: StatusUpdate, generation: int | None) -> list[Condition]:
+    from shapeshift.operator.models import set_condition
+
+    out = list(existing)
+    for type_, status_, reason, message in update.conditions:
+        prior = get_condition(out, type_)
+        if prior is not None and (prior.status, prior.reason, prior.message) == (status_, reason, message):
+            continue
+        out = set_condition(out, type_, status_, reason, message, observed_generation=generation)
+    return out

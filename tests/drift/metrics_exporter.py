@@ -1,0 +1,92 @@
+"""A scrape target exporting the engine's metric series from real observations.
+
+Run as a process: ``python metrics_exporter.py PORT MODEL``. It owns one
+``shapeshift.engine.metrics.EngineMetrics`` (the engine server's own metric
+definitions, names and buckets) and serves it on ``GET /metrics``.
+``POST /observe`` with ``{"prompt_tokens": n, "generation_tokens": m,
+"cached_tokens": k}`` records one finished request the way the engine does:
+the prompt and generation histograms observe ``n`` and ``m``, the prefix-cache
+counters advance by ``n`` queried and ``k`` hit tokens, and
+``requests_total{status="stop"}`` counts it.
+
+This stands in for ``shapeshift serve --model tiny-llama`` in the drift tests
+while the engine server cannot serve here; the series, their labels and the
+values Prometheus scrapes are the same ones, but token counts come from the
+test instead of a tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from shapeshift.engine.metrics import EngineMetrics
+
+
+def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPRequestHandler]:
+    queried = {"tokens": 0, "hits": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep the test output quiet
+            pass
+
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+                return
+            with lock:
+                body, content_type = metrics.render()
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            if self.path != "/observe":
+                self.send_error(404)
+                return
+            data = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            prompt, generated = int(data["prompt_tokens"]), int(data["generation_tokens"])
+            cached = int(data.get("cached_tokens", 0))
+            if not 0 <= cached <= prompt:
+                self.send_error(400, f"cached_tokens must be in [0, prompt_tokens], got {cached}")
+                return
+            with lock:
+                metrics.prompt_tokens.observe(prompt)
+                metrics.generation_tokens.observe(generated)
+                queried["tokens"] += prompt
+                queried["hits"] += cached
+                stats = _Stats(queried["tokens"], queried["hits"])
+                metrics.update_from_stats(stats)
+                metrics.count_request("stop")
+            self.send_response(204)
+            self.end_headers()
+
+    return Handler
+
+
+class _Stats:
+    """The fields of the engine's EngineStats that update_from_stats reads."""
+
+    def __init__(self, queried: int, hits: int) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.batch_size_last_step = 1
+        self.prefix_cache_queried_tokens = queried
+        self.prefix_cache_hit_tokens = hits
+
+
+def main() -> None:
+    port, model = int(sys.argv[1]), sys.argv[2]
+    metrics = EngineMetrics(model)
+    metrics.set_forward_pass("stock", "0" * 64)
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(metrics, threading.Lock()))
+    print(f"serving on 127.0.0.1:{port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

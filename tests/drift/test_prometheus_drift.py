@@ -1,0 +1,223 @@
+"""The drift detector against a real Prometheus.
+
+A scrape target (tests/drift/metrics_exporter.py: a real prometheus_client
+process with the engine's own EngineMetrics series; it stands in for
+`shapeshift serve --model tiny-llama` and records the token counts the test
+sends) is scraped every second by Debian's Prometheus, which adds the
+`namespace` and `deployment` target labels a ServiceMonitor would. The test
+drives short prompts that half hit the prefix cache, then long prompts that
+miss it; `PrometheusTraffic` reads both windows and the drift check
+(`drift_handlers.run_check` -> `drift.decide`) sees the prompt lengths move
+and the hit rate fall. Prometheus stopped, or a window without traffic,
+gives NoData and a TrafficObserved=False condition, never a Compile.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from harness.controlplane import _die_with_parent, free_port
+from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
+from shapeshift.operator.drift_handlers import CheckResult, run_check, status_patch
+from shapeshift.operator.models import InferenceDeploymentStatus
+from shapeshift.operator.prometheus import (
+    NoTrafficData,
+    PrometheusTraffic,
+    PrometheusUnreachable,
+    SeriesSelector,
+)
+
+EXPORTER = Path(__file__).with_name("metrics_exporter.py")
+MODEL = "tiny-llama"
+SELECTOR = SeriesSelector(namespace="team-a", deployment="llama", model=MODEL)
+
+
+@pytest.fixture
+def exporter():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(EXPORTER), str(port), MODEL], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    line = process.stdout.readline().decode()
+    assert "serving" in line, f"exporter did not start: {line!r}"
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+def scraped(exporter, prometheus):
+    """Prometheus scraping the exporter every second, with the deployment's target labels."""
+    server = prometheus([{
+        "job_name": "engine",
+        "scrape_interval": "1s",
+        "scrape_timeout": "1s",
+        "static_configs": [{"targets": [exporter], "labels": {"namespace": "team-a", "deployment": "llama"}}],
+    }])
+    # Wait for a scrape of the idle target, so the first requests count as an increase from zero.
+    server.wait_for(f'shapeshift_prompt_tokens_count{{deployment="llama"}}', timeout_s=30)
+    return exporter, server
+
+
+def send(exporter: str, prompt_tokens: int, generation_tokens: int, cached_tokens: int) -> None:
+    body = json.dumps({"prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens,
+                       "cached_tokens": cached_tokens}).encode()
+    request = urllib.request.Request(f"http://{exporter}/observe", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 204
+
+
+def drive(exporter: str, server, prompts: list[int], *, cached: float, outputs: int) -> tuple[datetime, datetime]:
+    """Send one request per prompt length over ~2 s; return (start, end) once Prometheus has them all."""
+    before = float(server.query("sum(shapeshift_prompt_tokens_count)")[0]["value"][1])
+    start = datetime.now(timezone.utc)
+    for length in prompts:
+        send(exporter, length, outputs, int(length * cached))
+        time.sleep(2.0 / len(prompts))
+    server.wait_for("sum(shapeshift_prompt_tokens_count)", lambda v: v >= before + len(prompts), timeout_s=30)
+    time.sleep(1.2)  # one more scrape, so rate() has a sample after the last change too
+    return start, datetime.now(timezone.utc)
+
+
+def window(start: datetime, end: datetime) -> timedelta:
+    # From one scrape before the phase started to its end.
+    return end - start + timedelta(seconds=1)
+
+
+SHORT = [18 + (i * 7) % 13 for i in range(40)]  # 18..30 tokens: bucket (16, 32]
+LONG = [150 + (i * 37) % 100 for i in range(40)]  # 150..249 tokens: bucket (128, 256]
+
+
+def test_observed_profile_follows_prompt_lengths_and_hit_rate(scraped):
+    exporter, server = scraped
+    short_start, short_end = drive(exporter, server, SHORT, cached=0.5, outputs=8)
+    time.sleep(1.5)  # keep the two windows apart
+    long_start, long_end = drive(exporter, server, LONG, cached=0.0, outputs=40)
+
+    with PrometheusTraffic(server.url) as prom:
+        short = prom.observe(SELECTOR, window(short_start, short_end), at=short_end, name="short")
+        long = prom.observe(SELECTOR, window(long_start, long_end), at=long_end, name="long")
+
+    # histogram_quantile interpolates inside the engine's power-of-two buckets
+    assert 16 < short.profile.prompt_length.p50 <= 32
+    assert 16 < short.profile.prompt_length.p99 <= 32
+    assert 128 < long.profile.prompt_length.p50 <= 256
+    assert 128 < long.profile.prompt_length.p90 <= 256
+    assert 4 < short.profile.output_length.p50 <= 8
+    assert 32 < long.profile.output_length.p50 <= 64
+    # half of each short prompt was cached, none of the long ones
+    assert short.profile.prefix_cache_hit_rate == pytest.approx(0.5, abs=0.05)
+    assert long.profile.prefix_cache_hit_rate == pytest.approx(0.0, abs=1e-9)
+    # increase() extrapolates to the window edges, so counts are close, not exact
+    assert 30 <= short.quality.requests <= 60
+    assert 30 <= long.quality.requests <= 60
+    assert short.quality.targets == 1
+    assert long.profile.window.source == "prometheus"
+    assert long.profile.arrival_rate is not None and long.profile.arrival_rate > 1
+    # the histograms carry the mass in the right bucket
+    short_hist = {b.le: b.weight for b in short.profile.prompt_length.histogram}
+    assert max(short_hist, key=short_hist.get) == 32
+    long_hist = {b.le: b.weight for b in long.profile.prompt_length.histogram}
+    assert max(long_hist, key=long_hist.get) == 256
+    # the profile round-trips through its wire form (what status.observedTraffic stores)
+    assert TrafficProfile.model_validate(long.profile.to_dict()) == long.profile
+
+    # The drift check sees it: two checks over the threshold, then a Compile carrying the long snapshot.
+    policy = DriftPolicy(prompt_length_relative=0.3, prefix_cache_hit_rate_absolute=0.15, consecutive_checks=2,
+                         cooldown=timedelta(minutes=10), min_requests=20)
+    now = long_end
+    with PrometheusTraffic(server.url) as prom:
+        def observe_long():
+            return prom.observe(SELECTOR, window(long_start, long_end), at=long_end, name="observed")
+
+        def observe_short():
+            return prom.observe(SELECTOR, window(short_start, short_end), at=short_end, name="observed")
+
+        same = run_check(observe=observe_short, baseline=short.profile, policy=policy, state=DriftState(),
+                         active_compile_run=None, now=now)
+        first = run_check(observe=observe_long, baseline=short.profile, policy=policy, state=DriftState(),
+                          active_compile_run=None, now=now)
+        second = run_check(observe=observe_long, baseline=short.profile, policy=policy, state=first.state,
+                           active_compile_run=None, now=now + timedelta(seconds=60))
+    assert isinstance(same.decision, Stable)
+    assert isinstance(first.decision, Drifting) and first.decision.consecutive == 1
+    assert isinstance(second.decision, Compile)
+    assert "promptLength" in second.decision.reason and "prefixCacheHitRate" in second.decision.reason
+    assert second.decision.snapshot.prompt_length.p50 == long.profile.prompt_length.p50
+    assert second.state.last_compile_at == now + timedelta(seconds=60)
+
+    status = status_patch(second, InferenceDeploymentStatus(), now=now, compile_run="llama-drift-1")
+    assert status["drift"]["exceeded"] is True
+    assert status["drift"]["promptLengthRelativeChange"]["p50"] > 3  # ~24 -> ~190 tokens
+    assert status["drift"]["prefixCacheHitRateChange"] == pytest.approx(-0.5, abs=0.05)
+    assert status["lastCompileRun"] == "llama-drift-1"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["TrafficObserved"]["status"] == "True"
+    assert conditions["Drifted"]["reason"] == "CompileRunCreated"
+    assert InferenceDeploymentStatus.model_validate(status).observed_traffic is not None
+
+
+def test_prometheus_unreachable_is_no_data_and_never_compiles(scraped):
+    exporter, server = scraped
+    drive(exporter, server, LONG, cached=0.0, outputs=40)
+    url = server.url
+    server.stop()
+    baseline = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=20, p90=28, p99=30),
+                              output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
+    policy = DriftPolicy(consecutive_checks=2)
+    state = DriftState(consecutive=1)  # one drifting check already seen: the next one would compile
+    with PrometheusTraffic(url, timeout_seconds=2) as prom:
+        with pytest.raises(PrometheusUnreachable, match="cannot be reached"):
+            prom.observe(SELECTOR, "30s")
+        started = time.monotonic()
+        result = run_check(observe=lambda: prom.observe(SELECTOR, "30s"), baseline=baseline, policy=policy,
+                           state=state, active_compile_run=None, now=datetime.now(timezone.utc))
+        assert time.monotonic() - started < 5  # no retry storm delaying the condition
+    assert isinstance(result.decision, NoData)
+    assert result.decision.reason == "PrometheusUnreachable"
+    assert result.state.consecutive == 0
+    assert result.observed is None
+
+    status = status_patch(result, InferenceDeploymentStatus(), now=datetime.now(timezone.utc))
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["TrafficObserved"]["status"] == "False"
+    assert conditions["TrafficObserved"]["reason"] == "PrometheusUnreachable"
+    assert url in conditions["TrafficObserved"]["message"]
+    assert conditions["Drifted"]["status"] == "Unknown"
+    assert "lastCompileRun" not in status
+    assert "observedTraffic" not in status
+
+
+def test_window_without_requests_is_no_data(scraped):
+    _, server = scraped
+    time.sleep(2)  # a few scrapes of an idle target: series exist, nothing moved
+    with PrometheusTraffic(server.url) as prom:
+        with pytest.raises(NoTrafficData, match="no requests reached"):
+            prom.observe(SELECTOR, "10s")
+        with pytest.raises(NoTrafficData, match="no shapeshift_prompt_tokens series"):
+            prom.observe(SeriesSelector(namespace="team-a", deployment="other"), "10s")
+        result = run_check(observe=lambda: prom.observe(SELECTOR, "10s"), baseline=None, policy=DriftPolicy(),
+                           state=DriftState(consecutive=1), active_compile_run=None,
+                           now=datetime.now(timezone.utc))
+    assert isinstance(result.decision, NoData) and result.decision.reason == "NoTraffic"
+    assert isinstance(result, CheckResult) and result.state.consecutive == 0
+
+
+def test_too_few_requests_is_no_data(scraped):
+    exporter, server = scraped
+    start, end = drive(exporter, server, LONG[:5], cached=0.0, outputs=40)
+    with PrometheusTraffic(server.url) as prom:
+        observed = prom.observe(SELECTOR, window(start, end), at=end)
+        result = run_check(observe=lambda: observed, baseline=observed.profile.scaled(0.1),
+                           policy=DriftPolicy(min_requests=20, consecutive_checks=1), state=DriftState(),
+                           active_compile_run=None, now=end)
+    assert observed.quality.requests < 20
+    assert isinstance(result.decision, NoData) and result.decision.reason == "TooFewRequests"

@@ -1,0 +1,6 @@
+"""Test harness: real control plane, Prometheus and a local kubelet stand-in.
+
+Modules: tools (binary paths), controlplane (etcd + kube-* + kwok on loopback),
+cluster (the handle the `cluster` fixture yields), kubelet (runs a pod's workload as
+a local process and reports its exit), prometheus (a Prometheus on loopback).
+"""

@@ -1,0 +1,37 @@
+"""Fixtures for the server tests: a shared `shapeshift serve` subprocess, a reference engine,
+and an `openai` client pointed at the server."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, MODEL, NUM_KV_BLOCKS, ServerProcess
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(["--max-num-seqs", str(MAX_NUM_SEQS)],
+                         tmp_path_factory.mktemp("serve") / "serve.log").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """An in-process LLMEngine with the server's settings, for greedy reference outputs."""
+    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
+                                  num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS))
+
+
+@pytest.fixture()
+def openai_client(server: ServerProcess):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    yield client
+    client.close()

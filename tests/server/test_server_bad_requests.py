@@ -1,0 +1,113 @@
+"""Bad requests get a 4xx with an OpenAI-style body naming the field; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_harness import MAX_MODEL_LEN, MODEL
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+
+
+def _with(base: dict, **changes) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        if value is _DROP:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+_DROP = object()
+
+CASES = [
+    # (id, path, body (dict or raw bytes), status, param)
+    ("malformed-json", COMPLETIONS, b'{"model": "tiny-llama", "prompt": ', 400, None),
+    ("body-not-object", CHAT, b"[1, 2, 3]", 400, None),
+    ("missing-model", COMPLETIONS, _with(OK_COMPLETION, model=_DROP), 400, "model"),
+    ("missing-prompt", COMPLETIONS, _with(OK_COMPLETION, prompt=_DROP), 400, "prompt"),
+    ("missing-messages", CHAT, _with(OK_CHAT, messages=_DROP), 400, "messages"),
+    ("unknown-field", COMPLETIONS, _with(OK_COMPLETION, frobnicate=1), 400, "frobnicate"),
+    ("wrong-type-temperature", COMPLETIONS, _with(OK_COMPLETION, temperature="hot"), 400, "temperature"),
+    ("wrong-type-max-tokens", CHAT, _with(OK_CHAT, max_tokens="ten"), 400, "max_tokens"),
+    ("wrong-type-stream", COMPLETIONS, _with(OK_COMPLETION, stream="yes"), 400, "stream"),
+    ("wrong-type-prompt", COMPLETIONS, _with(OK_COMPLETION, prompt={"text": "hi"}), 400, "prompt"),
+    ("bad-role", CHAT, _with(OK_CHAT, messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    ("empty-messages", CHAT, _with(OK_CHAT, messages=[]), 400, "messages"),
+    ("unknown-model", COMPLETIONS, _with(OK_COMPLETION, model="gpt-17"), 404, "model"),
+    ("unknown-model-chat", CHAT, _with(OK_CHAT, model="gpt-17"), 404, "model"),
+    ("negative-max-tokens", COMPLETIONS, _with(OK_COMPLETION, max_tokens=-1), 400, "max_tokens"),
+    ("zero-max-tokens", CHAT, _with(OK_CHAT, max_tokens=0), 400, "max_tokens"),
+    ("negative-max-completion-tokens", CHAT, _with(OK_CHAT, max_completion_tokens=-5), 400,
+     "max_completion_tokens"),
+    ("negative-temperature", COMPLETIONS, _with(OK_COMPLETION, temperature=-0.5), 400, "temperature"),
+    ("top-p-zero", COMPLETIONS, _with(OK_COMPLETION, top_p=0.0), 400, "top_p"),
+    ("top-p-above-one", CHAT, _with(OK_CHAT, top_p=1.5), 400, "top_p"),
+    ("n-two", COMPLETIONS, _with(OK_COMPLETION, n=2), 400, "n"),
+    ("negative-token-id", COMPLETIONS, _with(OK_COMPLETION, prompt=[1, -2]), 400, "prompt"),
+    ("token-id-outside-vocab", COMPLETIONS, _with(OK_COMPLETION, prompt=[1, 10**9]), 400, "prompt"),
+    ("empty-prompt", COMPLETIONS, _with(OK_COMPLETION, prompt=""), 400, "prompt"),
+    ("prompt-longer-than-context", COMPLETIONS, _with(OK_COMPLETION, prompt=[3] * MAX_MODEL_LEN), 400, "prompt"),
+    ("chat-prompt-longer-than-context", CHAT,
+     _with(OK_CHAT, messages=[{"role": "user", "content": "x" * (2 * MAX_MODEL_LEN)}]), 400, "messages"),
+    ("prompt-plus-max-tokens-over-context", COMPLETIONS,
+     _with(OK_COMPLETION, prompt=[3] * (MAX_MODEL_LEN - 10), max_tokens=11), 400, "max_tokens"),
+    ("chat-plus-max-tokens-over-context", CHAT, _with(OK_CHAT, max_tokens=MAX_MODEL_LEN), 400, "max_tokens"),
+    ("penalty-unsupported", CHAT, _with(OK_CHAT, presence_penalty=0.5), 400, "presence_penalty"),
+    ("empty-stop-string", COMPLETIONS, _with(OK_COMPLETION, stop=[""]), 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request_gets_openai_error_naming_the_field(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(f"{server.base_url}{path}", content=content,
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"] and error["type"]
+
+
+def test_limits_are_exact(server):
+    """prompt + max_tokens == max_model_len is allowed; one more is not."""
+    prompt = [3] * (MAX_MODEL_LEN - 4)
+    ok = httpx.post(f"{server.base_url}{COMPLETIONS}", timeout=30,
+                    json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 4
+    over = httpx.post(f"{server.base_url}{COMPLETIONS}", timeout=30,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 5})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+
+
+def test_openai_client_sees_errors_as_typed_exceptions(openai_client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        openai_client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as missing:
+        openai_client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["param"] == "model"
+
+
+def test_unknown_route_has_openai_body(server):
+    resp = httpx.get(f"{server.base_url}/v1/nothing-here")
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "not_found_error"
+
+
+def test_server_still_serves_after_bad_requests(server, openai_client):
+    for _ in range(3):
+        httpx.post(f"{server.base_url}{COMPLETIONS}", content=b"{{{", timeout=10)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    resp = openai_client.completions.create(model=MODEL, prompt="still alive", max_tokens=2, temperature=0)
+    assert resp.usage.completion_tokens >= 1

@@ -1,0 +1,82 @@
+"""The `shapeshift` console command: help without torch, option mapping, dispatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server_harness import shapeshift_command
+
+ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
+def test_help_lists_subcommands(tmp_path):
+    out = subprocess.run(shapeshift_command() + ["--help"], capture_output=True, text=True, env=ENV,
+                         cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in ("serve", "import-smollm2", "operator"):
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["import-smollm2", "--help"]])
+def test_help_does_not_import_torch(tmp_path, argv):
+    code = ("import sys\nfrom shapeshift.engine.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "heavy = [m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules]\n"
+            "assert not heavy, heavy\nprint('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+def test_serve_options_map_to_engine_config():
+    from shapeshift.engine.cli import build_parser, engine_config_kwargs
+    from shapeshift.engine.config import EngineConfig
+
+    args = build_parser().parse_args([
+        "serve", "--model", "tiny-llama", "--port", "9001", "--max-num-seqs", "3", "--max-model-len", "512",
+        "--dtype", "float32", "--device", "cpu", "--max-waiting", "7", "--no-prefix-caching"])
+    config = EngineConfig(**engine_config_kwargs(args))
+    assert (config.model, config.max_num_seqs, config.max_model_len, config.dtype, config.device) == \
+        ("tiny-llama", 3, 512, "float32", "cpu")
+    assert config.enable_prefix_caching is False
+    assert args.max_waiting == 7 and args.port == 9001
+    # Unset options keep EngineConfig's defaults.
+    defaults = EngineConfig(**engine_config_kwargs(build_parser().parse_args(["serve", "--model", "m"])))
+    assert defaults.max_num_seqs == EngineConfig(model="m").max_num_seqs
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--model", "tiny-llama", "--port", "70000"], "TCP port"),
+    (["serve", "--model", "tiny-llama", "--max-num-seqs", "0"], "positive integer"),
+    (["serve", "--model", "tiny-llama", "--dtype", "int3"], "invalid choice"),
+    (["serve", "--port", "8000"], "--model"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_message(argv, needle, tmp_path):
+    out = subprocess.run(shapeshift_command() + argv, capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                         timeout=60)
+    assert out.returncode == 2
+    assert needle in out.stderr
+
+
+def test_invalid_engine_settings_are_reported(tmp_path):
+    out = subprocess.run(shapeshift_command() + ["serve", "--model", "tiny-llama", "--block-size", "3"],
+                         capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert "block_size must be a power of two" in out.stderr
+
+
+def test_operator_subcommand_dispatches_to_operator_main(tmp_path):
+    """`shapeshift operator --help` reaches shapeshift.operator.main:main, which owns its arguments."""
+    import importlib.util
+
+    if importlib.util.find_spec("shapeshift.operator.main") is None:
+        pytest.skip("shapeshift.operator.main is not in the tree yet")
+    out = subprocess.run(shapeshift_command() + ["operator", "--help"], capture_output=True, text=True, env=ENV,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "operator" in (out.stdout + out.stderr).lower()

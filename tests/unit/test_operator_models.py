@@ -1,0 +1,120 @@
+"""Operator models: defaults, enums and the pydantic twins of the CRD's CEL rules."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shapeshift.operator import hardware
+from shapeshift.operator.models import (
+    CompileRunSpec,
+    CompileBudget,
+    ForwardPassSpec,
+    InferenceDeploymentSpec,
+    set_condition,
+    short_error,
+)
+
+
+def idep(**over):
+    base = {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200"}}
+    base.update(over)
+    return InferenceDeploymentSpec.model_validate(base)
+
+
+def test_defaults_fill_a_minimal_spec():
+    s = idep()
+    assert s.replicas == 1
+    assert s.engine.dtype == "bfloat16" and s.engine.kv_block_size == 16
+    assert s.compilation.policy == "Manual" and s.compilation.budget.wall_clock_seconds == 3600
+    assert s.rollout.strategy == "HotReload" and s.rollout.canary_replicas == 1
+    assert s.hardware.count == 1
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"hardware": {"accelerator": "tpu-v5"}}, "accelerator"),
+    ({"replicas": -1}, "replicas"),
+    ({"model": {}}, "exactly one of spec.model.preset or spec.model.pvc"),
+    ({"model": {"preset": "a", "pvc": {"claimName": "weights"}}}, "exactly one"),
+    ({"compilation": {"policy": "OnDrift"}}, "requires spec.compilation.drift"),
+    ({"compilation": {"policy": "OnDrift", "drift": {"promptLengthRelativeChange": 0}}}, "promptLengthRelativeChange|prompt_length"),
+    ({"compilation": {"budget": {"wallClockSeconds": -5}}}, "wallClockSeconds|wall_clock"),
+    ({"compilation": {"budget": {"wallClockSeconds": 0, "trials": 0}}}, "wallClockSeconds > 0 or trials > 0"),
+    ({"replicas": 2, "rollout": {"canaryReplicas": 3}}, "canaryReplicas must not exceed"),
+    ({"engine": {"maxBatchSize": 64, "maxNumBatchedTokens": 32}}, "maxNumBatchedTokens"),
+    ({"engine": {"kvBlockSize": 24}}, "kv_block_size|kvBlockSize"),
+    ({"engine": {"dtype": "int3"}}, "dtype"),
+    ({"surprise": 1}, "surprise"),
+])
+def test_invalid_inference_deployments_are_rejected(over, match):
+    with pytest.raises(ValidationError) as info:
+        idep(**over)
+    assert __import__("re").search(match, str(info.value)), str(info.value)
+
+
+def test_missing_model_source_is_rejected():
+    with pytest.raises(ValidationError, match="model"):
+        InferenceDeploymentSpec.model_validate({"hardware": {"accelerator": "cpu"}})
+
+
+def test_scaled_to_zero_allows_the_default_canary():
+    assert idep(replicas=0).rollout.canary_replicas == 1
+
+
+def test_every_accelerator_kind_is_accepted_and_has_a_table_entry():
+    for kind in hardware.ACCELERATORS:
+        assert idep(hardware={"accelerator": kind}).hardware.accelerator == kind
+    with pytest.raises(ValueError, match="supported kinds"):
+        hardware.accelerator("nvidia-a100")
+
+
+def test_compile_run_defaults_and_rules():
+    run = CompileRunSpec.model_validate({"deploymentRef": {"name": "llama"}})
+    assert [a.kind for a in run.agents] == ["coordinate-sweep", "evolutionary"]
+    assert run.budget.active_deadline_seconds == 3600 + 600
+    assert CompileBudget(wall_clock_seconds=0, trials=10).active_deadline_seconds is None
+    with pytest.raises(ValidationError, match="llm settings"):
+        CompileRunSpec.model_validate({"deploymentRef": {"name": "x"}, "agents": [{"kind": "llm"}]})
+    with pytest.raises(ValidationError, match="at most one"):
+        CompileRunSpec.model_validate({"deploymentRef": {"name": "x"}, "traffic": {"builtin": "chat", "prometheus": {}}})
+    with pytest.raises(ValidationError):
+        CompileRunSpec.model_validate({"deploymentRef": {"name": "x"}, "traffic": {"builtin": "weekend"}})
+
+
+def test_forward_pass_requires_a_real_sha256():
+    spec = {
+        "model": {"name": "tiny-llama"},
+        "hardware": {"accelerator": "nvidia-h200"},
+        "artifact": {"uri": "file:///b.tar", "sha256": "ab" * 32},
+        "verification": {"passed": True},
+        "recipe": {"attention": "triton", "tiles": {"m": 64}},
+    }
+    assert ForwardPassSpec.model_validate(spec).recipe["tiles"] == {"m": 64}
+    spec["artifact"]["sha256"] = "not-a-hash"
+    with pytest.raises(ValidationError, match="sha256"):
+        ForwardPassSpec.model_validate(spec)
+
+
+def test_wire_form_is_camel_case_and_round_trips():
+    s = idep(engine={"maxModelLen": 4096})
+    wire = s.to_wire()
+    assert wire["engine"]["maxModelLen"] == 4096 and "max_model_len" not in wire["engine"]
+    assert InferenceDeploymentSpec.model_validate(wire) == s
+
+
+def test_conditions_keep_transition_time_until_status_changes():
+    from datetime import datetime, timezone
+
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t1 = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    c = set_condition([], "Ready", "False", "Waiting", now=t0)
+    c = set_condition(c, "Ready", "False", "StillWaiting", "x", now=t1)
+    assert c[0].last_transition_time == t0 and c[0].reason == "StillWaiting"
+    c = set_condition(c, "Ready", "True", "Done", now=t1)
+    assert c[0].last_transition_time == t1 and len(c) == 1
+
+
+def test_short_error_names_the_wire_path():
+    with pytest.raises(ValidationError) as info:
+        idep(hardware={"accelerator": "tpu"})
+    assert "hardware.accelerator" in short_error(info.value)
