@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 logger = logging.getLogger("shapeshift.engine.async_engine")
@@ -147,6 +147,7 @@ class AsyncEngine:
         self._states: dict[str, _RequestState] = {}  # engine thread only
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
+        self._closed = False  # set (under _lock) once the loop stops taking requests
         self._consecutive_step_failures = 0
         self.last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="shapeshift-engine-loop", daemon=True)
@@ -188,11 +189,17 @@ class AsyncEngine:
 
         Must be called from a running event loop; outputs are delivered to it.
         """
-        healthy, reason = self.is_healthy()
-        if self._fatal is not None or self._stop.is_set() or not self._thread.is_alive():
-            raise EngineDeadError(reason)
         loop = asyncio.get_running_loop()
+        state = _RequestState(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+            loop=loop, queue=asyncio.Queue(),
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        # Check and enqueue under the lock the loop takes when it closes, so no
+        # request can slip into the queue after the final drain and wait forever.
         with self._lock:
+            if self._closed or self._stop.is_set():
+                healthy, reason = self.is_healthy()
+                raise EngineDeadError(reason if not healthy else "engine loop is stopping")
             if self._in_flight >= self.capacity:
                 raise EngineOverloadedError(
                     f"server is at capacity: {self._in_flight} requests in flight "
@@ -200,11 +207,7 @@ class AsyncEngine:
                     "retry later")
             self._in_flight += 1
             self._pending_adds += 1
-        state = _RequestState(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-            loop=loop, queue=asyncio.Queue(),
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        self._enqueue(("add", state))
+            self._enqueue(("add", state))
         return RequestStream(self, state)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -239,6 +242,8 @@ class AsyncEngine:
             self._fatal = exc
             logger.error("engine loop died:\n%s", traceback.format_exc())
         finally:
+            with self._lock:
+                self._closed = True
             reason = repr(self._fatal) if self._fatal is not None else "server is shutting down"
             self._fail_all(EngineDeadError(f"engine loop stopped: {reason}"), abort_in_engine=False)
             self._fail_pending_commands(EngineDeadError(f"engine loop stopped: {reason}"))

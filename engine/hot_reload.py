@@ -510,3 +510,8 @@ def _engine_bundle_digest(bundle: Any) -> str:
         except Exception:
             pass
     return str(getattr(bundle, "source_sha256", "") or "unknown")
+
+
+def import_stock_module() -> ModuleType:
+    """A private, isolated import of the stock forward.py (for passes derived from it)."""
+    return load_stock_isolated().module

@@ -120,7 +120,9 @@ class EngineMetrics:
         self._requests.labels(self.model_name, status).inc()
 
     def requests_counter_value(self, status: str) -> float:
-        return self._requests.labels(self.model_name, status)._value.get()
+        value = self.registry.get_sample_value("shapeshift_requests_total",
+                                               {"model": self.model_name, "status": status})
+        return 0.0 if value is None else value
 
     def set_forward_pass(self, name: str, sha256: str) -> None:
         if self._forward_pass_identity != (name, sha256):

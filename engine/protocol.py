@@ -362,7 +362,7 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
@@ -386,7 +386,7 @@ class CompletionResponse(BaseModel):
 
 class ChatTokenLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: float | None
     bytes: list[int] | None = None
     top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
 

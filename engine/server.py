@@ -74,7 +74,6 @@ DEFAULT_MAX_WAITING = 256
 # Prompts longer than this (characters) are tokenized off the event loop so a
 # 128K-token prompt does not stall every other connection.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
-DISCONNECT_POLL_SECONDS = 0.5
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed",
                     "stop_token_ids", "stop", "logprobs", "ignore_eos")
@@ -218,29 +217,33 @@ class _Handlers:
             raise
 
     async def collect(self, stream: RequestStream, first: Any, request: Request) -> list[Any]:
-        """All outputs of a non-streaming request; aborts if the client goes away."""
+        """All outputs of a non-streaming request; aborts it if the client goes away.
+
+        A watcher task waits on the ASGI receive channel, which (the body being
+        read) only yields `http.disconnect` when the client closes the connection.
+        """
         outputs = [first]
-        while not stream.finished:
-            nxt = asyncio.ensure_future(stream.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_SECONDS)
-                    if done:
-                        break
-                    if await request.is_disconnected():
-                        nxt.cancel()
-                        stream.abort()
-                        raise _ClientDisconnected()
-            except BaseException:
-                nxt.cancel()
-                stream.abort()
-                raise
-            try:
-                outputs.append(nxt.result())
-            except StopAsyncIteration:
-                break
-            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
-                raise self.stream_error(exc) from None
+        disconnected = asyncio.Event()
+
+        async def watch_disconnect() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    disconnected.set()
+                    stream.abort()  # delivers the end of the stream to the loop below
+                    return
+
+        watcher = asyncio.ensure_future(watch_disconnect())
+        try:
+            async for out in stream:
+                outputs.append(out)
+        except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+            raise self.stream_error(exc) from None
+        finally:
+            watcher.cancel()
+            stream.abort()  # no-op once finished; covers cancellation of this handler
+        if disconnected.is_set() and not outputs[-1].finished:
+            raise _ClientDisconnected()
         return outputs
 
     def token_text(self, token_id: int) -> str:
@@ -390,12 +393,14 @@ def _finish_reason(out: Any) -> str | None:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def _logprob_at(out: Any, i: int) -> float:
-    # RequestOutput.logprobs holds one value per token of `new_token_ids`.
+def _logprob_at(out: Any, i: int) -> float | None:
+    # RequestOutput.logprobs holds one value per token of `new_token_ids`;
+    # None (JSON null) where the engine gave none, since JSON has no NaN.
     lps = out.logprobs
     if lps is None or i >= len(lps):
-        return float("nan")
-    return float(lps[i])
+        return None
+    value = float(lps[i])
+    return value if value == value and abs(value) != float("inf") else None
 
 
 async def _prepend(first: Any, stream: RequestStream) -> AsyncIterator[Any]:

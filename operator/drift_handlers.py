@@ -6,7 +6,7 @@ Data flow of one check of one InferenceDeployment:
     PrometheusTraffic(url).observe(selector, window)  --> ObservedTraffic | TrafficQueryError
     active CompileRuns of the deployment (listed from the API)
         --run_check (drift.decide)--> CheckResult(decision, next state, observed)
-        --status_patch--> status.observedTraffic, status.drift, conditions TrafficObserved + Drifted
+        --drift_status_update--> status.observedTraffic, status.drift, conditions TrafficObserved + Drifted
         --decision Compile and policy OnDrift--> build_drift_compile_run --> CompileRun owned by the
           deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score
 
@@ -36,9 +36,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping
 
 import kopf
+from kubernetes.client import ApiException
 
 from shapeshift.engine.traffic import TrafficProfile, builtin_profile
 from shapeshift.operator.builders import LABEL_DEPLOYMENT, MANAGED_BY, Parent
+from shapeshift.operator.kube import Kube, new_api_client
 from shapeshift.operator.drift import (
     Compile,
     CompileInProgress,
@@ -62,7 +64,6 @@ from shapeshift.operator.models import (
     DriftThresholds,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
-    set_condition,
 )
 from shapeshift.operator.prometheus import (
     ObservedTraffic,
@@ -70,6 +71,7 @@ from shapeshift.operator.prometheus import (
     SeriesSelector,
     TrafficQueryError,
 )
+from shapeshift.operator.status import StatusUpdate
 
 __all__ = [
     "CheckResult",
@@ -83,7 +85,7 @@ __all__ = [
     "run_check",
     "selector_for",
     "state_from_status",
-    "status_patch",
+    "drift_status_update",
 ]
 
 log = logging.getLogger(__name__)
@@ -208,44 +210,45 @@ def _drift_message(decision: Decision) -> tuple[str, str, str]:
     return "True", "DriftPersisted", decision.reason
 
 
-def status_patch(
+def drift_status_update(
     result: CheckResult,
     status: InferenceDeploymentStatus,
     *,
     now: datetime,
     compile_run: str | None = None,
     compile_blocked: str | None = None,
-) -> dict[str, Any]:
-    """The status fields one check writes (a merge patch, camelCase).
+) -> StatusUpdate:
+    """The status fields and conditions one check writes (camelCase wire names).
 
     ``compile_run``: the CompileRun created by this check. ``compile_blocked``:
     why a Compile decision created nothing (policy Manual).
     """
     decision = result.decision
-    conditions = list(status.conditions or [])
-    patch: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
+    conditions: list[tuple[str, Any, str, str]] = []
     if result.observed is not None:
-        patch["observedTraffic"] = result.observed.profile.to_dict()
+        fields["observedTraffic"] = result.observed.profile.to_dict()
         q = result.observed.quality
-        conditions = set_condition(
-            conditions, CONDITION_TRAFFIC, "True", "Observed",
-            f"{q.requests:.0f} requests from {q.targets} target(s) over {q.window_seconds}s", now=now)
-    if isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS:
-        conditions = set_condition(conditions, CONDITION_TRAFFIC, "False", decision.reason, decision.message, now=now)
+        conditions.append((CONDITION_TRAFFIC, "True", "Observed",
+                           f"{q.requests:.0f} requests from {q.targets} target(s) over {q.window_seconds}s"))
+    elif isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS:
+        conditions.append((CONDITION_TRAFFIC, "False", decision.reason, decision.message))
 
     status_value, reason, message = _drift_message(decision)
     if isinstance(decision, Compile):
         if compile_run is not None:
             reason, message = "CompileRunCreated", f"created CompileRun {compile_run}: {decision.reason}"
         elif compile_blocked is not None:
-            reason, message = "DriftPersisted", f"{decision.reason} ({compile_blocked})"
-    conditions = set_condition(conditions, CONDITION_DRIFT, status_value, reason, message, now=now)
+            message = f"{decision.reason} ({compile_blocked})"
+    conditions.append((CONDITION_DRIFT, status_value, reason, message))
 
-    drift: dict[str, Any] = {
-        "consecutiveChecks": result.state.consecutive,
-        "lastCheckTime": _iso(now),
-    }
-    if not isinstance(decision, NoData):
+    # Missing data keeps the last score and changes on display (with their check time);
+    # only the counter, the check time and `exceeded` say that this check judged nothing.
+    drift: dict[str, Any] = status.drift.to_wire() if status.drift else {}
+    drift.update({"consecutiveChecks": result.state.consecutive, "lastCheckTime": _iso(now)})
+    if isinstance(decision, NoData):
+        drift.pop("exceeded", None)
+    else:
         by_name = {d.name: d for d in decision.dimensions}
         drift.update({
             "score": round(decision.score, 6),
@@ -254,15 +257,15 @@ def status_patch(
             "exceeded": any(d.exceeded for d in decision.dimensions),
         })
         hit = by_name.get("prefixCacheHitRate")
-        drift["prefixCacheHitRateChange"] = None if hit is None else round(hit.change, 6)
-    else:
-        drift["exceeded"] = None
-    patch["drift"] = drift
-    patch["conditions"] = [c.to_wire() for c in conditions]
+        if hit is None:
+            drift.pop("prefixCacheHitRateChange", None)
+        else:
+            drift["prefixCacheHitRateChange"] = round(hit.change, 6)
+    fields["drift"] = drift
     if compile_run is not None:
-        patch["lastCompileRun"] = compile_run
-        patch["lastCompileTime"] = _iso(now)
-    return patch
+        fields["lastCompileRun"] = compile_run
+        fields["lastCompileTime"] = _iso(now)
+    return StatusUpdate(fields=fields, conditions=conditions)
 
 
 def drift_compile_run_name(deployment: str, now: datetime) -> str:
@@ -318,21 +321,13 @@ def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: 
 
 # ---- the kopf timer --------------------------------------------------------------------------
 
-_custom_objects = None
 
-
-def _custom_objects_api():
-    """A CustomObjectsApi, configured in-cluster or from $KUBECONFIG, created once."""
-    global _custom_objects
-    if _custom_objects is None:
-        import kubernetes
-
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        _custom_objects = kubernetes.client.CustomObjectsApi()
-    return _custom_objects
+def _kube(memo: kopf.Memo) -> Kube:
+    """The Kube of the operator's startup handler, or one of our own when run on its own."""
+    kube = getattr(memo, "kube", None)
+    if kube is None:
+        kube = memo.kube = Kube(new_api_client())
+    return kube
 
 
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
@@ -342,7 +337,7 @@ def drift_check(
     name: str,
     namespace: str,
     body: kopf.Body,
-    patch: kopf.Patch,
+    memo: kopf.Memo,
     logger: logging.Logger,
     **_: Any,
 ) -> None:
@@ -356,8 +351,12 @@ def drift_check(
     if not _due(typed_status, typed_spec, now):
         return
     settings = DriftSettings.from_env()
-    api = _custom_objects_api()
-    runs = api.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    kube = _kube(memo)
+    try:
+        runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    except ApiException as err:
+        raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
+                                  delay=15) from err
     active = active_compile_run(runs, name)
     url = typed_spec.prometheus_url or settings.prometheus_url
     window = timedelta(seconds=thresholds_of(typed_spec).window_seconds)
@@ -371,10 +370,11 @@ def drift_check(
         with PrometheusTraffic(url, timeout_seconds=settings.query_timeout_seconds) as prom:
             return prom.observe(selector, window, at=now, name=f"{name}-observed")
 
+    policy = policy_from_spec(typed_spec, settings)
     result = run_check(
         observe=observe,
         baseline=baseline_for(typed_spec, typed_status),
-        policy=policy_from_spec(typed_spec, settings),
+        policy=policy,
         state=state_from_status(typed_status),
         active_compile_run=active,
         now=now,
@@ -384,23 +384,25 @@ def drift_check(
     blocked: str | None = None
     if isinstance(decision, Compile):
         if typed_spec.compilation.policy == "OnDrift":
-            created = _create_compile_run(api, build_drift_compile_run(Parent.from_body(body), typed_spec, decision, now))
-            kopf.info(body, reason="CompileRunCreated", message=f"drift persisted, created CompileRun {created}: "
-                                                                 f"{decision.reason}")
+            run = build_drift_compile_run(Parent.from_body(body), typed_spec, decision, now)
+            created = _create_compile_run(kube, run)
+            kopf.info(body, reason="CompileRunCreated",
+                      message=f"drift persisted, created CompileRun {created}: {decision.reason}"[:1000])
         else:
             blocked = "policy Manual: create a CompileRun to act on it, or set spec.compilation.policy OnDrift"
             # Under Manual nothing starts a cooldown: keep the counter at its ceiling instead.
-            result = CheckResult(decision, DriftState(consecutive=policy_from_spec(typed_spec, settings)
-                                                      .consecutive_checks,
+            result = CheckResult(decision, DriftState(consecutive=policy.consecutive_checks,
                                                       last_compile_at=typed_status.last_compile_time),
                                  result.observed)
     previous = _condition(typed_status, CONDITION_TRAFFIC)
     if (isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS
             and (previous is None or previous.reason != decision.reason)):
         kopf.warn(body, reason=decision.reason, message=decision.message[:1000])
-    for key, value in status_patch(result, typed_status, now=now, compile_run=created,
-                                   compile_blocked=blocked).items():
-        patch.status[key] = value
+    update = drift_status_update(result, typed_status, now=now, compile_run=created, compile_blocked=blocked)
+    try:
+        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
+    except ApiException as err:
+        raise kopf.TemporaryError(f"writing drift status failed ({err.status} {err.reason})", delay=15) from err
     logger.info("drift check: %s%s", decision.kind, f" -> CompileRun {created}" if created else "")
 
 
@@ -412,13 +414,11 @@ def _condition(status: InferenceDeploymentStatus, type_: str) -> Condition | Non
     return next((c for c in status.conditions or [] if c.type == type_), None)
 
 
-def _create_compile_run(api: Any, body: dict[str, Any]) -> str:
+def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:
     """Create the CompileRun; one that already exists under the same name (a retried check) is kept."""
-    from kubernetes.client.exceptions import ApiException
-
     meta = body["metadata"]
     try:
-        api.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], COMPILE_RUN.plural, body)
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], COMPILE_RUN.plural, body)
     except ApiException as err:
         if err.status != 409:
             raise kopf.TemporaryError(

@@ -58,10 +58,12 @@ class StatusModel(WireModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
 
-def _default_object() -> dict[str, Any]:
-    # A nested object whose own fields all have defaults gets `default: {}` in the CRD,
-    # so the API server applies the inner defaults even when the user omits it.
-    return {"default": {}}
+def _default_of(model: type[WireModel]) -> dict[str, Any]:
+    """CRD `default` of a nested object whose fields all default: the full default
+    object, so the API server fills it in when the user omits it. (A bare `{}` is
+    not enough: the API server checks defaults against CEL rules without applying
+    the inner defaults first.)"""
+    return {"default": model().to_wire()}
 
 
 # ---- shared pieces ------------------------------------------------------------------------
@@ -290,7 +292,7 @@ class CompilationPolicy(WireModel):
     policy: Literal["Manual", "OnDrift"] = Field(default="Manual", description="Manual: only CompileRuns you create. OnDrift: also when traffic drifts.")
     drift: DriftThresholds | None = Field(default=None, description="Drift thresholds (required for OnDrift).")
     cooldown_seconds: int = Field(default=3600, ge=0, le=30 * 86400, description="Least time between two automatic CompileRuns.")
-    budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=_default_object(),
+    budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=_default_of(CompileBudget),
                                   description="Budget of automatic CompileRuns.")
 
     @model_validator(mode="after")
@@ -325,13 +327,13 @@ class InferenceDeploymentSpec(WireModel):
         }
     )
     model: ModelSource = Field(description="Model weights to serve.")
-    engine: EngineSettings = Field(default_factory=EngineSettings, json_schema_extra=_default_object(),
+    engine: EngineSettings = Field(default_factory=EngineSettings, json_schema_extra=_default_of(EngineSettings),
                                    description="Engine server settings.")
     hardware: HardwareSpec = Field(description="Accelerator pool of the serving pods.")
     replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine server pods.")
-    compilation: CompilationPolicy = Field(default_factory=CompilationPolicy, json_schema_extra=_default_object(),
+    compilation: CompilationPolicy = Field(default_factory=CompilationPolicy, json_schema_extra=_default_of(CompilationPolicy),
                                            description="When to compile new forward passes.")
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default_object(),
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_default_of(RolloutSpec),
                                  description="How verified forward passes are rolled out.")
     traffic_profile: BuiltinTrafficProfile | None = Field(
         default=None, description="Traffic assumed before any is observed (a built-in profile)."
@@ -535,21 +537,21 @@ class CompileRunSpec(WireModel):
     )
     deployment_ref: DeploymentRef = Field(description="The InferenceDeployment to compile for.")
     hardware: HardwareSpec | None = Field(default=None, description="Pool to compile on (default: the deployment's).")
-    traffic: TrafficSource = Field(default_factory=TrafficSource, json_schema_extra=_default_object(),
+    traffic: TrafficSource = Field(default_factory=TrafficSource, json_schema_extra=_default_of(TrafficSource),
                                    description="Traffic to optimise for.")
-    budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=_default_object(), description="Limits of the search.")
+    budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=_default_of(CompileBudget), description="Limits of the search.")
     agents: list[AgentSpec] = Field(
         default_factory=lambda: [AgentSpec(kind="coordinate-sweep"), AgentSpec(kind="evolutionary")],
         max_length=16,
         json_schema_extra={"default": [{"kind": "coordinate-sweep", "replicas": 1}, {"kind": "evolutionary", "replicas": 1}]},
         description="Search agents, run concurrently on one message board.",
     )
-    tiers: TierSpec = Field(default_factory=TierSpec, json_schema_extra=_default_object(), description="Measurement tiers.")
-    verification: VerificationSpec = Field(default_factory=VerificationSpec, json_schema_extra=_default_object(),
+    tiers: TierSpec = Field(default_factory=TierSpec, json_schema_extra=_default_of(TierSpec), description="Measurement tiers.")
+    verification: VerificationSpec = Field(default_factory=VerificationSpec, json_schema_extra=_default_of(VerificationSpec),
                                            description="Verification of the champion.")
-    baseline: BaselineSpec = Field(default_factory=BaselineSpec, json_schema_extra=_default_object(), description="What to beat.")
+    baseline: BaselineSpec = Field(default_factory=BaselineSpec, json_schema_extra=_default_of(BaselineSpec), description="What to beat.")
     backoff_limit: int = Field(default=1, ge=0, le=10, description="Retries of the compile pod before the run fails.")
-    trigger: CompileTrigger = Field(default_factory=CompileTrigger, json_schema_extra=_default_object(), description="Why the run exists.")
+    trigger: CompileTrigger = Field(default_factory=CompileTrigger, json_schema_extra=_default_of(CompileTrigger), description="Why the run exists.")
     image: str | None = Field(default=None, max_length=512, description="Compile worker image (default: the deployment's engine image).")
 
 
@@ -666,7 +668,7 @@ class ForwardPassSpec(WireModel):
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
         description="Knob values (free-form: kernel variants, tile configs, batch buckets ...).",
     )
-    metrics: ForwardPassMetrics = Field(default_factory=ForwardPassMetrics, json_schema_extra=_default_object(),
+    metrics: ForwardPassMetrics = Field(default_factory=ForwardPassMetrics, json_schema_extra=_default_of(ForwardPassMetrics),
                                         description="Measured performance.")
     verification: VerificationReport = Field(description="Verification report.")
     reasoning: list[ReasoningNote] | None = Field(default=None, max_length=64, description="The agents' reasoning.")

@@ -79,7 +79,7 @@ class Board:
         entry = {"kind": kind, "id": uuid.uuid4().hex[:16], "ts": time.time(), "pid": os.getpid(), **fields}
         line = (json.dumps(entry, sort_keys=True, default=str) + "\n").encode("utf-8")
         with self._thread_lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 try:

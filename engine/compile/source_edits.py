@@ -10,6 +10,8 @@ one. The result is one self-contained module, shipped as a bundle like any other
 held to the same verification gates: an edit that changes the numbers is rejected there.
 
 Edits:
+  split_mixed_attention  in mixed prefill+decode batches, the decode rows attend in one batched
+                 call instead of one call per sequence (the stock loop is kept for prefill rows)
   fused_qkv      q/k/v projections as one GEMM over a concatenated weight (derived table,
                  built once in ``build``; costs one extra copy of the attention weights)
   fused_gate_up  gate/up projections of the dense MLP as one GEMM, then SiLU-and-mul
@@ -29,7 +31,7 @@ class SourceEdit:
     block: str  # Python source appended to the module
     cuda_only: bool = False
     families: tuple[str, ...] = ()  # empty: every family
-    requires_class: str = "StockForwardPass"
+    requires: str = "class StockForwardPass"  # text the module must contain for the edit to apply
 
 
 _FUSED_QKV = '''
@@ -140,9 +142,62 @@ class StockForwardPass(_BaseBeforeTritonKernels):  # noqa: F811
         return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
 '''
 
+_SPLIT_MIXED_ATTENTION = '''
+# ---- source edit: split_mixed_attention (decode rows of a mixed batch in one batched call) ----
+from shapeshift.engine.attention import paged_decode_attention as _batched_decode_attention
+
+_paged_attention_before_split = paged_attention
+
+
+def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds the module's attention on purpose
+    """Mixed batches: sequences with one new token go through the batched decode path together;
+    only sequences with several new tokens take the per-sequence prefill loop.
+
+    q: [T, Hq, D] -> [T, Hq, D].
+    """
+    qsl, lens = ctx.query_start_loc_cpu, ctx.context_lens_cpu
+    if not ctx.is_prefill or qsl is None or lens is None:
+        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale)
+    decode_seqs = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    if len(decode_seqs) < 2:
+        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(q)
+    rows = torch.tensor([qsl[i] for i in decode_seqs], device=q.device)  # [Bd] token rows
+    seqs = torch.tensor(decode_seqs, device=q.device)  # [Bd]
+    out[rows] = _batched_decode_attention(q[rows], k_cache, v_cache, ctx.block_tables[seqs],
+                                          ctx.context_lens[seqs], scale)
+    decode_set = set(decode_seqs)
+    for i, context_len in enumerate(lens):
+        if i in decode_set:
+            continue
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = ctx.block_tables[i, :num_blocks]
+        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:context_len]  # [S, Hkv, D]
+        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:context_len]
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        if q_len == context_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            offset = context_len - q_len
+            allowed = torch.arange(context_len, device=q.device)[None, :] <= (
+                torch.arange(q_len, device=q.device)[:, None] + offset)  # [L, S] bottom-right causal
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+'''
+
 EDITS: dict[str, SourceEdit] = {
     e.name: e
     for e in (
+        SourceEdit("split_mixed_attention", "mixed prefill+decode batches: all decode rows in one batched "
+                   "attention call instead of one call per sequence", _SPLIT_MIXED_ATTENTION,
+                   requires="paged_attention("),
         SourceEdit("fused_qkv", "q/k/v projections as one GEMM over a concatenated weight", _FUSED_QKV),
         SourceEdit("fused_gate_up", "MLP gate/up projections as one GEMM (dense models)", _FUSED_GATE_UP,
                    families=("llama",)),
@@ -167,8 +222,8 @@ def apply_edits(source: str, names: list[str] | tuple[str, ...]) -> str:
         if name not in names:
             continue
         edit = EDITS[name]
-        if f"class {edit.requires_class}" not in source:
+        if edit.requires not in source:
             raise SourceEditError(
-                f"source edit {name!r} extends class {edit.requires_class}, which this forward.py does not define")
+                f"source edit {name!r} needs {edit.requires!r} in forward.py, which this module lacks")
         out = out.rstrip("\n") + "\n\n" + edit.block.strip("\n") + "\n"
     return out

@@ -45,18 +45,20 @@ TENSOR_METHODS = ("__matmul__", "argmax", "float", "copy_", "clone", "sum", "tol
                   "isfinite", "equal", "allclose", "index_copy_")
 
 
+def _lookup(owner: str, attr: str) -> Any:
+    target = _resolve(owner)
+    return getattr(target, attr, None)
+
+
 def _snapshot() -> dict[tuple[str, str], Any]:
     snap: dict[tuple[str, str], Any] = {}
     for modname, attrs in PATCH_TARGETS.items():
-        mod = sys.modules.get(modname) or importlib.import_module(modname)
         for attr in attrs:
-            if hasattr(mod, attr):
-                snap[(modname, attr)] = getattr(mod, attr)
+            snap[(modname, attr)] = _lookup(modname, attr)
     for attr in TENSOR_METHODS:
-        snap[("torch.Tensor", attr)] = torch.Tensor.__dict__.get(attr, getattr(torch.Tensor, attr, None))
-    if hasattr(torch.cuda, "Event"):
-        for attr in ("elapsed_time", "record", "synchronize"):
-            snap[("torch.cuda.Event", attr)] = torch.cuda.Event.__dict__.get(attr)
+        snap[("torch.Tensor", attr)] = _lookup("torch.Tensor", attr)
+    for attr in ("elapsed_time", "record", "synchronize"):
+        snap[("torch.cuda.Event", attr)] = _lookup("torch.cuda.Event", attr)
     return snap
 
 
@@ -88,10 +90,8 @@ def restore_patched() -> list[str]:
     """Put every patched reference back (a cheating candidate must not leave the process broken)."""
     restored = []
     for (owner, attr), obj in _REFERENCE.items():
-        target = _resolve(owner)
-        current = target.__dict__.get(attr) if isinstance(target, type) else getattr(target, attr, None)
-        if current is not obj and obj is not None:
-            setattr(target, attr, obj)
+        if _lookup(owner, attr) is not obj and obj is not None:
+            setattr(_resolve(owner), attr, obj)
             restored.append(f"{owner}.{attr}")
     return restored
 

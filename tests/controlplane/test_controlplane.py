@@ -131,7 +131,7 @@ def test_pod_without_toleration_never_lands_on_a_tainted_pool(cluster, namespace
     assert pools == {"cpu"}
 
     # Forced at the GPU pool without a toleration, a pod stays Pending, and the
-    # scheduler names the taint that keeps it out.
+    # scheduler says a taint keeps it out.
     cluster.core.create_namespaced_pod(namespace, pod_manifest("pinned", node_selector={POOL_LABEL: "h200"}))
 
     def unschedulable():
@@ -143,7 +143,14 @@ def test_pod_without_toleration_never_lands_on_a_tainted_pool(cluster, namespace
 
     pod, condition = wait_until(unschedulable, 30, "the scheduler to report pod pinned Unschedulable")
     assert pod.spec.node_name is None
-    assert "nvidia.com/gpu" in condition.message and "taint" in condition.message, condition.message
+    assert "untolerated taint" in condition.message, condition.message
+
+    # The same pod with the GPU pool's toleration is scheduled there: the taint was the blocker.
+    gpu_toleration = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    cluster.core.create_namespaced_pod(
+        namespace, pod_manifest("tolerating", node_selector={POOL_LABEL: "h200"}, tolerations=gpu_toleration)
+    )
+    assert pool_of(cluster, wait_scheduled(cluster, namespace, "tolerating").spec.node_name) == "h200"
 
 
 def test_service_account_without_role_is_denied(cluster, namespace):

@@ -27,7 +27,7 @@ import pytest
 from harness.controlplane import _die_with_parent, free_port
 from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
-from shapeshift.operator.drift_handlers import CheckResult, run_check, status_patch
+from shapeshift.operator.drift_handlers import CheckResult, drift_status_update, run_check
 from shapeshift.operator.models import InferenceDeploymentStatus
 from shapeshift.operator.prometheus import (
     NoTrafficData,
@@ -35,6 +35,8 @@ from shapeshift.operator.prometheus import (
     PrometheusUnreachable,
     SeriesSelector,
 )
+
+pytestmark = pytest.mark.slow
 
 EXPORTER = Path(__file__).with_name("metrics_exporter.py")
 MODEL = "tiny-llama"
@@ -154,14 +156,14 @@ def test_observed_profile_follows_prompt_lengths_and_hit_rate(scraped):
     assert second.decision.snapshot.prompt_length.p50 == long.profile.prompt_length.p50
     assert second.state.last_compile_at == now + timedelta(seconds=60)
 
-    status = status_patch(second, InferenceDeploymentStatus(), now=now, compile_run="llama-drift-1")
+    update = drift_status_update(second, InferenceDeploymentStatus(), now=now, compile_run="llama-drift-1")
+    status = update.fields
     assert status["drift"]["exceeded"] is True
     assert status["drift"]["promptLengthRelativeChange"]["p50"] > 3  # ~24 -> ~190 tokens
     assert status["drift"]["prefixCacheHitRateChange"] == pytest.approx(-0.5, abs=0.05)
     assert status["lastCompileRun"] == "llama-drift-1"
-    conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["TrafficObserved"]["status"] == "True"
-    assert conditions["Drifted"]["reason"] == "CompileRunCreated"
+    assert update.condition("TrafficObserved")[1] == "True"
+    assert update.condition("Drifted")[1:3] == ("True", "CompileRunCreated")
     assert InferenceDeploymentStatus.model_validate(status).observed_traffic is not None
 
 
@@ -186,14 +188,13 @@ def test_prometheus_unreachable_is_no_data_and_never_compiles(scraped):
     assert result.state.consecutive == 0
     assert result.observed is None
 
-    status = status_patch(result, InferenceDeploymentStatus(), now=datetime.now(timezone.utc))
-    conditions = {c["type"]: c for c in status["conditions"]}
-    assert conditions["TrafficObserved"]["status"] == "False"
-    assert conditions["TrafficObserved"]["reason"] == "PrometheusUnreachable"
-    assert url in conditions["TrafficObserved"]["message"]
-    assert conditions["Drifted"]["status"] == "Unknown"
-    assert "lastCompileRun" not in status
-    assert "observedTraffic" not in status
+    update = drift_status_update(result, InferenceDeploymentStatus(), now=datetime.now(timezone.utc))
+    _, traffic_status, traffic_reason, traffic_message = update.condition("TrafficObserved")
+    assert (traffic_status, traffic_reason) == ("False", "PrometheusUnreachable")
+    assert url in traffic_message
+    assert update.condition("Drifted")[1] == "Unknown"
+    assert "lastCompileRun" not in update.fields
+    assert "observedTraffic" not in update.fields
 
 
 def test_window_without_requests_is_no_data(scraped):

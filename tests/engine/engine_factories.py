@@ -79,7 +79,8 @@ def make_engine(model: str | Path, **overrides: Any) -> LLMEngine:
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """HF greedy continuation and the float32 logits [N, V] it chose from."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.cat([l.float() for l in out.logits], dim=0)

@@ -457,7 +457,7 @@ def _pid_runs(pid: int, binary: str) -> bool:
     return pid_alive(pid) and Path(cmdline).name == binary
 
 
-def stop_pids(pids: dict[str, int], grace_s: float = 10.0) -> None:
+def stop_pids(pids: dict[str, int], grace_s: float = 10.0, self_dir_hint="") -> None:
     """SIGTERM each recorded process (reverse start order), then SIGKILL stragglers."""
     ordered = [(name, pids[name]) for name in STOP_ORDER if name in pids]
     for name, pid in ordered:
@@ -471,6 +471,7 @@ def stop_pids(pids: dict[str, int], grace_s: float = 10.0) -> None:
         while pid_alive(pid) and time.monotonic() < deadline:
             _reap(pid)
             time.sleep(0.05)
+        print("DEBUG stop", name, round(time.monotonic() - deadline + grace_s, 2), pid_alive(pid), open(f"/proc/{pid}/stat").read()[:60] if os.path.exists(f"/proc/{pid}") else "-", self_dir_hint, file=sys.stderr)
         if _pid_runs(pid, name):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -662,6 +663,7 @@ class ControlPlane:
                 # `kubernetes` Endpoints, which rejects loopback addresses.
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                "--v=3",
             ],
         )
 

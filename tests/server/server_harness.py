@@ -41,12 +41,12 @@ def shapeshift_command() -> list[str]:
 class ServerProcess:
     """`shapeshift serve` in a subprocess; `base_url` once `/health` answers 200."""
 
-    def __init__(self, extra_args: list[str], log_path: Path) -> None:
+    def __init__(self, extra_args: list[str], log_path: Path, model: str = MODEL) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = shapeshift_command() + [
-            "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+            "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS),
             "--device", "cpu", "--log-level", "warning", *extra_args]
         self.proc: subprocess.Popen | None = None

@@ -27,7 +27,7 @@ class BayesAgent(Agent):
     def __init__(self, *args, n_startup_trials: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
         self.sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=n_startup_trials,
-                                                  multivariate=True, warn_independent_sampling=False)
+                                                  multivariate=True)
         self.study = optuna.create_study(direction="maximize", sampler=self.sampler)
         # Categorical over value indices: knob values may be dicts (kernel configs), which
         # optuna's categorical distribution cannot hold.

@@ -1,0 +1,194 @@
+"""`shapeshift compile`: search for a faster forward pass, verify it, publish it.
+
+Data flow:
+    flags (or a CompileRun read from the API with --compile-run ns/name)
+      -> TrafficProfile + EvaluatorSettings + Budget + agents
+      -> champion registry: nearest champions seed the run
+      -> CompileLoop over the real EngineEvaluator (fast tier, full tier, gates)
+      -> OUT/board.jsonl (every trial, resumable), OUT/champion/ (verified bundle),
+         OUT/report.json + OUT/report.md, registry entry (local folder or ForwardPass object)
+      -> with --compile-run: progress and results patched into the CompileRun's status
+
+With no flags it runs the embedded default: tiny-llama, the chat profile, 12 trials, the
+three offline agents, on this machine's CPU or GPU. Running again with the same --out
+resumes from the board.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("shapeshift.compile")
+
+DEFAULT_AGENTS = "sweep,evolve,bayes"
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '15m', '1h', '1h30m' -> seconds."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(f"duration {text!r} is not like 90s, 15m, 1h or 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shapeshift compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llama", help="preset name or model folder (default: %(default)s)")
+    p.add_argument("--profile", default="chat",
+                   help="traffic profile: chat, agentic-long-context, burst or a YAML file (default: %(default)s)")
+    p.add_argument("--budget-trials", type=int, default=None, help="candidates to screen (default: 12 unless --budget)")
+    p.add_argument("--budget-seconds", type=float, default=None, help="wall-clock limit in seconds")
+    p.add_argument("--budget", type=parse_duration, default=None, help="wall-clock limit as a duration (15m, 1h)")
+    p.add_argument("--agents", default=DEFAULT_AGENTS, help="comma list of sweep, evolve, bayes, llm (default: %(default)s)")
+    p.add_argument("--out", default="shapeshift-compile-out", help="output folder; an existing board there is resumed")
+    p.add_argument("--registry", default=None, help="champion registry folder (default: OUT/../shapeshift-registry)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--max-model-len", type=int, default=None, help="context of the measuring engines (default: 1024 on CPU, 8192 on GPU)")
+    p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast tier (default: a quarter)")
+    p.add_argument("--screen-repeats", type=int, default=3)
+    p.add_argument("--confirm-repeats", type=int, default=3)
+    p.add_argument("--screen-requests", type=int, default=None)
+    p.add_argument("--confirm-requests", type=int, default=None)
+    p.add_argument("--deterministic", action="store_true", help="drive the agents round-robin (reproducible order)")
+    p.add_argument("--llm-url", default=None, help="OpenAI-compatible base URL for the llm agent (e.g. http://host:8000/v1)")
+    p.add_argument("--llm-model", default=None, help="model name for the llm agent")
+    p.add_argument("--llm-key-file", default=None, help="file holding the API key (e.g. a mounted Secret)")
+    p.add_argument("--compile-run", default=None, help="NAMESPACE/NAME of a CompileRun to read and report to")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for --compile-run (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--no-registry", action="store_true", help="neither seed from nor publish to the registry")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def _resolve_profile(text: str):
+    from ..traffic import load_profile
+
+    try:
+        return load_profile(text)
+    except (KeyError, FileNotFoundError) as exc:
+        raise SystemExit(f"shapeshift compile: {exc.args[0] if exc.args else exc}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_ref = None
+    if args.compile_run:
+        from .worker import CompileRunContext
+
+        run_ref = CompileRunContext.connect(args.compile_run, args.kubeconfig)
+        run_ref.apply_to_args(args)
+    try:
+        return run(args, run_ref)
+    except Exception as exc:
+        if run_ref is not None:
+            run_ref.fail(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def run(args: argparse.Namespace, run_ref: Any = None) -> int:
+    from .agents import make_agents
+    from .board import Board, format_leaderboard
+    from .evaluator import EngineEvaluator, EvaluatorSettings
+    from .loop import Budget, CompileLoop, LoopConfig, write_report
+    from .registry import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
+
+    profile = args.profile if not isinstance(args.profile, str) else _resolve_profile(args.profile)
+    seconds = args.budget_seconds if args.budget_seconds is not None else args.budget
+    trials = args.budget_trials if args.budget_trials is not None else (None if seconds else 12)
+    budget = Budget(max_trials=trials, max_seconds=seconds)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = not device.startswith("cuda")
+    settings = EvaluatorSettings(
+        model=args.model, device=device, dtype=args.dtype,
+        max_model_len=args.max_model_len or (512 if cpu else 8192), fast_layers=args.fast_layers,
+        screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats,
+        screen_requests=args.screen_requests or (12 if cpu else 64),
+        confirm_requests=args.confirm_requests or (32 if cpu else 256),
+        length_scale=None, seed=args.seed, work_dir=str(out / "work"))
+    evaluator = EngineEvaluator(profile, settings)
+    space = evaluator.space()
+    board = Board(out / "board.jsonl")
+    agent_names = [a.strip() for a in args.agents.split(",") if a.strip()]
+    llm = None
+    if "llm" in agent_names:
+        llm = {"base_url": args.llm_url, "model": args.llm_model or "default", "api_key_file": args.llm_key_file,
+               "stock_source": evaluator.stock_source,
+               "context": f"Model {args.model}, traffic {profile.name}, device {device}."}
+    agents = make_agents(agent_names, space, board, seed=args.seed, llm=llm)
+
+    mc = evaluator.model_config()
+    signature = model_signature(mc)
+    hardware = evaluator.hardware()
+    registry = None if args.no_registry else LocalRegistry(args.registry or out.parent / "shapeshift-registry")
+    seeds = []
+    if registry is not None:
+        for entry in registry.nearest_champions(signature, hardware, profile, k=3, family=mc.family):
+            cand = entry.candidate()
+            seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
+        if seeds:
+            log.info("seeding with %d champion(s) from %s", len(seeds), registry.root)
+
+    on_status = run_ref.patch_status if run_ref is not None else None
+    loop = CompileLoop(evaluator, space, board, agents, budget,
+                       LoopConfig(seed=args.seed, deterministic=args.deterministic), on_status, seeds)
+    result = loop.run()
+
+    context = {"model": args.model, "profile": profile.name, "device": device, "signature": signature,
+               "hardware": hardware, "regime": TrafficRegime.of(profile).key, "evaluator": evaluator.describe()}
+    exported = None
+    if result.champion is not None:
+        exported = evaluator.export(result.champion, out / "champion")
+        context["champion_bundle"] = exported
+        if registry is not None:
+            inc = result.incumbent
+            entry = ChampionEntry(
+                name=f"{args.model}-{profile.name}-{exported['digest'][:10]}", signature=signature,
+                model=args.model, family=mc.family, hardware=hardware, regime=TrafficRegime.of(profile).to_dict(),
+                bundle_digest=exported["digest"], recipe=dict(result.champion.recipe),
+                base_source=result.champion.source, speedup=result.speedup,
+                metrics={"tokens_per_second": inc.full.mean if inc.full else None,
+                         "baseline_tokens_per_second": result.baseline_full.mean if result.baseline_full else None,
+                         "per_user_p90": inc.full.per_user_p90_mean() if inc.full else None,
+                         "noise": inc.full.cv if inc.full else None, "dtype": str(settings.dtype or "")},
+                verification={"passed": inc.verification.passed, "gates": inc.verification.gates} if inc.verification else {},
+                profile=profile.to_dict(), notes=[{"agent": result.champion.agent, "note": result.champion.note}],
+                parent=result.champion.parent, compile_run=args.compile_run)
+            registry.publish(entry, out / "champion")
+            context["registry_entry"] = entry.name
+            if run_ref is not None:
+                run_ref.publish(entry, out / "champion")
+    json_path, md_path = write_report(result, board, out, context)
+
+    print()
+    print(format_leaderboard(board.leaderboard("fast", k=10)))
+    print()
+    if result.champion is None:
+        print(f"no verified improvement over the stock forward pass ({result.stop_reason}); report: {md_path}")
+    else:
+        print(f"champion {result.champion.digest[:12]} by {result.champion.agent}: {result.speedup:.3f}x the stock "
+              f"pass (full tier, verified) -> {exported['path']}; report: {md_path}")
+    if run_ref is not None:
+        run_ref.finish(result, exported)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""The real evaluator: candidates measured and verified on the engine itself.
+
+Data flow:
+    Candidate --materialize--> bundle folder (forward.py = base source + source edits,
+        recipe.yaml = recipe knobs, manifest.json) under work_dir/bundles/<digest>
+    fast tier:  LLMEngine(num_layers_override = a few layers) --ForwardPassManager.reload
+        (import in isolation, build, smoke check vs the stock pass)--> replay of a small
+        request set drawn from the profile, `screen_repeats` times
+    full tier:  LLMEngine(all layers) --reload--> replay of the traffic profile, `confirm_repeats` times
+    verify:     the verification gates (shapeshift.engine.verify) on the full model against
+        the stock pass: greedy agreement, logprob tolerance, KV contamination, coverage, anti-cheat
+    export:     the bundle copied to the output folder, re-verified against its manifest
+
+Each tier keeps one persistent engine (weights loaded once). Engine knobs of a candidate
+(``engine.*``: batch size, chunk budget, prefix caching, graph buckets) are applied to the
+idle engine by rebuilding only its scheduler and block manager over the same KV cache and
+re-capturing graphs; should that not be possible, a new engine is built. Before every
+repeat the prefix cache is emptied, so no repeat is served from blocks an earlier one
+left behind: prefix hits come only from sharing inside the replayed traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..traffic import TrafficProfile
+from .candidate import Candidate
+from .measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
+from .search_space import SearchSpace, build_search_space, engine_overrides, split_recipe
+from .source_edits import SourceEditError, apply_edits
+
+log = logging.getLogger(__name__)
+
+FAST, FULL = "fast", "full"
+
+
+@dataclass
+class EvaluatorSettings:
+    model: str = "tiny-llama"
+    device: str | None = None
+    dtype: str | None = None
+    max_model_len: int = 1024
+    fast_layers: int | None = None  # None: max(1, layers // 4)
+    screen_repeats: int = 3
+    confirm_repeats: int = 3
+    screen_requests: int = 16  # requests per fast-tier run
+    confirm_requests: int = 48  # requests per full-tier run
+    length_scale: float | None = None  # None: fit the profile into max_model_len
+    seed: int = 0
+    noise_floor: float = DEFAULT_NOISE_FLOOR
+    reload_timeout_s: float = 120.0
+    verify_prompts: int = 8
+    verify_steps: int = 24
+    work_dir: str | None = None
+    # "wall": time.perf_counter (GPUs: the engine synchronises every step when it reads tokens).
+    # "process": CPU seconds of this process (CPU runs on a shared machine: time spent
+    # descheduled by other processes is not charged to the candidate). None: process on CPU.
+    timer: str | None = None
+    cpu_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
+
+
+@dataclass
+class ReplayRun:
+    """One run of a request set through an engine."""
+
+    output_tokens: int
+    seconds: float
+    per_user_tps: list[float] = field(default_factory=list)  # decode tokens/s of each request
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None = None) -> TrafficProfile:
+    """The profile scaled so its longest prompt plus output fits `max_model_len` (never scaled up)."""
+    if scale is None:
+        longest = profile.prompt_length.upper + profile.output_length.upper
+        scale = min(1.0, (max_model_len - 1) / longest)
+    if scale >= 1.0:
+        return profile
+    return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
+
+
+def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request, deterministic in `seed`.
+
+    Requests that share the prefix share its exact tokens; everything else is drawn fresh.
+    """
+    shapes = profile.sample_requests(n, seed)
+    rng = np.random.default_rng(seed + 7919)
+    prefix = rng.integers(0, vocab_size, size=max(profile.shared_prefix_len, 1)).tolist()
+    out = []
+    for s in shapes:
+        own = rng.integers(0, vocab_size, size=s.prompt_len - s.shared_prefix_len).tolist()
+        out.append((prefix[: s.shared_prefix_len] + own, max(1, s.output_len)))
+    return out
+
+
+def replay(engine: Any, requests: list[tuple[list[int], int]], concurrency: int, tag: str = "r",
+           clock: Any = time.perf_counter) -> ReplayRun:
+    """Closed-loop replay: keep `concurrency` requests in flight until all finish (greedy, fixed lengths).
+
+    `clock` times everything (throughput, per-user speed, TTFT): wall or process CPU time.
+    """
+    from ..sampling import SamplingParams
+
+    todo = list(enumerate(requests))
+    todo.reverse()
+    in_flight: dict[str, dict[str, float]] = {}
+    per_user: list[float] = []
+    ttft: list[float] = []
+    tokens = 0
+    start = clock()
+
+    def admit() -> None:
+        while todo and len(in_flight) < concurrency:
+            i, (prompt, out_len) = todo.pop()
+            rid = f"{tag}-{i}"
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+            in_flight[rid] = {"t0": clock(), "first": 0.0, "n": 0}
+
+    admit()
+    while in_flight:
+        outputs = engine.step()
+        now = clock()
+        for o in outputs:
+            st = in_flight.get(o.request_id)
+            if st is None:
+                continue
+            if o.new_token_ids:
+                if st["n"] == 0:
+                    st["first"] = now
+                    ttft.append(now - st["t0"])
+                st["n"] += len(o.new_token_ids)
+                tokens += len(o.new_token_ids)
+            if o.finished:
+                if st["n"] > 1 and now > st["first"]:
+                    per_user.append((st["n"] - 1) / (now - st["first"]))
+                del in_flight[o.request_id]
+        admit()
+    return ReplayRun(tokens, clock() - start, per_user, ttft)
+
+
+class EngineEvaluator:
+    """`Evaluator` over the engine: persistent fast and full tiers, hot reload, replay, gates."""
+
+    def __init__(self, profile: TrafficProfile, settings: EvaluatorSettings | None = None):
+        self.settings = settings or EvaluatorSettings()
+        self.profile = profile
+        self.noise_floor = self.settings.noise_floor
+        self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="shapeshift-compile-"))
+        (self.work_dir / "bundles").mkdir(parents=True, exist_ok=True)
+        from ..bundle import stock_bundle_dir
+
+        self.stock_dir = Path(stock_bundle_dir())
+        self.stock_source = (self.stock_dir / "forward.py").read_text()
+        self._engines: dict[str, Any] = {}
+        self._managers: dict[str, Any] = {}
+        self._engine_knobs: dict[str, dict[str, Any]] = {}
+        self._loaded: dict[str, str | None] = {}  # tier -> bundle path currently active
+        self._model_config = None
+        self.fitted = None
+
+    # ------------------------------------------------------------------ engines
+    def _base_config(self, tier: str, overrides: dict[str, Any]):
+        from ..config import EngineConfig
+
+        s = self.settings
+        kwargs: dict[str, Any] = dict(model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
+                                      seed=s.seed)
+        if tier == FAST:
+            kwargs["num_layers_override"] = self.fast_layers()
+        kwargs.update(overrides)
+        if kwargs.get("max_num_batched_tokens", 2048) < kwargs.get("max_num_seqs", 64):
+            kwargs["max_num_batched_tokens"] = kwargs.get("max_num_seqs", 64)
+        return EngineConfig(**kwargs)
+
+    def model_config(self):
+        if self._model_config is None:
+            self._model_config = self._engine(FULL, {}).model_config
+        return self._model_config
+
+    def fast_layers(self) -> int:
+        if self.settings.fast_layers is not None:
+            return self.settings.fast_layers
+        from ..presets import resolve_model
+
+        resolved = resolve_model(self.settings.model)
+        layers = None
+        if hasattr(resolved, "hf_config") and resolved.hf_config:
+            layers = resolved.hf_config.get("num_hidden_layers")
+        else:
+            import json
+
+            cfg = Path(resolved if not hasattr(resolved, "folder") else resolved.folder()) / "config.json"
+            if cfg.is_file():
+                layers = json.loads(cfg.read_text()).get("num_hidden_layers")
+        return max(1, int(layers or 4) // 4)
+
+    def _engine(self, tier: str, overrides: dict[str, Any]):
+        from ..hot_reload import ForwardPassManager
+        from ..llm_engine import LLMEngine
+
+        eng = self._engines.get(tier)
+        if eng is None:
+            eng = LLMEngine(self._base_config(tier, overrides))
+            self._engines[tier] = eng
+            self._managers[tier] = ForwardPassManager(eng, build_timeout_s=self.settings.reload_timeout_s,
+                                                      smoke_timeout_s=self.settings.reload_timeout_s)
+            self._engine_knobs[tier] = dict(overrides)
+            self._loaded[tier] = None
+        elif self._engine_knobs[tier] != overrides:
+            self._reconfigure(tier, overrides)
+        return self._engines[tier]
+
+    def _reconfigure(self, tier: str, overrides: dict[str, Any]) -> None:
+        """Apply engine knobs to the idle engine: new scheduler + block manager, graphs re-captured."""
+        eng = self._engines[tier]
+        new_config = self._base_config(tier, overrides)
+        new_config = dataclasses.replace(new_config, num_kv_blocks=eng.block_manager.num_blocks)
+        eng.config = new_config
+        eng.runner.config = new_config
+        self._engine_knobs[tier] = dict(overrides)
+        self._fresh_cache(eng)
+        eng.runner.capture_cudagraphs()
+
+    @staticmethod
+    def _fresh_cache(eng: Any) -> None:
+        """An empty prefix cache: a new block manager and scheduler over the same KV tensors."""
+        from ..block_manager import BlockManager
+        from ..scheduler import Scheduler
+
+        if eng.has_unfinished_requests():
+            raise RuntimeError("cannot reset the KV cache of an engine with requests in flight")
+        old_bm, old_sched = eng.block_manager, eng.scheduler
+        bm = BlockManager(old_bm.num_blocks, old_bm.block_size, eng.config.enable_prefix_caching,
+                          tag=getattr(old_bm, "tag", ""))
+        eng.block_manager = bm
+        eng.scheduler = Scheduler(bm, eng.config.max_num_seqs, eng.config.max_num_batched_tokens,
+                                  eng.config.max_model_len, tokenizer=old_sched.tokenizer,
+                                  eos_token_ids=sorted(old_sched.eos_token_ids))
+
+    # ------------------------------------------------------------------ bundles
+    def space(self) -> SearchSpace:
+        """The search space for this model on this device."""
+        from ..forward_pass import load_bundle  # noqa: F401 - the stock recipe is read below
+        import yaml
+
+        eng = self._engine(FULL, {})
+        stock_recipe = yaml.safe_load((self.stock_dir / "recipe.yaml").read_text()) or {}
+        return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
+                                  stock_recipe=stock_recipe, concurrency=self.profile.concurrency,
+                                  max_model_len=self.settings.max_model_len)
+
+    def materialize(self, cand: Candidate) -> Path:
+        """The candidate as a bundle folder with a manifest (cached by digest)."""
+        from ..bundle import create_bundle
+
+        out = self.work_dir / "bundles" / cand.digest[:16]
+        if (out / "manifest.json").is_file():
+            return out
+        recipe, _, edits = split_recipe(cand.recipe)
+        source = apply_edits(cand.source if cand.source is not None else self.stock_source, edits)
+        with tempfile.TemporaryDirectory(prefix="shapeshift-src-") as tmp:
+            src = Path(tmp) / "src"
+            shutil.copytree(self.stock_dir, src, ignore=shutil.ignore_patterns("__pycache__", "manifest.json"))
+            (src / "forward.py").write_text(source)
+            if out.exists():
+                shutil.rmtree(out)
+            create_bundle(src, recipe, out, name=f"compiled-{cand.digest[:12]}",
+                          parent=cand.parent, description=(cand.note or "")[:200])
+        return out
+
+    def _activate(self, tier: str, cand: Candidate) -> Any:
+        """Engine of `tier` with the candidate's engine knobs and forward pass active."""
+        _, engine_knobs, _ = split_recipe(cand.recipe)
+        eng = self._engine(tier, engine_overrides(engine_knobs))
+        path = self.materialize(cand)
+        if self._loaded.get(tier) != str(path):
+            self._managers[tier].reload(path)
+            self._loaded[tier] = str(path)
+        return eng
+
+    # ------------------------------------------------------------------ measuring
+    def _profile(self) -> TrafficProfile:
+        if self.fitted is None:
+            self.fitted = fit_profile(self.profile, self.settings.max_model_len, self.settings.length_scale)
+        return self.fitted
+
+    def _measure(self, tier: str, cand: Candidate, requests: int, repeats: int) -> Measurement:
+        t0 = time.perf_counter()
+        try:
+            eng = self._activate(tier, cand)
+        except (SourceEditError, ValueError, RuntimeError, TimeoutError, OSError, ImportError, SyntaxError) as exc:
+            self._loaded[tier] = None
+            return Measurement(error=f"refused at load: {type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0,
+                               noise_floor=self.noise_floor)
+        profile = self._profile()
+        prompts = make_prompts(profile, requests, self.settings.seed, eng.model_config.vocab_size)
+        m = Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
+                                                               "profile": profile.name})
+        try:
+            replay(eng, prompts[: min(2, len(prompts))], profile.concurrency, tag=f"{tier}-warm")  # warm-up
+            for rep in range(repeats):
+                self._fresh_cache(eng)
+                run = replay(eng, prompts, profile.concurrency, tag=f"{tier}-{rep}")
+                m.samples.append(run.throughput)
+                m.per_user_p50.append(_percentile(run.per_user_tps, 50))
+                # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
+                m.per_user_p90.append(_percentile(run.per_user_tps, 10))
+                m.ttft_p50.append(_percentile(run.ttft_s, 50))
+                m.ttft_p90.append(_percentile(run.ttft_s, 90))
+        except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial
+            log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
+            self._recover(tier)
+            m.error = f"failed during replay: {type(exc).__name__}: {exc}"
+        m.seconds = time.perf_counter() - t0
+        return m
+
+    def _recover(self, tier: str) -> None:
+        """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
+        self._engines.pop(tier, None)
+        self._managers.pop(tier, None)
+        self._loaded.pop(tier, None)
+
+    def screen(self, candidate: Candidate) -> Measurement:
+        s = self.settings
+        return self._measure(FAST, candidate, s.screen_requests, s.screen_repeats)
+
+    def confirm(self, candidate: Candidate) -> Measurement:
+        s = self.settings
+        return self._measure(FULL, candidate, s.confirm_requests, s.confirm_repeats)
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, candidate: Candidate) -> Verification:
+        from .gates import run_gates
+
+        t0 = time.perf_counter()
+        path = self.materialize(candidate)
+        eng = self._engine(FULL, {})
+        verdict = run_gates(eng, path, self.stock_dir, prompts=self.settings.verify_prompts,
+                            steps=self.settings.verify_steps)
+        verdict.seconds = time.perf_counter() - t0
+        return verdict
+
+    def export(self, candidate: Candidate, out_dir: Path) -> dict[str, Any]:
+        from ..bundle import verify_bundle
+
+        src = self.materialize(candidate)
+        out_dir = Path(out_dir)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        shutil.copytree(src, out_dir)
+        manifest = verify_bundle(out_dir)
+        return {"path": str(out_dir), "digest": manifest.digest, "name": manifest.name}
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        eng = self._engines.get(FULL)
+        return {"model": s.model, "device": str(eng.device) if eng is not None else s.device,
+                "dtype": str(eng.dtype) if eng is not None else s.dtype, "fast_layers": self.fast_layers(),
+                "profile": self.profile.name, "fitted_profile": self._profile().name,
+                "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
+                "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats}}
+
+    def hardware(self) -> str:
+        """Coarse hardware key for the registry: the GPU name, or 'cpu'."""
+        eng = self._engine(FULL, {})
+        if eng.device.type == "cuda":
+            import torch
+
+            return torch.cuda.get_device_name(eng.device).lower().replace(" ", "-")
+        return "cpu"
+
+    def close(self) -> None:
+        self._engines.clear()
+        self._managers.clear()
+
+
+def summarize(m: Measurement) -> str:
+    if not m.ok:
+        return f"failed ({m.error})"
+    return f"{m.mean:.1f} tok/s [{m.low:.1f}, {m.high:.1f}] cv {m.cv:.3f} over {len(m.samples)}" + (
+        f", per-user p90 {statistics.fmean(m.per_user_p90):.1f}" if m.per_user_p90 else "")

@@ -1,0 +1,311 @@
+"""The champion registry: verified forward passes, found again by model, hardware and traffic.
+
+Data flow:
+    compile run --publish(champion bundle, candidate, metrics, verification)--> registry
+    new compile run --nearest_champions(signature, hardware, profile, k)--> seed candidates
+
+Keys: the *model signature* (sha256 over the architecture fields of the model config, so
+a renamed copy of the same architecture matches and a different shape does not), the
+*hardware* (accelerator kind or GPU name), and the *traffic regime* (coarse buckets of
+median prompt length, prefix-cache hit rate and concurrency).
+
+Two backends with one interface:
+  LocalRegistry    embedded mode: a folder holding bundles/<digest>/ and index.json
+                   (rewritten atomically under a file lock)
+  ClusterRegistry  a cluster: ForwardPass objects (group shapeshift.dev, v1alpha1) through
+                   the Kubernetes API; the bundle itself lives where the artifact URI says
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..traffic import TrafficProfile
+from .candidate import Candidate, canonical_json
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_FIELDS = ("family", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias",
+                    "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "rope_scaling")
+
+PROMPT_BUCKETS = (256, 1024, 4096, 16384, 65536)  # median prompt tokens: <=256, <=1k, ... , >64k
+HIT_BUCKETS = (0.2, 0.6)  # low / mid / high prefix-cache hit rate
+CONCURRENCY_BUCKETS = (1, 8, 32, 128)
+
+
+def model_signature(model_config: Any) -> str:
+    """sha256 (first 16 hex) over the architecture fields of a ModelConfig (or a dict of them)."""
+    data = model_config if isinstance(model_config, Mapping) else dataclasses.asdict(model_config)
+    arch = {k: data.get(k) for k in SIGNATURE_FIELDS}
+    return hashlib.sha256(canonical_json(arch).encode()).hexdigest()[:16]
+
+
+def _bucket(value: float, edges: tuple[float, ...]) -> int:
+    for i, edge in enumerate(edges):
+        if value <= edge:
+            return i
+    return len(edges)
+
+
+@dataclass(frozen=True)
+class TrafficRegime:
+    prompt: int  # bucket index of the median prompt length
+    hit: int  # bucket index of the prefix-cache hit rate
+    concurrency: int  # bucket index of the concurrency
+
+    @classmethod
+    def of(cls, profile: TrafficProfile) -> "TrafficRegime":
+        hit = profile.prefix_cache_hit_rate
+        if hit is None:
+            hit = profile.shared_prefix_ratio * min(1.0, profile.shared_prefix_len / max(profile.prompt_length.p50, 1))
+        return cls(_bucket(profile.prompt_length.p50, PROMPT_BUCKETS), _bucket(hit, HIT_BUCKETS),
+                   _bucket(profile.concurrency, CONCURRENCY_BUCKETS))
+
+    def distance(self, other: "TrafficRegime") -> int:
+        return abs(self.prompt - other.prompt) + abs(self.hit - other.hit) + abs(self.concurrency - other.concurrency)
+
+    @property
+    def key(self) -> str:
+        return f"p{self.prompt}-h{self.hit}-c{self.concurrency}"
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ChampionEntry:
+    """One registry entry (what a ForwardPass object holds, in embedded form)."""
+
+    name: str
+    signature: str
+    model: str
+    family: str
+    hardware: str
+    regime: dict[str, int]
+    bundle_digest: str
+    recipe: dict[str, Any]  # the candidate's full recipe (knobs incl. engine.* and edit.*)
+    bundle_path: str = ""  # local registry: relative to the registry folder; cluster: artifact URI
+    base_source: str | None = None  # candidate source before edits (None = the stock module)
+    speedup: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    verification: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+    notes: list[dict[str, str]] = field(default_factory=list)
+    parent: str | None = None
+    compile_run: str | None = None
+    created_unix: float = 0.0
+
+    def candidate(self) -> Candidate:
+        return Candidate(dict(self.recipe), self.base_source, "registry",
+                         f"champion {self.name} (x{self.speedup or 0:.2f} on {self.hardware})", parent=self.bundle_digest)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rank(entries: list[ChampionEntry], signature: str, hardware: str, profile: TrafficProfile,
+         family: str | None = None, k: int = 3) -> list[ChampionEntry]:
+    """Nearest first: same signature, then same family; same hardware; closest regime; fastest."""
+    want = TrafficRegime.of(profile)
+
+    def key(e: ChampionEntry):
+        sig_rank = 0 if e.signature == signature else 1 if family is not None and e.family == family else 2
+        return (sig_rank, 0 if e.hardware == hardware else 1, want.distance(TrafficRegime(**e.regime)),
+                -(e.speedup or 0.0), e.name)
+
+    pool = [e for e in entries if e.signature == signature or (family is not None and e.family == family)]
+    return sorted(pool, key=key)[:k]
+
+
+class LocalRegistry:
+    """Embedded registry: `root/index.json` + `root/bundles/<digest>/`."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        (self.root / "bundles").mkdir(parents=True, exist_ok=True)
+        self.index_path = self.root / "index.json"
+        self.lock_path = self.root / ".lock"
+
+    def _read(self) -> list[ChampionEntry]:
+        if not self.index_path.is_file():
+            return []
+        try:
+            data = json.loads(self.index_path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"registry index {self.index_path} is not valid JSON ({exc}); "
+                             "restore it from the bundles folder or remove it to start empty") from exc
+        return [ChampionEntry(**e) for e in data.get("champions", [])]
+
+    def entries(self) -> list[ChampionEntry]:
+        return self._read()
+
+    def publish(self, entry: ChampionEntry, bundle_dir: str | os.PathLike[str]) -> ChampionEntry:
+        """Copy the bundle in and add (or replace, by name) its entry; atomic under a lock."""
+        from ..bundle import verify_bundle
+
+        manifest = verify_bundle(bundle_dir)
+        if manifest.digest != entry.bundle_digest:
+            raise ValueError(f"bundle {bundle_dir} has digest {manifest.digest}, entry says {entry.bundle_digest}")
+        with open(self.lock_path, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            target = self.root / "bundles" / manifest.digest
+            if not target.exists():
+                shutil.copytree(bundle_dir, target)
+            entry.bundle_path = str(target.relative_to(self.root))
+            entry.created_unix = entry.created_unix or time.time()
+            entries = [e for e in self._read() if e.name != entry.name] + [entry]
+            tmp = self.index_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"champions": [e.to_dict() for e in entries]}, indent=2, sort_keys=True,
+                                      default=str) + "\n")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.index_path)
+        return entry
+
+    def nearest_champions(self, signature: str, hardware: str, profile: TrafficProfile, k: int = 3,
+                          family: str | None = None) -> list[ChampionEntry]:
+        return rank(self._read(), signature, hardware, profile, family, k)
+
+    def bundle_dir(self, entry: ChampionEntry) -> Path:
+        return self.root / entry.bundle_path
+
+
+def project_recipe(recipe: Mapping[str, Any], space: Any) -> dict[str, Any]:
+    """A champion's recipe mapped into another search space: unknown knobs dropped, off-grid values defaulted."""
+    out = space.default()
+    for name, value in recipe.items():
+        if name in space.names:
+            try:
+                space.knob(name).index(value)
+                out[name] = value
+            except ValueError:
+                pass
+    return out if space.is_valid(out) else space.default()
+
+
+# ---------------------------------------------------------------------- cluster
+
+GROUP, VERSION, PLURAL = "shapeshift.dev", "v1alpha1", "forwardpasses"
+
+
+def _dns_name(text: str) -> str:
+    safe = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    return safe[:63].rstrip("-") or "fp"
+
+
+def _accelerator(hardware: str) -> str:
+    hw = hardware.lower()
+    if "h200" in hw:
+        return "nvidia-h200"
+    if "h100" in hw:
+        return "nvidia-h100"
+    if "trainium" in hw or "neuron" in hw:
+        return "trainium2"
+    return "cpu"
+
+
+class ClusterRegistry:
+    """ForwardPass objects in a namespace; `api` is a kubernetes CustomObjectsApi."""
+
+    def __init__(self, api: Any, namespace: str):
+        self.api = api
+        self.namespace = namespace
+
+    def to_object(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None) -> dict[str, Any]:
+        gates = [{"name": n, "passed": bool(ok)} for n, ok in (entry.verification.get("gates") or {}).items()]
+        spec: dict[str, Any] = {
+            "model": {"name": entry.model, "architecture": entry.family,
+                      "dtype": entry.metrics.get("dtype", "bfloat16") if entry.metrics.get("dtype") in ("bfloat16", "float16", "float32") else "bfloat16"},
+            "hardware": {"accelerator": _accelerator(entry.hardware), "count": 1},
+            "artifact": {"uri": artifact_uri, "sha256": entry.bundle_digest, **({"sizeBytes": size_bytes} if size_bytes else {})},
+            "recipe": entry.recipe,
+            "metrics": {k: v for k, v in {
+                "tokensPerSecond": entry.metrics.get("tokens_per_second"),
+                "baselineTokensPerSecond": entry.metrics.get("baseline_tokens_per_second"),
+                "perUserTokensPerSecondP50": entry.metrics.get("per_user_p50"),
+                "perUserTokensPerSecondP90": entry.metrics.get("per_user_p90"),
+                "ttftP50Seconds": entry.metrics.get("ttft_p50"),
+                "ttftP90Seconds": entry.metrics.get("ttft_p90"),
+                "speedup": entry.speedup, "noise": entry.metrics.get("noise")}.items() if v is not None},
+            "verification": {"passed": bool(entry.verification.get("passed")), "gates": gates},
+        }
+        if entry.profile:
+            spec["traffic"] = entry.profile
+        if entry.notes:
+            spec["reasoning"] = [{"agent": n.get("agent", "?")[:63], "note": n.get("note", "")[:8192]} for n in entry.notes][:64]
+        if entry.parent:
+            spec["parent"] = _dns_name(entry.parent)
+        if entry.compile_run:
+            spec["compileRun"] = entry.compile_run
+        try:  # the operator's pydantic model is the schema of the CRD: validate before sending
+            from shapeshift.operator.models import ForwardPassSpec
+
+            spec = ForwardPassSpec.model_validate(spec).model_dump(mode="json", by_alias=True, exclude_none=True)
+        except ImportError:
+            pass
+        labels = {"shapeshift.dev/model-signature": entry.signature, "shapeshift.dev/hardware": _dns_name(entry.hardware),
+                  "shapeshift.dev/regime": TrafficRegime(**entry.regime).key, "shapeshift.dev/family": entry.family}
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
+                "metadata": {"name": _dns_name(entry.name), "namespace": self.namespace, "labels": labels},
+                "spec": spec}
+
+    def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None) -> dict[str, Any]:
+        body = self.to_object(entry, artifact_uri, size_bytes)
+        try:
+            return self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+        except Exception as exc:  # noqa: BLE001 - 409: replace the existing one
+            if getattr(exc, "status", None) != 409:
+                raise
+            current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body["metadata"]["name"])
+            body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+            return self.api.replace_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                             body["metadata"]["name"], body)
+
+    def entries(self) -> list[ChampionEntry]:
+        objs = self.api.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL).get("items", [])
+        out = []
+        for o in objs:
+            labels = o.get("metadata", {}).get("labels", {})
+            spec = o.get("spec", {})
+            regime_key = labels.get("shapeshift.dev/regime", "p0-h0-c0")
+            try:
+                p, h, c = (int(part[1:]) for part in regime_key.split("-"))
+            except ValueError:
+                p, h, c = 0, 0, 0
+            if spec.get("traffic"):
+                try:
+                    reg = TrafficRegime.of(TrafficProfile.model_validate(spec["traffic"]))
+                    p, h, c = reg.prompt, reg.hit, reg.concurrency
+                except Exception:  # noqa: BLE001 - keep the label's regime
+                    pass
+            out.append(ChampionEntry(
+                name=o["metadata"]["name"], signature=labels.get("shapeshift.dev/model-signature", ""),
+                model=spec.get("model", {}).get("name", ""), family=labels.get("shapeshift.dev/family", ""),
+                hardware=labels.get("shapeshift.dev/hardware", spec.get("hardware", {}).get("accelerator", "")),
+                regime={"prompt": p, "hit": h, "concurrency": c},
+                bundle_digest=spec.get("artifact", {}).get("sha256", ""), recipe=spec.get("recipe", {}) or {},
+                bundle_path=spec.get("artifact", {}).get("uri", ""), speedup=spec.get("metrics", {}).get("speedup"),
+                verification=spec.get("verification", {}), profile=spec.get("traffic"), parent=spec.get("parent"),
+                compile_run=spec.get("compileRun")))
+        return out
+
+    def nearest_champions(self, signature: str, hardware: str, profile: TrafficProfile, k: int = 3,
+                          family: str | None = None) -> list[ChampionEntry]:
+        return rank(self.entries(), signature, _dns_name(hardware), profile, family, k)
+
+
+def regime_summary(profile: TrafficProfile) -> str:
+    r = TrafficRegime.of(profile)
+    names = ["<=256", "<=1k", "<=4k", "<=16k", "<=64k", ">64k"]
+    return f"prompt p50 {names[r.prompt]}, hit {['low', 'mid', 'high'][r.hit]}, concurrency bucket {r.concurrency}"

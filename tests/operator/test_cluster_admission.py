@@ -1,0 +1,123 @@
+"""The API server itself refuses bad specs, with a message a user can act on, and stores nothing.
+
+No operator runs here: this is the CRD's OpenAPI schema and CEL rules at work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import kubernetes
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+
+
+def idep(name="llama", **spec_over):
+    spec = {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200"}, "replicas": 1}
+    spec.update(spec_over)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": name}, "spec": spec}
+
+
+def create(cluster, namespace, plural, body):
+    return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, body)
+
+
+def rejected(cluster, namespace, plural, body) -> str:
+    with pytest.raises(kubernetes.client.ApiException) as info:
+        create(cluster, namespace, plural, body)
+    assert info.value.status == 422, info.value.body
+    listed = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)["items"]
+    assert not [o for o in listed if o["metadata"]["name"] == body["metadata"]["name"]], "a rejected object was stored"
+    return json.loads(info.value.body)["message"]
+
+
+@pytest.mark.parametrize("case, mutate, expect", [
+    ("unknown accelerator", lambda s: s["hardware"].update(accelerator="tpu-v5"),
+     ['spec.hardware.accelerator', 'Unsupported value: "tpu-v5"', '"nvidia-h200"', '"trainium2"']),
+    ("negative budget", lambda s: s.update(compilation={"budget": {"wallClockSeconds": -60}}),
+     ["spec.compilation.budget.wallClockSeconds", "should be greater than or equal to 0"]),
+    ("missing model source", lambda s: s.pop("model"),
+     ["spec.model", "Required value"]),
+    ("empty model source (CEL)", lambda s: s.update(model={}),
+     ["exactly one of spec.model.preset or spec.model.pvc must be set"]),
+    ("replicas below zero", lambda s: s.update(replicas=-1),
+     ["spec.replicas", "should be greater than or equal to 0"]),
+    ("drift threshold out of range", lambda s: s.update(
+        compilation={"policy": "OnDrift", "drift": {"prefixHitRateAbsoluteChange": 1.5}}),
+     ["spec.compilation.drift.prefixHitRateAbsoluteChange", "should be less than or equal to 1"]),
+    ("OnDrift without thresholds (CEL)", lambda s: s.update(compilation={"policy": "OnDrift"}),
+     ["OnDrift requires spec.compilation.drift thresholds"]),
+    ("canary larger than replicas (CEL)", lambda s: s.update(replicas=2, rollout={"canaryReplicas": 3}),
+     ["spec.rollout.canaryReplicas must not exceed spec.replicas"]),
+    ("budget with no limit (CEL)", lambda s: s.update(compilation={"budget": {"wallClockSeconds": 0, "trials": 0}}),
+     ["a compile budget needs wallClockSeconds > 0 or trials > 0"]),
+    ("batched tokens below batch size (CEL)", lambda s: s.update(engine={"maxBatchSize": 64, "maxNumBatchedTokens": 16}),
+     ["maxNumBatchedTokens must be at least spec.engine.maxBatchSize"]),
+])
+def test_bad_inference_deployment_is_rejected(crds, namespace, case, mutate, expect):
+    body = idep()
+    mutate(body["spec"])
+    message = rejected(crds, namespace, "inferencedeployments", body)
+    for fragment in expect:
+        assert fragment in message, f"{case}: {fragment!r} not in {message}"
+
+
+def test_bad_compile_runs_are_rejected(crds, namespace):
+    base = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run"},
+            "spec": {"deploymentRef": {"name": "llama"}}}
+    for mutate, fragment in [
+        (lambda s: s.update(budget={"trials": -1}), "spec.budget.trials"),
+        (lambda s: s.update(hardware={"accelerator": "gaudi3"}), "Unsupported value: \"gaudi3\""),
+        (lambda s: s.update(agents=[{"kind": "llm"}]), "an agent of kind llm needs llm settings"),
+        (lambda s: s.update(traffic={"builtin": "chat", "prometheus": {}}), "set at most one of spec.traffic"),
+        (lambda s: s.pop("deploymentRef"), "spec.deploymentRef"),
+    ]:
+        body = copy.deepcopy(base)
+        mutate(body["spec"])
+        assert fragment in rejected(crds, namespace, "compileruns", body)
+    long_name = copy.deepcopy(base)
+    long_name["metadata"]["name"] = "r" * 60
+    assert "at most 52 characters" in rejected(crds, namespace, "compileruns", long_name)
+
+
+def test_compile_run_spec_is_immutable(crds, namespace):
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run"},
+            "spec": {"deploymentRef": {"name": "llama"}}}
+    create(crds, namespace, "compileruns", body)
+    with pytest.raises(kubernetes.client.ApiException) as info:
+        crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run",
+                                                   {"spec": {"budget": {"trials": 5}}})
+    assert info.value.status == 422
+    assert "spec of a CompileRun is immutable" in json.loads(info.value.body)["message"]
+
+
+def test_defaults_are_applied_by_the_api_server(crds, namespace):
+    stored = create(crds, namespace, "inferencedeployments", idep())
+    spec = stored["spec"]
+    assert spec["engine"]["kvBlockSize"] == 16 and spec["engine"]["dtype"] == "bfloat16"
+    assert spec["compilation"] == {"policy": "Manual", "cooldownSeconds": 3600,
+                                   "budget": {"wallClockSeconds": 3600, "trials": 0, "deadlineGraceSeconds": 600}}
+    assert spec["rollout"]["strategy"] == "HotReload"
+    from shapeshift.operator.models import InferenceDeploymentSpec
+
+    # what the API server stores, the operator's model reads back unchanged
+    assert InferenceDeploymentSpec.model_validate(spec).to_wire() == spec
+
+
+def test_a_valid_forward_pass_is_accepted_and_immutable(crds, namespace):
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-1"},
+            "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200"},
+                     "artifact": {"uri": "file:///bundles/fp-1.tar", "sha256": "a" * 64},
+                     "verification": {"passed": True, "gates": [{"name": "greedy", "passed": True}]},
+                     "recipe": {"attention": "triton", "tiles": {"m": 64, "n": 128}},
+                     "metrics": {"speedup": 1.31}}}
+    stored = create(crds, namespace, "forwardpasses", body)
+    assert stored["spec"]["recipe"] == {"attention": "triton", "tiles": {"m": 64, "n": 128}}  # kept, not pruned
+    with pytest.raises(kubernetes.client.ApiException) as info:
+        crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "fp-1",
+                                                   {"spec": {"metrics": {"speedup": 9.0}}})
+    assert "spec of a ForwardPass is immutable" in json.loads(info.value.body)["message"]

@@ -1,0 +1,149 @@
+"""InferenceDeployment on the real control plane, with the operator running in-process.
+
+The engine pods are scheduled by the real kube-scheduler onto kwok nodes and
+reported Running/Ready by kwok; their readiness reaches status.readyReplicas
+through the real Deployment controller. Deletion goes through the real garbage
+collector in kube-controller-manager.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness.cluster import wait_until
+
+pytestmark = pytest.mark.cluster
+
+GROUP, VERSION, PLURAL = "shapeshift.dev", "v1alpha1", "inferencedeployments"
+
+
+def make(cluster, namespace, name="llama", **spec_over):
+    spec = {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200", "count": 2},
+            "replicas": 2, "engine": {"maxModelLen": 4096}}
+    spec.update(spec_over)
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": name}, "spec": spec}
+    return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+
+def get(cluster, namespace, name="llama"):
+    return cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def status(cluster, namespace, name="llama"):
+    return get(cluster, namespace, name).get("status") or {}
+
+
+def children(kube, namespace, name="llama"):
+    return {
+        "Deployment": kube.get("Deployment", namespace, f"{name}-engine"),
+        "Service": kube.get("Service", namespace, name),
+        "ConfigMap": kube.get("ConfigMap", namespace, f"{name}-engine"),
+    }
+
+
+def versions(kube, namespace, name="llama"):
+    return {k: (v["metadata"]["uid"], v["metadata"]["resourceVersion"]) for k, v in children(kube, namespace, name).items()}
+
+
+def test_children_status_and_columns(crds, namespace, operator, kube):
+    parent = make(crds, namespace)
+    kids = wait_until(lambda: (lambda c: c if all(c.values()) else None)(children(kube, namespace)), 30,
+                      "Deployment, Service and ConfigMap")
+    for obj in kids.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "InferenceDeployment", "llama", parent["metadata"]["uid"], True)
+
+    pod_spec = kids["Deployment"]["spec"]["template"]["spec"]
+    (engine,) = pod_spec["containers"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec["tolerations"])
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    annotations = kids["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8000"
+    assert kids["Service"]["spec"]["selector"] == kids["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert "max_model_len: 4096" in kids["ConfigMap"]["data"]["engine.yaml"]
+
+    # The real scheduler puts the engine pods on the H200 pool; kwok makes them ready.
+    def ready():
+        st = status(crds, namespace)
+        return st if st.get("readyReplicas") == 2 and st.get("phase") == "Ready" else None
+
+    st = wait_until(ready, 60, "status.readyReplicas == 2 and phase Ready")
+    assert st["observedGeneration"] == parent["metadata"]["generation"]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "True"
+    pods = kube.list("Pod", namespace, {"shapeshift.dev/inference-deployment": "llama"})
+    assert len(pods) == 2
+    for pod in pods:
+        node = crds.core.read_node(pod["spec"]["nodeName"])
+        assert node.metadata.labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+
+    out = crds.kubectl("get", "inferencedeployments", "-n", namespace).stdout
+    header, row = out.splitlines()[:2]
+    assert header.split()[:5] == ["NAME", "PHASE", "READY", "REPLICAS", "ACCELERATOR"], out
+    assert row.split()[:5] == ["llama", "Ready", "2", "2", "nvidia-h200"], out
+    wide = crds.kubectl("get", "infd", "-n", namespace, "-o", "wide").stdout
+    assert "POLICY" in wide.splitlines()[0] and "Manual" in wide
+
+
+def test_resync_and_restart_change_nothing(crds, namespace, kube):
+    """Idempotency: timers firing and an operator restart (resume handlers) leave children untouched."""
+    from kopf.testing import KopfRunner
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"]
+    make(crds, namespace)
+    with KopfRunner(args, timeout=60) as runner:
+        wait_until(lambda: status(crds, namespace).get("phase") == "Ready", 60, "phase Ready")
+        before = versions(kube, namespace)
+        status_rv = get(crds, namespace)["metadata"]["resourceVersion"]
+        import time
+
+        time.sleep(7)  # three resync intervals of 2 s
+        assert versions(kube, namespace) == before
+        assert get(crds, namespace)["metadata"]["resourceVersion"] == status_rv, "a resync rewrote the status"
+    assert runner.exception is None, runner.output[-3000:]
+    with KopfRunner(args, timeout=60) as runner:  # a restarted operator resumes every object
+        time.sleep(5)
+        assert versions(kube, namespace) == before
+    assert runner.exception is None, runner.output[-3000:]
+
+
+def test_spec_update_patches_in_place_and_deleted_child_is_recreated(crds, namespace, operator, kube):
+    make(crds, namespace)
+    wait_until(lambda: all(children(kube, namespace).values()), 30, "children")
+    before = versions(kube, namespace)
+    crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama", {"spec": {"replicas": 3}})
+    wait_until(lambda: (kube.get("Deployment", namespace, "llama-engine") or {}).get("spec", {}).get("replicas") == 3,
+               30, "Deployment scaled to 3")
+    after = versions(kube, namespace)
+    assert after["Deployment"][0] == before["Deployment"][0], "the Deployment was recreated, not patched"
+    assert after["ConfigMap"] == before["ConfigMap"] and after["Service"] == before["Service"]
+    wait_until(lambda: status(crds, namespace).get("readyReplicas") == 3, 60, "3 ready replicas in status")
+
+    crds.core.delete_namespaced_service("llama", namespace)
+    recreated = wait_until(lambda: kube.get("Service", namespace, "llama"), 30, "the Service to be recreated")
+    assert recreated["metadata"]["uid"] != before["Service"][0]
+
+
+def test_deleting_the_parent_removes_children(crds, namespace, operator, kube):
+    make(crds, namespace)
+    wait_until(lambda: all(children(kube, namespace).values()), 30, "children")
+    crds.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama")
+    # The garbage collector in kube-controller-manager follows the owner references.
+    wait_until(lambda: not any(children(kube, namespace).values()), 60, "children garbage-collected")
+    wait_until(lambda: not kube.list("Pod", namespace, {"shapeshift.dev/inference-deployment": "llama"}), 60,
+               "engine pods gone")
+
+
+def test_unplaceable_deployment_reports_unschedulable(crds, namespace, operator):
+    make(crds, namespace, hardware={"accelerator": "nvidia-h100"}, replicas=1)
+
+    def unschedulable():
+        conds = {c["type"]: c for c in status(crds, namespace).get("conditions") or []}
+        c = conds.get("Scheduled")
+        return c if c and c["status"] == "False" else None
+
+    cond = wait_until(unschedulable, 60, "Scheduled=False on the InferenceDeployment")
+    assert cond["reason"] == "Unschedulable" and "node" in cond["message"]
+    assert status(crds, namespace)["phase"] == "Degraded"

@@ -1,0 +1,156 @@
+"""The pure parts of the drift timer (shapeshift.operator.drift_handlers): spec ->
+policy, baseline and state; decision -> status update; Compile -> a CompileRun
+owned by the deployment that the CompileRun model accepts."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from shapeshift.engine.traffic import LengthDistribution, TrafficProfile, builtin_profile
+from shapeshift.operator.builders import Parent
+from shapeshift.operator.drift import Compile, DriftPolicy, DriftState, NoData, Observation, decide
+from shapeshift.operator.drift_handlers import (
+    CheckResult,
+    DriftSettings,
+    active_compile_run,
+    baseline_for,
+    build_drift_compile_run,
+    drift_compile_run_name,
+    drift_status_update,
+    policy_from_spec,
+    run_check,
+    selector_for,
+    state_from_status,
+)
+from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
+from shapeshift.operator.prometheus import NoTrafficData
+
+NOW = datetime(2026, 11, 29, 12, 0, 5, tzinfo=timezone.utc)
+PARENT = Parent(kind="InferenceDeployment", name="llama-chat", namespace="team-a", uid="1234-uid")
+
+
+def make_spec(**compilation) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({
+        "model": {"preset": "tiny-llama"},
+        "hardware": {"accelerator": "cpu"},
+        "compilation": {
+            "policy": "OnDrift",
+            "drift": {"promptLengthRelativeChange": 0.4, "prefixHitRateAbsoluteChange": 0.2,
+                      "consecutiveChecks": 2, "windowSeconds": 300},
+            "cooldownSeconds": 600,
+            **compilation,
+        },
+        "trafficProfile": "chat",
+    })
+
+
+def profile(p50: int, hit: float | None = 0.5) -> TrafficProfile:
+    return TrafficProfile(name="obs", prompt_length=LengthDistribution(p50=p50, p90=2 * p50, p99=3 * p50),
+                          output_length=LengthDistribution(p50=64, p90=128, p99=256), prefix_cache_hit_rate=hit)
+
+
+def test_policy_selector_baseline_and_state_come_from_the_spec_and_status():
+    spec = make_spec()
+    policy = policy_from_spec(spec, DriftSettings(min_requests=7))
+    assert policy == DriftPolicy(prompt_length_relative=0.4, prefix_cache_hit_rate_absolute=0.2,
+                                 consecutive_checks=2, cooldown=timedelta(seconds=600), min_requests=7)
+    selector = selector_for("team-a", "llama-chat", spec, DriftSettings(deployment_label="app"))
+    assert selector.matcher() == '{namespace="team-a",app="llama-chat",model="tiny-llama"}'
+
+    empty = InferenceDeploymentStatus()
+    assert baseline_for(spec, empty) == builtin_profile("chat")
+    compiled = profile(100)
+    assert baseline_for(spec, InferenceDeploymentStatus(compiled_for=compiled)) == compiled
+    assert baseline_for(spec.model_copy(update={"traffic_profile": None}), empty) is None
+
+    status = InferenceDeploymentStatus.model_validate(
+        {"drift": {"consecutiveChecks": 1}, "lastCompileTime": "2026-11-29T11:00:00Z"})
+    assert state_from_status(status) == DriftState(consecutive=1,
+                                                   last_compile_at=datetime(2026, 11, 29, 11, tzinfo=timezone.utc))
+
+
+def test_settings_from_the_environment():
+    settings = DriftSettings.from_env({"SHAPESHIFT_PROMETHEUS_URL": "http://prom:9090",
+                                       "SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL": "app",
+                                       "SHAPESHIFT_DRIFT_MIN_REQUESTS": "50"})
+    assert (settings.prometheus_url, settings.deployment_label, settings.namespace_label, settings.min_requests) == (
+        "http://prom:9090", "app", "namespace", 50)
+    assert DriftSettings.from_env({}).prometheus_url is None
+
+
+def compile_decision(observed: TrafficProfile) -> Compile:
+    decision, _ = decide(observation=Observation(observed, 500), baseline=profile(100), policy=DriftPolicy(
+        consecutive_checks=1), state=DriftState(), active_compile_run=None, now=NOW)
+    assert isinstance(decision, Compile)
+    return decision
+
+
+def test_the_drift_compile_run_is_owned_by_the_deployment_and_carries_the_snapshot():
+    spec = make_spec()
+    observed = profile(400, hit=0.1)
+    decision = compile_decision(observed)
+    run = build_drift_compile_run(PARENT, spec, decision, NOW)
+    assert run["metadata"]["name"] == "llama-chat-drift-261129120005"
+    owner = run["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "InferenceDeployment", "llama-chat", "1234-uid", True)
+    typed = CompileRunSpec.model_validate(run["spec"])  # what the API server's schema mirrors
+    assert typed.deployment_ref.name == "llama-chat"
+    assert typed.traffic.inline == observed
+    assert typed.trigger.reason == "Drift"
+    assert typed.trigger.drift_score == pytest.approx(decision.score)
+    assert typed.budget == spec.compilation.budget
+
+
+def test_run_names_fit_the_compile_run_limit_and_are_deterministic():
+    long_name = "a" * 29 + "-" + "b" * 20
+    name = drift_compile_run_name(long_name, NOW)
+    assert len(name) <= 52 and "--" not in name
+    assert name == drift_compile_run_name(long_name, NOW)
+    assert name != drift_compile_run_name(long_name, NOW + timedelta(seconds=1))
+
+
+def test_active_compile_run_ignores_finished_and_other_deployments():
+    def run(name, deployment, phase=None, created="2026-11-29T10:00:00Z"):
+        return {"metadata": {"name": name, "creationTimestamp": created},
+                "spec": {"deploymentRef": {"name": deployment}}, "status": {"phase": phase} if phase else {}}
+
+    runs = [run("done", "llama-chat", "Succeeded"), run("failed", "llama-chat", "Failed"),
+            run("other", "mistral", "Running"), run("newer", "llama-chat", "Running", "2026-11-29T11:00:00Z"),
+            run("older", "llama-chat", None, "2026-11-29T10:30:00Z")]
+    assert active_compile_run(runs, "llama-chat") == "older"
+    assert active_compile_run(runs[:3], "llama-chat") is None
+
+
+def test_status_update_of_a_compile_and_of_missing_data():
+    decision = compile_decision(profile(400, hit=0.1))
+    result = CheckResult(decision, DriftState(0, NOW), None)
+    update = drift_status_update(result, InferenceDeploymentStatus(), now=NOW, compile_run="llama-chat-drift-1")
+    assert update.fields["lastCompileRun"] == "llama-chat-drift-1"
+    assert update.fields["drift"]["exceeded"] is True
+    assert update.fields["drift"]["promptLengthRelativeChange"] == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert update.fields["drift"]["prefixCacheHitRateChange"] == pytest.approx(-0.4)
+    assert update.condition("Drifted")[1:3] == ("True", "CompileRunCreated")
+    InferenceDeploymentStatus.model_validate(update.fields)  # the status schema takes it
+
+    manual = drift_status_update(result, InferenceDeploymentStatus(), now=NOW, compile_blocked="policy Manual")
+    assert "lastCompileRun" not in manual.fields
+    assert manual.condition("Drifted")[2] == "DriftPersisted" and "policy Manual" in manual.condition("Drifted")[3]
+
+    # A later check without data keeps the last score on display, with a counter of 0.
+    previous = InferenceDeploymentStatus.model_validate({"drift": update.fields["drift"]})
+
+    def no_traffic():
+        raise NoTrafficData("no requests reached the deployment in the last 300s")
+
+    missing = run_check(observe=no_traffic, baseline=profile(100), policy=DriftPolicy(), state=DriftState(2),
+                        active_compile_run=None, now=NOW + timedelta(minutes=1))
+    assert isinstance(missing.decision, NoData) and missing.decision.reason == "NoTraffic"
+    later = drift_status_update(missing, previous, now=NOW + timedelta(minutes=1))
+    assert later.fields["drift"]["score"] == update.fields["drift"]["score"]
+    assert later.fields["drift"]["consecutiveChecks"] == 0
+    assert "exceeded" not in later.fields["drift"]
+    assert later.condition("TrafficObserved")[1:3] == ("False", "NoTraffic")
+    assert "observedTraffic" not in later.fields

@@ -1,0 +1,164 @@
+"""Pure builders: names, owner references, placement, probes, the compile Job and its RBAC."""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from shapeshift.operator import builders
+from shapeshift.operator.builders import Parent
+from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec
+
+IDEP = Parent("InferenceDeployment", "llama", "prod", "uid-idep")
+RUN = Parent("CompileRun", "llama-drift-1", "prod", "uid-run")
+
+
+def spec(**over) -> InferenceDeploymentSpec:
+    base = {"model": {"preset": "llama-3.2-1b-shape"}, "hardware": {"accelerator": "nvidia-h200", "count": 2},
+            "replicas": 3}
+    base.update(over)
+    return InferenceDeploymentSpec.model_validate(base)
+
+
+def run_spec(**over) -> CompileRunSpec:
+    base = {"deploymentRef": {"name": "llama"}, "budget": {"wallClockSeconds": 1800, "trials": 200}}
+    base.update(over)
+    return CompileRunSpec.model_validate(base)
+
+
+def owner_ok(obj, parent):
+    (ref,) = obj["metadata"]["ownerReferences"]
+    assert ref == {"apiVersion": "shapeshift.dev/v1alpha1", "kind": parent.kind, "name": parent.name,
+                   "uid": parent.uid, "controller": True, "blockOwnerDeletion": True}
+    assert obj["metadata"]["namespace"] == parent.namespace
+
+
+def test_engine_deployment_for_h200():
+    d = builders.build_engine_deployment(IDEP, spec())
+    owner_ok(d, IDEP)
+    assert d["metadata"]["name"] == "llama-engine" and d["spec"]["replicas"] == 3
+    pod = d["spec"]["template"]
+    assert d["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (c,) = pod["spec"]["containers"]
+    assert c["resources"] == {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+    assert ann["prometheus.io/path"] == "/metrics"
+    assert c["command"] == ["shapeshift"] and c["args"][:3] == ["serve", "--model", "llama-3.2-1b-shape"]
+    assert c["args"][c["args"].index("--device") + 1] == "cuda"
+    assert "--enforce-eager" not in c["args"]
+
+
+def test_trainium_and_cpu_placement():
+    t = builders.build_engine_deployment(IDEP, spec(hardware={"accelerator": "trainium2", "count": 4}))
+    pod = t["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"aws.amazon.com/neuron": "4"}
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
+    assert pod["tolerations"][0]["key"] == "aws.amazon.com/neuron"
+    c = builders.build_engine_deployment(IDEP, spec(hardware={"accelerator": "cpu", "cpu": "4", "memory": "8Gi"}))
+    pod = c["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
+    assert "--enforce-eager" in pod["containers"][0]["args"]
+
+
+def test_user_selector_and_tolerations_merge_over_the_pool():
+    s = spec(hardware={"accelerator": "nvidia-h200", "nodeSelector": {"zone": "a"},
+                       "tolerations": [{"key": "spot", "operator": "Exists"}]})
+    pod = builders.build_engine_deployment(IDEP, s)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200", "zone": "a"}
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "spot"]
+
+
+def test_pvc_model_is_mounted_read_only():
+    s = spec(model={"pvc": {"claimName": "weights", "path": "llama/3.2-1b"}})
+    pod = builders.build_engine_deployment(IDEP, s)["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert pod["containers"][0]["args"][2] == "/models/llama/3.2-1b"
+
+
+def test_configmap_holds_engine_config_fields_and_rolls_pods_on_change():
+    cm = builders.build_engine_configmap(IDEP, spec())
+    owner_ok(cm, IDEP)
+    cfg = yaml.safe_load(cm["data"]["engine.yaml"])
+    assert cfg["model"] == "llama-3.2-1b-shape" and cfg["block_size"] == 16 and cfg["max_num_seqs"] == 64
+    from shapeshift.engine.config import EngineConfig  # the engine accepts exactly these keys
+
+    EngineConfig(**cfg)
+    d1 = builders.build_engine_deployment(IDEP, spec())
+    d2 = builders.build_engine_deployment(IDEP, spec(engine={"maxModelLen": 4096}))
+    a1 = d1["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH]
+    a2 = d2["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_HASH]
+    assert a1 != a2
+
+
+def test_service_selects_engine_pods():
+    svc = builders.build_engine_service(IDEP, spec())
+    owner_ok(svc, IDEP)
+    assert svc["metadata"]["name"] == "llama"
+    assert svc["spec"]["selector"] == builders.engine_selector("llama")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_builders_are_deterministic_and_hash_tracks_content():
+    a = builders.build_engine_deployment(IDEP, spec())
+    b = builders.build_engine_deployment(IDEP, spec())
+    assert a == b
+    assert a["metadata"]["annotations"][builders.SPEC_HASH] == builders.spec_hash(a)
+    c = builders.build_engine_deployment(IDEP, spec(replicas=4))
+    assert c["metadata"]["annotations"][builders.SPEC_HASH] != a["metadata"]["annotations"][builders.SPEC_HASH]
+    mutated = copy.deepcopy(a)
+    mutated["metadata"]["annotations"][builders.SPEC_HASH] = "x"
+    assert builders.spec_hash(mutated) == builders.spec_hash(a)  # the hash ignores itself
+
+
+def test_compile_job_runs_the_worker_on_the_pool():
+    job = builders.build_compile_job(RUN, run_spec(), spec())
+    owner_ok(job, RUN)
+    assert job["metadata"]["name"] == "llama-drift-1-compile"
+    js = job["spec"]
+    assert js["backoffLimit"] == 1 and js["activeDeadlineSeconds"] == 1800 + 600
+    pod = js["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["serviceAccountName"] == "llama-drift-1-compile"
+    (c,) = pod["containers"]
+    assert c["command"] + c["args"] == ["shapeshift", "compile", "--compile-run", "prod/llama-drift-1"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SHAPESHIFT_NAMESPACE"] == "prod" and env["SHAPESHIFT_COMPILE_RUN"] == "llama-drift-1"
+    assert env["SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS"] == "1800" and env["SHAPESHIFT_BUDGET_TRIALS"] == "200"
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert js["template"]["metadata"]["labels"][builders.LABEL_RUN] == "llama-drift-1"
+    assert {"name": "engine-config", "configMap": {"name": "llama-engine"}} in pod["volumes"]
+
+
+def test_compile_job_hardware_override_secret_env_and_trial_only_budget():
+    r = run_spec(hardware={"accelerator": "trainium2"}, budget={"wallClockSeconds": 0, "trials": 50},
+                 agents=[{"kind": "llm", "llm": {"endpoint": "http://llm:8080/v1", "model": "m",
+                                                 "apiKeySecretRef": {"name": "llm-key"}}}])
+    job = builders.build_compile_job(RUN, r, spec())
+    pod = job["spec"]["template"]["spec"]
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
+    key = next(e for e in pod["containers"][0]["env"] if e["name"] == "SHAPESHIFT_AGENT_0_API_KEY")
+    assert key["valueFrom"] == {"secretKeyRef": {"name": "llm-key", "key": "api-key"}}
+
+
+def test_compile_rbac_is_least_privilege():
+    sa, role, binding = builders.build_compile_rbac(RUN, run_spec())
+    for obj in (sa, role, binding):
+        owner_ok(obj, RUN)
+        assert obj["metadata"]["name"] == "llama-drift-1-compile"
+    rules = {(tuple(r["resources"]), tuple(r.get("resourceNames", []))): set(r["verbs"]) for r in role["rules"]}
+    assert rules[(("compileruns",), ("llama-drift-1",))] == {"get"}
+    assert rules[(("compileruns/status",), ("llama-drift-1",))] == {"get", "patch"}
+    assert rules[(("inferencedeployments",), ("llama",))] == {"get"}
+    assert rules[(("forwardpasses",), ())] == {"get", "list", "create"}
+    assert all(r["apiGroups"] == ["shapeshift.dev"] for r in role["rules"])
+    assert not any("*" in r["verbs"] or "secrets" in r["resources"] for r in role["rules"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "prod"}]

@@ -1,0 +1,102 @@
+"""Status from observed objects: phases, conditions, and no change when nothing changed."""
+
+from __future__ import annotations
+
+from shapeshift.operator.models import CompileRunStatus
+from shapeshift.operator.status import compile_run_status, inference_deployment_status, merged_conditions
+
+
+def pod(name, node=None, phase="Pending", unschedulable=None, created="2026-01-01T00:00:00Z"):
+    conditions = []
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable})
+    return {"metadata": {"name": name, "creationTimestamp": created},
+            "spec": {"nodeName": node} if node else {}, "status": {"phase": phase, "conditions": conditions}}
+
+
+def job(*conds, start="2026-01-01T00:00:01Z", completion=None):
+    st = {"startTime": start, "conditions": [dict(type=t, status="True", reason=r, message=m,
+                                                   lastTransitionTime="2026-01-01T00:05:00Z") for t, r, m in conds]}
+    if completion:
+        st["completionTime"] = completion
+    return {"metadata": {"name": "r-compile"}, "status": st}
+
+
+def test_run_waits_then_is_scheduled_then_running():
+    cur = CompileRunStatus()
+    u = compile_run_status(current=cur, job=job(), job_name="r-compile", pods=[])
+    assert u.fields["phase"] == "Pending"
+    u = compile_run_status(current=cur, job=job(), job_name="r-compile", pods=[pod("p", node="h200-0")])
+    assert u.fields["phase"] == "Scheduled" and u.fields["nodeName"] == "h200-0"
+    assert u.condition("Scheduled")[1:3] == ("True", "Bound")
+    u = compile_run_status(current=cur, job=job(), job_name="r-compile", pods=[pod("p", node="h200-0", phase="Running")])
+    assert u.fields["phase"] == "Running"
+
+
+def test_worker_reported_verifying_is_not_turned_back():
+    cur = CompileRunStatus(phase="Verifying")
+    u = compile_run_status(current=cur, job=job(), job_name="r-compile", pods=[pod("p", node="n", phase="Running")])
+    assert u.fields["phase"] == "Verifying"
+
+
+def test_unschedulable_pod_becomes_a_condition():
+    u = compile_run_status(current=CompileRunStatus(), job=job(), job_name="r-compile",
+                           pods=[pod("p", unschedulable="0/5 nodes are available: 5 node(s) didn't match selector")])
+    assert u.fields["phase"] == "Pending"
+    t, status, reason, message = u.condition("Scheduled")
+    assert (status, reason) == ("False", "Unschedulable") and "didn't match" in message
+
+
+def test_job_fate_is_final_with_reason():
+    ok = compile_run_status(current=CompileRunStatus(phase="Running"), job=job(("Complete", "Completed", ""),
+                            completion="2026-01-01T00:09:00Z"), job_name="r-compile", pods=[])
+    assert ok.fields["phase"] == "Succeeded" and ok.fields["completionTime"] == "2026-01-01T00:09:00Z"
+    bad = compile_run_status(current=CompileRunStatus(phase="Running"),
+                             job=job(("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")),
+                             job_name="r-compile", pods=[])
+    assert bad.fields["phase"] == "Failed"
+    assert bad.condition("Failed")[1:3] == ("True", "BackoffLimitExceeded")
+    assert "backoff limit" in bad.fields["message"]
+    done = compile_run_status(current=CompileRunStatus(phase="Succeeded"), job=None, job_name="r-compile", pods=[])
+    assert done.fields == {} and done.conditions == []
+
+
+def test_deleted_job_fails_the_run_instead_of_recreating_it():
+    u = compile_run_status(current=CompileRunStatus(phase="Running", job_name="r-compile"), job=None,
+                           job_name="r-compile", pods=[])
+    assert u.fields["phase"] == "Failed" and u.condition("Failed")[2] == "JobDeleted"
+
+
+def deployment(ready, replicas=2, generation=1, observed=1, progressing=None):
+    conds = [progressing] if progressing else []
+    return {"metadata": {"generation": generation},
+            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas,
+                       "observedGeneration": observed, "conditions": conds}}
+
+
+def idep_status(dep, desired=2, pods=()):
+    return inference_deployment_status(generation=3, desired_replicas=desired, deployment=dep, pods=list(pods),
+                                       deployment_name="x-engine", service_name="x", selector="a=b")
+
+
+def test_inference_deployment_phases():
+    assert idep_status(None).fields["phase"] == "Pending"
+    u = idep_status(deployment(ready=1))
+    assert u.fields["phase"] == "Progressing" and u.fields["readyReplicas"] == 1
+    u = idep_status(deployment(ready=2))
+    assert u.fields["phase"] == "Ready" and u.condition("Ready")[1] == "True"
+    assert u.fields["observedGeneration"] == 3 and u.fields["selector"] == "a=b"
+    u = idep_status(deployment(ready=2, observed=0))  # controller has not seen the new template yet
+    assert u.fields["phase"] == "Progressing"
+    u = idep_status(deployment(ready=0, progressing={"type": "Progressing", "reason": "ProgressDeadlineExceeded",
+                                                     "message": "too slow"}))
+    assert u.fields["phase"] == "Degraded"
+    u = idep_status(deployment(ready=0), pods=[pod("e", unschedulable="0/3 nodes: Insufficient nvidia.com/gpu")])
+    assert u.fields["phase"] == "Degraded" and u.condition("Scheduled")[2] == "Unschedulable"
+
+
+def test_merged_conditions_unchanged_when_nothing_changed():
+    u = idep_status(deployment(ready=2))
+    first = merged_conditions([], u, 3)
+    again = merged_conditions(first, idep_status(deployment(ready=2)), 3)
+    assert again == first

@@ -1,0 +1,105 @@
+"""Every known-bad candidate is rejected by the gate that targets it; the good ones pass all gates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.loader import random_weights
+from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.verify import (GATE_NAMES, HARDWARE, GateSettings, check_speed_of_light,
+                                      decode_step_lower_bound_s, verify_candidate)
+from shapeshift.engine.verify import anticheat
+
+CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
+
+# candidate folder -> the gate that must reject it
+BAD = {
+    "wrong_math": "outputs.agreement",
+    "nan_output": "outputs.finite",
+    "cached_by_input": "anti_cheat.fresh_inputs",
+    "stale_kv": "kv.canary_isolation",
+    "skipped_layer": "outputs.agreement",
+    "precision_drop": "outputs.agreement",
+    "low_rank": "outputs.agreement",
+    "untested_branch": "coverage.shapes",
+    "timing_trick": "anti_cheat.no_patching",
+    "hang": "smoke",
+    "crash_build": "smoke",
+    "crash_forward": "smoke",
+    "mutates_inputs": "anti_cheat.inputs_unchanged",
+    "output_alias": "anti_cheat.poisoned_outputs",
+}
+GOOD = ("good_refactored", "good_fused_mlp")
+
+
+@pytest.fixture(scope="module")
+def model():
+    preset = PRESETS["tiny-llama"]
+    cfg = ModelConfig.from_hf(preset.hf_config)
+    return cfg, random_weights(cfg, seed=preset.weight_seed, dtype=torch.float32, device="cpu")
+
+
+def settings() -> GateSettings:
+    return GateSettings(gate_timeout_s=4.0, build_timeout_s=4.0)
+
+
+def test_every_fixture_is_classified():
+    folders = {p.name for p in CANDIDATES.iterdir() if (p / "forward.py").is_file()}
+    assert folders == set(BAD) | set(GOOD)
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_good_candidates_pass_every_gate(model, name):
+    cfg, weights = model
+    report = verify_candidate(CANDIDATES / name, cfg, weights, settings=settings())
+    assert [g.name for g in report.gates] == list(GATE_NAMES)
+    assert report.passed, "\n".join(str(g) for g in report.gates if not g.passed)
+    agreement = report.gate("outputs.agreement").evidence
+    assert agreement["tokens"] >= 64 and agreement["flips"] == 0
+
+
+def test_stock_passes_against_itself(model):
+    from shapeshift.engine.bundle import stock_bundle_dir
+
+    cfg, weights = model
+    report = verify_candidate(stock_bundle_dir(), cfg, weights, settings=settings())
+    assert report.passed, "\n".join(str(g) for g in report.gates if not g.passed)
+
+
+@pytest.mark.parametrize("name,gate", sorted(BAD.items()))
+def test_bad_candidate_rejected_by_its_gate(model, name, gate):
+    cfg, weights = model
+    report = verify_candidate(CANDIDATES / name, cfg, weights, settings=settings())
+    assert not report.passed
+    target = report.gate(gate)
+    assert not target.passed and not target.skipped, f"{gate} did not reject {name}: {target}"
+    assert target.evidence.get("reason")
+    assert not anticheat.patched_functions()  # a cheating candidate never leaves the process patched
+    if gate != "smoke":
+        assert report.gate("smoke").passed  # it is a working pass, caught by the specific check
+
+
+def test_fresh_prompts_each_run(model):
+    cfg, weights = model
+    a = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, only=("outputs.agreement",))
+    b = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, only=("outputs.agreement",))
+    assert a.seed != b.seed
+    assert a.gate("outputs.agreement").evidence["prompt_lens"] != b.gate("outputs.agreement").evidence["prompt_lens"]
+
+
+def test_speed_of_light_bound():
+    cfg = ModelConfig.from_hf(PRESETS["llama-3.2-1b-shape"].hf_config)
+    # Shapes only: meta tensors carry sizes and dtypes without memory.
+    from shapeshift.engine.loader import expected_weight_shapes
+
+    weights = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in expected_weight_shapes(cfg).items()}
+    bound = decode_step_lower_bound_s(cfg, weights, torch.bfloat16, batch_size=4, context_len=512, hw=HARDWARE["h200"])
+    # ~2.5 GB of bf16 weights through 4.8 TB/s: about half a millisecond at least.
+    assert 4e-4 < bound["memory_s"] < 7e-4
+    assert bound["bound_s"] == max(bound["memory_s"], bound["compute_s"])
+    assert not check_speed_of_light(1e-5, bound)  # 10 us for a 1B decode step: impossible
+    assert check_speed_of_light(2e-3, bound)
