@@ -389,12 +389,13 @@ class OpenedBundle:
 
 
 def open_bundle(path: str | Path, expected_digest: str | None = None, *,
-                allow_unmanifested: bool = False) -> OpenedBundle:
+                allow_unmanifested: bool = False, ignore_manifest: bool = False) -> OpenedBundle:
     """Verify a bundle (unpacking an archive to a private temp folder) and read its recipe.
 
     ``allow_unmanifested``: a folder without manifest.json gets one computed in memory
     (development use, e.g. the stock pass before its manifest is generated); archives
-    and uploads must always carry one.
+    and uploads must always carry one. ``ignore_manifest``: hash the files as they are
+    (the stock pass shipped inside the engine package, whose manifest may lag an edit).
     """
     path = Path(path)
     if not path.exists():
@@ -417,7 +418,9 @@ def open_bundle(path: str | Path, expected_digest: str | None = None, *,
         tmp.cleanup()
         raise
     try:
-        if allow_unmanifested and path.is_dir() and not (folder / MANIFEST_NAME).exists():
+        if ignore_manifest and path.is_dir():
+            (folder / MANIFEST_NAME).unlink(missing_ok=True)
+        if (allow_unmanifested or ignore_manifest) and path.is_dir() and not (folder / MANIFEST_NAME).exists():
             if not (folder / ENTRY_NAME).is_file():
                 raise BundleError(f"{folder}: a bundle needs {ENTRY_NAME}")
             files = hash_files(folder)

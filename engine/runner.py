@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from .scheduler import RunnerOutput, ScheduledBatch
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], Any]  # CUDAGraph.replay, or an eager stand-in when emulating on the CPU
     batch_size: int
     width: int  # KV blocks read per sequence
 
@@ -53,6 +53,10 @@ class ModelRunner:
         self.graph_widths: list[int] = []
         self._static: dict[str, torch.Tensor] = {}
         self._graph_pool = None
+        # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
+        # are then eager calls over the same static buffers, padding and widths.
+        self.emulate_graphs = False
+        self.num_graph_replays = 0
 
     # ------------------------------------------------------------------ host -> device
     def _to_device(self, data: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -192,14 +196,18 @@ class ModelRunner:
         s["slot_mapping"][:g.batch_size].copy_(h["slot_mapping"][:g.batch_size], non_blocking=True)
         s["context_lens"][:g.batch_size].copy_(h["context_lens"][:g.batch_size], non_blocking=True)
         s["block_tables"][:n, :g.width].copy_(h["block_tables"][:n, :g.width], non_blocking=True)
-        g.graph.replay()
+        g.replay()
+        self.num_graph_replays += 1
         return s["logits"][:n]
 
+    @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """(Re)capture decode graphs for every (batch bucket, width bucket); CUDA only."""
         self.graphs.clear()
         self._graph_pool = None
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        self.graph_batch_sizes, self.graph_widths = [], []
+        capture = self.device.type == "cuda"
+        if (not capture and not self.emulate_graphs) or self.config.enforce_eager:
             return
         sizes = sorted(self.config.cuda_graph_batch_sizes or [])
         if not sizes:
@@ -219,12 +227,13 @@ class ModelRunner:
             "last_token_indices": torch.arange(max_bs, dtype=torch.int64, device=dev),
             "logits": torch.zeros(max_bs, vocab, dtype=torch.float32, device=dev),
         }
-        self._static_host_t = {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory()
-                               for k, v in self._static.items() if k in
-                               ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")}
+        host = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in self._static.items()
+                if k in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")}
+        self._static_host_t = {k: v.pin_memory() for k, v in host.items()} if capture else host
         self._static_host = {k: v.numpy() for k, v in self._static_host_t.items()}
         s = self._static
-        torch.cuda.synchronize(dev)
+        if capture:
+            torch.cuda.synchronize(dev)
         for width in reversed(widths):
             for bs in reversed(sizes):
                 ctx = AttentionContext(
@@ -232,17 +241,24 @@ class ModelRunner:
                     context_lens=s["context_lens"][:bs], query_start_loc=s["query_start_loc"][:bs + 1],
                     max_query_len=1, max_context_len=width * self.block_size,
                     last_token_indices=s["last_token_indices"][:bs])
-                # Warm-up outside the graph: lazy initialisation (cuBLAS handles, autotuning)
-                # must not happen during capture.
-                s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
+
+                def run_static(bs: int = bs, ctx: AttentionContext = ctx) -> None:
+                    s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx,
+                                                                 self.kv_cache)
+
+                if not capture:
+                    self.graphs[(bs, width)] = _Graph(run_static, bs, width)
+                    continue
+                # Warm-up outside the graph: lazy initialisation (cuBLAS handles, Triton
+                # autotuning) must not happen during capture.
+                run_static()
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._graph_pool):
-                    s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx,
-                                                                 self.kv_cache)
+                    run_static()
                 if self._graph_pool is None:
                     self._graph_pool = graph.pool()
-                self.graphs[(bs, width)] = _Graph(graph, bs, width)
+                self.graphs[(bs, width)] = _Graph(graph.replay, bs, width)
                 torch.cuda.synchronize(dev)
         self.graph_batch_sizes = sizes
         self.graph_widths = widths

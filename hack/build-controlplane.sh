@@ -32,8 +32,18 @@ all_present() {
   local b
   for b in "${BINARIES[@]}"; do [[ -x "$SHAPESHIFT_BIN/$b" ]] || return 1; done
 }
-if (( ! force )) && all_present && [[ "$(cat "$stamp_file" 2>/dev/null)" == "$wanted" ]]; then
+up_to_date() { all_present && [[ "$(cat "$stamp_file" 2>/dev/null)" == "$wanted" ]]; }
+if (( ! force )) && up_to_date; then
   log "control-plane binaries up to date in $SHAPESHIFT_BIN ($wanted)"
+  exit 0
+fi
+# One build at a time per cache (two test runs starting together would both build
+# into the same source folder); whoever waited finds the binaries ready.
+mkdir -p "$SHAPESHIFT_BIN"
+exec 9>"$SHAPESHIFT_CACHE/.build-controlplane.lock"
+flock 9
+if (( ! force )) && up_to_date; then
+  log "control-plane binaries were built meanwhile in $SHAPESHIFT_BIN ($wanted)"
   exit 0
 fi
 
@@ -46,7 +56,7 @@ export CGO_ENABLED=0 GOFLAGS=-mod=mod
 # Use the local toolchain; fail loudly instead of silently fetching another one.
 export GOTOOLCHAIN=local
 started=$(date +%s)
-log "building $wanted with $("$GO" version) (cold: tens of minutes on 2 cores)"
+log "building $wanted with $("$GO" version) (cold: about 7 minutes on 2 cores, mostly compiling)"
 
 src="$SHAPESHIFT_CACHE/controlplane-src"
 rm -rf "$src"

@@ -181,7 +181,7 @@ def gemv(
 def _choose_default(problem, key: str) -> KernelConfig:
     n, k = int(problem["n"]), int(problem["k"])
     if key == "interpreter":
-        return KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)
+        return KernelConfig.make("dot", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)
     sms = 132 if key == "sm90" else 108
     # Little's law: ~4 TB/s x ~1 us of HBM latency is ~4 MB in flight, ~32 KB per SM. 32x128
     # bf16 weight tiles (8 KB), 4 pipeline stages and ~4 resident programs per SM cover that.

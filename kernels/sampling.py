@@ -283,13 +283,13 @@ def sample(
 
 def _sample_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
-        return KernelConfig.make("row", num_warps=4, num_stages=1, BLOCK_V=64, NUM_PIVOTS=16)
+        return KernelConfig.make("row", num_warps=4, num_stages=1, BLOCK_V=256, NUM_PIVOTS=16)
     return KernelConfig.make("row", num_warps=8, num_stages=1, BLOCK_V=1024, NUM_PIVOTS=16)
 
 
 def _argmax_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
-        return KernelConfig.make("split", num_warps=4, num_stages=1, BLOCK_V=64, NUM_SPLITS=2)
+        return KernelConfig.make("split", num_warps=4, num_stages=1, BLOCK_V=512, NUM_SPLITS=2)
     batch, vocab = int(problem["batch"]), int(problem["vocab"])
     # Split the vocabulary until there are ~2 programs per SM, each reading >= 8 KB.
     splits = 1

@@ -70,6 +70,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube(new_api_client())
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the ServiceAccount. Elsewhere: $KUBECONFIG as it is now (the client
+    library's own auto-login reads $KUBECONFIG once, when it is first imported)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        return kopf.login_with_service_account(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
 def _kube(memo: kopf.Memo) -> Kube:
     kube = getattr(memo, "kube", None)
     if kube is None:  # handlers registered into an operator started without our startup handler

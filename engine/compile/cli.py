@@ -58,9 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context of the measuring engines (default: 1024 on CPU, 8192 on GPU)")
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast tier (default: a quarter)")
     p.add_argument("--screen-repeats", type=int, default=3)
-    p.add_argument("--confirm-repeats", type=int, default=3)
+    p.add_argument("--confirm-repeats", type=int, default=None, help="paired full-tier replays (default: 5 on CPU, 3 on GPU)")
     p.add_argument("--screen-requests", type=int, default=None)
     p.add_argument("--confirm-requests", type=int, default=None)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads when measuring on the CPU (default: 1, timed in thread CPU time)")
+    p.add_argument("--timer", default=None, choices=("wall", "process", "thread"),
+                   help="clock of measurements (default: wall on GPUs, thread CPU time on the CPU)")
     p.add_argument("--deterministic", action="store_true", help="drive the agents round-robin (reproducible order)")
     p.add_argument("--llm-url", default=None, help="OpenAI-compatible base URL for the llm agent (e.g. http://host:8000/v1)")
     p.add_argument("--llm-model", default=None, help="model name for the llm agent")
@@ -119,10 +123,11 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     settings = EvaluatorSettings(
         model=args.model, device=device, dtype=args.dtype,
         max_model_len=args.max_model_len or (512 if cpu else 8192), fast_layers=args.fast_layers,
-        screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats,
-        screen_requests=args.screen_requests or (12 if cpu else 64),
-        confirm_requests=args.confirm_requests or (32 if cpu else 256),
-        length_scale=None, seed=args.seed, work_dir=str(out / "work"))
+        screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats or (5 if cpu else 3),
+        screen_requests=args.screen_requests or (96 if cpu else 64),
+        confirm_requests=args.confirm_requests or (192 if cpu else 256),
+        length_scale=None, seed=args.seed, work_dir=str(out / "work"),
+        cpu_threads=args.cpu_threads if args.cpu_threads is not None else (1 if cpu else None), timer=args.timer)
     evaluator = EngineEvaluator(profile, settings)
     space = evaluator.space()
     board = Board(out / "board.jsonl")

@@ -59,12 +59,14 @@ class EvaluatorSettings:
     seed: int = 0
     noise_floor: float = DEFAULT_NOISE_FLOOR
     reload_timeout_s: float = 120.0
-    verify_prompts: int = 8
-    verify_steps: int = 24
+    verify_prompts: int = 4
+    verify_steps: int = 16
     work_dir: str | None = None
     # "wall": time.perf_counter (GPUs: the engine synchronises every step when it reads tokens).
-    # "process": CPU seconds of this process (CPU runs on a shared machine: time spent
-    # descheduled by other processes is not charged to the candidate). None: process on CPU.
+    # "thread": CPU seconds of the measuring thread (CPU runs with cpu_threads=1 on a shared
+    # machine: time spent descheduled by other processes, and the agents' own threads, are not
+    # charged to the candidate). "process": CPU seconds of the whole process.
+    # None: "thread" on CPU with one torch thread, "process" on CPU otherwise, "wall" on CUDA.
     timer: str | None = None
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
 
@@ -303,35 +305,78 @@ class EngineEvaluator:
             self.fitted = fit_profile(self.profile, self.settings.max_model_len, self.settings.length_scale)
         return self.fitted
 
+    def _clock(self) -> Any:
+        return {"wall": time.perf_counter, "process": time.process_time, "thread": time.thread_time}[self.timer()]
+
+    def timer(self) -> str:
+        timer = self.settings.timer
+        if timer is None:
+            if str(self.settings.device or "cpu").startswith("cuda"):
+                timer = "wall"
+            else:
+                timer = "thread" if self.settings.cpu_threads == 1 else "process"
+        if timer not in ("wall", "process", "thread"):
+            raise ValueError(f"evaluator timer must be 'wall', 'process' or 'thread', got {timer!r}")
+        return timer
+
     def _measure(self, tier: str, cand: Candidate, requests: int, repeats: int) -> Measurement:
-        t0 = time.perf_counter()
-        try:
-            eng = self._activate(tier, cand)
-        except (SourceEditError, ValueError, RuntimeError, TimeoutError, OSError, ImportError, SyntaxError) as exc:
-            self._loaded[tier] = None
-            return Measurement(error=f"refused at load: {type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0,
-                               noise_floor=self.noise_floor)
+        return self._interleaved(tier, [cand], requests, repeats)[0]
+
+    def _interleaved(self, tier: str, cands: list[Candidate], requests: int, repeats: int) -> list[Measurement]:
+        """Measure candidates in alternation (A B A B ...), so a change in machine load between
+        repeats hits all of them alike. A candidate that fails is marked failed; the others go on."""
+        if self.settings.cpu_threads is not None and not str(self.settings.device or "cpu").startswith("cuda"):
+            import torch
+
+            torch.set_num_threads(self.settings.cpu_threads)
+        clock = self._clock()
         profile = self._profile()
-        prompts = make_prompts(profile, requests, self.settings.seed, eng.model_config.vocab_size)
-        m = Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
-                                                               "profile": profile.name})
-        try:
-            replay(eng, prompts[: min(2, len(prompts))], profile.concurrency, tag=f"{tier}-warm")  # warm-up
-            for rep in range(repeats):
-                self._fresh_cache(eng)
-                run = replay(eng, prompts, profile.concurrency, tag=f"{tier}-{rep}")
-                m.samples.append(run.throughput)
-                m.per_user_p50.append(_percentile(run.per_user_tps, 50))
-                # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
-                m.per_user_p90.append(_percentile(run.per_user_tps, 10))
-                m.ttft_p50.append(_percentile(run.ttft_s, 50))
-                m.ttft_p90.append(_percentile(run.ttft_s, 90))
-        except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial
-            log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
-            self._recover(tier)
-            m.error = f"failed during replay: {type(exc).__name__}: {exc}"
-        m.seconds = time.perf_counter() - t0
-        return m
+        out = [Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
+                                                                  "profile": profile.name}) for _ in cands]
+        spent = [0.0] * len(cands)
+        prompts = None
+        for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
+            for i, cand in enumerate(cands):
+                m = out[i]
+                if m.error is not None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    eng = self._activate(tier, cand)
+                except (SourceEditError, ValueError, RuntimeError, TimeoutError, OSError, ImportError,
+                        SyntaxError) as exc:
+                    self._loaded[tier] = None
+                    m.error = f"refused at load: {type(exc).__name__}: {exc}"
+                    spent[i] += time.perf_counter() - t0
+                    continue
+                if prompts is None:
+                    prompts = make_prompts(profile, requests, self.settings.seed, eng.model_config.vocab_size)
+                try:
+                    self._fresh_cache(eng)
+                    if rep < 0:
+                        replay(eng, prompts[: max(2, len(prompts) // 4)], profile.concurrency, f"{tier}-warm", clock)
+                    else:
+                        run = replay(eng, prompts, profile.concurrency, f"{tier}-{rep}", clock)
+                        m.samples.append(run.throughput)
+                        m.per_user_p50.append(_percentile(run.per_user_tps, 50))
+                        # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
+                        m.per_user_p90.append(_percentile(run.per_user_tps, 10))
+                        m.ttft_p50.append(_percentile(run.ttft_s, 50))
+                        m.ttft_p90.append(_percentile(run.ttft_s, 90))
+                except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial
+                    log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
+                    self._recover(tier)
+                    m.error = f"failed during replay: {type(exc).__name__}: {exc}"
+                spent[i] += time.perf_counter() - t0
+        for m, sec in zip(out, spent):
+            m.seconds = sec
+        return out
+
+    def compare(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
+        """Full-tier replay of candidate and incumbent in alternation: (candidate, incumbent)."""
+        s = self.settings
+        cand_m, inc_m = self._interleaved(FULL, [candidate, incumbent], s.confirm_requests, s.confirm_repeats)
+        return cand_m, inc_m
 
     def _recover(self, tier: str) -> None:
         """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
@@ -354,8 +399,7 @@ class EngineEvaluator:
         t0 = time.perf_counter()
         path = self.materialize(candidate)
         eng = self._engine(FULL, {})
-        verdict = run_gates(eng, path, self.stock_dir, prompts=self.settings.verify_prompts,
-                            steps=self.settings.verify_steps)
+        verdict = run_gates(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps)
         verdict.seconds = time.perf_counter() - t0
         return verdict
 
@@ -375,7 +419,8 @@ class EngineEvaluator:
         eng = self._engines.get(FULL)
         return {"model": s.model, "device": str(eng.device) if eng is not None else s.device,
                 "dtype": str(eng.dtype) if eng is not None else s.dtype, "fast_layers": self.fast_layers(),
-                "profile": self.profile.name, "fitted_profile": self._profile().name,
+                "profile": self.profile.name, "fitted_profile": self._profile().name, "timer": self.timer(),
+                "cpu_threads": s.cpu_threads,
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats}}
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from .agents.base import Agent, AgentWorker, submit
 from .board import Board, format_leaderboard
 from .candidate import Candidate
-from .measure import Evaluator, Measurement, Verification, beats, per_user_not_worse
+from .measure import Evaluator, Measurement, Verification, beats, beats_paired, paired_gain, per_user_not_worse
 from .search_space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class LoopConfig:
     max_confirms: int | None = None  # full-tier confirmations allowed (None: no cap)
     candidate_wait_s: float = 30.0  # give up waiting for agents after this long with an empty queue
     status_every_s: float = 0.0  # min seconds between status callbacks (0: after every trial)
+    min_speedup: float = 1.0  # besides beating the noise, the least ratio over the incumbent to accept
+    refresh_incumbent_every: int = 4  # re-measure the incumbent on the fast tier every N trials (load drift)
 
 
 @dataclass
@@ -187,10 +189,11 @@ class CompileLoop:
                     self.baseline_fast = meas(r)
                 elif r["tier"] == FULL:
                     self.baseline_full = meas(r)
-        self.trials = len({r["trial_id"] for r in finished.values() if r.get("tier") == FAST and r.get("role") != "baseline"})
-        self.confirms = len([r for r in finished.values() if r.get("tier") == FULL and r.get("role") != "baseline"])
+        # Only candidate screens count as trials (not baseline, incumbent refreshes or paired re-measures).
+        self.trials = len({r["trial_id"] for r in finished.values() if r.get("tier") == FAST and not r.get("role")})
+        self.confirms = len([r for r in finished.values() if r.get("tier") == FULL and not r.get("role")])
         self.verifications = len(self.board.entries("verification"))
-        started_unfinished = [t for t in trials if t["trial_id"] not in finished and t.get("role") != "baseline"]
+        started_unfinished = [t for t in trials if t["trial_id"] not in finished and not t.get("role")]
         seen_trial_digests = {t["digest"] for t in trials}
         for t in started_unfinished:
             if t.get("tier", FAST) == FAST and t["digest"] in cands:
@@ -206,15 +209,20 @@ class CompileLoop:
             full = [r for r in finished.values() if r["digest"] == last["digest"] and r["tier"] == FULL and r.get("status") == "ok"]
             if cand is not None and fast:
                 self.incumbent = Incumbent(cand, meas(fast[-1]), meas(full[-1]) if full else None)
+                self.incumbent_speedup = last.get("speedup") or 1.0
         if runs:
             log.info("resuming from %s: %d trials done, %d pending, incumbent %s", self.board.path, self.trials,
                      len(self.pending), self.incumbent.candidate.short if self.incumbent else "stock")
 
     # ------------------------------------------------------------------ measuring
     def _record(self, cand: Candidate, trial_id: str, tier: str, m: Measurement, baseline: Measurement | None,
-                role: str | None = None) -> None:
+                role: str | None = None, paired_with: Measurement | None = None) -> None:
+        metrics = m.metrics(baseline) if m.ok else {"seconds": m.seconds}
+        if paired_with is not None and m.ok and paired_with.ok:
+            gain, low, high = paired_gain(m, paired_with)
+            metrics["paired_gain"] = {"mean": gain, "low": low, "high": high}
         self.board.append("result", trial_id=trial_id, digest=cand.digest, tier=tier, agent=cand.agent,
-                          status="ok" if m.ok else "failed", metrics=m.metrics(baseline) if m.ok else {"seconds": m.seconds},
+                          status="ok" if m.ok else "failed", metrics=metrics,
                           error=m.error, text=(f"{cand.agent} {cand.short}: {m.error}" if m.error else None),
                           role=role)
 
@@ -255,28 +263,69 @@ class CompileLoop:
             self.best_fast_speedup = max(self.best_fast_speedup, m.mean / self.baseline_fast.mean)
         return m
 
-    def _consider(self, cand: Candidate, fast: Measurement) -> None:
-        """Confirm and verify a screened candidate that beats the incumbent beyond noise."""
-        assert self.incumbent is not None
-        if not beats(fast, self.incumbent.fast):
-            return
-        if self.config.max_confirms is not None and self.confirms >= self.config.max_confirms:
-            self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier but the confirm cap is reached")
-            return
+    def _promising(self, fast: Measurement) -> bool:
+        """Screening: faster than the incumbent's fast-tier figure by more than its run-to-run noise."""
+        inc = self.incumbent.fast
+        return fast.ok and inc.ok and fast.mean > inc.mean * (1 + max(inc.cv, inc.noise_floor))
+
+    def _refresh_incumbent(self) -> None:
+        """Re-measure the incumbent on the fast tier (the machine's load drifts; screening compares with it)."""
+        inc = self.incumbent
+        tid = self._trial_id(inc.candidate) + "-ref"
+        self.board.append("trial", trial_id=tid, digest=inc.candidate.digest, tier=FAST, role="incumbent-refresh")
+        try:
+            m = self.evaluator.screen(inc.candidate)
+        except Exception as exc:  # noqa: BLE001
+            m = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
+        self._record(inc.candidate, tid, FAST, m, self.baseline_fast, role="incumbent-refresh")
+        if m.ok:
+            inc.fast = m
+
+    def _confirm(self, cand: Candidate) -> tuple[Measurement, Measurement | None, bool]:
+        """Full-tier replay of the candidate, and of the incumbent in the same window when the
+        evaluator can alternate them (so a change of machine load cannot fake a gain)."""
+        inc = self.incumbent
+        compare = getattr(self.evaluator, "compare", None)
         tid = self._trial_id(cand) + "-full"
         self.board.append("trial", trial_id=tid, digest=cand.digest, tier=FULL, agent=cand.agent)
+        inc_full = inc.full
+        paired = callable(compare)
         try:
-            full = self.evaluator.confirm(cand)
+            if paired:
+                full, inc_full = compare(cand, inc.candidate)
+                self._record(inc.candidate, tid + "-incumbent", FULL, inc_full, self.baseline_full,
+                             role="incumbent-paired")
+            else:
+                full = self.evaluator.confirm(cand)
         except Exception as exc:  # noqa: BLE001
             log.exception("confirming %s raised", cand.short)
             full = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
         self.confirms += 1
-        self._record(cand, tid, FULL, full, self.baseline_full)
-        inc_full = self.incumbent.full
-        if inc_full is None or not beats(full, inc_full):
-            self.board.note("loop", f"{cand.short} not confirmed on the full tier: "
-                            f"[{full.low:.1f}, {full.high:.1f}] tok/s vs incumbent "
-                            f"[{inc_full.low if inc_full else 0:.1f}, {inc_full.high if inc_full else 0:.1f}]"
+        self._record(cand, tid, FULL, full, self.baseline_full, paired_with=inc_full if paired else None)
+        return full, inc_full, paired
+
+    def _consider(self, cand: Candidate, fast: Measurement) -> None:
+        """Confirm and verify a screened candidate that beats the incumbent beyond noise."""
+        assert self.incumbent is not None
+        if not self._promising(fast):
+            return
+        if self.config.max_confirms is not None and self.confirms >= self.config.max_confirms:
+            self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier but the confirm cap is reached")
+            return
+        full, inc_full, paired = self._confirm(cand)
+        if paired:
+            accepted = inc_full is not None and beats_paired(full, inc_full, self.config.min_speedup - 1)
+        else:
+            accepted = inc_full is not None and beats(full, inc_full) and \
+                full.mean >= inc_full.mean * self.config.min_speedup
+        if not accepted:
+            if paired and inc_full is not None and full.ok and inc_full.ok:
+                gain, low, high = paired_gain(full, inc_full)
+                why = f"paired speed ratio {gain:.3f} (95% bounds {low:.3f}..{high:.3f}) does not clear {1 + max(inc_full.noise_floor, self.config.min_speedup - 1):.3f}"
+            else:
+                why = (f"[{full.low:.1f}, {full.high:.1f}] tok/s vs incumbent "
+                       f"[{inc_full.low if inc_full else 0:.1f}, {inc_full.high if inc_full else 0:.1f}]")
+            self.board.note("loop", f"{cand.short} not confirmed on the full tier: {why}"
                             + (f" ({full.error})" if full.error else ""), digest=cand.digest)
             return
         if not per_user_not_worse(full, inc_full):
@@ -296,10 +345,36 @@ class CompileLoop:
             self.board.note("loop", f"{cand.short} rejected by verification: failed {verdict.failed_gates()}",
                             digest=cand.digest)
             return
-        speedup = full.mean / self.baseline_full.mean if self.baseline_full else None
+        gain = paired_gain(full, inc_full)[0] if paired else full.mean / inc_full.mean
+        speedup = gain * self._incumbent_speedup()
         self.incumbent = Incumbent(cand, fast, full, verdict)
+        self.incumbent_speedup = speedup
         self.board.append("incumbent", digest=cand.digest, speedup=speedup, agent=cand.agent)
         log.info("new incumbent %s by %s: %.3fx the stock pass on the full tier", cand.short, cand.agent, speedup or 0)
+
+    def _incumbent_speedup(self) -> float:
+        """The incumbent's speedup over the stock pass (chained through paired comparisons)."""
+        return getattr(self, "incumbent_speedup", 1.0) or 1.0
+
+    def _final_comparison(self, champion: Candidate) -> float | None:
+        """Champion against the stock pass, alternated in one window: the speedup we report."""
+        compare = getattr(self.evaluator, "compare", None)
+        if not callable(compare):
+            inc = self.incumbent
+            return inc.full.mean / self.baseline_full.mean if inc.full and self.baseline_full else None
+        base = self._baseline_candidate()
+        tid = self._trial_id(champion) + "-final"
+        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final")
+        champ_m, stock_m = compare(champion, base)
+        self._record(base, tid + "-stock", FULL, stock_m, None, role="final-stock")
+        self._record(champion, tid, FULL, champ_m, stock_m, role="final")
+        if not (champ_m.ok and stock_m.ok):
+            return None
+        self.final = (champ_m, stock_m)
+        gain, low, high = paired_gain(champ_m, stock_m)
+        self.board.note("loop", f"final: champion {champion.short} vs stock, paired speed ratio {gain:.3f} "
+                        f"(95% bounds {low:.3f}..{high:.3f})", final=True, gain=gain, low=low, high=high)
+        return gain
 
     # ------------------------------------------------------------------ agents
     def _start_agents(self) -> None:
@@ -359,8 +434,8 @@ class CompileLoop:
         rows = self.board.leaderboard(FAST, k=5)
         inc = self.incumbent
         best_full = None
-        if inc is not None and inc.full is not None and self.baseline_full is not None and inc.candidate.agent != "baseline":
-            best_full = inc.full.mean / self.baseline_full.mean
+        if inc is not None and inc.candidate.agent != "baseline":
+            best_full = round(self._incumbent_speedup(), 4)
         return {
             "phase": phase,
             "trials": self.trials,
@@ -419,6 +494,9 @@ class CompileLoop:
                     stop_reason = self._budget_left() or "agents have nothing new to propose"
                     break
                 cand, tid = nxt
+                if self.trials and self.config.refresh_incumbent_every and \
+                        self.trials % self.config.refresh_incumbent_every == 0:
+                    self._refresh_incumbent()
                 fast = self._screen(cand, tid)
                 if fast.ok:
                     self._consider(cand, fast)
@@ -432,8 +510,9 @@ class CompileLoop:
         assert self.incumbent is not None and self.baseline_fast is not None
         champion = None if self.incumbent.candidate.agent == "baseline" else self.incumbent.candidate
         speedup = None
-        if champion is not None and self.incumbent.full is not None and self.baseline_full is not None:
-            speedup = self.incumbent.full.mean / self.baseline_full.mean
+        self.final = None
+        if champion is not None:
+            speedup = self._final_comparison(champion)
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason)

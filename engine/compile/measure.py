@@ -8,8 +8,11 @@ Data flow:
 
 Noise: every measurement keeps its per-repeat samples. Its interval is the range of the
 samples widened to at least +-`noise_floor` of the mean, so one lucky repeat can never
-look like a gain: a candidate beats the incumbent only when its *lower* bound is above
-the incumbent's *upper* bound.
+look like a gain: measured apart, a candidate beats the incumbent only when its *lower*
+bound is above the incumbent's *upper* bound (`beats`). Measured in alternation (the
+evaluator's `compare`), the test is on the per-pair speed ratios: the lower 95% bound of
+their mean must clear 1 + the noise floor (`beats_paired`), so load that changes between
+pairs cannot fake a gain and noise inside pairs widens the bound.
 """
 
 from __future__ import annotations
@@ -93,6 +96,44 @@ class Measurement:
 def beats(candidate: Measurement, incumbent: Measurement) -> bool:
     """True when the candidate is faster beyond the noise: its lower bound > the incumbent's upper bound."""
     return candidate.ok and incumbent.ok and candidate.low - incumbent.high > 0
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom (n - 1); 1.96 beyond the table.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t95(dof: int) -> float:
+    if dof <= 0:
+        return math.inf
+    known = [d for d in _T95 if d <= dof]
+    return _T95[max(known)] if dof <= 30 else 1.96
+
+
+def paired_gain(candidate: Measurement, incumbent: Measurement) -> tuple[float, float, float]:
+    """Repeats measured in alternation (candidate_i next to incumbent_i): the per-pair log ratio's
+    mean, and its 95% lower and upper bounds, as speed ratios (exp of the log bounds).
+
+    Pairing cancels load changes that hit both members of a pair alike; the spread of the
+    ratios is the measured noise.
+    """
+    pairs = [(c, i) for c, i in zip(candidate.samples, incumbent.samples) if c > 0 and i > 0]
+    if not pairs:
+        return 0.0, 0.0, 0.0
+    logs = [math.log(c / i) for c, i in pairs]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, math.inf  # one pair says nothing about the noise
+    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def beats_paired(candidate: Measurement, incumbent: Measurement, min_gain: float | None = None) -> bool:
+    """True when the lower 95% bound of the paired speed ratio exceeds 1 + max(noise floor, min_gain)."""
+    if not (candidate.ok and incumbent.ok) or len(candidate.samples) != len(incumbent.samples):
+        return False
+    _, low, _ = paired_gain(candidate, incumbent)
+    return low > 1 + max(incumbent.noise_floor, min_gain or 0.0)
 
 
 def per_user_not_worse(candidate: Measurement, incumbent: Measurement) -> bool:

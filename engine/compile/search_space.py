@@ -299,7 +299,10 @@ def build_search_space(
         knobs.append(Knob("engine.cuda_graph_max_batch", (0, 8, 16, 32, 64, 128, 256), 256 if 256 <= default_seqs else default_seqs,
                           "largest decode batch captured as a CUDA graph (0 = eager); buckets are powers of two up to it"))
 
-    # Source edits of forward.py (engine/compile/source_edits.py).
+    # Source edits of forward.py (engine/compile/source_edits.py): placed right after the recipe
+    # knobs, so a coordinate sweep tries code changes before batch-size tuning.
+    engine_knobs = [k for k in knobs if k.target == "engine"]
+    knobs = [k for k in knobs if k.target != "engine"]
     if include_source_edits:
         from .source_edits import EDITS
 
@@ -309,6 +312,7 @@ def build_search_space(
             if edit.families and model_family not in edit.families:
                 continue
             knobs.append(Knob(f"edit.{edit.name}", (False, True), False, edit.doc))
+    knobs.extend(engine_knobs)
 
     constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
     if cuda:

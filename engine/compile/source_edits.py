@@ -12,6 +12,8 @@ held to the same verification gates: an edit that changes the numbers is rejecte
 Edits:
   split_mixed_attention  in mixed prefill+decode batches, the decode rows attend in one batched
                  call instead of one call per sequence (the stock loop is kept for prefill rows)
+  sdpa_decode_attention  decode steps gather the cache with one index_select and attend with
+                 the fused scaled_dot_product_attention kernel under a validity mask
   fused_qkv      q/k/v projections as one GEMM over a concatenated weight (derived table,
                  built once in ``build``; costs one extra copy of the attention weights)
   fused_gate_up  gate/up projections of the dense MLP as one GEMM, then SiLU-and-mul
@@ -192,12 +194,45 @@ def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds th
     return out
 '''
 
+_SDPA_DECODE_ATTENTION = '''
+# ---- source edit: sdpa_decode_attention (decode steps: one index_select gather + fused SDPA) ----
+_paged_attention_before_sdpa = paged_attention
+
+
+def _sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """q: [B, Hq, D]; block_tables: [B, W]; context_lens: [B] -> [B, Hq, D].
+
+    The cache blocks of every sequence are gathered with one index_select (cheaper than
+    advanced indexing) and attended by the fused scaled_dot_product_attention kernel with
+    a mask of each sequence's valid positions, instead of matmul / masked_fill / softmax /
+    matmul over permuted (copied) views. Shape-static, so CUDA graphs can capture it.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1] * block_size
+    flat = block_tables.reshape(-1).long()  # [B*W]
+    k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]  # [B, S]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # [B, Hq, 1, D]
+    return o[:, :, 0, :]
+
+
+def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds the module's attention on purpose
+    if ctx.is_prefill:
+        return _paged_attention_before_sdpa(q, k_cache, v_cache, ctx, scale)
+    return _sdpa_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+'''
+
 EDITS: dict[str, SourceEdit] = {
     e.name: e
     for e in (
         SourceEdit("split_mixed_attention", "mixed prefill+decode batches: all decode rows in one batched "
                    "attention call instead of one call per sequence", _SPLIT_MIXED_ATTENTION,
                    requires="paged_attention("),
+        SourceEdit("sdpa_decode_attention", "decode attention as one index_select gather plus the fused SDPA "
+                   "kernel with a validity mask", _SDPA_DECODE_ATTENTION, requires="paged_attention("),
         SourceEdit("fused_qkv", "q/k/v projections as one GEMM over a concatenated weight", _FUSED_QKV),
         SourceEdit("fused_gate_up", "MLP gate/up projections as one GEMM (dense models)", _FUSED_GATE_UP,
                    families=("llama",)),

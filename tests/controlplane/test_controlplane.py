@@ -7,6 +7,7 @@ only plays the kubelets of the fake node pools (h200, trn2, cpu).
 from __future__ import annotations
 
 import sys
+import time
 
 import kubernetes
 import pytest
@@ -332,7 +333,10 @@ def test_job_completes_when_its_locally_run_pod_exits_zero(cluster, namespace, j
     wait_until(
         lambda: cluster.core.read_namespaced_pod(pod_name, namespace).status.phase == "Running", 30, "kwok to run the pod"
     )
-    # kwok's stages stop at Running: nothing completes the Job before the workload runs.
+    # kwok's stages stop at Running (kwokctl's defaults would mark a Job's pod Succeeded
+    # right away): watched for a while, nothing finishes the Job before its workload runs.
+    time.sleep(1.0)
+    assert cluster.core.read_namespaced_pod(pod_name, namespace).status.phase == "Running"
     assert job_condition(cluster, namespace, "ok") is None
 
     pod = run_pod_locally(namespace, pod_name)

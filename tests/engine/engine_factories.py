@@ -104,3 +104,36 @@ def make_requests(lengths: list[int], max_tokens: int = 4, prefix: list[int] | N
         seqs.append(Sequence(request_id=f"{id_prefix}{i}", prompt_token_ids=list(prefix or []) + body,
                              params=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
     return seqs
+
+
+def scripted_next_token(token_ids: list[int]) -> int:
+    """A stand-in for the model in scheduler-only tests (named fake: no weights involved):
+    the next token is a fixed function of the whole history, so any scheduling that feeds
+    the right history gives the same continuation."""
+    return (sum((i + 1) * t for i, t in enumerate(token_ids)) * 31) % 200 + 20
+
+
+def run_scheduler(scheduler: Scheduler, seqs: list[Sequence], next_token=scripted_next_token,
+                  max_steps: int = 1000) -> tuple[dict[str, list], list]:
+    """Drive ``scheduler`` to completion with ``next_token`` as the model.
+
+    Returns (outputs per request id, the scheduled batches as (ids, num_new_tokens)).
+    """
+    from shapeshift.engine.scheduler import RunnerOutput
+
+    for seq in seqs:
+        scheduler.add(seq)
+    outputs: dict[str, list] = {seq.request_id: [] for seq in seqs}
+    batches = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule()
+        batches.append(([s.request_id for s in batch.seqs], list(batch.num_new_tokens),
+                        [s.request_id for s in batch.preempted]))
+        tokens = [next_token(s.token_ids) if batch.samples(i) else None for i, s in enumerate(batch.seqs)]
+        for out in scheduler.postprocess(batch, RunnerOutput(token_ids=tokens)):
+            outputs[out.request_id].append(out)
+    else:
+        raise AssertionError(f"scheduler did not finish within {max_steps} steps")
+    return outputs, batches

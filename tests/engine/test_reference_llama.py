@@ -79,3 +79,14 @@ def test_prefix_cache_hit_gives_same_tokens(tmp_path):
     hit_tokens = engine.stats().prefix_cache_hit_tokens - hits_before
     assert hit_tokens == (len(prompt) - 1) // 4 * 4  # every full block but the last token's
     assert second == first
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_projection_recipe_matches_hf(kind, tmp_path):
+    check_against_hf(kind, tmp_path, forward_pass_recipe={"fuse_qkv": True, "fuse_gate_up": True})
+
+
+def test_unknown_recipe_knob_is_rejected(tmp_path):
+    make_hf_checkpoint("llama", tmp_path / "m")
+    with pytest.raises(ValueError, match="fuse_everything"):
+        make_engine(tmp_path / "m", forward_pass_recipe={"fuse_everything": True})

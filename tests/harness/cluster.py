@@ -63,6 +63,11 @@ class Cluster:
         self._dynamic: DynamicClient | None = None
 
     @property
+    def env(self) -> dict[str, str]:
+        """Environment for a process that should talk to this cluster (kopf, kubectl, a workload)."""
+        return {"KUBECONFIG": str(self.kubeconfig)}
+
+    @property
     def local(self) -> bool:
         return self.control_plane is not None
 

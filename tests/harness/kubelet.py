@@ -91,7 +91,8 @@ def _resource_value(core: CoreV1Api, pod: V1Pod, container, ref) -> str:
         # An unset limit reads as the node's allocatable amount, as on a real node.
         node = core.read_node(pod.spec.node_name)
         quantity = (node.status.allocatable or {}).get(resource, "0")
-    divisor = parse_quantity(ref.divisor or "1")
+    # An unset divisor can come back from the API as "0"; the kubelet treats it as 1.
+    divisor = parse_quantity(ref.divisor or "1") or 1
     return str(math.ceil(parse_quantity(quantity) / divisor))
 
 

@@ -6,7 +6,10 @@
       -> scrapes the test's targets -> HTTP API /api/v1/query -> query() / wait_for()
 
 The binary is Debian's prometheus (2.42), found by harness.tools. Its defaults point at
-/var/lib and 0.0.0.0:9090, so both are always overridden here.
+/var/lib and 0.0.0.0:9090, so both are always overridden here. Ready takes well under a
+second, but the first sample lands about 5 s later: Prometheus 2.x hands discovered
+targets to its scrape loops on a fixed 5 s tick, which 2.42 has no flag for. Use
+wait_for() rather than fixed sleeps.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-SETUP_HINT = "run `bash hack/controlplane-deps.sh` (a cold build takes tens of minutes, later runs seconds)"
+SETUP_HINT = "run `bash hack/controlplane-deps.sh` (a cold build takes about 7 minutes, later runs under a second)"
 
 
 class ToolMissing(RuntimeError):

@@ -12,8 +12,13 @@ swapped without reloading the model. Each op is a small function chosen through 
 recipe (``attention_backend``, ``moe_backend``), so a compiled variant can replace one
 op by a kernel without touching the rest.
 
-Recipe knobs (recipe.yaml):
-  attention_backend: torch | triton   paged decode attention implementation
+Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
+  attention_backend: torch | triton   paged decode attention (kernels.decode_attention)
+  norm_backend: torch | triton        RMSNorm fused with the residual add (kernels.rmsnorm)
+  rotary_backend: torch | triton      rotary fused with the KV-cache write (kernels.rotary)
+  activation_backend: torch | triton  SiLU-and-mul (kernels.activation; needs fuse_gate_up)
+  fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
+  fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
   moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
                                       tokens*top_k <= this, else run all experts densely
 """
@@ -136,14 +141,22 @@ def moe_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     return (y.float() * dense_weights.t()[..., None]).sum(dim=0).to(x.dtype)
 
 
-def _triton_decode_attention() -> Callable[..., torch.Tensor]:
+def _kernel(module: str, name: str, knob: str) -> Callable[..., Any]:
+    """A Triton kernel launcher from shapeshift.kernels, imported only when a knob asks."""
     try:
-        from shapeshift.kernels.decode_attention import decode_attention
-    except ImportError as exc:
+        mod = __import__(f"shapeshift.kernels.{module}", fromlist=[name])
+        return getattr(mod, name)
+    except (ImportError, AttributeError) as exc:
         raise ValueError(
-            "recipe attention_backend=triton needs shapeshift.kernels.decode_attention "
-            f"(Triton) importable ({exc}); use attention_backend: torch") from exc
-    return decode_attention
+            f"recipe {knob}=triton needs shapeshift.kernels.{module}.{name} (Triton) importable ({exc}); "
+            f"set {knob}: torch") from exc
+
+
+def _choice(recipe: dict[str, Any], knob: str, choices: tuple[str, ...] = ("torch", "triton")) -> str:
+    value = recipe.get(knob, choices[0])
+    if value not in choices:
+        raise ValueError(f"recipe {knob} must be one of {choices}, got {value!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------- model
@@ -151,17 +164,22 @@ def _triton_decode_attention() -> Callable[..., torch.Tensor]:
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    q_proj: torch.Tensor
-    k_proj: torch.Tensor
-    v_proj: torch.Tensor
     o_proj: torch.Tensor
+    # Either separate projections or one fused [q; k; v] matrix (recipe fuse_qkv).
+    q_proj: torch.Tensor | None = None
+    k_proj: torch.Tensor | None = None
+    v_proj: torch.Tensor | None = None
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    qkv_proj: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # Dense MLP: separate gate/up, or one fused [gate; up] matrix (recipe fuse_gate_up).
     gate_proj: torch.Tensor | None = None
     up_proj: torch.Tensor | None = None
+    gate_up_proj: torch.Tensor | None = None
     down_proj: torch.Tensor | None = None
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
@@ -175,30 +193,57 @@ class StockForwardPass:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> None:
         self.cfg = cfg
         self.recipe = dict(recipe)
+        known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
+                 "fuse_gate_up", "moe_decode_gather_max_rows"}
+        unknown = set(self.recipe) - known
+        if unknown:
+            raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
+        self.fuse_qkv = bool(self.recipe.get("fuse_qkv", False))
+        self.fuse_gate_up = bool(self.recipe.get("fuse_gate_up", False))
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
         self.scale = cfg.head_dim ** -0.5
+        self.q_dim = cfg.num_attention_heads * cfg.head_dim
+        self.kv_dim = cfg.num_key_value_heads * cfg.head_dim
         num_positions = min(cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
         self.cos, self.sin = rope_tables(cfg, num_positions, self.embed.device, self.embed.dtype)
-        backend = self.recipe.get("attention_backend", "torch")
-        if backend == "torch":
-            self._decode_attention = None
-        elif backend == "triton":
-            self._decode_attention = _triton_decode_attention()
-        else:
-            raise ValueError(f"recipe attention_backend must be 'torch' or 'triton', got {backend!r}")
+
+        self._decode_attention = None
+        if _choice(self.recipe, "attention_backend") == "triton":
+            self._decode_attention = _kernel("decode_attention", "decode_attention", "attention_backend")
+        self._triton_rmsnorm = None
+        if _choice(self.recipe, "norm_backend") == "triton":
+            self._triton_rmsnorm = _kernel("rmsnorm", "rmsnorm", "norm_backend")
+        self._rotary_kv_write = None
+        if _choice(self.recipe, "rotary_backend") == "triton":
+            self._rotary_kv_write = _kernel("rotary", "rotary_kv_write", "rotary_backend")
+            # Kernel table: float32 [P, D], cos in the first half, sin in the second.
+            self.cos_sin = torch.cat(rope_tables(cfg, num_positions, self.embed.device, torch.float32), dim=-1)
+        self._silu_and_mul = None
+        if _choice(self.recipe, "activation_backend") == "triton":
+            if not self.fuse_gate_up or cfg.family == "moe":
+                raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true on a dense model")
+            self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        layer = LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
-            q_proj=w[p + "self_attn.q_proj.weight"], k_proj=w[p + "self_attn.k_proj.weight"],
-            v_proj=w[p + "self_attn.v_proj.weight"], o_proj=w[p + "self_attn.o_proj.weight"])
+        layer = LayerWeights(input_norm=w[p + "input_layernorm.weight"],
+                             post_norm=w[p + "post_attention_layernorm.weight"],
+                             o_proj=w[p + "self_attn.o_proj.weight"])
+        q, k, v = (w[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        biases = (None, None, None)
         if self.cfg.attention_bias:
-            layer.q_bias, layer.k_bias, layer.v_bias = (w[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+            biases = tuple(w[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+        if self.fuse_qkv:
+            # Derived copies: one GEMM instead of three (costs the memory of q/k/v once more).
+            layer.qkv_proj = torch.cat([q, k, v], dim=0)
+            layer.qkv_bias = torch.cat(biases, dim=0) if biases[0] is not None else None
+        else:
+            layer.q_proj, layer.k_proj, layer.v_proj = q, k, v
+            layer.q_bias, layer.k_bias, layer.v_bias = biases
         if self.cfg.qk_norm:
             layer.q_norm, layer.k_norm = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
         if self.cfg.family == "moe":
@@ -206,25 +251,58 @@ class StockForwardPass:
             layer.experts_gate_up = w[p + "mlp.experts.gate_up_proj"]
             layer.experts_down = w[p + "mlp.experts.down_proj"]
         else:
-            layer.gate_proj, layer.up_proj = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
+            gate, up = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
+            if self.fuse_gate_up:
+                layer.gate_up_proj = torch.cat([gate, up], dim=0)
+            else:
+                layer.gate_proj, layer.up_proj = gate, up
             layer.down_proj = w[p + "mlp.down_proj.weight"]
         return layer
 
+    # ------------------------------------------------------------------ ops with backends
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); the sum is the next residual."""
+        if self._triton_rmsnorm is not None:
+            if residual is None:
+                return self._triton_rmsnorm(x, weight, self.cfg.rms_norm_eps), x
+            return self._triton_rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
+        h = x if residual is None else x + residual
+        return rms_norm(h, weight, self.cfg.rms_norm_eps), h
+
+    def head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm (Qwen3 q/k norm): x [T, heads, D]."""
+        if self._triton_rmsnorm is not None:
+            tokens, heads, dim = x.shape
+            return self._triton_rmsnorm(x.reshape(tokens * heads, dim), weight, self.cfg.rms_norm_eps).view(tokens, heads, dim)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
     # ------------------------------------------------------------------ blocks
-    def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
+    def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any
+                  ) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
-        q = F.linear(x, layer.q_proj, layer.q_bias).view(tokens, cfg.num_attention_heads, cfg.head_dim)
-        k = F.linear(x, layer.k_proj, layer.k_bias).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
-        v = F.linear(x, layer.v_proj, layer.v_bias).view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        if layer.qkv_proj is not None:
+            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_dim + 2 kv_dim]
+            q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        else:
+            q = F.linear(x, layer.q_proj, layer.q_bias)
+            k = F.linear(x, layer.k_proj, layer.k_bias)
+            v = F.linear(x, layer.v_proj, layer.v_bias)
+        q = q.view(tokens, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.view(tokens, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.view(tokens, cfg.num_key_value_heads, cfg.head_dim)
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)  # [T, Hq, D]
-        k = apply_rotary(k, cos, sin)  # [T, Hkv, D]
+            q = self.head_norm(q, layer.q_norm)
+            k = self.head_norm(k, layer.k_norm)
         k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if self._rotary_kv_write is not None:
+            q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if not ctx.is_prefill and self._decode_attention is not None:
             o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         else:
@@ -233,7 +311,13 @@ class StockForwardPass:
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if layer.router is None:
-            return dense_mlp(x, layer.gate_proj, layer.up_proj, layer.down_proj)
+            if layer.gate_up_proj is None:
+                return dense_mlp(x, layer.gate_proj, layer.up_proj, layer.down_proj)
+            gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2I]
+            if self._silu_and_mul is not None:
+                return F.linear(self._silu_and_mul(gate_up), layer.down_proj)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, layer.down_proj)
         weights, ids = route(x, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         if ctx.is_prefill:
             return moe_sparse(x, weights, ids, layer.experts_gate_up, layer.experts_down)
@@ -246,14 +330,19 @@ class StockForwardPass:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 kv_cache: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
-        eps = self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        cos = sin = None
+        if self._rotary_kv_write is None:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = h + self.attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, ctx, kv_cache)
-            h = h + self.mlp(layer, rms_norm(h, layer.post_norm, eps), ctx)
-        h = h[ctx.last_token_indices]  # [B, H]: only these rows need the head
-        return F.linear(rms_norm(h, self.final_norm, eps), self.lm_head).float()
+            x, residual = self.norm(h, layer.input_norm, residual)
+            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
+            x, residual = self.norm(h, layer.post_norm, residual)
+            h = self.mlp(layer, x, ctx)
+        rows = ctx.last_token_indices  # [B]: only these rows need the head
+        x, _ = self.norm(h[rows], self.final_norm, residual[rows])
+        return F.linear(x, self.lm_head).float()
 
 
 def build(model_config: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> StockForwardPass:

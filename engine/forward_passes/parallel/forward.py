@@ -1,0 +1,216 @@
+"""Parallel forward pass: the stock pass's ops over one rank's weight shards, plus the
+collectives that make the ranks compute the same logits as one process would.
+
+Data flow per step on each rank of a replica (all ranks see the same batch):
+  token ids [T] -> vocab-parallel embedding (rows outside the rank's vocabulary shard
+  are zero) -> all-reduce(tp) -> [T, H]
+  per layer: RMSNorm -> column-parallel q/k/v (local heads) -> q/k norm, rotary ->
+    paged KV cache holding only the local KV heads -> attention -> row-parallel o_proj
+    (partial sums) -> all-reduce(tp) -> residual -> RMSNorm ->
+    dense: column-parallel gate/up, row-parallel down -> all-reduce(tp)
+    MoE:   replicated router (identical routing on every rank, the input being
+           identical) -> the rank's experts (and its slice of their intermediate
+           dimension) on the tokens routed to them, other experts' weights zeroed ->
+           all-reduce(mp) sums the partial expert outputs -> residual
+  last rows [B, H] -> final RMSNorm -> lm_head vocabulary shard [B, Vp/tp] ->
+  all-gather(tp) -> [B, Vp] -> padding columns dropped -> float32 logits [B, V].
+
+Why all-reduce rather than all-to-all for experts: every rank already holds every token
+(attention is tensor-parallel, not data-parallel), so routing needs no exchange; the
+only traffic is one all-reduce of [T, H] per MoE layer, the same as a dense layer's.
+All-to-all pays off once attention is data-parallel across the expert ranks.
+
+The layout and groups come from ``shapeshift.engine.parallel.process_group.current()``;
+with no parallel state the pass runs single-process (tp = ep = 1) and equals the stock
+pass. Weights must be sharded for the layout (``ParallelLLMEngine`` does that once).
+
+Recipe knobs (recipe.yaml): those of the stock pass (``attention_backend``,
+``moe_decode_gather_max_rows``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shapeshift.engine.attention import AttentionContext
+from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.forward_passes.stock import forward as stock
+from shapeshift.engine.parallel import process_group
+from shapeshift.engine.parallel.layout import ParallelLayout
+
+FORWARD_PASS_NAME = "parallel"
+# Each rank's cache holds its KV heads in the stock layout; blocks are per-rank, never
+# shared with a single-process engine, so the stock format version applies.
+CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
+
+
+# torch 2.13 renamed all_gather_into_tensor; CUDA hosts may run an older torch.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    if size > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def localize_routing(weights: torch.Tensor, ids: torch.Tensor, first_expert: int, num_local: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global routing [T, k] -> (weights with other ranks' experts zeroed, local ids with
+    other ranks' experts pointing at a valid index 0, mask [T, k] of local choices)."""
+    local = ids - first_expert
+    mine = (local >= 0) & (local < num_local)
+    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local)), mine
+
+
+def moe_sparse_local(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, mine: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Only the (token, choice) pairs routed to this rank's experts (eager prefill).
+
+    x: [T, H]; weights, local_ids, mine: [T, k]; gate_up: [E_local, 2I_local, H]; down: [E_local, H, I_local].
+    """
+    out = torch.zeros_like(x)
+    token, choice = mine.nonzero(as_tuple=True)  # [N] each
+    expert = local_ids[token, choice]
+    order = torch.argsort(expert, stable=True)
+    token, expert, weight = token[order], expert[order], weights[token, choice][order]
+    counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()  # one sync per layer
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token[start:start + count]
+        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weight[start:start + count, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += count
+    return out
+
+
+def moe_dense_local(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Every local expert on every token, weighted by a mostly-zero [T, E_local] matrix (static shapes)."""
+    num_local = gate_up.shape[0]
+    local = ids - first_expert
+    # Other ranks' experts go to an extra dump column (scatter with duplicate indices
+    # would let a zero overwrite a real weight), which is dropped afterwards.
+    local = torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, num_local))
+    dense_weights = torch.zeros(x.shape[0], num_local + 1, device=x.device, dtype=torch.float32)
+    dense_weights.scatter_(1, local, weights)
+    dense_weights = dense_weights[:, :num_local]  # [T, E_local]
+    h = torch.matmul(x[None], gate_up.transpose(1, 2))  # [E_local, T, 2I_local]
+    g, u = h.chunk(2, dim=-1)
+    y = torch.matmul(F.silu(g) * u, down.transpose(1, 2))  # [E_local, T, H]
+    return (y.float() * dense_weights.t()[..., None]).sum(dim=0).to(x.dtype)
+
+
+class ParallelForwardPass(stock.StockForwardPass):
+    name = FORWARD_PASS_NAME
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> None:
+        state = process_group.current()
+        self.layout = state.layout if state is not None else ParallelLayout()
+        self.layout.validate(cfg)
+        coords = state.coords if state is not None else self.layout.coords(0)
+        self.tp_group = state.tp_group if state is not None else None
+        self.mp_group = state.mp_group if state is not None else None
+        self.full_cfg = cfg
+        layout = self.layout
+        self.vocab_per_rank = layout.padded_vocab(cfg) // layout.tp
+        self.vocab_start = coords.tp_rank * self.vocab_per_rank
+        self.num_local_experts = layout.local_experts(cfg) if cfg.family == "moe" else 0
+        self.first_expert = coords.ep_rank * self.num_local_experts
+        _check_sharded(cfg, layout, weights)
+        # The stock pass sees the rank's view: local heads (so its views and its paged
+        # attention work on the local shards); experts and vocabulary stay global.
+        super().__init__(layout.rank_model_config(cfg), weights, recipe)
+
+    # ------------------------------------------------------------------ blocks
+    def attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The stock attention over the local heads; its o_proj is row-parallel, so the
+        result [T, H] is a partial sum until the all-reduce."""
+        partial = super().attention(*args, **kwargs)
+        return _all_reduce(partial, self.tp_group, self.layout.tp)
+
+    def mlp(self, layer: stock.LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        if layer.router is None:
+            partial = super().mlp(layer, x, ctx)  # [T, H]: row-parallel down_proj
+            return _all_reduce(partial, self.tp_group, self.layout.tp)
+        cfg = self.full_cfg
+        weights, ids = stock.route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] global
+        gate_up, down = layer.experts_gate_up, layer.experts_down
+        if ctx.is_prefill:
+            w_local, ids_local, mine = localize_routing(weights, ids, self.first_expert, self.num_local_experts)
+            partial = moe_sparse_local(x, w_local, ids_local, mine, gate_up, down)
+        elif x.shape[0] * cfg.num_experts_per_tok <= self.moe_gather_max_rows:
+            w_local, ids_local, _ = localize_routing(weights, ids, self.first_expert, self.num_local_experts)
+            partial = stock.moe_gather(x, w_local, ids_local, gate_up, down)  # zero weight: no contribution
+        else:
+            partial = moe_dense_local(x, weights, ids, self.first_expert, gate_up, down)
+        return _all_reduce(partial, self.mp_group, self.layout.model_parallel_size)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, H]: each rank looks up the ids in its vocabulary shard, zeros elsewhere."""
+        if self.layout.tp == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        h = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed)
+        h = h.masked_fill(outside[:, None], 0)
+        return _all_reduce(h, self.tp_group, self.layout.tp)
+
+    def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, H] (normed) -> float32 logits [B, V] from the gathered vocabulary shards."""
+        local = F.linear(h, self.lm_head)  # [B, Vp/tp]
+        tp = self.layout.tp
+        if tp == 1:
+            return local[:, :self.full_cfg.vocab_size].float()
+        gathered = torch.empty((tp * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
+        _all_gather_single(gathered, local.contiguous(), group=self.tp_group)  # [tp*B, Vp/tp]
+        batch = local.shape[0]
+        logits = gathered.view(tp, batch, -1).transpose(0, 1).reshape(batch, -1)  # [B, Vp]
+        return logits[:, :self.full_cfg.vocab_size].float()
+
+    # ------------------------------------------------------------------ entry
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                kv_cache: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        cos = sin = None
+        if self._rotary_kv_write is None:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = self.norm(h, layer.input_norm, residual)
+            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
+            x, residual = self.norm(h, layer.post_norm, residual)
+            h = self.mlp(layer, x, ctx)
+        rows = ctx.last_token_indices  # [B]: only these rows need the head
+        x, _ = self.norm(h[rows], self.final_norm, residual[rows])
+        return self.lm_head_logits(x)
+
+
+def _check_sharded(cfg: ModelConfig, layout: ParallelLayout, weights: dict[str, torch.Tensor]) -> None:
+    expected = {
+        "model.embed_tokens.weight": layout.padded_vocab(cfg) // layout.tp if layout.tp > 1 else cfg.vocab_size,
+        "model.layers.0.self_attn.q_proj.weight": layout.local_heads(cfg) * cfg.head_dim,
+        "model.layers.0.self_attn.k_proj.weight": layout.local_kv_heads(cfg) * cfg.head_dim,
+    }
+    if cfg.family == "moe":
+        expected["model.layers.0.mlp.experts.gate_up_proj"] = layout.local_experts(cfg)
+    for name, rows in expected.items():
+        got = weights[name].shape[0]
+        if got != rows:
+            raise ValueError(
+                f"weight {name} has {got} rows, layout {layout.name} expects {rows} on each rank: the weights are "
+                "not sharded for this layout; serve through shapeshift.engine.parallel.engine.ParallelLLMEngine, "
+                "which shards them with sharding.shard_weights")
+
+
+def build(model_config: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> ParallelForwardPass:
+    return ParallelForwardPass(model_config, weights, recipe)

@@ -1,0 +1,254 @@
+"""ParallelLLMEngine: one engine replica spread over the ranks of a model-parallel group.
+
+Data flow: every rank builds the same engine (weights loaded once, then cut to its
+share by ``shard_weights``; the ``parallel`` forward pass; a KV cache holding only its
+KV heads, sized identically on every rank; CUDA graphs captured in lockstep, since each
+graph holds collectives). The replica's driver (its mp_rank 0) owns the scheduler:
+``step()`` is the ordinary ``schedule -> runner.run -> postprocess``, except that
+``runner.run(batch)`` first broadcasts a compact copy of the batch (per sequence: the
+token window it computes, its length, its block table) over the replica's gloo control
+group. The other ranks sit in ``follow()``: receive a batch, rebuild light sequences
+from it and call the same ``ModelRunner.run`` (same eager/graph choice, same
+collectives in the same order), discarding the sampled tokens. ``shutdown()`` on the
+driver releases the followers.
+
+Usage, in every rank's process (``launch`` or torchrun starts them):
+    state = init_parallel(layout, rank, world_size)
+    engine = ParallelLLMEngine(EngineConfig(model=...))
+    if engine.is_driver:
+        try: ... engine.add_request(...); engine.step() ...  (the LLMEngine API)
+        finally: engine.shutdown()
+    else:
+        engine.follow()
+``serve_rank`` wraps exactly that. Swapping the forward pass at run time is not
+supported here (the followers would need the new bundle too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shapeshift.engine.block_manager import BlockManager
+from shapeshift.engine.config import EngineConfig, ModelConfig
+from shapeshift.engine.forward_pass import Bundle, build_forward_pass, load_bundle
+from shapeshift.engine.kv_cache import KVCache, choose_num_blocks
+from shapeshift.engine.llm_engine import LLMEngine
+from shapeshift.engine.loader import TORCH_DTYPES, load_model
+from shapeshift.engine.runner import ModelRunner
+from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.scheduler import RunnerOutput, ScheduledBatch, Scheduler
+from shapeshift.engine.sequence import Sequence
+
+from . import process_group
+from .layout import ParallelLayout
+from .presets import ensure_parallel_presets
+from .sharding import shard_weights
+
+PARALLEL_BUNDLE_DIR = Path(__file__).resolve().parent.parent / "forward_passes" / "parallel"
+
+# Followers only need the forward pass; greedy params make their discarded sampling an argmax.
+_FOLLOWER_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass
+class SeqStep:
+    """What a follower needs of one scheduled sequence."""
+
+    start: int  # num_computed_tokens before this step
+    tokens: list[int]  # token_ids[start:start + num_new]
+    num_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class StepMessage:
+    command: str  # "run" | "prompt_logits" | "stop"
+    seqs: list[SeqStep]
+
+
+class _TokenWindow:
+    """The slice of a sequence's token ids that one step reads, indexed by absolute
+    position (what ``ModelRunner.prepare_*`` index), without shipping the whole history."""
+
+    def __init__(self, offset: int, tokens: list[int], length: int) -> None:
+        self.offset, self.tokens, self.length = offset, tokens, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.length)
+            if step != 1 or start < self.offset or stop > self.offset + len(self.tokens):
+                raise IndexError(f"positions {start}:{stop} are outside the step's window "
+                                 f"{self.offset}:{self.offset + len(self.tokens)}")
+            return self.tokens[start - self.offset:stop - self.offset]
+        position = index + self.length if index < 0 else index
+        if not self.offset <= position < self.offset + len(self.tokens):
+            raise IndexError(f"position {position} is outside the step's window")
+        return self.tokens[position - self.offset]
+
+
+def encode_batch(batch: ScheduledBatch, command: str) -> StepMessage:
+    seqs = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        start = seq.num_computed_tokens
+        seqs.append(SeqStep(start=start, tokens=list(seq.token_ids[start:start + n]), num_tokens=seq.num_tokens,
+                            block_table=list(seq.block_table)))
+    return StepMessage(command=command, seqs=seqs)
+
+
+def decode_batch(message: StepMessage) -> ScheduledBatch:
+    seqs = []
+    for i, s in enumerate(message.seqs):
+        seq = Sequence(request_id=f"follower-{i}", prompt_token_ids=[], params=_FOLLOWER_PARAMS,
+                       token_ids=_TokenWindow(s.start, s.tokens, s.num_tokens),  # type: ignore[arg-type]
+                       num_computed_tokens=s.start, block_table=s.block_table)
+        seqs.append(seq)
+    return ScheduledBatch(seqs=seqs, num_new_tokens=[len(s.tokens) for s in message.seqs])
+
+
+class _DrivingRunner:
+    """The driver's runner: broadcasts each batch to the followers, then runs it."""
+
+    def __init__(self, runner: ModelRunner, state: process_group.ParallelState) -> None:
+        self.runner = runner
+        self.state = state
+
+    def send(self, command: str, batch: ScheduledBatch | None = None) -> None:
+        message = StepMessage(command, []) if batch is None else encode_batch(batch, command)
+        dist.broadcast_object_list([message], src=self.state.driver_rank, group=self.state.control_group)
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        self.send("run", batch)
+        return self.runner.run(batch)
+
+    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        self.send("prompt_logits", batch)
+        return self.runner.prompt_logits(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
+class ParallelLLMEngine(LLMEngine):
+    """``LLMEngine`` whose forward pass is spread over a replica's ranks (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, state: process_group.ParallelState | None = None) -> None:
+        # Deliberately not LLMEngine.__init__: weights are sharded between loading and
+        # building the pass, and the KV cache is sized per rank; the attributes set here
+        # are the ones LLMEngine's methods use.
+        state = state or process_group.current()
+        if state is None:
+            raise RuntimeError("ParallelLLMEngine needs torch.distributed set up: call "
+                               "shapeshift.engine.parallel.process_group.init_parallel(layout) in each rank first")
+        ensure_parallel_presets()
+        self.state = state
+        self.layout: ParallelLayout = state.layout
+        config = dataclasses.replace(config, device=str(state.device))
+        self.config = config
+        self.device = state.device
+        self.dtype = TORCH_DTYPES[config.resolved_dtype()]
+        torch.manual_seed(config.seed)
+        loaded = load_model(config)
+        self.model_name = loaded.name
+        self.model_config: ModelConfig = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        if config.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{self.model_config.max_position_embeddings}; lower max_model_len")
+        self.layout.validate(self.model_config)
+        self.weights = shard_weights(loaded.weights, self.model_config, self.layout, state.coords)
+        del loaded
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unsharded tensors are gone; size the KV cache without them
+        self.bundle: Bundle = load_bundle(config.forward_pass or PARALLEL_BUNDLE_DIR, config.forward_pass_recipe)
+        self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
+        rank_config = self.layout.rank_model_config(self.model_config)  # local KV heads
+        num_blocks = self._agree_on_num_blocks(choose_num_blocks(rank_config, config, self.dtype, self.device))
+        self.kv_cache = KVCache.allocate(rank_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          tag=self.bundle.cache_tag)
+        eos = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, tokenizer=self.tokenizer, eos_token_ids=eos)
+        runner = ModelRunner(self.model_config, config, self.forward_pass, self.kv_cache, self.device)
+        runner.capture_cudagraphs()  # every rank captures the same graphs in the same order
+        self._local_runner = runner
+        self.runner = _DrivingRunner(runner, state) if self.is_driver and self._has_followers else runner
+        self._requests: dict[str, Sequence] = {}
+        self._abort_outputs: list = []
+        self._batch_size_last_step = 0
+        self._stopped = False
+
+    @property
+    def is_driver(self) -> bool:
+        return self.state.is_driver
+
+    @property
+    def _has_followers(self) -> bool:
+        return self.layout.model_parallel_size > 1
+
+    def _agree_on_num_blocks(self, num_blocks: int) -> int:
+        """Every rank's cache must hold the driver's block ids: take the replica's minimum."""
+        if not self._has_followers:
+            return num_blocks
+        t = torch.tensor([num_blocks], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.state.control_group)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ followers
+    def follow(self) -> int:
+        """Follower loop: run every batch the driver broadcasts until it stops; returns steps run."""
+        if self.is_driver:
+            raise RuntimeError("follow() runs on the non-driver ranks; the driver calls step()")
+        steps = 0
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=self.state.driver_rank, group=self.state.control_group)
+            message: StepMessage = box[0]
+            if message.command == "stop":
+                return steps
+            batch = decode_batch(message)
+            if message.command == "run":
+                self._local_runner.run(batch)
+            elif message.command == "prompt_logits":
+                self._local_runner.prompt_logits(batch)
+            else:
+                raise RuntimeError(f"unknown command {message.command!r} from the driver")
+            steps += 1
+
+    def shutdown(self) -> None:
+        """Driver: release the followers (idempotent)."""
+        if self.is_driver and self._has_followers and not self._stopped:
+            self._stopped = True
+            self.runner.send("stop")
+
+    # ------------------------------------------------------------------ unsupported here
+    def set_forward_pass(self, bundle: Bundle, forward_pass: Any | None = None) -> None:
+        raise NotImplementedError("swapping the forward pass of a parallel engine is not supported: every rank would "
+                                  "need the new bundle; restart the replica with EngineConfig.forward_pass instead")
+
+
+def serve_rank(rank: int, world_size: int, layout: ParallelLayout, config: EngineConfig,
+               drive: Callable[[ParallelLLMEngine], Any]) -> Any:
+    """One rank's whole life: init, build the engine, drive (driver) or follow (others).
+
+    Returns ``drive(engine)``'s result on each replica's driver and None elsewhere.
+    """
+    state = process_group.init_parallel(layout, rank, world_size)
+    engine = ParallelLLMEngine(config, state)
+    if not engine.is_driver:
+        engine.follow()
+        return None
+    try:
+        return drive(engine)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,240 @@
+"""Traffic replay: deterministic requests from a traffic profile, driven through an LLMEngine.
+
+Data flow:
+
+    TrafficProfile (or a saved list of request shapes) + seed
+      --make_requests--> [ReplayRequest(prompt_token_ids, max_tokens, arrival_s)]
+         prompt and output lengths from the profile's distributions (clipped to the
+         engine's max_model_len), the shared prefix as one fixed random token string,
+         the rest random token ids; same seed -> same requests
+      --replay(engine, requests, concurrency | arrival times)--> per request: TTFT,
+         per-user decode tokens/s; per run: output tokens/s
+      --repeats--> ReplayReport: medians of the runs and the run-to-run coefficient of
+         variation of output tokens/s (the noise a candidate must beat)
+
+Closed loop (default): ``concurrency`` requests in flight; when one finishes the next
+enters. Open loop (profile has an arrival rate): requests enter at their arrival
+times. The prefix cache is flushed between runs so every run sees the same hits.
+
+The profile is duck-typed (``sample_requests(n, seed)``, ``concurrency``,
+``arrival_rate``, ``name``), so this module needs neither pydantic nor numpy; shapes
+saved with ``save_shapes`` replay on machines without them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float | None = None
+    shared_prefix_len: int = 0
+
+
+@dataclass
+class ReplayRun:
+    wall_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    per_user_tokens_per_s_p50: float
+    per_user_tokens_per_s_p90: float  # the 90th percentile of slowness: 10% of users are slower
+    ttft_s_p50: float
+    ttft_s_p90: float
+    prefix_cache_hit_rate: float
+    failed: int = 0
+
+
+@dataclass
+class ReplayReport:
+    profile: str
+    seed: int
+    num_requests: int
+    concurrency: int | None
+    arrival_rate: float | None
+    runs: list[ReplayRun] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return statistics.median(r.output_tokens_per_s for r in self.runs)
+
+    @property
+    def noise_cv(self) -> float:
+        """Coefficient of variation of output tokens/s over the runs (0 with one run)."""
+        values = [r.output_tokens_per_s for r in self.runs]
+        if len(values) < 2:
+            return 0.0
+        mean = statistics.fmean(values)
+        return statistics.stdev(values) / mean if mean else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def med(attr: str) -> float:
+            return statistics.median(getattr(r, attr) for r in self.runs)
+
+        return {"profile": self.profile, "seed": self.seed, "requests": self.num_requests,
+                "concurrency": self.concurrency, "arrival_rate": self.arrival_rate, "repeats": len(self.runs),
+                "output_tokens_per_s": self.output_tokens_per_s, "noise_cv": self.noise_cv,
+                "per_user_tokens_per_s_p50": med("per_user_tokens_per_s_p50"),
+                "per_user_tokens_per_s_p90": med("per_user_tokens_per_s_p90"),
+                "ttft_s_p50": med("ttft_s_p50"), "ttft_s_p90": med("ttft_s_p90"),
+                "prefix_cache_hit_rate": med("prefix_cache_hit_rate"),
+                "failed": sum(r.failed for r in self.runs)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary(), "runs": [asdict(r) for r in self.runs]}
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def sample_shapes(profile: Any, n: int, seed: int) -> list[dict[str, Any]]:
+    """Request shapes (plain dicts) from a profile's own sampler."""
+    return [{"prompt_len": s.prompt_len, "output_len": s.output_len, "shared_prefix_len": s.shared_prefix_len,
+             "arrival_s": s.arrival_s} for s in profile.sample_requests(n, seed)]
+
+
+def save_shapes(path: str | Path, profile: Any, n: int, seed: int, scale: float = 1.0) -> None:
+    """Write sampled shapes to JSON so machines without pydantic can replay the same requests."""
+    if scale != 1.0:
+        profile = profile.scaled(scale)
+    data = {"profile": profile.name, "seed": seed, "concurrency": profile.concurrency,
+            "arrival_rate": profile.arrival_rate, "scale": scale, "shapes": sample_shapes(profile, n, seed)}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_shapes(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def make_requests(shapes: list[dict[str, Any]], seed: int, vocab_size: int, max_model_len: int,
+                  avoid_token_ids: set[int] | frozenset[int] = frozenset()) -> list[ReplayRequest]:
+    """Token ids for request shapes: one shared prefix string, the rest random, all from ``seed``."""
+    rng = random.Random(seed)
+    usable = [t for t in range(min(vocab_size, 1 << 16)) if t not in avoid_token_ids]
+    longest_prefix = max((s["shared_prefix_len"] for s in shapes), default=0)
+    shared = [rng.choice(usable) for _ in range(longest_prefix)]
+    out = []
+    for s in shapes:
+        max_tokens = max(1, min(int(s["output_len"]), max_model_len // 4))
+        prompt_len = max(1, min(int(s["prompt_len"]), max_model_len - max_tokens - 1))
+        prefix = shared[:min(int(s["shared_prefix_len"]), prompt_len - 1)] if s["shared_prefix_len"] else []
+        tail = [rng.choice(usable) for _ in range(prompt_len - len(prefix))]
+        out.append(ReplayRequest(prompt_token_ids=prefix + tail, max_tokens=max_tokens, arrival_s=s.get("arrival_s"),
+                                 shared_prefix_len=len(prefix)))
+    return out
+
+
+def requests_from_profile(profile: Any, engine: Any, n: int, seed: int) -> list[ReplayRequest]:
+    eos = set(getattr(engine.model_config, "eos_token_ids", []) or [])
+    return make_requests(sample_shapes(profile, n, seed), seed, engine.model_config.vocab_size,
+                         engine.config.max_model_len, eos)
+
+
+# ---------------------------------------------------------------------- driving
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _flush_prefix_cache(engine: Any) -> None:
+    bm = getattr(engine, "block_manager", None)
+    if bm is not None and hasattr(bm, "set_tag"):
+        tag = bm.tag
+        bm.set_tag(f"{tag}#replay-flush")  # a tag change forgets every cached block
+        bm.set_tag(tag)
+
+
+def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
+             clock: Any = time.perf_counter) -> ReplayRun:
+    from .sampling import SamplingParams
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("replay needs an idle engine")
+    _flush_prefix_cache(engine)
+    bm = engine.block_manager
+    queried0, hit0 = bm.prefix_cache_queried_tokens, bm.prefix_cache_hit_tokens
+    open_loop = concurrency is None
+    limit = len(requests) if open_loop else max(1, concurrency)
+    pending = list(enumerate(requests))
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    produced: dict[str, int] = {}
+    failed = 0
+    start = clock()
+    in_flight = 0
+    while pending or in_flight:
+        now = clock() - start
+        while pending and in_flight < limit:
+            i, req = pending[0]
+            if open_loop and req.arrival_s is not None and req.arrival_s > now:
+                break
+            pending.pop(0)
+            rid = f"replay-{i}"
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(rid, list(req.prompt_token_ids), params)
+            submitted[rid] = clock()
+            in_flight += 1
+        if not in_flight:
+            time.sleep(min(0.001, max(0.0, (pending[0][1].arrival_s or 0) - now)))
+            continue
+        for out in engine.step():
+            t = clock()
+            if out.new_token_ids:
+                first.setdefault(out.request_id, t)
+                last[out.request_id] = t
+                produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
+            if out.finished:
+                in_flight -= 1
+                if out.finish_reason not in ("length", "stop"):
+                    failed += 1
+    wall = clock() - start
+    total = sum(produced.values())
+    ttft = [first[r] - submitted[r] for r in first]
+    per_user = [(produced[r] - 1) / (last[r] - first[r]) for r in first if produced[r] > 1 and last[r] > first[r]]
+    queried = bm.prefix_cache_queried_tokens - queried0
+    return ReplayRun(wall_s=wall, output_tokens=total, output_tokens_per_s=total / wall if wall else 0.0,
+                     per_user_tokens_per_s_p50=_percentile(per_user, 0.5),
+                     # p90 of per-user speed in the latency sense: the speed 90% of users beat
+                     per_user_tokens_per_s_p90=_percentile(per_user, 0.1),
+                     ttft_s_p50=_percentile(ttft, 0.5), ttft_s_p90=_percentile(ttft, 0.9),
+                     prefix_cache_hit_rate=(bm.prefix_cache_hit_tokens - hit0) / queried if queried else 0.0,
+                     failed=failed)
+
+
+def replay(engine: Any, requests: list[ReplayRequest], *, profile_name: str, seed: int,
+           concurrency: int | None, arrival_rate: float | None = None, repeats: int = 3,
+           warmup_runs: int = 0) -> ReplayReport:
+    """Run the same requests ``repeats`` times (after ``warmup_runs`` discarded ones)."""
+    report = ReplayReport(profile=profile_name, seed=seed, num_requests=len(requests), concurrency=concurrency,
+                          arrival_rate=arrival_rate)
+    for _ in range(warmup_runs):
+        run_once(engine, requests, concurrency)
+    for _ in range(repeats):
+        report.runs.append(run_once(engine, requests, concurrency))
+    return report
+
+
+def replay_profile(engine: Any, profile: Any, *, num_requests: int, seed: int = 0, repeats: int = 3,
+                   warmup_runs: int = 0, concurrency: int | None = None) -> ReplayReport:
+    """Requests from ``profile`` (closed loop at its concurrency unless it has an arrival rate)."""
+    requests = requests_from_profile(profile, engine, num_requests, seed)
+    rate = getattr(profile, "arrival_rate", None)
+    conc = concurrency if concurrency is not None else (None if rate else profile.concurrency)
+    return replay(engine, requests, profile_name=profile.name, seed=seed, concurrency=conc, arrival_rate=rate,
+                  repeats=repeats, warmup_runs=warmup_runs)

@@ -1,0 +1,152 @@
+"""The drift timer (kopf, shapeshift.operator.drift_handlers) on the real control plane
+with a real Prometheus.
+
+An InferenceDeployment (policy OnDrift, two consecutive checks) whose status says
+its forward pass was compiled for short prompts; its engine is stood in for by
+tests/drift/metrics_exporter.py (the engine's EngineMetrics series, real
+observations), scraped by Prometheus with the deployment's target labels. Long
+prompts arrive; the operator must see drift on the first check, create exactly one
+CompileRun owned by the deployment on the second, carrying the observed traffic,
+and report it in status. Prometheus then stops: the next check writes
+TrafficObserved=False (PrometheusUnreachable) and creates nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.cluster import wait_until
+from harness.controlplane import _die_with_parent, free_port
+
+os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")  # only effective if imported first
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+EXPORTER = Path(__file__).with_name("metrics_exporter.py")
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+
+
+@pytest.fixture
+def crds(cluster):
+    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
+        cluster.apply(path)
+    for name in ("inferencedeployments", "compileruns", "forwardpasses"):
+        cluster.wait_for_crd(f"{name}.{GROUP}")
+    return cluster
+
+
+@pytest.fixture
+def engine_metrics():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(EXPORTER), str(port), "tiny-llama"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    assert "serving" in process.stdout.readline().decode()
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def send(target: str, prompt: int, output: int, cached: int) -> None:
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt_tokens": prompt, "generation_tokens": output, "cached_tokens": cached}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://{target}/observe", data=body, method="POST"),
+                                timeout=5) as response:
+        assert response.status == 204
+
+
+def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_nothing(
+        crds, namespace, engine_metrics, prometheus, monkeypatch):
+    from kopf.testing import KopfRunner
+
+    from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+
+    server = prometheus([{
+        "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
+        "static_configs": [{"targets": [engine_metrics], "labels": {"namespace": namespace, "deployment": "llama"}}],
+    }])
+    server.wait_for(f'shapeshift_prompt_tokens_count{{namespace="{namespace}"}}', timeout_s=30)
+    for i in range(40):  # long prompts, no prefix-cache hits
+        send(engine_metrics, 150 + (i * 37) % 100, 40, 0)
+        time.sleep(0.05)
+    server.wait_for(f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})', lambda v: v >= 40)
+
+    short = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=24, p90=30, p99=32),
+                           output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
+    custom = crds.custom
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
+        "spec": {
+            "model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 1,
+            "prometheusUrl": server.url,
+            "compilation": {"policy": "OnDrift", "cooldownSeconds": 3600,
+                            "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": 10, "windowSeconds": 60,
+                                      "promptLengthRelativeChange": 0.3, "prefixHitRateAbsoluteChange": 0.15}},
+        },
+    })
+    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "inferencedeployments", "llama",
+                                                 {"status": {"compiledFor": short.to_dict()}})
+
+    monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
+    import shapeshift.operator.drift_handlers as drift_handlers  # registers the timer
+
+    def idep() -> dict:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", "llama")
+
+    def runs() -> list[dict]:
+        return custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns")["items"]
+
+    # The whole operator (the core handlers bring the login handler and the engine children),
+    # with the drift timer module added as operator/handlers.py will import it.
+    import shapeshift.operator.handlers  # noqa: F401
+
+    args = ["run", "--standalone", "--namespace", namespace,
+            "-m", "shapeshift.operator.handlers", "-m", "shapeshift.operator.drift_handlers"]
+    with KopfRunner(args, timeout=120) as runner:
+        created = wait_until(lambda: runs() or None, timeout_s=60 + 2 * drift_handlers.TIMER_SECONDS,
+                             what="a drift-triggered CompileRun")
+        assert len(created) == 1
+        run = created[0]
+        status = idep()["status"]
+        assert status["lastCompileRun"] == run["metadata"]["name"]
+        assert run["metadata"]["ownerReferences"][0]["name"] == "llama"
+        assert run["spec"]["trigger"]["reason"] == "Drift"
+        inline = TrafficProfile.model_validate(run["spec"]["traffic"]["inline"])
+        assert 128 < inline.prompt_length.p50 <= 256  # the long prompts that triggered it
+        assert inline.prefix_cache_hit_rate == 0.0
+        assert status["drift"]["promptLengthRelativeChange"]["p50"] > 3
+        conditions = {c["type"]: c for c in status["conditions"]}
+        assert conditions["TrafficObserved"]["status"] == "True"
+        assert conditions["Drifted"]["reason"] == "CompileRunCreated"
+
+        # Prometheus goes away: the next check says so and compiles nothing.
+        server.stop()
+        before = status["drift"]["lastCheckTime"]
+
+        def unreachable_reported():
+            st = idep().get("status") or {}
+            cond = {c["type"]: c for c in st.get("conditions") or []}.get("TrafficObserved") or {}
+            return st["drift"]["lastCheckTime"] != before and cond.get("reason") == "PrometheusUnreachable" and cond
+
+        condition = wait_until(unreachable_reported, timeout_s=30 + 2 * drift_handlers.TIMER_SECONDS,
+                               what="TrafficObserved=False after Prometheus stopped")
+        assert condition["status"] == "False"
+        assert server.url in condition["message"]
+        assert len(runs()) == 1
+    assert runner.exception is None, runner.output[-4000:]
+    # within two checks: the first one drifting (counted), the second one compiling
+    decisions = [line.split("drift check: ", 1)[1].split()[0] for line in runner.output.splitlines()
+                 if "drift check: " in line]
+    assert decisions[:2] == ["Drifting", "Compile"], decisions
+    assert "NoData" in decisions[2:] and decisions.count("Compile") == 1, decisions
+    events = crds.core.list_namespaced_event(namespace).items
+    reasons = {e.reason for e in events}
+    assert "CompileRunCreated" in reasons and "PrometheusUnreachable" in reasons

@@ -1,0 +1,242 @@
+"""Hot reload into a real HTTP server under load, refusal of broken bundles, admin auth,
+KV flush on a cache-format change, and module isolation between loads."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from shapeshift.engine.admin import mount_admin
+from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
+from shapeshift.engine.config import EngineConfig
+from shapeshift.engine.hot_reload import ForwardPassManager, ReloadError, load_bundle_isolated
+from shapeshift.engine.server import build_server
+
+CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
+TOKEN = "s3cret-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("admin")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    config = EngineConfig(model="tiny-llama", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                          num_kv_blocks=128)
+    app, async_engine = build_server(config)
+    manager = ForwardPassManager(async_engine.engine, build_timeout_s=3.0, smoke_timeout_s=3.0)
+    mount_admin(app, async_engine, token_file, manager=manager)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield base, manager, async_engine.engine, tmp
+    srv.should_exit = True
+    thread.join(10)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def complete(base: str, prompt: str) -> httpx.Response:
+    return httpx.post(base + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8,
+                                                      "temperature": 0}, timeout=60)
+
+
+class Load:
+    """Client threads sending completions back to back until stopped; records every status."""
+
+    def __init__(self, base: str, clients: int = 4) -> None:
+        self.base, self.statuses, self.errors = base, [], []
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                r = complete(self.base, f"client {i} request {n} says hello")
+                self.statuses.append(r.status_code)
+            except Exception as exc:  # a dropped connection counts as a failure
+                self.errors.append(repr(exc))
+            n += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.3)
+        self._stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_admin_requires_token(server):
+    base, *_ = server
+    assert httpx.get(base + "/admin/forward-passes").status_code == 401
+    assert httpx.get(base + "/admin/forward-passes", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(base + "/admin/forward-passes", headers={"Authorization": TOKEN}).status_code == 401
+    r = httpx.post(base + "/admin/forward-passes", json={"path": str(CANDIDATES / "good_fused_mlp")},
+                   headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    assert httpx.post(base + "/admin/forward-passes/rollback", json={"steps": 1}).status_code == 401
+    ok = httpx.get(base + "/admin/forward-passes", headers=auth())
+    assert ok.status_code == 200 and "active" in ok.json()
+
+
+def test_hot_reload_under_load_without_failed_requests(server, tmp_path):
+    base, manager, engine, _ = server
+    before = complete(base, "the same prompt every time").json()["choices"][0]["text"]
+    archive = tmp_path / "fused-mlp.tar.gz"
+    manifest = create_bundle(CANDIDATES / "good_fused_mlp", {}, archive, name="fused-mlp")
+    with Load(base) as load:
+        r1 = httpx.post(base + "/admin/forward-passes", content=archive.read_bytes(),
+                        headers={**auth(), "Content-Type": "application/gzip", "X-Bundle-Digest": manifest.digest},
+                        timeout=120)
+        assert r1.status_code == 200, r1.text
+        time.sleep(0.5)
+        folder = tmp_path / "fused-qkv"
+        create_bundle(CANDIDATES / "good_refactored", {}, folder)
+        r2 = httpx.post(base + "/admin/forward-passes", json={"path": str(folder)},
+                        headers=auth(), timeout=120)
+        assert r2.status_code == 200, r2.text
+        time.sleep(0.5)
+    assert not load.errors, load.errors[:3]
+    assert load.statuses and set(load.statuses) == {200}, sorted(set(load.statuses))
+    assert len(load.statuses) >= 8
+    assert r1.json()["digest"] == manifest.digest
+    assert r1.json()["flushedKv"] is False  # same cache format as stock: cache kept
+    listing = httpx.get(base + "/admin/forward-passes", headers=auth()).json()
+    assert listing["active"]["name"] == "fused-qkv"
+    assert [h["name"] for h in listing["history"]][-2:] == ["fused-mlp", "fused-qkv"]
+    assert engine.forward_pass_name == "fused-qkv"
+    # exact refactorings: the same greedy text as the stock pass
+    assert complete(base, "the same prompt every time").json()["choices"][0]["text"] == before
+    rb = httpx.post(base + "/admin/forward-passes/rollback", json={"steps": 1}, headers=auth())
+    assert rb.status_code == 200 and rb.json()["name"] == "fused-mlp"
+
+
+@pytest.mark.parametrize("bundle,stage", [("crash_build", "build"), ("crash_forward", "smoke"), ("hang", "smoke"),
+                                          ("syntax_error", "import"), ("tampered", "open"),
+                                          ("wrong_digest", "open"), ("missing", "open")])
+def test_broken_bundle_refused_and_old_keeps_serving(server, tmp_path, bundle, stage):
+    base, manager, engine, _ = server
+    active_before = manager.active.digest
+    headers = auth()
+    body: dict = {}
+    if bundle == "syntax_error":
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "forward.py").write_text("def build(:\n")
+        create_bundle(src, {}, tmp_path / "b")
+        body = {"path": str(tmp_path / "b")}
+    elif bundle == "tampered":
+        create_bundle(CANDIDATES / "good_fused_mlp", {}, tmp_path / "b")
+        with open(tmp_path / "b" / "forward.py", "a") as f:
+            f.write("\nimport os  # injected\n")
+        body = {"path": str(tmp_path / "b")}
+    elif bundle == "wrong_digest":
+        create_bundle(CANDIDATES / "good_fused_mlp", {}, tmp_path / "b")
+        body = {"path": str(tmp_path / "b"), "expectedDigest": "0" * 64}
+    elif bundle == "missing":
+        body = {"path": str(tmp_path / "nothing-here")}
+    else:
+        create_bundle(CANDIDATES / bundle, {}, tmp_path / "b")
+        body = {"path": str(tmp_path / "b")}
+    with Load(base, clients=2) as load:
+        r = httpx.post(base + "/admin/forward-passes", json=body, headers=headers, timeout=120)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["stage"] == stage
+    assert manager.active.digest == active_before
+    assert not load.errors and set(load.statuses) == {200}
+    assert complete(base, "still serving").status_code == 200
+
+
+def test_kv_flushed_when_cache_format_changes(tmp_path):
+    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=256, num_kv_blocks=64))
+    manager = ForwardPassManager(engine)
+    prompt = list(range(40, 90))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first = engine.generate([prompt], params)
+    engine.generate([prompt], params)
+    from shapeshift.engine.sequence import Sequence
+
+    probe = Sequence(request_id="probe", prompt_token_ids=prompt, params=params)
+    assert engine.block_manager.num_cached_tokens(probe) > 0  # the prompt is in the prefix cache
+    src = tmp_path / "v2"
+    shutil.copytree(stock_bundle_dir(), src, ignore=shutil.ignore_patterns("manifest.json", "__pycache__"))
+    text = (src / "forward.py").read_text().replace("CACHE_FORMAT_VERSION = 1", "CACHE_FORMAT_VERSION = 2")
+    (src / "forward.py").write_text(text)
+    create_bundle(src, None, tmp_path / "v2-bundle", name="stock-v2")
+    # a request in flight across the swap is recomputed under the new pass
+    engine.add_request("inflight", prompt, SamplingParams(max_tokens=6, temperature=0))
+    engine.step()
+    result = manager.reload(tmp_path / "v2-bundle")
+    assert result.flushed_kv and result.preempted == 1
+    assert engine.block_manager.tag == "kv-format-2"
+    assert engine.block_manager.num_cached_tokens(probe) == 0  # blocks of the old format are never served
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o.output_token_ids
+    assert outputs["inflight"][:4] == first[0]  # same tokens after recompute
+    create_bundle(CANDIDATES / "good_fused_mlp", {}, tmp_path / "mlp")
+    create_bundle(CANDIDATES / "good_refactored", {}, tmp_path / "qkv")
+    same = manager.reload(tmp_path / "mlp")
+    assert same.flushed_kv is True  # kv-format-2 -> kv-format-1 again
+    again = manager.reload(tmp_path / "qkv")
+    assert again.flushed_kv is False
+
+
+def test_bundles_are_isolated(tmp_path):
+    folders = []
+    for value in (1, 2):
+        src = tmp_path / f"src{value}"
+        src.mkdir()
+        (src / "helpers.py").write_text(f"VALUE = {value}\n")
+        (src / "forward.py").write_text("from . import helpers\nVALUE = helpers.VALUE\n"
+                                        "def build(model_config, weights, recipe):\n    return None\n")
+        create_bundle(src, {}, tmp_path / f"b{value}")
+        folders.append(tmp_path / f"b{value}")
+    a, b = (load_bundle_isolated(f) for f in folders)
+    assert (a.module.VALUE, b.module.VALUE) == (1, 2)
+    assert a.package != b.package and "helpers" not in sys.modules
+    assert sys.modules[a.package + ".helpers"].VALUE == 1
+    a.unload()
+    assert not any(k.startswith(a.package) for k in sys.modules)
+    assert b.module.VALUE == 2
+    b.unload()
+    with pytest.raises(ReloadError) as info:
+        load_bundle_isolated(tmp_path / "nope")
+    assert info.value.stage == "open"

@@ -1,0 +1,98 @@
+"""Replay is deterministic for a seed and reports sane numbers; tiers share one weights dict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shapeshift.engine.config import EngineConfig
+from shapeshift.engine.llm_engine import LLMEngine
+from shapeshift.engine.replay import make_requests, replay_profile, requests_from_profile, sample_shapes
+from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.tiers import Tiers, layer_subset
+from shapeshift.engine.traffic import builtin_profile
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                                  num_kv_blocks=192))
+
+
+def small_chat():
+    return builtin_profile("chat").scaled(1 / 16, name="chat-small")
+
+
+def test_requests_are_deterministic_for_a_seed(engine):
+    profile = small_chat()
+    a = requests_from_profile(profile, engine, 12, seed=7)
+    b = requests_from_profile(profile, engine, 12, seed=7)
+    c = requests_from_profile(profile, engine, 12, seed=8)
+    assert a == b and a != c
+    shared = [r for r in a if r.shared_prefix_len]
+    assert shared, "the chat profile shares a prefix for most requests"
+    prefix = shared[0].prompt_token_ids[:shared[0].shared_prefix_len]
+    assert all(r.prompt_token_ids[:len(prefix)] == prefix for r in shared if r.shared_prefix_len >= len(prefix))
+    assert all(len(r.prompt_token_ids) + r.max_tokens < 256 for r in a)
+
+
+def test_replay_reports_sane_numbers(engine):
+    report = replay_profile(engine, small_chat(), num_requests=10, seed=3, repeats=2, concurrency=4)
+    s = report.summary()
+    assert len(report.runs) == 2 and s["failed"] == 0
+    expected_tokens = sum(r.max_tokens for r in requests_from_profile(small_chat(), engine, 10, seed=3))
+    assert all(run.output_tokens == expected_tokens for run in report.runs)  # ignore_eos: exact lengths
+    assert s["output_tokens_per_s"] > 0
+    assert 0 < s["ttft_s_p50"] <= s["ttft_s_p90"]
+    assert 0 < s["per_user_tokens_per_s_p90"] <= s["per_user_tokens_per_s_p50"]
+    assert 0 <= s["noise_cv"] < 1 and not math.isnan(s["noise_cv"])
+    assert 0 < s["prefix_cache_hit_rate"] < 1  # shared prefixes hit, the rest misses
+    assert not engine.has_unfinished_requests()
+
+
+def test_open_loop_uses_arrival_times(engine):
+    profile = builtin_profile("burst").scaled(1 / 64, name="burst-small")
+    report = replay_profile(engine, profile, num_requests=6, seed=1, repeats=1)
+    assert report.concurrency is None and report.arrival_rate == profile.arrival_rate
+    shapes = sample_shapes(profile, 6, 1)
+    assert report.runs[0].wall_s >= max(s["arrival_s"] for s in shapes)
+
+
+def test_make_requests_clips_to_model_len():
+    reqs = make_requests([{"prompt_len": 5000, "output_len": 900, "shared_prefix_len": 0, "arrival_s": None}],
+                         seed=0, vocab_size=512, max_model_len=256)
+    assert len(reqs[0].prompt_token_ids) + reqs[0].max_tokens < 256
+
+
+def test_fast_tier_shares_weights_and_matches_truncated_model():
+    tiers = Tiers.load(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=128,
+                                    max_num_batched_tokens=128, num_kv_blocks=32), fast_layers=1)
+    assert tiers.fast.model_config.num_hidden_layers == 1
+    assert tiers.full.model_config.num_hidden_layers == 2
+    shared = layer_subset(tiers.full.weights, 1)
+    assert set(tiers.fast.weights) == set(shared)
+    assert all(tiers.fast.weights[k] is tiers.full.weights[k] for k in shared)  # no copy, no second load
+    # The fast tier equals an engine loaded with num_layers_override=1 from scratch.
+    direct = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
+                                    num_kv_blocks=32, num_layers_override=1))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompt = [[5, 6, 7, 8, 9, 10, 11]]
+    assert tiers.fast.generate(prompt, params) == direct.generate(prompt, params)
+    assert tiers.full.generate(prompt, params) != tiers.fast.generate(prompt, params)
+
+
+def test_saved_bench_shapes_match_the_profiles():
+    """bench/profiles/*.json (replayed where pydantic is missing) equal live sampling."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_reload", Path(__file__).resolve().parents[2] / "hack" / "bench_reload.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for small in (False, True):
+        live = bench.load_plan(small)
+        for name, entry in live.items():
+            saved = json.loads(bench.shapes_file(name, small).read_text())
+            assert saved["shapes"] == entry["shapes"], f"stale {bench.shapes_file(name, small)}; run --write-shapes"
