@@ -1,0 +1,68 @@
+"""What each rank runs in the multi-process parallel tests (importable by spawned children).
+
+Data flow: the test process calls ``launch(run_cases, 2, cases)``; every rank walks the
+same list of (preset, layout) cases over one gloo world, creating that layout's groups,
+building a ``ParallelLLMEngine`` and either driving it (the replica's rank 0: prompt
+logits, then a greedy batch) or following; each driver returns its observations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shapeshift.engine.config import EngineConfig
+from shapeshift.engine.parallel.engine import ParallelLLMEngine
+from shapeshift.engine.parallel.layout import ParallelLayout
+from shapeshift.engine.parallel.process_group import init_parallel
+from shapeshift.engine.sampling import SamplingParams
+
+# Chunked prefill (budget 16 < the first prompt), mixed prefill+decode steps, and decode
+# batches shrinking 3 -> 2 -> 1 (MoE: the dense-expert and the gather paths both run).
+PROMPTS = [list(range(3, 25)), list(range(40, 50)), [7, 8, 9]]
+MAX_TOKENS = [3, 5, 7]
+LOGITS_PROMPT = list(range(1, 20))
+
+
+def engine_config(model: str) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+                        max_num_batched_tokens=16, num_kv_blocks=32)
+
+
+def observe(engine: Any) -> dict[str, Any]:
+    """Prompt logits [T, V], greedy tokens and their logprobs of PROMPTS."""
+    logits = engine.prompt_logits(LOGITS_PROMPT)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=True) for m in MAX_TOKENS]
+    ids = [f"case-{i}" for i in range(len(PROMPTS))]
+    for rid, prompt, p in zip(ids, PROMPTS, params):
+        engine.add_request(rid, prompt, p)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id].extend(out.logprobs or [])
+            if out.finished:
+                tokens[out.request_id] = out.output_token_ids
+    return {"logits": logits, "tokens": [tokens[r] for r in ids], "logprobs": [logprobs[r] for r in ids]}
+
+
+def run_cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for model, layout_name in cases:
+        layout = ParallelLayout.parse(layout_name)
+        state = init_parallel(layout, rank, world_size)
+        engine = ParallelLLMEngine(engine_config(model), state)
+        key = f"{model}/{layout.name}"
+        if engine.is_driver:
+            try:
+                results[key] = {**observe(engine), "coords": state.coords.__dict__,
+                                "kv_heads_per_rank": engine.kv_cache.k[0].shape[2],
+                                "forward_pass": engine.stats().forward_pass_name}
+            finally:
+                engine.shutdown()
+        else:
+            results[key] = {"follower_steps": engine.follow(), "kv_heads_per_rank": engine.kv_cache.k[0].shape[2]}
+    return results
+
+
+def wrong_world(rank: int, world_size: int) -> None:
+    init_parallel(ParallelLayout(tp=4), rank, world_size)
