@@ -3,7 +3,8 @@
     POST /admin/forward-passes           JSON {"path": "/bundles/x" | "/x.tar.gz", "expectedDigest": "..."}
                                          or a .tar.gz body (Content-Type application/gzip or
                                          application/octet-stream; optional X-Bundle-Digest header)
-    GET  /admin/forward-passes           {"active": {...}, "history": [...]}
+    GET  /admin/forward-passes           {"active": {...}, "history": [...]} (+ "rollout": the rollout
+                                         agent's status when the server follows pod annotations)
     POST /admin/forward-passes/rollback  JSON {"steps": 1} (optional)
 
 Data flow of a load: request -> bearer token checked (constant time) -> bundle written to
@@ -105,8 +106,12 @@ def mount_admin(app: FastAPI, engine_handle: Any, token_file: str | Path | None 
                              "active": manager.active.summary()}, status_code=422)
 
     @router.get("/forward-passes")
-    async def list_passes() -> dict[str, Any]:
-        return manager.listing()
+    async def list_passes(request: Request) -> dict[str, Any]:
+        listing = manager.listing()
+        agent = getattr(request.app.state, "rollout_agent", None)
+        if agent is not None:  # the pod-annotation rollout this server follows
+            listing["rollout"] = agent.status()
+        return listing
 
     @router.post("/forward-passes")
     async def load_pass(request: Request) -> JSONResponse:

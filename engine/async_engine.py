@@ -222,6 +222,23 @@ class AsyncEngine:
         self._enqueue(("call", fn, future))
         return await asyncio.wrap_future(future)
 
+    def call_blocking(self, fn: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        """`call` for plain threads (no event loop): run `fn(engine)` between two steps, wait for it.
+
+        Raises `EngineDeadError` if the loop is not running, `TimeoutError` after `timeout`
+        seconds (the call may still run later; callers use generous timeouts).
+        """
+        if threading.current_thread() is self._thread:
+            return fn(self.engine)  # already between steps
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._enqueue(("call", fn, future))
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"engine thread did not run the call within {timeout} s") from None
+
     def _enqueue(self, command: tuple) -> None:
         self._commands.put(command)
 
@@ -410,12 +427,15 @@ class AsyncEngine:
 def forward_pass_identity(engine: Any, stats: Any) -> tuple[str, str]:
     """(name, sha256) of the active forward pass.
 
-    The name comes from `EngineStats.forward_pass_name`; the digest from the
-    engine's active bundle (its manifest digest when it has one, else the sha256
-    of its forward.py), read on every publish so a hot swap shows at once.
+    A hot reload (``hot_reload.ForwardPassManager``) sets ``engine.forward_pass_label``
+    and ``engine.forward_pass_sha256`` (the ForwardPass name a rollout gave it, or the
+    module's name; the bundle's manifest digest); those win. Otherwise the name comes
+    from `EngineStats.forward_pass_name` and the digest from the engine's active bundle
+    (its manifest digest when it has one, else the sha256 of its forward.py). Read on
+    every publish so a hot swap shows at once.
     """
-    name = getattr(stats, "forward_pass_name", None) or "unknown"
-    sha256 = getattr(stats, "forward_pass_sha256", None)
+    name = getattr(engine, "forward_pass_label", None) or getattr(stats, "forward_pass_name", None) or "unknown"
+    sha256 = getattr(engine, "forward_pass_sha256", None) or getattr(stats, "forward_pass_sha256", None)
     bundle = getattr(engine, "bundle", None)
     if sha256 is None and bundle is not None:
         manifest = getattr(bundle, "manifest", None)

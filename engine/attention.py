@@ -47,25 +47,36 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def decode_attention_bias(context_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, 1, S]: 0 for the first context_lens[b] keys, -inf after.
+
+    Built once per forward and shared by every layer (it depends only on the batch).
+    """
+    valid = torch.arange(width, device=context_lens.device)[None, :] < context_lens[:, None]  # [B, S]
+    zero = torch.zeros((), dtype=dtype, device=context_lens.device)
+    return torch.where(valid, zero, float("-inf")).to(dtype)[:, None, None, :]
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           attn_bias: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its cached context; shape-static.
 
     q: [B, Hq, D]; block_tables: [B, W] (W fixed per graph); context_lens: [B] -> [B, Hq, D].
-    Keys beyond context_lens (stale or other sequences' blocks) are masked out.
+    Keys beyond context_lens (stale or other sequences' blocks) are masked out. The G
+    query heads sharing a KV head are laid out as G "query positions" of that head, so
+    one SDPA call covers grouped-query attention without repeating K/V.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     width = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(batch, width, num_kv_heads, head_dim)  # [B, S, Hkv, D]
-    v = v_cache[block_tables].view(batch, width, num_kv_heads, head_dim)
+    if attn_bias is None:
+        attn_bias = decode_attention_bias(context_lens, width, q.dtype)
+    k = k_cache[block_tables].view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_cache[block_tables].view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
     q4 = q.view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(q4, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, S]
-    valid = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q4, k, v, attn_mask=attn_bias, scale=scale)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -108,8 +119,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
-                    scale: float) -> torch.Tensor:
+                    scale: float, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; dispatches on ``ctx.is_prefill``."""
     if ctx.is_prefill:
         return paged_prefill_attention(q, k_cache, v_cache, ctx, scale)
-    return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+    return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, attn_bias)

@@ -5,6 +5,8 @@ imported implementation, so `shapeshift --help` (and the operator, which
 never needs the engine) start without importing torch:
 
     shapeshift serve --model PRESET_OR_PATH --port N ...  -> engine.server.serve(EngineConfig(...))
+        [--admin-token-file F]            authenticated admin API (/admin/forward-passes)
+        [--desired-forward-pass-file F]   follow the pod's forward-pass annotations
     shapeshift import-smollm2 [...]                      -> engine.smollm2.import_smollm2(...)
     shapeshift operator [ARGS...]                        -> operator.main.main(ARGS)
 
@@ -73,6 +75,59 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="requests allowed to wait beyond --max-num-seqs before new ones get HTTP 429 "
                         "(default: 256)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    hot = p.add_argument_group("hot reload")
+    hot.add_argument("--admin-token-file", default=None,
+                     help="file holding the bearer token of the admin API (/admin/forward-passes: load, list, "
+                          "roll back forward passes; re-read on every call). Default: $SHAPESHIFT_ADMIN_TOKEN_FILE, "
+                          "else the token in $SHAPESHIFT_ADMIN_TOKEN; with none, the admin API is off")
+    hot.add_argument("--desired-forward-pass-file", default=None,
+                     help="pod annotations file (downwardAPI volume, e.g. /etc/shapeshift/podinfo/annotations) "
+                          "naming the forward pass to run; the server fetches, checks and hot-reloads it")
+    hot.add_argument("--forward-pass-cache-dir", default=None,
+                     help="where downloaded forward-pass artifacts are kept (default: "
+                          "$SHAPESHIFT_CACHE/forward-passes)")
+    hot.add_argument("--rollout-poll-interval", type=_positive_float, default=1.0,
+                     help="seconds between reads of the annotations file (default: %(default)s)")
+    hot.add_argument("--rollout-retry-backoff", type=_positive_float, default=10.0,
+                     help="seconds before a failed rollout is retried; doubles per failure up to "
+                          "--rollout-retry-max (default: %(default)s)")
+    hot.add_argument("--rollout-retry-max", type=_positive_float, default=300.0,
+                     help="longest wait between retries of a failed rollout (default: %(default)s)")
+    hot.add_argument("--artifact-fetch-timeout", type=_positive_float, default=120.0,
+                     help="seconds allowed for downloading one forward-pass artifact (default: %(default)s)")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def admin_token_settings(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(token file, token from the environment): the flag wins, then $SHAPESHIFT_ADMIN_TOKEN_FILE,
+    then $SHAPESHIFT_ADMIN_TOKEN; (None, False) leaves the admin API off."""
+    import os
+
+    if args.admin_token_file:
+        return args.admin_token_file, False
+    if os.environ.get("SHAPESHIFT_ADMIN_TOKEN_FILE") or os.environ.get("SHAPESHIFT_ADMIN_TOKEN"):
+        return None, True
+    return None, False
+
+
+def rollout_settings(args: argparse.Namespace) -> object | None:
+    """RolloutSettings for --desired-forward-pass-file, or None."""
+    if not args.desired_forward_pass_file:
+        return None
+    from shapeshift.engine.rollout_agent import RolloutSettings, default_cache_dir
+
+    return RolloutSettings(
+        annotations_file=args.desired_forward_pass_file,
+        cache_dir=args.forward_pass_cache_dir or default_cache_dir(),
+        poll_interval_s=args.rollout_poll_interval, retry_initial_s=args.rollout_retry_backoff,
+        retry_max_s=max(args.rollout_retry_max, args.rollout_retry_backoff),
+        fetch_timeout_s=args.artifact_fetch_timeout)
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
@@ -101,9 +156,24 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shapeshift serve: invalid engine settings: {exc}", file=sys.stderr)
         return 2
+    token_file, token_from_env = admin_token_settings(args)
+    if token_file is not None or token_from_env:
+        from shapeshift.engine.admin import AdminTokenSource
+
+        try:  # fail before loading the model, not after
+            AdminTokenSource(token_file)
+        except ValueError as exc:
+            print(f"shapeshift serve: admin API: {exc}", file=sys.stderr)
+            return 2
+    try:
+        rollout = rollout_settings(args)
+    except ValueError as exc:
+        print(f"shapeshift serve: invalid rollout settings: {exc}", file=sys.stderr)
+        return 2
     serve(config, host=args.host, port=args.port, served_model_name=args.served_model_name,
           max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
-          log_level=args.log_level)
+          log_level=args.log_level, admin_token_file=token_file, admin_token_from_env=token_from_env,
+          rollout=rollout)
     return 0
 
 

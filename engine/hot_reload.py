@@ -216,10 +216,17 @@ class PassRecord:
     activated_unix: float = field(default_factory=time.time)
     timings_s: dict[str, float] = field(default_factory=dict)
     smoke: dict[str, Any] = field(default_factory=dict)
+    # The ForwardPass resource this pass was rolled out as (pod annotation), if any.
+    resource: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The name the server reports (metrics info label): the resource's, else the module's."""
+        return self.resource or self.name
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.digest, "cacheFormat": self.cache_format,
-                "source": self.source, "activatedUnix": self.activated_unix,
+                "forwardPass": self.resource, "source": self.source, "activatedUnix": self.activated_unix,
                 "timingsSeconds": {k: round(v, 4) for k, v in self.timings_s.items()}, "smoke": self.smoke}
 
 
@@ -463,7 +470,7 @@ class ForwardPassManager:
             again = PassRecord(name=target.name, digest=target.digest, cache_format=target.cache_format,
                                source=target.source, forward_pass=target.forward_pass,
                                engine_bundle=target.engine_bundle, loaded=target.loaded,
-                               smoke=dict(target.smoke))
+                               smoke=dict(target.smoke), resource=target.resource)
             flushed, preempted = self._install(again, None)
             again.timings_s["swap"] = time.perf_counter() - t0
             self.history.append(again)
@@ -491,6 +498,7 @@ class ForwardPassManager:
         eng.forward_pass = record.forward_pass
         eng.bundle = record.engine_bundle
         eng.forward_pass_sha256 = record.digest  # reported by the server's info metric
+        eng.forward_pass_label = record.label
         bm.set_tag(new_tag)
         return flushed, preempted
 

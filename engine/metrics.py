@@ -25,10 +25,19 @@ interface. Every series carries a `model` label (the served model name).
 | shapeshift_requests_waiting                       | gauge     |                | requests admitted but not yet running                       |
 | shapeshift_batch_size                             | gauge     |                | sequences in the last scheduler step                        |
 | shapeshift_forward_pass_info                      | info      | name, sha256   | the active forward pass (value always 1)                    |
+| shapeshift_forward_pass_reloads_total             | counter   | result         | forward-pass rollout attempts by outcome (`RELOAD_RESULTS`) |
+| shapeshift_forward_pass_last_reload_status        | gauge     | result         | 1 on the outcome of the last attempt, 0 on the others       |
+| shapeshift_forward_pass_last_reload_timestamp_seconds | gauge |                | unix time of the last attempt (0: none yet)                 |
+| shapeshift_forward_pass_in_sync                   | gauge     |                | 1 when the active pass is the one the pod annotations ask for |
 
 `requests_total{status}` values: `stop` and `length` (finished normally, by
 the OpenAI finish reason), `abort` (client went away), `error` (engine failure,
 HTTP 500), `rejected` (overload, HTTP 429), `invalid` (bad request, HTTP 4xx).
+
+`forward_pass_*reload*` results: `success`, `digest_mismatch`, `fetch_error`,
+`refused` (see `rollout_protocol.py`, which the operator imports for these names).
+They move only when the rollout agent runs (`--desired-forward-pass-file`);
+`in_sync` is 1 when no agent runs.
 
 Histogram buckets: token counts are roughly exponential (factor ~1.5 above
 512) up to 131072 so that prompt-length drift at 10K-128K tokens moves mass
@@ -41,6 +50,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from .rollout_protocol import RELOAD_RESULTS
 
 REQUEST_STATUSES = ("stop", "length", "abort", "error", "rejected", "invalid")
 
@@ -110,6 +121,23 @@ class EngineMetrics:
         self._forward_pass = Info(
             "shapeshift_forward_pass", "The active forward pass.", m, registry=r)
         self._forward_pass_identity: tuple[str, str] | None = None
+        self._reloads = Counter(
+            "shapeshift_forward_pass_reloads", "Forward-pass rollout attempts by outcome.",
+            ("model", "result"), registry=r)
+        self._last_reload_status = Gauge(
+            "shapeshift_forward_pass_last_reload_status",
+            "1 on the outcome of the last forward-pass rollout attempt, 0 on the others.",
+            ("model", "result"), registry=r)
+        for result in RELOAD_RESULTS:
+            self._reloads.labels(model_name, result)
+            self._last_reload_status.labels(model_name, result).set(0)
+        self.last_reload_timestamp = Gauge(
+            "shapeshift_forward_pass_last_reload_timestamp_seconds",
+            "Unix time of the last forward-pass rollout attempt (0: none yet).", m, registry=r).labels(model_name)
+        self.forward_pass_in_sync = Gauge(
+            "shapeshift_forward_pass_in_sync",
+            "1 when the active forward pass is the one the pod annotations ask for.", m, registry=r).labels(model_name)
+        self.forward_pass_in_sync.set(1)
         # Last cumulative values seen in EngineStats; counters advance by the difference.
         self._last_queried_tokens = 0
         self._last_hit_tokens = 0
@@ -128,6 +156,24 @@ class EngineMetrics:
         if self._forward_pass_identity != (name, sha256):
             self._forward_pass.labels(self.model_name).info({"name": name, "sha256": sha256})
             self._forward_pass_identity = (name, sha256)
+
+    def record_reload(self, result: str, timestamp: float) -> None:
+        """Count one rollout attempt and make it the last one."""
+        if result not in RELOAD_RESULTS:
+            raise ValueError(f"unknown reload result {result!r}; expected one of {RELOAD_RESULTS}")
+        self._reloads.labels(self.model_name, result).inc()
+        self.set_last_reload_status(result, timestamp)
+
+    def set_last_reload_status(self, result: str, timestamp: float) -> None:
+        """The last attempt's outcome without counting an attempt (a no-op reconcile)."""
+        for other in RELOAD_RESULTS:
+            self._last_reload_status.labels(self.model_name, other).set(1 if other == result else 0)
+        self.last_reload_timestamp.set(timestamp)
+
+    def reloads_counter_value(self, result: str) -> float:
+        value = self.registry.get_sample_value("shapeshift_forward_pass_reloads_total",
+                                               {"model": self.model_name, "result": result})
+        return 0.0 if value is None else value
 
     def update_from_stats(self, stats: Any, pending_admissions: int = 0) -> None:
         """Copy an `EngineStats` snapshot into gauges and advance the cache counters.

@@ -189,16 +189,14 @@ class ModelRunner:
         bt = host["block_tables"]
         for i, t in enumerate(tables):
             bt[i, :len(t)] = t
-        # One copy per buffer, only over the rows this graph reads.
-        s, h = self._static, self._static_host_t
-        s["input_ids"][:g.batch_size].copy_(h["input_ids"][:g.batch_size], non_blocking=True)
-        s["positions"][:g.batch_size].copy_(h["positions"][:g.batch_size], non_blocking=True)
-        s["slot_mapping"][:g.batch_size].copy_(h["slot_mapping"][:g.batch_size], non_blocking=True)
-        s["context_lens"][:g.batch_size].copy_(h["context_lens"][:g.batch_size], non_blocking=True)
-        s["block_tables"][:n, :g.width].copy_(h["block_tables"][:n, :g.width], non_blocking=True)
+        # Two host->device copies per step: the int64 pack (ids, positions, slots) whole,
+        # the int32 pack (context lens, then block-table rows) up to the last live row.
+        self._packed64.copy_(self._packed64_host, non_blocking=True)
+        end = self._max_bs + n * self.max_blocks_per_seq
+        self._packed32[:end].copy_(self._packed32_host[:end], non_blocking=True)
         g.replay()
         self.num_graph_replays += 1
-        return s["logits"][:n]
+        return self._static["logits"][:n]
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
@@ -217,20 +215,32 @@ class ModelRunner:
         max_bs = sizes[-1]
         dev = self.device
         vocab = self.model_config.vocab_size
-        self._static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), self.kv_cache.null_slot, dtype=torch.int64, device=dev),
-            "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        width_max = self.max_blocks_per_seq
+        # Inputs live in two packed buffers (one per dtype) so a step needs two copies;
+        # the named static tensors are fixed views into them.
+        self._max_bs = max_bs
+        self._packed64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
+        self._packed32 = torch.zeros(max_bs + max_bs * width_max, dtype=torch.int32, device=dev)
+        self._packed64_host = torch.zeros(self._packed64.shape, dtype=torch.int64)
+        self._packed32_host = torch.zeros(self._packed32.shape, dtype=torch.int32)
+        if capture:
+            self._packed64_host = self._packed64_host.pin_memory()
+            self._packed32_host = self._packed32_host.pin_memory()
+
+        def views(p64: torch.Tensor, p32: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"input_ids": p64[:max_bs], "positions": p64[max_bs:2 * max_bs],
+                    "slot_mapping": p64[2 * max_bs:], "context_lens": p32[:max_bs],
+                    "block_tables": p32[max_bs:].view(max_bs, width_max)}
+
+        self._static = views(self._packed64, self._packed32)
+        self._static["slot_mapping"].fill_(self.kv_cache.null_slot)
+        self._static["context_lens"].fill_(1)
+        self._static.update({
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "last_token_indices": torch.arange(max_bs, dtype=torch.int64, device=dev),
             "logits": torch.zeros(max_bs, vocab, dtype=torch.float32, device=dev),
-        }
-        host = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in self._static.items()
-                if k in ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")}
-        self._static_host_t = {k: v.pin_memory() for k, v in host.items()} if capture else host
-        self._static_host = {k: v.numpy() for k, v in self._static_host_t.items()}
+        })
+        self._static_host = {k: v.numpy() for k, v in views(self._packed64_host, self._packed32_host).items()}
         s = self._static
         if capture:
             torch.cuda.synchronize(dev)

@@ -50,8 +50,12 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence computes exactly one token (the CUDA-graph case)."""
-        return bool(self.seqs) and all(n == 1 for n in self.num_new_tokens)
+        """Every sequence computes exactly its last token (the CUDA-graph case). A
+        one-token chunk from the middle of a prompt does not count: the decode path
+        feeds each sequence's last token at its last position."""
+        return bool(self.seqs) and all(
+            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            for seq, n in zip(self.seqs, self.num_new_tokens))
 
     @property
     def num_batched_tokens(self) -> int:

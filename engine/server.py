@@ -16,8 +16,13 @@ generator is closed; non-streaming: the handler polls `is_disconnected`).
 this server's own Prometheus registry (see `metrics.py` for the names).
 
 `build_app(async_engine, metrics, served_model_name)` is the app factory used by
-tests in-process; `build_server(...)` also creates the engine; `serve(...)`
-runs uvicorn (the `shapeshift serve` command).
+tests in-process; `build_server(...)` also creates the engine, its
+`ForwardPassManager`, and, when configured, the authenticated admin API
+(`admin.mount_admin`, /admin/forward-passes; absent, hence 404, without an admin
+token) and the rollout agent that follows the pod's annotations
+(`rollout_agent.RolloutAgent`); `serve(...)` runs uvicorn (the `shapeshift serve`
+command). Background services in `app.state.background_services` start after the
+engine loop and stop before it.
 """
 
 from __future__ import annotations
@@ -421,16 +426,22 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
     handlers = _Handlers(async_engine, metrics, served_model_name)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        services = list(app.state.background_services)
+        for service in services:
+            service.start()
         try:
             yield
         finally:
+            for service in reversed(services):
+                await asyncio.to_thread(service.stop)
             if stop_engine_on_shutdown:
                 await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="Shapeshift engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.handlers = handlers
+    app.state.background_services = []  # objects with start()/stop(), run alongside the engine loop
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -482,22 +493,59 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
 
 
 def build_server(config: Any, *, served_model_name: str | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> tuple[FastAPI, AsyncEngine]:
-    """Load the engine for `config` (an `EngineConfig`) and wrap it in an app."""
+                 max_waiting: int = DEFAULT_MAX_WAITING, admin_token_file: str | None = None,
+                 admin_token_from_env: bool = False, rollout: Any = None) -> tuple[FastAPI, AsyncEngine]:
+    """Load the engine for `config` (an `EngineConfig`) and wrap it in an app.
+
+    Admin API: mounted when `admin_token_file` is given, or `admin_token_from_env`
+    (token from $SHAPESHIFT_ADMIN_TOKEN_FILE or $SHAPESHIFT_ADMIN_TOKEN); a missing or
+    empty token raises ValueError. `rollout`: a `rollout_agent.RolloutSettings` to
+    follow a pod's desired forward pass.
+    """
+    from shapeshift.engine.hot_reload import ForwardPassManager
     from shapeshift.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
-    return build_app(async_engine, metrics, name), async_engine
+    app = build_app(async_engine, metrics, name)
+    # One manager for the admin API and the rollout agent, so both see one history.
+    manager = ForwardPassManager(engine)
+    app.state.forward_pass_manager = manager
+    # Report the starting pass by its bundle digest, the identity rollouts compare against.
+    engine.forward_pass_sha256 = manager.active.digest
+    engine.forward_pass_label = manager.active.label
+    admin = admin_token_file is not None or admin_token_from_env
+    if admin:
+        from shapeshift.engine.admin import mount_admin
+
+        mount_admin(app, async_engine, admin_token_file, manager=manager)
+        logger.info("admin API enabled at /admin/forward-passes (token from %s)",
+                    admin_token_file or "the environment")
+    if rollout is not None:
+        from shapeshift.engine.rollout_agent import RolloutAgent
+
+        agent = RolloutAgent(async_engine, manager, metrics, rollout)
+        app.state.rollout_agent = agent
+        app.state.background_services.append(agent)
+    if not admin and rollout is None:
+        logger.warning("hot reload is disabled: no admin token (--admin-token-file, $SHAPESHIFT_ADMIN_TOKEN_FILE "
+                       "or $SHAPESHIFT_ADMIN_TOKEN) and no --desired-forward-pass-file; /admin routes are absent")
+    elif not admin:
+        logger.warning("admin API disabled (no admin token); forward passes follow %s only",
+                       rollout.annotations_file)
+    return app, async_engine
 
 
 def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info") -> None:
+          max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info", admin_token_file: str | None = None,
+          admin_token_from_env: bool = False, rollout: Any = None) -> None:
     """Run the server until interrupted (blocking)."""
     import uvicorn
 
-    app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting)
+    app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting,
+                                     admin_token_file=admin_token_file, admin_token_from_env=admin_token_from_env,
+                                     rollout=rollout)
     logger.info("serving %s on http://%s:%d", app.state.handlers.served_model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

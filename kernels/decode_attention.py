@@ -275,7 +275,15 @@ def _choose_default(problem, key: str) -> KernelConfig:
 
 def _constraint(config: KernelConfig, problem) -> bool:
     # More splits than tiles in the longest context only produces empty programs.
-    return config["NUM_SPLITS"] * config["BLOCK_N"] <= max(config["BLOCK_N"], int(problem["max_context"]))
+    if config["NUM_SPLITS"] * config["BLOCK_N"] > max(config["BLOCK_N"], int(problem["max_context"])):
+        return False
+    if config.variant == "fma":
+        # The broadcast product [group, BLOCK_N, D] lives in registers: keep it to <= 64 values
+        # per thread (ptxas spills beyond that; seen at 4 x 64 x 64 with 4 warps).
+        group = next_power_of_2(int(problem["q_heads"]) // int(problem["kv_heads"]))
+        elements = group * config["BLOCK_N"] * next_power_of_2(int(problem["head_dim"]))
+        return elements <= 64 * 32 * config.num_warps
+    return True
 
 
 _AXES = {"BLOCK_N": (16, 32, 64, 128), "NUM_SPLITS": (1, 2, 4, 8, 16, 32), "num_warps": (2, 4, 8),

@@ -183,29 +183,40 @@ def _choose_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
         return KernelConfig.make("dot", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)
     sms = 132 if key == "sm90" else 108
-    # Little's law: ~4 TB/s x ~1 us of HBM latency is ~4 MB in flight, ~32 KB per SM. 32x128
-    # bf16 weight tiles (8 KB), 4 pipeline stages and ~4 resident programs per SM cover that.
-    block_k = 128 if k >= 128 else 64
-    # Wide row tiles when there are plenty of rows; narrow ones (and split-K) when N is small, so
-    # that at least ~4 programs per SM stream concurrently; no K slice shorter than 512.
-    block_n = 64 if n >= 64 * 4 * sms else 32
-    while True:
-        row_tiles = triton.cdiv(n, block_n)
-        split_k = 1
-        while row_tiles * split_k < 4 * sms and k // (split_k * 2) >= 512:
+    stages = 4 if key == "sm90" else 3
+    # Split-K costs a second launch (~1-2 us), as much as streaming ~6 MB: avoid it whenever
+    # 16-row tiles alone nearly fill the GPU. Otherwise take the widest row tile that still
+    # gives >= 1.5 programs per SM, and split K only when even 16-row tiles leave SMs idle.
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 1.5 * sms), 16)
+    split_k = 1
+    if triton.cdiv(n, block_n) < 0.9 * sms:
+        while triton.cdiv(n, block_n) * split_k < 2 * sms and k // (split_k * 2) >= 1024:
             split_k *= 2
-        if row_tiles * split_k >= 2 * sms or block_n == 16:
-            break
-        block_n //= 2
-    return KernelConfig.make("dot", num_warps=4, num_stages=4 if key == "sm90" else 3, BLOCK_N=block_n,
-                             BLOCK_K=block_k, SPLIT_K=split_k)
+    programs = triton.cdiv(n, block_n) * split_k
+    # Little's law: ~4.3 TB/s x ~1 us of HBM latency is ~4.5 MB in flight, ~48 KB per SM with
+    # margin. Each program keeps (stages - 1) weight tiles of BLOCK_N x BLOCK_K in flight.
+    per_sm = max(1.0, programs / sms)
+    block_k = 48 * 1024 / (per_sm * (stages - 1) * block_n * _element_size(problem))
+    block_k = 1 << max(6, min(9, int(block_k).bit_length() - 1))  # power of two in [64, 512]
+    while block_k > 64 and block_k * split_k > k:
+        block_k //= 2
+    return KernelConfig.make("dot", num_warps=4, num_stages=stages, BLOCK_N=block_n, BLOCK_K=block_k,
+                             SPLIT_K=split_k)
+
+
+def _element_size(problem) -> int:
+    return 4 if problem.get("dtype") == "float32" else 2
 
 
 def _constraint(config: KernelConfig, problem) -> bool:
     if config.variant == "fma" and int(problem["m"]) > 4:
         return False
     # Every split must get at least one K tile.
-    return config["SPLIT_K"] * config["BLOCK_K"] <= max(config["BLOCK_K"], int(problem["k"]))
+    if config["SPLIT_K"] * config["BLOCK_K"] > max(config["BLOCK_K"], int(problem["k"])):
+        return False
+    # Pipelined tiles (weight + padded x) must fit in an H100/H200 SM's 227 KB of shared memory.
+    rows = config["BLOCK_N"] + (16 if config.variant == "dot" else 0)
+    return config.num_stages * rows * config["BLOCK_K"] * _element_size(problem) <= 227 * 1024
 
 
 GEMV_SPEC = register(

@@ -424,6 +424,13 @@ def _gemm_default(problem, key: str) -> KernelConfig:
     return KernelConfig.make("grouped", num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
 
 
+def _gemm_constraint(config: KernelConfig, problem) -> bool:
+    # Pipelined A and W tiles must fit in an H100/H200 SM's 227 KB of shared memory.
+    element = 4 if problem.get("dtype") == "float32" else 2
+    tile = (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * element
+    return config.num_stages * tile <= 227 * 1024
+
+
 def _routing_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
         return KernelConfig.make("rows", num_warps=4, num_stages=1, BLOCK_T=4)
@@ -454,6 +461,7 @@ MOE_GEMM_SPEC = register(
         launcher=moe_grouped_gemm,
         reference=moe_grouped_gemm_ref,
         search_space=SearchSpace(
+            constraint=_gemm_constraint,
             variants=(VariantSpace("grouped", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128),
                                                "BLOCK_K": (32, 64, 128), "num_warps": (4, 8),
                                                "num_stages": (2, 3, 4)},

@@ -21,7 +21,13 @@ Operator-wide settings come from the environment (the Helm chart sets them):
 ``SHAPESHIFT_PROMETHEUS_URL`` (the default Prometheus; ``spec.prometheusUrl``
 overrides it per deployment), ``SHAPESHIFT_PROMETHEUS_NAMESPACE_LABEL`` and
 ``SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL`` (target label names, default
-``namespace`` and ``deployment``), ``SHAPESHIFT_DRIFT_MIN_REQUESTS`` (default 20).
+``namespace`` and ``deployment``), ``SHAPESHIFT_DRIFT_MIN_REQUESTS`` (default 20),
+``SHAPESHIFT_PROMETHEUS_TIMEOUT_SECONDS`` (default 5).
+
+A check that changes nothing but the check time (the usual case of a deployment
+whose Prometheus stays unreachable, or one without traffic) writes nothing, so
+resyncs of idle deployments do not churn their resourceVersion; the pace of
+checks is then kept in memory.
 
 This module registers its timer when imported; ``operator/handlers.py``
 imports it.
@@ -29,6 +35,7 @@ imports it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -81,20 +88,19 @@ __all__ = [
     "build_drift_compile_run",
     "drift_check",
     "drift_compile_run_name",
+    "drift_status_update",
     "policy_from_spec",
     "run_check",
     "selector_for",
     "state_from_status",
-    "drift_status_update",
 ]
-
-log = logging.getLogger(__name__)
 
 CONDITION_TRAFFIC = "TrafficObserved"
 CONDITION_DRIFT = "Drifted"
 FINISHED_PHASES = ("Succeeded", "Failed")
 TRAFFIC_REASONS = ("PrometheusUnreachable", "NoTraffic", "TooFewRequests")  # NoData reasons about the traffic
 TIMER_SECONDS = float(os.environ.get("SHAPESHIFT_DRIFT_TIMER_SECONDS", "10"))
+_LAST_CHECK: dict[str, datetime] = {}  # uid -> last check, for checks that wrote nothing
 
 
 @dataclass(frozen=True)
@@ -310,8 +316,11 @@ def _iso(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime) -> bool:
+def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime,
+         last_in_memory: datetime | None = None) -> bool:
     last = status.drift.last_check_time if status.drift else None
+    if last_in_memory is not None and (last is None or last_in_memory > last):
+        last = last_in_memory
     if last is None:
         return True
     # Half a timer tick of slack, so a 60 s interval on a 10 s timer is not stretched to 70 s.
@@ -348,8 +357,10 @@ def drift_check(
         raise kopf.PermanentError(f"spec does not parse: {err}") from err
     typed_status = InferenceDeploymentStatus.model_validate(dict(status or {}))
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    if not _due(typed_status, typed_spec, now):
+    uid = body["metadata"].get("uid", f"{namespace}/{name}")
+    if not _due(typed_status, typed_spec, now, _LAST_CHECK.get(uid)):
         return
+    _LAST_CHECK[uid] = now
     settings = DriftSettings.from_env()
     kube = _kube(memo)
     try:
@@ -399,6 +410,9 @@ def drift_check(
             and (previous is None or previous.reason != decision.reason)):
         kopf.warn(body, reason=decision.reason, message=decision.message[:1000])
     update = drift_status_update(result, typed_status, now=now, compile_run=created, compile_blocked=blocked)
+    if only_check_time_changed(update, typed_status):
+        logger.debug("drift check: %s, status unchanged", decision.kind)
+        return
     try:
         kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
     except ApiException as err:
@@ -408,6 +422,20 @@ def drift_check(
 
 class _NoPrometheusAddress(TrafficQueryError):
     reason = "PrometheusUnreachable"
+
+
+def only_check_time_changed(update: StatusUpdate, status: InferenceDeploymentStatus) -> bool:
+    """True when writing ``update`` would change nothing but ``drift.lastCheckTime``."""
+    if set(update.fields) != {"drift"}:
+        return False
+    current = status.drift.to_wire() if status.drift else {}
+    wanted = dict(update.fields["drift"])
+    current.pop("lastCheckTime", None)
+    wanted.pop("lastCheckTime", None)
+    if json.loads(json.dumps(wanted, sort_keys=True)) != json.loads(json.dumps(current, sort_keys=True)):
+        return False
+    existing = {c.type: (c.status, c.reason, c.message) for c in status.conditions or []}
+    return all(existing.get(type_) == (value, reason, message) for type_, value, reason, message in update.conditions)
 
 
 def _condition(status: InferenceDeploymentStatus, type_: str) -> Condition | None:

@@ -61,13 +61,13 @@ CRUN = (GROUP, VERSION, COMPILE_RUN.plural)
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Keep kopf's bookkeeping in annotations (status is schema-checked and ours), post INFO+ events."""
+    del memo  # the API client is created lazily by _kube()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
-    memo.kube = Kube(new_api_client())
 
 
 @kopf.on.login()
@@ -80,8 +80,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 def _kube(memo: kopf.Memo) -> Kube:
+    # Created on first use, not at startup: a missing kubeconfig then shows up as a
+    # retried handler error instead of a startup activity that blocks the operator.
     kube = getattr(memo, "kube", None)
-    if kube is None:  # handlers registered into an operator started without our startup handler
+    if kube is None:
         kube = memo.kube = Kube(new_api_client())
     return kube
 

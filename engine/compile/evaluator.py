@@ -22,6 +22,7 @@ left behind: prefix hits come only from sharing inside the replayed traffic.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import shutil
 import statistics
@@ -122,6 +123,17 @@ def replay(engine: Any, requests: list[tuple[list[int], int]], concurrency: int,
     """
     from ..sampling import SamplingParams
 
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection pause inside one repeat would read as noise of the candidate
+    try:
+        return _replay(engine, requests, concurrency, tag, clock, SamplingParams)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _replay(engine: Any, requests: list[tuple[list[int], int]], concurrency: int, tag: str, clock: Any,
+            SamplingParams: Any) -> ReplayRun:
     todo = list(enumerate(requests))
     todo.reverse()
     in_flight: dict[str, dict[str, float]] = {}
@@ -267,7 +279,8 @@ class EngineEvaluator:
         eng = self._engine(FULL, {})
         stock_recipe = yaml.safe_load((self.stock_dir / "recipe.yaml").read_text()) or {}
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
-                                  stock_recipe=stock_recipe, concurrency=self.profile.concurrency,
+                                  stock_recipe=stock_recipe, stock_source=self.stock_source,
+                                  concurrency=self.profile.concurrency,
                                   max_model_len=self.settings.max_model_len)
 
     def materialize(self, cand: Candidate) -> Path:

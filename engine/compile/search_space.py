@@ -1,12 +1,13 @@
 """The search space: every knob a candidate may turn, with its values and validity rules.
 
 Data flow:
-    stock recipe.yaml knobs (attention backend, MoE gather threshold)  --+
+    recipe knobs the stock forward.py declares (kernel backend per op,  --+
+      fused q/k/v and gate/up projections, MoE gather threshold)          |
     EngineConfig knobs (batch size, chunked-prefill budget, prefix     --+--> SearchSpace
       caching, CUDA-graph buckets)                                      |     .default()
-    kernels/registry.py (variant x tile config per op, CUDA only)     --+     .sample(rng)
-    source edits (engine/compile/source_edits.py: fused projections,  --+     .enumerate()
-      Triton kernels routed by the recipe)                                    .validate(recipe)
+    kernels/registry.py (tile config per op, CUDA only)                --+     .sample(rng)
+    source edits (engine/compile/source_edits.py: batched decode rows  --+     .enumerate()
+      in mixed batches, index_select gather, kernel tiles)                    .validate(recipe)
                                                                               .neighbors(recipe, knob)
 
 Knob names carry their target: ``engine.<field>`` becomes an EngineConfig field,
@@ -213,15 +214,62 @@ def _constraint_graph_buckets(recipe: Mapping[str, Any]) -> str | None:
     return None
 
 
+# kernel.<op> knob -> the stock recipe knob that switches that op to its Triton kernel
+KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attention": "attention_backend",
+                       "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
+INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256)}
+
+
 def _constraint_kernels_need_edit(recipe: Mapping[str, Any]) -> str | None:
-    if recipe.get("edit.triton_kernels") is False:
-        tuned = [k for k, v in recipe.items() if k.startswith("kernel.") and v != "default"]
-        if tuned:
-            return f"{', '.join(sorted(tuned))} set without edit.triton_kernels (the stock pass would ignore them)"
+    tuned = sorted(k for k, v in recipe.items() if k.startswith("kernel.") and v != "default")
+    if tuned and not recipe.get("edit.kernel_tiles"):
+        return f"{', '.join(tuned)} set without edit.kernel_tiles (the stock pass takes no tile configs)"
+    off = [k for k in tuned if recipe.get(KERNEL_BACKEND_KNOB.get(k, ""), "torch") != "triton"]
+    if off:
+        return f"{', '.join(off)} tuned while its backend knob is not triton (the config would never run)"
     return None
 
 
-def kernel_knobs(ops: Sequence[str] = ("rmsnorm", "silu_and_mul"), max_configs: int = 12,
+def _constraint_activation_needs_fused(recipe: Mapping[str, Any]) -> str | None:
+    if recipe.get("activation_backend") == "triton" and not recipe.get("fuse_gate_up"):
+        return "activation_backend=triton needs fuse_gate_up=true (the kernel reads the fused [gate | up] rows)"
+    return None
+
+
+def stock_recipe_knobs(source: str) -> dict[str, tuple[str, tuple[Any, ...]]]:
+    """The knobs a forward.py declares in its docstring's "Recipe knobs" section.
+
+    Lines look like ``  name: torch | triton   what it does`` / ``  name: bool ...`` /
+    ``  name: int ...``; returns name -> (kind, choices) with kind "choice", "bool" or "int".
+    """
+    import ast
+    import re
+
+    try:
+        doc = ast.get_docstring(ast.parse(source)) or ""
+    except SyntaxError:
+        return {}
+    if "Recipe knobs" not in doc:
+        return {}
+    section = doc.split("Recipe knobs", 1)[1]
+    knobs: dict[str, tuple[str, tuple[Any, ...]]] = {}
+    for line in section.splitlines()[1:]:
+        m = re.match(r"^\s{1,4}([a-z_][a-z0-9_]*):\s+(.+?)(?:\s{2,}.*)?$", line)
+        if not m:
+            if line.strip() and not line.startswith(" "):
+                break  # the section ended
+            continue
+        name, spec = m.group(1), m.group(2).strip()
+        if spec == "bool":
+            knobs[name] = ("bool", (False, True))
+        elif spec == "int":
+            knobs[name] = ("int", INT_KNOB_VALUES.get(name, ()))
+        elif "|" in spec:
+            knobs[name] = ("choice", tuple(v.strip() for v in spec.split("|")))
+    return knobs
+
+
+def kernel_knobs(ops: Sequence[str] = tuple(op.split(".", 1)[1] for op in KERNEL_BACKEND_KNOB), max_configs: int = 12,
                  problem: Mapping[str, Any] | None = None) -> list[Knob]:
     """One ``kernel.<op>`` knob per registered op: "default" or a config dict from its space.
 
@@ -262,6 +310,7 @@ def build_search_space(
     device: str = "cpu",
     model_family: str = "llama",
     stock_recipe: Mapping[str, Any] | None = None,
+    stock_source: str | None = None,
     concurrency: int = 32,
     max_model_len: int = 2048,
     include_kernels: bool | None = None,
@@ -276,15 +325,21 @@ def build_search_space(
     cuda = device.startswith("cuda")
     knobs: list[Knob] = []
 
-    # Recipe knobs of the stock forward pass.
-    backends = ("torch", "triton") if cuda else ("torch",)
-    knobs.append(Knob("attention_backend", backends, stock_recipe.get("attention_backend", "torch"),
-                      "paged decode attention: torch (gather + SDPA) or the Triton kernel"))
-    if model_family == "moe":
-        knobs.append(Knob("moe_decode_gather_max_rows", (0, 4, 8, 16, 64, 256),
-                          int(stock_recipe.get("moe_decode_gather_max_rows", 8)) if
-                          int(stock_recipe.get("moe_decode_gather_max_rows", 8)) in (0, 4, 8, 16, 64, 256) else 8,
-                          "MoE decode: gather chosen experts while tokens*top_k <= this, else dense"))
+    # Recipe knobs the stock forward pass declares (its docstring), with device limits:
+    # Triton backends only on CUDA, MoE knobs only for MoE models.
+    declared = stock_recipe_knobs(stock_source) if stock_source else {
+        "attention_backend": ("choice", ("torch", "triton"))}
+    for name, (kind, choices) in declared.items():
+        if kind == "choice":
+            choices = tuple(c for c in choices if cuda or c != "triton")
+        if name.startswith("moe_") and model_family != "moe":
+            continue
+        if not choices:
+            continue
+        default = stock_recipe.get(name, choices[0])
+        if not any(_same(default, c) for c in choices):
+            default = choices[0]
+        knobs.append(Knob(name, tuple(choices), default, f"stock recipe knob ({kind})"))
 
     # Engine knobs: batch size and chunk size (chunked-prefill token budget), prefix caching.
     seq_choices = sorted({s for s in (4, 8, 16, 32, 64, 128, 256) if s <= max(64, 2 * concurrency)})
@@ -315,17 +370,21 @@ def build_search_space(
     knobs.extend(engine_knobs)
 
     constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
+    if any(k.name == "activation_backend" and "triton" in k.values for k in knobs):
+        constraints.append(("activation", _constraint_activation_needs_fused))
     if cuda:
         constraints.append(("graph buckets", _constraint_graph_buckets))
     if include_kernels is None:
         include_kernels = cuda
     if include_kernels and include_source_edits:
-        kknobs = kernel_knobs()
+        switched = [knob.split(".", 1)[1] for knob, backend in KERNEL_BACKEND_KNOB.items()
+                    if any(k.name == backend and "triton" in k.values for k in knobs)]
+        kknobs = kernel_knobs(tuple(switched))
         if kknobs:
             knobs.extend(kknobs)
             constraints.append(("kernels", _constraint_kernels_need_edit))
     # Drop kernel knobs when their edit is absent (e.g. on CPU), so the constraint cannot dangle.
-    if not any(k.name == "edit.triton_kernels" for k in knobs):
+    if not any(k.name == "edit.kernel_tiles" for k in knobs):
         knobs = [k for k in knobs if k.target != "kernel"]
         constraints = [c for c in constraints if c[0] != "kernels"]
     return SearchSpace(knobs=knobs, constraints=constraints, device=device)

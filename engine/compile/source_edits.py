@@ -12,13 +12,13 @@ held to the same verification gates: an edit that changes the numbers is rejecte
 Edits:
   split_mixed_attention  in mixed prefill+decode batches, the decode rows attend in one batched
                  call instead of one call per sequence (the stock loop is kept for prefill rows)
-  sdpa_decode_attention  decode steps gather the cache with one index_select and attend with
-                 the fused scaled_dot_product_attention kernel under a validity mask
-  fused_qkv      q/k/v projections as one GEMM over a concatenated weight (derived table,
-                 built once in ``build``; costs one extra copy of the attention weights)
-  fused_gate_up  gate/up projections of the dense MLP as one GEMM, then SiLU-and-mul
-  triton_kernels RMSNorm and SiLU-and-mul through the Triton kernels of shapeshift.kernels,
-                 each with the tile config named by the recipe's ``kernel.<op>`` knob (CUDA)
+  index_select_gather  decode attention gathers the cache blocks with one index_select over the
+                 flattened block table instead of advanced indexing
+  kernel_tiles   the Triton launchers the recipe switched on (``*_backend: triton``) get the tile
+                 configuration named by ``kernel.<op>`` instead of the registry's default (CUDA)
+
+Switches that the stock module already offers (fused q/k/v and gate/up projections, a
+Triton kernel per op) are recipe knobs, not edits.
 '''
 
 from __future__ import annotations
@@ -36,146 +36,46 @@ class SourceEdit:
     requires: str = "class StockForwardPass"  # text the module must contain for the edit to apply
 
 
-_FUSED_QKV = '''
-# ---- source edit: fused_qkv (one GEMM for q, k and v) ----
-_BaseBeforeFusedQKV = StockForwardPass
-
-
-class StockForwardPass(_BaseBeforeFusedQKV):  # noqa: F811 - the edit rebinds the name on purpose
-    def __init__(self, cfg, weights, recipe):
-        super().__init__(cfg, weights, recipe)
-        # Derived tables: [Hq*D + 2*Hkv*D, H] weight (and bias) concatenated once at build time.
-        self._qkv = [torch.cat([l.q_proj, l.k_proj, l.v_proj], dim=0) for l in self.layers]
-        self._qkv_bias = [None if l.q_bias is None else torch.cat([l.q_bias, l.k_bias, l.v_bias])
-                          for l in self.layers]
-        self._q_width = cfg.num_attention_heads * cfg.head_dim
-        self._kv_width = cfg.num_key_value_heads * cfg.head_dim
-
-    def attention(self, layer_idx, layer, x, cos, sin, ctx, kv_cache):
-        cfg = self.cfg
-        tokens = x.shape[0]
-        qkv = F.linear(x, self._qkv[layer_idx], self._qkv_bias[layer_idx])  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self._q_width, self._kv_width, self._kv_width], dim=-1)
-        q = q.reshape(tokens, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(tokens, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(tokens, cfg.num_key_value_heads, cfg.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        if not ctx.is_prefill and self._decode_attention is not None:
-            o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
-        else:
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale)
-        return F.linear(o.reshape(tokens, -1), layer.o_proj)
-'''
-
-_FUSED_GATE_UP = '''
-# ---- source edit: fused_gate_up (one GEMM for the MLP's gate and up projections) ----
-_BaseBeforeFusedGateUp = StockForwardPass
-
-
-def _silu_and_mul_torch(gate_up):
-    """gate_up: [T, 2I] -> [T, I] (silu(gate) * up)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class StockForwardPass(_BaseBeforeFusedGateUp):  # noqa: F811
-    def __init__(self, cfg, weights, recipe):
-        super().__init__(cfg, weights, recipe)
-        self._gate_up = {id(l): torch.cat([l.gate_proj, l.up_proj], dim=0)  # [2I, H]
-                         for l in self.layers if l.router is None}
-        self._silu_and_mul = _silu_and_mul_torch
-
-    def mlp(self, layer, x, ctx):
-        fused = self._gate_up.get(id(layer))
-        if fused is None:
-            return super().mlp(layer, x, ctx)
-        return F.linear(self._silu_and_mul(F.linear(x, fused)), layer.down_proj)
-'''
-
-_TRITON_KERNELS = '''
-# ---- source edit: triton_kernels (RMSNorm / SiLU-and-mul through shapeshift.kernels) ----
-_BaseBeforeTritonKernels = StockForwardPass
-
-
-def _kernel_config(recipe, op):
-    """The recipe's kernel.<op> value: "default" (the registry's per-GPU choice) or a config dict."""
-    from shapeshift.kernels.registry import KernelConfig
-
-    value = recipe.get("kernel." + op, "default")
-    return None if value in (None, "default") else KernelConfig.from_dict(value)
-
-
-class StockForwardPass(_BaseBeforeTritonKernels):  # noqa: F811
-    def __init__(self, cfg, weights, recipe):
-        super().__init__(cfg, weights, recipe)
-        if self.embed.device.type != "cuda":
-            raise ValueError("edit triton_kernels needs a CUDA device (Triton on the CPU is interpreter-only)")
-        from shapeshift.kernels.rmsnorm import rmsnorm as _rmsnorm_kernel
-
-        self._rmsnorm_kernel = _rmsnorm_kernel
-        self._rmsnorm_config = _kernel_config(self.recipe, "rmsnorm")
-        try:
-            from shapeshift.kernels.activation import silu_and_mul as _silu_kernel
-        except ImportError:
-            _silu_kernel = None
-        if _silu_kernel is not None and hasattr(self, "_silu_and_mul"):
-            config = _kernel_config(self.recipe, "silu_and_mul")
-            self._silu_and_mul = lambda x: _silu_kernel(x, config=config)
-
-    def _norm(self, x, weight):
-        shape = x.shape
-        return self._rmsnorm_kernel(x.reshape(-1, shape[-1]), weight, self.cfg.rms_norm_eps,
-                                    config=self._rmsnorm_config).view(shape)
-
-    @torch.inference_mode()
-    def forward(self, input_ids, positions, ctx, kv_cache):
-        h = F.embedding(input_ids, self.embed)  # [T, H]
-        cos, sin = self.cos[positions], self.sin[positions]
-        for i, layer in enumerate(self.layers):
-            h = h + self.attention(i, layer, self._norm(h, layer.input_norm), cos, sin, ctx, kv_cache)
-            h = h + self.mlp(layer, self._norm(h, layer.post_norm), ctx)
-        h = h[ctx.last_token_indices]
-        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
-'''
-
 _SPLIT_MIXED_ATTENTION = '''
 # ---- source edit: split_mixed_attention (decode rows of a mixed batch in one batched call) ----
-from shapeshift.engine.attention import paged_decode_attention as _batched_decode_attention
-
 _paged_attention_before_split = paged_attention
 
 
-def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds the module's attention on purpose
-    """Mixed batches: sequences with one new token go through the batched decode path together;
-    only sequences with several new tokens take the per-sequence prefill loop.
+def _batched_decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """q: [B, Hq, D] one token per sequence -> [B, Hq, D]; one index_select gather + one SDPA."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1] * block_size
+    bias = decode_attention_bias(context_lens, width, q.dtype)  # [B, 1, 1, S]
+    flat = block_tables.reshape(-1).long()  # [B*W]
+    k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
+    q4 = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    return F.scaled_dot_product_attention(q4, k, v, attn_mask=bias, scale=scale).reshape(batch, num_heads, head_dim)
+
+
+def paged_attention(q, k_cache, v_cache, ctx, scale, attn_bias=None):  # noqa: F811 - rebinds on purpose
+    """Mixed batches: sequences with one new token attend together through the batched decode
+    path; only sequences with several new tokens take the per-sequence prefill loop.
 
     q: [T, Hq, D] -> [T, Hq, D].
     """
     qsl, lens = ctx.query_start_loc_cpu, ctx.context_lens_cpu
     if not ctx.is_prefill or qsl is None or lens is None:
-        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale)
+        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale, attn_bias)
     decode_seqs = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
     if len(decode_seqs) < 2:
-        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale)
+        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale, attn_bias)
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     rows = torch.tensor([qsl[i] for i in decode_seqs], device=q.device)  # [Bd] token rows
     seqs = torch.tensor(decode_seqs, device=q.device)  # [Bd]
-    out[rows] = _batched_decode_attention(q[rows], k_cache, v_cache, ctx.block_tables[seqs],
-                                          ctx.context_lens[seqs], scale)
+    out[rows] = _batched_decode_rows(q[rows], k_cache, v_cache, ctx.block_tables[seqs], ctx.context_lens[seqs], scale)
     decode_set = set(decode_seqs)
     for i, context_len in enumerate(lens):
-        if i in decode_set:
-            continue
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
-        if q_len == 0:
+        if i in decode_set or q_len == 0:
             continue
         num_blocks = -(-context_len // block_size)
         blocks = ctx.block_tables[i, :num_blocks]
@@ -194,35 +94,60 @@ def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds th
     return out
 '''
 
-_SDPA_DECODE_ATTENTION = '''
-# ---- source edit: sdpa_decode_attention (decode steps: one index_select gather + fused SDPA) ----
-_paged_attention_before_sdpa = paged_attention
+_INDEX_SELECT_GATHER = '''
+# ---- source edit: index_select_gather (decode: gather cache blocks with one index_select) ----
+_paged_attention_before_gather = paged_attention
 
 
-def _sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_attention_index_select(q, k_cache, v_cache, block_tables, context_lens, scale, attn_bias):
     """q: [B, Hq, D]; block_tables: [B, W]; context_lens: [B] -> [B, Hq, D].
 
-    The cache blocks of every sequence are gathered with one index_select (cheaper than
-    advanced indexing) and attended by the fused scaled_dot_product_attention kernel with
-    a mask of each sequence's valid positions, instead of matmul / masked_fill / softmax /
-    matmul over permuted (copied) views. Shape-static, so CUDA graphs can capture it.
+    Same math as the stock decode path; the blocks of all sequences are gathered with one
+    index_select over the flattened table (a plain gather kernel) instead of advanced
+    indexing with a 2-D index tensor. Shape-static, so CUDA graphs can capture it.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     width = block_tables.shape[1] * block_size
+    if attn_bias is None:
+        attn_bias = decode_attention_bias(context_lens, width, q.dtype)  # [B, 1, 1, S]
     flat = block_tables.reshape(-1).long()  # [B*W]
     k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]  # [B, S]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale,
-                                       enable_gqa=True)  # [B, Hq, 1, D]
-    return o[:, :, 0, :]
+    q4 = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q4, k, v, attn_mask=attn_bias, scale=scale)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_heads, head_dim)
 
 
-def paged_attention(q, k_cache, v_cache, ctx, scale):  # noqa: F811 - rebinds the module's attention on purpose
+def paged_attention(q, k_cache, v_cache, ctx, scale, attn_bias=None):  # noqa: F811 - rebinds on purpose
     if ctx.is_prefill:
-        return _paged_attention_before_sdpa(q, k_cache, v_cache, ctx, scale)
-    return _sdpa_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+        return _paged_attention_before_gather(q, k_cache, v_cache, ctx, scale, attn_bias)
+    return _decode_attention_index_select(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, attn_bias)
+'''
+
+_KERNEL_TILES = '''
+# ---- source edit: kernel_tiles (tile configs of the Triton kernels from the recipe) ----
+import functools as _functools
+
+_BaseBeforeKernelTiles = StockForwardPass
+# recipe knob -> attribute holding the launcher the stock pass picked for that op
+_TILED_LAUNCHERS = {"kernel.rmsnorm": "_triton_rmsnorm", "kernel.decode_attention": "_decode_attention",
+                    "kernel.rotary_kv_write": "_rotary_kv_write", "kernel.silu_and_mul": "_silu_and_mul"}
+
+
+class StockForwardPass(_BaseBeforeKernelTiles):  # noqa: F811 - the edit rebinds the name on purpose
+    def __init__(self, cfg, weights, recipe):
+        from shapeshift.kernels.registry import KernelConfig
+
+        tiles = {k: recipe[k] for k in _TILED_LAUNCHERS if k in recipe}
+        super().__init__(cfg, weights, {k: v for k, v in recipe.items() if k not in tiles})
+        self.recipe = dict(recipe)
+        for knob, value in tiles.items():
+            launcher = getattr(self, _TILED_LAUNCHERS[knob], None)
+            if value in (None, "default") or launcher is None:
+                continue
+            # The registry's per-GPU default is replaced by the searched configuration.
+            setattr(self, _TILED_LAUNCHERS[knob], _functools.partial(launcher, config=KernelConfig.from_dict(value)))
 '''
 
 EDITS: dict[str, SourceEdit] = {
@@ -231,13 +156,10 @@ EDITS: dict[str, SourceEdit] = {
         SourceEdit("split_mixed_attention", "mixed prefill+decode batches: all decode rows in one batched "
                    "attention call instead of one call per sequence", _SPLIT_MIXED_ATTENTION,
                    requires="paged_attention("),
-        SourceEdit("sdpa_decode_attention", "decode attention as one index_select gather plus the fused SDPA "
-                   "kernel with a validity mask", _SDPA_DECODE_ATTENTION, requires="paged_attention("),
-        SourceEdit("fused_qkv", "q/k/v projections as one GEMM over a concatenated weight", _FUSED_QKV),
-        SourceEdit("fused_gate_up", "MLP gate/up projections as one GEMM (dense models)", _FUSED_GATE_UP,
-                   families=("llama",)),
-        SourceEdit("triton_kernels", "RMSNorm and SiLU-and-mul through the Triton kernels with tuned tiles",
-                   _TRITON_KERNELS, cuda_only=True),
+        SourceEdit("index_select_gather", "decode attention gathers the cache blocks with one index_select "
+                   "instead of 2-D advanced indexing", _INDEX_SELECT_GATHER, requires="paged_attention("),
+        SourceEdit("kernel_tiles", "Triton kernels launched with the recipe's kernel.<op> tile configs",
+                   _KERNEL_TILES, cuda_only=True),
     )
 }
 ORDER = tuple(EDITS)  # application order: later edits build on earlier ones

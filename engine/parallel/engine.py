@@ -7,7 +7,7 @@ graph holds collectives). The replica's driver (its mp_rank 0) owns the schedule
 ``step()`` is the ordinary ``schedule -> runner.run -> postprocess``, except that
 ``runner.run(batch)`` first broadcasts a compact copy of the batch (per sequence: the
 token window it computes, its length, its block table) over the replica's gloo control
-group. The other ranks sit in ``follow()``: receive a batch, rebuild light sequences
+group (``ControlChannel``: one broadcast of a fixed buffer per step). The other ranks sit in ``follow()``: receive a batch, rebuild light sequences
 from it and call the same ``ModelRunner.run`` (same eager/graph choice, same
 collectives in the same order), discarding the sampled tokens. ``shutdown()`` on the
 driver releases the followers.
@@ -27,10 +27,13 @@ supported here (the followers would need the new bundle too).
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -114,16 +117,56 @@ def decode_batch(message: StepMessage) -> ScheduledBatch:
     return ScheduledBatch(seqs=seqs, num_new_tokens=[len(s.tokens) for s in message.seqs])
 
 
+class ControlChannel:
+    """Driver -> followers messages over the replica's gloo group, one broadcast per
+    message in the common case: a fixed buffer carries [length int64 | pickled message];
+    a message longer than the buffer follows in a second broadcast of its exact size.
+    (``broadcast_object_list`` always needs two, and their latency is the driver's
+    per-step cost of having followers.)"""
+
+    CAPACITY = 32 * 1024
+
+    def __init__(self, state: process_group.ParallelState) -> None:
+        self.src = state.driver_rank
+        self.group = state.control_group
+        self.buffer = torch.zeros(self.CAPACITY, dtype=torch.uint8)
+        self.view = self.buffer.numpy()
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.view[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+        fits = len(data) <= self.CAPACITY - 8
+        if fits:
+            self.view[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        dist.broadcast(self.buffer, src=self.src, group=self.group)
+        if not fits:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=self.src, group=self.group)
+
+    def receive(self) -> Any:
+        dist.broadcast(self.buffer, src=self.src, group=self.group)
+        length = int.from_bytes(self.view[:8].tobytes(), "little")
+        if length <= self.CAPACITY - 8:
+            return pickle.loads(self.view[8:8 + length].tobytes())
+        big = torch.empty(length, dtype=torch.uint8)
+        dist.broadcast(big, src=self.src, group=self.group)
+        return pickle.loads(big.numpy().tobytes())
+
+
 class _DrivingRunner:
     """The driver's runner: broadcasts each batch to the followers, then runs it."""
 
     def __init__(self, runner: ModelRunner, state: process_group.ParallelState) -> None:
         self.runner = runner
-        self.state = state
+        self.channel = ControlChannel(state)
+        self.num_sends = 0
+        self.send_seconds = 0.0  # host time spent broadcasting batches (what the followers cost the driver)
 
     def send(self, command: str, batch: ScheduledBatch | None = None) -> None:
+        start = time.perf_counter()
         message = StepMessage(command, []) if batch is None else encode_batch(batch, command)
-        dist.broadcast_object_list([message], src=self.state.driver_rank, group=self.state.control_group)
+        self.channel.send(message)
+        self.num_sends += 1
+        self.send_seconds += time.perf_counter() - start
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         self.send("run", batch)
@@ -210,10 +253,9 @@ class ParallelLLMEngine(LLMEngine):
         if self.is_driver:
             raise RuntimeError("follow() runs on the non-driver ranks; the driver calls step()")
         steps = 0
+        channel = ControlChannel(self.state)
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=self.state.driver_rank, group=self.state.control_group)
-            message: StepMessage = box[0]
+            message: StepMessage = channel.receive()
             if message.command == "stop":
                 return steps
             batch = decode_batch(message)

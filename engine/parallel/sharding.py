@@ -12,8 +12,13 @@ Rules (T = tp, tr = tp_rank; D = head_dim):
   o_proj                row-parallel: the columns matching the rank's q heads
   gate_proj, up_proj    column-parallel: rows [tr*I/T, +I/T)
   down_proj             row-parallel: the matching columns
-  embed_tokens, lm_head vocab-parallel: rows [tr*Vp/T, +Vp/T) of the vocabulary padded to
-                        Vp (a multiple of T) with zero rows
+  lm_head               vocab-parallel: rows [tr*Vp/T, +Vp/T) of the vocabulary padded to
+                        Vp (a multiple of T) with zero rows; with tied embeddings the shard is
+                        cut from embed_tokens and stored as lm_head.weight
+  embed_tokens          replicated: a lookup reads only T rows, so a full table costs memory
+                        (V x H per rank) but saves the all-reduce a vocab-parallel lookup
+                        needs every step, and lets the parallel pass reuse the stock
+                        forward unchanged
   mlp.gate (router)     replicated: every rank routes every token identically
   experts.gate_up_proj  experts [ep_rank*E/ep, +E/ep); inside each, the gate rows and
                         the up rows of slice etp_rank of the intermediate dimension
@@ -68,8 +73,12 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: Pa
     e_inter = cfg.moe_intermediate_size // layout.expert_tp if cfg.family == "moe" else 0
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = _vocab_shard(t, cfg, layout, tr)
+        if name == "lm_head.weight":
+            out[name] = _vocab_shard(t, cfg, layout, tr) if layout.tp > 1 else t
+        elif name == "model.embed_tokens.weight":
+            out[name] = t
+            if cfg.tie_word_embeddings and layout.tp > 1:
+                out["lm_head.weight"] = _vocab_shard(t, cfg, layout, tr)
         elif _REPLICATED.search(name):
             out[name] = t
         elif ".self_attn.q_proj." in name:

@@ -9,10 +9,12 @@ the prompt and generation histograms observe ``n`` and ``m``, the prefix-cache
 counters advance by ``n`` queried and ``k`` hit tokens, and
 ``requests_total{status="stop"}`` counts it.
 
-This stands in for ``shapeshift serve --model tiny-llama`` in the drift tests
-while the engine server cannot serve here; the series, their labels and the
-values Prometheus scrapes are the same ones, but token counts come from the
-test instead of a tokenizer.
+The drift tests use it where they need exact control over what the engine
+would report (an exact prefix-cache hit count, an idle window, a handful of
+requests) without an engine's start-up time; the series, their labels and
+buckets are the engine server's own (test_prometheus_drift.py also runs the
+real `shapeshift serve --model tiny-llama`). Token counts come from the test,
+not from a tokenizer.
 """
 
 from __future__ import annotations

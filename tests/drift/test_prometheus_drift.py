@@ -1,12 +1,17 @@
 """The drift detector against a real Prometheus.
 
-A scrape target (tests/drift/metrics_exporter.py: a real prometheus_client
-process with the engine's own EngineMetrics series; it stands in for
-`shapeshift serve --model tiny-llama` and records the token counts the test
-sends) is scraped every second by Debian's Prometheus, which adds the
-`namespace` and `deployment` target labels a ServiceMonitor would. The test
-drives short prompts that half hit the prefix cache, then long prompts that
-miss it; `PrometheusTraffic` reads both windows and the drift check
+Two kinds of scrape target, both scraped every second by Debian's Prometheus,
+which adds the `namespace` and `deployment` target labels a ServiceMonitor would:
+
+- the real engine server, `shapeshift serve --model tiny-llama` on the CPU, driven
+  with token-id prompts of known lengths through /v1/completions (one test);
+- tests/drift/metrics_exporter.py, a real prometheus_client process holding the
+  engine's own EngineMetrics series and recording the token counts a test sends,
+  for the cases that need exact control (exact cache hits, idle windows, few
+  requests) without the engine's start-up time.
+
+Short prompts that hit the prefix cache, then long prompts that miss it;
+`PrometheusTraffic` reads both windows and the drift check
 (`drift_handlers.run_check` -> `drift.decide`) sees the prompt lengths move
 and the hit rate fall. Prometheus stopped, or a window without traffic,
 gives NoData and a TrafficObserved=False condition, never a Compile.
@@ -15,6 +20,8 @@ gives NoData and a TrafficObserved=False condition, never a Compile.
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 import time
@@ -222,3 +229,94 @@ def test_too_few_requests_is_no_data(scraped):
                            active_compile_run=None, now=end)
     assert observed.quality.requests < 20
     assert isinstance(result.decision, NoData) and result.decision.reason == "TooFewRequests"
+
+
+# ---- the real engine server -----------------------------------------------------------------
+
+
+@pytest.fixture
+def engine_server():
+    """`shapeshift serve --model tiny-llama` on the CPU, as a serving pod would run it."""
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"shapeshift-serve-{port}.log", "wb")
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("shapeshift")), "serve", "--model", "tiny-llama", "--device", "cpu",
+         "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    target = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, f"shapeshift serve exited with {process.returncode}; see {log.name}"
+        try:
+            with urllib.request.urlopen(f"http://{target}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"shapeshift serve not healthy after 180 s; see {log.name}"
+        time.sleep(0.5)
+    yield target
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+def complete(target: str, prompt: list[int], max_tokens: int) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://{target}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def drive_server(target: str, server, prompts: list[list[int]], max_tokens: int) -> tuple[datetime, datetime]:
+    before = float(server.query("sum(shapeshift_prompt_tokens_count)")[0]["value"][1])
+    start = datetime.now(timezone.utc)
+    for prompt in prompts:
+        usage = complete(target, prompt, max_tokens)["usage"]
+        assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == max_tokens
+    server.wait_for("sum(shapeshift_prompt_tokens_count)", lambda v: v >= before + len(prompts), timeout_s=30)
+    time.sleep(1.2)
+    return start, datetime.now(timezone.utc)
+
+
+def test_real_engine_server_drift_in_prompt_lengths_and_cache_hits(engine_server, prometheus):
+    """Short prompts behind a shared 32-token prefix (two KV blocks hit the prefix cache),
+    then long unrelated prompts: the real server's histograms and cache counters show both."""
+    server = prometheus([{
+        "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
+        "static_configs": [{"targets": [engine_server], "labels": {"namespace": "team-a", "deployment": "llama"}}],
+    }])
+    server.wait_for('shapeshift_prompt_tokens_count{deployment="llama"}', timeout_s=30)
+    rng = random.Random(7)
+    system_prompt = [rng.randrange(3, 500) for _ in range(32)]
+    short_prompts = [system_prompt + [rng.randrange(3, 500) for _ in range(4 + i % 9)] for i in range(30)]
+    long_prompts = [[rng.randrange(3, 500) for _ in range(150 + (i * 37) % 100)] for i in range(30)]
+
+    short_start, short_end = drive_server(engine_server, server, short_prompts, max_tokens=4)
+    time.sleep(1.5)
+    long_start, long_end = drive_server(engine_server, server, long_prompts, max_tokens=24)
+
+    policy = DriftPolicy(prompt_length_relative=0.3, prefix_cache_hit_rate_absolute=0.15, consecutive_checks=2,
+                         min_requests=20)
+    with PrometheusTraffic(server.url) as prom:
+        short = prom.observe(SELECTOR, window(short_start, short_end), at=short_end, name="short")
+        long = prom.observe(SELECTOR, window(long_start, long_end), at=long_end, name="long")
+
+        def observe_long():
+            return prom.observe(SELECTOR, window(long_start, long_end), at=long_end)
+
+        first = run_check(observe=observe_long, baseline=short.profile, policy=policy, state=DriftState(),
+                          active_compile_run=None, now=long_end)
+        second = run_check(observe=observe_long, baseline=short.profile, policy=policy, state=first.state,
+                           active_compile_run=None, now=long_end + timedelta(minutes=1))
+
+    assert 32 < short.profile.prompt_length.p50 <= 64  # 36..44 tokens
+    assert 128 < long.profile.prompt_length.p50 <= 256  # 150..249 tokens
+    assert 2 < short.profile.output_length.p50 <= 4 and 16 < long.profile.output_length.p50 <= 32
+    # after the first request, 32 of ~40 prompt tokens of each short prompt come from the cache
+    assert 0.6 < short.profile.prefix_cache_hit_rate < 0.85
+    assert long.profile.prefix_cache_hit_rate < 0.1
+    assert isinstance(first.decision, Drifting)
+    assert isinstance(second.decision, Compile)
+    assert "prefixCacheHitRate" in second.decision.reason

@@ -90,3 +90,9 @@ def test_unknown_recipe_knob_is_rejected(tmp_path):
     make_hf_checkpoint("llama", tmp_path / "m")
     with pytest.raises(ValueError, match="fuse_everything"):
         make_engine(tmp_path / "m", forward_pass_recipe={"fuse_everything": True})
+
+
+def test_one_token_prefill_chunks_next_to_decodes_match_hf(tmp_path):
+    # A budget equal to max_num_seqs leaves single-token prefill chunks beside decodes:
+    # such a batch has one new token per sequence but is not a pure decode batch.
+    check_against_hf("qwen2", tmp_path, max_num_batched_tokens=4, max_num_seqs=4, block_size=2)

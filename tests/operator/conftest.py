@@ -36,14 +36,27 @@ def kube(crds):
 
 
 @pytest.fixture
-def operator(crds, namespace, monkeypatch):
+def run_operator(crds, namespace, monkeypatch):
+    """A context manager factory: `with run_operator() as runner:` runs the operator in-process."""
+    import contextlib
+
     from kopf.testing import KopfRunner
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
     import shapeshift.operator.handlers  # noqa: F401  (registers the handlers once per process)
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    @contextlib.contextmanager
+    def start():
+        args = ["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"]
+        with KopfRunner(args, timeout=60) as runner:
+            yield runner
+        assert runner.exception is None, runner.output[-4000:]
+        assert runner.exit_code == 0, runner.output[-4000:]
+
+    return start
+
+
+@pytest.fixture
+def operator(run_operator):
+    with run_operator() as runner:
         yield runner
-    assert runner.exception is None, runner.output[-4000:]
-    assert runner.exit_code == 0, runner.output[-4000:]

@@ -23,8 +23,10 @@ MAX_TOKENS = [3, 5, 7]
 LOGITS_PROMPT = list(range(1, 20))
 
 
-def engine_config(model: str) -> EngineConfig:
-    return EngineConfig(model=model, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+def engine_config(model: str, device: str = "cpu") -> EngineConfig:
+    # float32 on CUDA too (TF32 is off by default for matmuls), so tolerances stay tight;
+    # on CUDA the decode steps replay CUDA graphs that contain the collectives.
+    return EngineConfig(model=model, device=device, dtype="float32", max_model_len=128, max_num_seqs=4,
                         max_num_batched_tokens=16, num_kv_blocks=32)
 
 
@@ -45,18 +47,19 @@ def observe(engine: Any) -> dict[str, Any]:
     return {"logits": logits, "tokens": [tokens[r] for r in ids], "logprobs": [logprobs[r] for r in ids]}
 
 
-def run_cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+def run_cases(rank: int, world_size: int, cases: list[tuple[str, str]], device: str = "cpu") -> dict[str, Any]:
     results: dict[str, Any] = {}
     for model, layout_name in cases:
         layout = ParallelLayout.parse(layout_name)
-        state = init_parallel(layout, rank, world_size)
-        engine = ParallelLLMEngine(engine_config(model), state)
+        state = init_parallel(layout, rank, world_size, device=None if device == "cuda" else "cpu")
+        engine = ParallelLLMEngine(engine_config(model, device), state)
         key = f"{model}/{layout.name}"
         if engine.is_driver:
             try:
                 results[key] = {**observe(engine), "coords": state.coords.__dict__,
                                 "kv_heads_per_rank": engine.kv_cache.k[0].shape[2],
-                                "forward_pass": engine.stats().forward_pass_name}
+                                "forward_pass": engine.stats().forward_pass_name,
+                                "cuda_graphs": len(engine.runner.graphs)}
             finally:
                 engine.shutdown()
         else:

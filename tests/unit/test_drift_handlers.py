@@ -154,3 +154,26 @@ def test_status_update_of_a_compile_and_of_missing_data():
     assert "exceeded" not in later.fields["drift"]
     assert later.condition("TrafficObserved")[1:3] == ("False", "NoTraffic")
     assert "observedTraffic" not in later.fields
+
+
+def test_a_check_that_changes_nothing_but_the_time_is_not_written():
+    from shapeshift.operator.drift_handlers import only_check_time_changed
+    from shapeshift.operator.models import Condition
+
+    def unreachable():
+        from shapeshift.operator.prometheus import PrometheusUnreachable
+        raise PrometheusUnreachable("Prometheus at http://prom:9090 cannot be reached (ConnectionError: refused)")
+
+    result = run_check(observe=unreachable, baseline=profile(100), policy=DriftPolicy(), state=DriftState(),
+                       active_compile_run=None, now=NOW)
+    first = drift_status_update(result, InferenceDeploymentStatus(), now=NOW)
+    assert not only_check_time_changed(first, InferenceDeploymentStatus())  # the first one is news
+    stored = InferenceDeploymentStatus(
+        drift=InferenceDeploymentStatus.model_validate({"drift": first.fields["drift"]}).drift,
+        conditions=[Condition(type=t, status=v, reason=r, message=m) for t, v, r, m in first.conditions])
+    again = drift_status_update(result, stored, now=NOW + timedelta(minutes=1))
+    assert again.fields["drift"]["lastCheckTime"] != first.fields["drift"]["lastCheckTime"]
+    assert only_check_time_changed(again, stored)
+    # a different error is news again
+    other = CheckResult(NoData("NoTraffic", "no requests"), DriftState(), None)
+    assert not only_check_time_changed(drift_status_update(other, stored, now=NOW), stored)

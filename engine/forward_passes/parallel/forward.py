@@ -2,8 +2,7 @@
 collectives that make the ranks compute the same logits as one process would.
 
 Data flow per step on each rank of a replica (all ranks see the same batch):
-  token ids [T] -> vocab-parallel embedding (rows outside the rank's vocabulary shard
-  are zero) -> all-reduce(tp) -> [T, H]
+  token ids [T] -> embedding (the table is replicated) -> [T, H]
   per layer: RMSNorm -> column-parallel q/k/v (local heads) -> q/k norm, rotary ->
     paged KV cache holding only the local KV heads -> attention -> row-parallel o_proj
     (partial sums) -> all-reduce(tp) -> residual -> RMSNorm ->
@@ -12,8 +11,12 @@ Data flow per step on each rank of a replica (all ranks see the same batch):
            identical) -> the rank's experts (and its slice of their intermediate
            dimension) on the tokens routed to them, other experts' weights zeroed ->
            all-reduce(mp) sums the partial expert outputs -> residual
-  last rows [B, H] -> final RMSNorm -> lm_head vocabulary shard [B, Vp/tp] ->
-  all-gather(tp) -> [B, Vp] -> padding columns dropped -> float32 logits [B, V].
+  last rows [B, H] -> final RMSNorm -> vocab-parallel lm_head shard -> float32 [B, Vp/tp]
+  -> all-gather(tp) -> [B, Vp] -> padding columns dropped -> float32 logits [B, V].
+
+Everything up to the lm_head shard is the stock pass's own ``forward``: this pass
+overrides only ``attention`` and ``mlp`` (to add their collectives) and gathers the
+vocabulary at the end, so it follows the stock pass as that evolves.
 
 Why all-reduce rather than all-to-all for experts: every rank already holds every token
 (attention is tensor-parallel, not data-parallel), so routing needs no exchange; the
@@ -109,6 +112,10 @@ def moe_dense_local(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f
 
 
 class ParallelForwardPass(stock.StockForwardPass):
+    """The stock pass, run unchanged over the rank's shards; only ``attention`` and
+    ``mlp`` (adding their collectives) and the logits gather are overridden, so the
+    stock pass's own optimisations and recipe knobs carry over."""
+
     name = FORWARD_PASS_NAME
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> None:
@@ -119,15 +126,14 @@ class ParallelForwardPass(stock.StockForwardPass):
         self.tp_group = state.tp_group if state is not None else None
         self.mp_group = state.mp_group if state is not None else None
         self.full_cfg = cfg
-        layout = self.layout
-        self.vocab_per_rank = layout.padded_vocab(cfg) // layout.tp
-        self.vocab_start = coords.tp_rank * self.vocab_per_rank
-        self.num_local_experts = layout.local_experts(cfg) if cfg.family == "moe" else 0
+        self.num_local_experts = self.layout.local_experts(cfg) if cfg.family == "moe" else 0
         self.first_expert = coords.ep_rank * self.num_local_experts
-        _check_sharded(cfg, layout, weights)
+        _check_sharded(cfg, self.layout, weights)
         # The stock pass sees the rank's view: local heads (so its views and its paged
         # attention work on the local shards); experts and vocabulary stay global.
-        super().__init__(layout.rank_model_config(cfg), weights, recipe)
+        super().__init__(self.layout.rank_model_config(cfg), weights, recipe)
+        if "lm_head.weight" in weights:  # tied embeddings under tp > 1: the head is a shard, the table is not
+            self.lm_head = weights["lm_head.weight"]
 
     # ------------------------------------------------------------------ blocks
     def attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -136,9 +142,10 @@ class ParallelForwardPass(stock.StockForwardPass):
         partial = super().attention(*args, **kwargs)
         return _all_reduce(partial, self.tp_group, self.layout.tp)
 
-    def mlp(self, layer: stock.LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def mlp(self, layer: stock.LayerWeights, x: torch.Tensor, ctx: AttentionContext, *args: Any,
+            **kwargs: Any) -> torch.Tensor:
         if layer.router is None:
-            partial = super().mlp(layer, x, ctx)  # [T, H]: row-parallel down_proj
+            partial = super().mlp(layer, x, ctx, *args, **kwargs)  # [T, H]: row-parallel down_proj
             return _all_reduce(partial, self.tp_group, self.layout.tp)
         cfg = self.full_cfg
         weights, ids = stock.route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] global
@@ -153,58 +160,37 @@ class ParallelForwardPass(stock.StockForwardPass):
             partial = moe_dense_local(x, weights, ids, self.first_expert, gate_up, down)
         return _all_reduce(partial, self.mp_group, self.layout.model_parallel_size)
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> [T, H]: each rank looks up the ids in its vocabulary shard, zeros elsewhere."""
-        if self.layout.tp == 1:
-            return F.embedding(input_ids, self.embed)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.vocab_per_rank)
-        h = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.embed)
-        h = h.masked_fill(outside[:, None], 0)
-        return _all_reduce(h, self.tp_group, self.layout.tp)
-
-    def lm_head_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, H] (normed) -> float32 logits [B, V] from the gathered vocabulary shards."""
-        local = F.linear(h, self.lm_head)  # [B, Vp/tp]
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """Logits of the rank's vocabulary shard [B, Vp/tp] -> float32 logits [B, V]."""
         tp = self.layout.tp
-        if tp == 1:
-            return local[:, :self.full_cfg.vocab_size].float()
-        gathered = torch.empty((tp * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
-        _all_gather_single(gathered, local.contiguous(), group=self.tp_group)  # [tp*B, Vp/tp]
-        batch = local.shape[0]
-        logits = gathered.view(tp, batch, -1).transpose(0, 1).reshape(batch, -1)  # [B, Vp]
-        return logits[:, :self.full_cfg.vocab_size].float()
+        if tp > 1:
+            batch = local.shape[0]
+            gathered = torch.empty((tp * batch, local.shape[1]), dtype=local.dtype, device=local.device)
+            _all_gather_single(gathered, local.contiguous(), group=self.tp_group)  # [tp*B, Vp/tp]
+            local = gathered.view(tp, batch, -1).transpose(0, 1).reshape(batch, -1)  # [B, Vp]
+        return local[:, :self.full_cfg.vocab_size].float()
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 kv_cache: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
-        h = self.embed_tokens(input_ids)  # [T, H]
-        cos = sin = None
-        if self._rotary_kv_write is None:
-            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = self.norm(h, layer.input_norm, residual)
-            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
-            x, residual = self.norm(h, layer.post_norm, residual)
-            h = self.mlp(layer, x, ctx)
-        rows = ctx.last_token_indices  # [B]: only these rows need the head
-        x, _ = self.norm(h[rows], self.final_norm, residual[rows])
-        return self.lm_head_logits(x)
+        local = super().forward(input_ids, positions, ctx, kv_cache)  # [B, Vp/tp]: the head is a vocab shard
+        return self.gather_vocab(local)
 
 
 def _check_sharded(cfg: ModelConfig, layout: ParallelLayout, weights: dict[str, torch.Tensor]) -> None:
     expected = {
-        "model.embed_tokens.weight": layout.padded_vocab(cfg) // layout.tp if layout.tp > 1 else cfg.vocab_size,
+        "model.embed_tokens.weight": cfg.vocab_size,  # replicated
         "model.layers.0.self_attn.q_proj.weight": layout.local_heads(cfg) * cfg.head_dim,
         "model.layers.0.self_attn.k_proj.weight": layout.local_kv_heads(cfg) * cfg.head_dim,
     }
+    if layout.tp > 1:
+        expected["lm_head.weight"] = layout.padded_vocab(cfg) // layout.tp
     if cfg.family == "moe":
         expected["model.layers.0.mlp.experts.gate_up_proj"] = layout.local_experts(cfg)
     for name, rows in expected.items():
-        got = weights[name].shape[0]
+        got = weights[name].shape[0] if name in weights else None
         if got != rows:
             raise ValueError(
                 f"weight {name} has {got} rows, layout {layout.name} expects {rows} on each rank: the weights are "

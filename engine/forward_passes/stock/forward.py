@@ -8,9 +8,10 @@ each sequence's last new token [B, H] -> final RMSNorm -> lm_head -> float32 log
 
 The pass never owns weights: ``build`` only keeps references into the engine's dict
 (plus small derived tables such as the rotary cos/sin), so a new pass can be built and
-swapped without reloading the model. Each op is a small function chosen through the
-recipe (``attention_backend``, ``moe_backend``), so a compiled variant can replace one
-op by a kernel without touching the rest.
+swapped without reloading the model. Each op sits behind a small function or method
+(``norm``, ``attention``, ``mlp``) whose implementation the recipe picks, so a compiled
+variant can replace one op by a kernel without touching the rest. Decode batches use
+only static shapes (no host syncs), so the runner can capture them in CUDA graphs.
 
 Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   attention_backend: torch | triton   paged decode attention (kernels.decode_attention)
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from shapeshift.engine.attention import AttentionContext, paged_attention, write_kv
+from shapeshift.engine.attention import AttentionContext, decode_attention_bias, paged_attention, write_kv
 from shapeshift.engine.config import ModelConfig
 
 FORWARD_PASS_NAME = "stock"
@@ -42,11 +43,9 @@ MAX_ROPE_POSITIONS = 1 << 17
 
 # ----------------------------------------------------------------------------- ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., N] -> [..., N]; variance in float32, scaled in the input dtype (as HF does)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """x: [..., N] -> [..., N]; normalized in float32 and rounded, then scaled in the input
+    dtype (HF's rounding points). torch.rms_norm is one fused kernel on CUDA."""
+    return weight * torch.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def rope_tables(cfg: ModelConfig, num_positions: int, device: torch.device, dtype: torch.dtype
@@ -72,12 +71,19 @@ def rope_tables(cfg: ModelConfig, num_positions: int, device: torch.device, dtyp
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, D/2]; rotate-half convention (HF Llama)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[P, D/2] cos/sin -> [P, D] (cos, cos) and (-sin, sin) for ``apply_rotary``."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin_signed: [T, D] from ``rotary_tables``; rotate-half (HF Llama).
+
+    rotate_half(x) * sin == roll(x, D/2) * (-sin, sin), so one roll and one fused
+    multiply-add replace the slice/negate/concatenate sequence.
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos[:, None, :], rolled, sin_signed[:, None, :])
 
 
 def dense_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -208,7 +214,9 @@ class StockForwardPass:
         self.q_dim = cfg.num_attention_heads * cfg.head_dim
         self.kv_dim = cfg.num_key_value_heads * cfg.head_dim
         num_positions = min(cfg.max_position_embeddings, MAX_ROPE_POSITIONS)
-        self.cos, self.sin = rope_tables(cfg, num_positions, self.embed.device, self.embed.dtype)
+        self.cos, self.sin = rotary_tables(*rope_tables(cfg, num_positions, self.embed.device, self.embed.dtype))
+        # q and k share one rotary call when they are adjacent columns of the fused projection.
+        self.joint_rotary = self.fuse_qkv and not cfg.qk_norm
 
         self._decode_attention = None
         if _choice(self.recipe, "attention_backend") == "triton":
@@ -279,8 +287,8 @@ class StockForwardPass:
 
     # ------------------------------------------------------------------ blocks
     def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any
-                  ) -> torch.Tensor:
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
+                  attn_bias: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.shape[0]
         if layer.qkv_proj is not None:
@@ -299,6 +307,10 @@ class StockForwardPass:
         k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
         if self._rotary_kv_write is not None:
             q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
+        elif self.joint_rotary:
+            qk = apply_rotary(qkv[:, :self.q_dim + self.kv_dim].view(tokens, -1, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_attention_heads], qk[:, cfg.num_attention_heads:]
+            write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         else:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
@@ -306,7 +318,7 @@ class StockForwardPass:
         if not ctx.is_prefill and self._decode_attention is not None:
             o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         else:
-            o = paged_attention(q, k_cache, v_cache, ctx, self.scale)  # [T, Hq, D]
+            o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
         return F.linear(o.reshape(tokens, -1), layer.o_proj)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -333,11 +345,15 @@ class StockForwardPass:
         h = F.embedding(input_ids, self.embed)  # [T, H]
         cos = sin = None
         if self._rotary_kv_write is None:
-            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        attn_bias = None
+        if not ctx.is_prefill and self._decode_attention is None:
+            width = ctx.block_tables.shape[1] * kv_cache.block_size
+            attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S], all layers
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self.norm(h, layer.input_norm, residual)
-            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
+            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache, attn_bias)
             x, residual = self.norm(h, layer.post_norm, residual)
             h = self.mlp(layer, x, ctx)
         rows = ctx.last_token_indices  # [B]: only these rows need the head

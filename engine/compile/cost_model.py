@@ -1,0 +1,324 @@
+"""Cost model: rank parallel layouts for a model on some GPUs before any agent spends time.
+
+Data flow:
+    ModelConfig + HardwareSpec (+ calibration from measured steps)
+      -> enumerate layouts (tensor, expert, data, pipeline degrees) whose product fits the GPUs
+      -> per layout: bytes read per GPU (weights, touched experts, KV cache), FLOPs,
+         collective volumes (TP all-reduce, EP all-to-all, PP point-to-point)
+      -> predicted decode step time (roofline: max(memory, compute) + communication + fixed
+         overhead) and prefill throughput; memory footprint per GPU -> infeasible layouts pruned
+      -> ranked list (best decode throughput first, prefill as tie-break)
+    calibrate(measurements) fits the efficiency factors (bandwidth, FLOP/s and interconnect
+    efficiency, fixed per-step overhead) to measured steps by least squares.
+
+Units: bytes, seconds, FLOP. Defaults are an H200: 4.8 TB/s nominal HBM (about 4.2-4.3 TB/s
+reached by a copy), about 790 TFLOP/s bf16 dense, NVLink 900 GB/s per GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str = "nvidia-h200"
+    hbm_bandwidth: float = 4.8e12  # bytes/s, nominal
+    measured_copy_bandwidth: float | None = 4.25e12  # what a device-to-device copy reaches
+    peak_flops: float = 790e12  # dense bf16 FLOP/s
+    hbm_bytes: float = 141e9
+    interconnect_bandwidth: float = 900e9  # bytes/s per GPU (NVLink)
+    interconnect_latency: float = 6e-6  # seconds per collective (launch + small-message round)
+    interconnect_latency_per_rank: float = 1e-6  # added per extra rank in a ring
+    memory_utilization: float = 0.9  # share of HBM the engine may use
+
+    @classmethod
+    def h200(cls) -> "HardwareSpec":
+        return cls()
+
+
+@dataclass
+class Efficiency:
+    """Factors that turn spec-sheet rates into reachable ones (fitted by `calibrate`)."""
+
+    bandwidth: float = 0.88  # of nominal HBM bandwidth (copy ~4.25 / 4.8)
+    flops: float = 0.6  # of peak FLOP/s in GEMMs
+    interconnect: float = 0.7  # of link bandwidth in collectives
+    step_overhead_s: float = 30e-6  # launches, sampling, host work per step (CUDA graphs keep it small)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1  # tensor parallel (attention heads, dense MLP columns)
+    ep: int = 1  # expert parallel (experts spread over ranks; MoE only)
+    dp: int = 1  # data parallel replicas
+    pp: int = 1  # pipeline stages (layers split)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}-ep{self.ep}-dp{self.dp}-pp{self.pp}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step does: `batch` sequences (decode) or `tokens` new tokens (prefill), at `context`."""
+
+    kind: str = "decode"  # "decode" | "prefill"
+    batch: int = 1
+    context: int = 1024  # tokens already in the cache per sequence (decode) / prompt length (prefill)
+    tokens: int = 0  # prefill: tokens per step (default batch * context)
+
+    @property
+    def new_tokens(self) -> int:
+        return self.batch if self.kind == "decode" else (self.tokens or self.batch * self.context)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    feasible: bool
+    reason: str
+    memory_per_gpu: float  # bytes
+    decode_step_s: float
+    decode_tokens_per_s: float  # all replicas
+    prefill_tokens_per_s: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layout"] = str(self.layout)
+        return d
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured step for calibration."""
+
+    layout: Layout
+    workload: Workload
+    seconds: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class CostModel:
+    def __init__(self, model_config: Any, hardware: HardwareSpec | None = None, dtype: str = "bfloat16",
+                 efficiency: Efficiency | None = None):
+        self.cfg = model_config
+        self.hw = hardware or HardwareSpec()
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.eff = efficiency or Efficiency(
+            bandwidth=(self.hw.measured_copy_bandwidth or self.hw.hbm_bandwidth * 0.88) / self.hw.hbm_bandwidth)
+
+    # ------------------------------------------------------------------ model sizes (parameters)
+    @property
+    def is_moe(self) -> bool:
+        return self.cfg.family == "moe" and self.cfg.num_experts > 0
+
+    def attention_params_per_layer(self) -> int:
+        c = self.cfg
+        return c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+
+    def expert_params(self) -> int:
+        """One expert's (or the dense MLP's) gate, up and down projections."""
+        c = self.cfg
+        inner = c.moe_intermediate_size if self.is_moe else c.intermediate_size
+        return 3 * c.hidden_size * inner
+
+    def embedding_params(self) -> int:
+        c = self.cfg
+        return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+
+    def total_params(self) -> int:
+        c = self.cfg
+        mlp = self.expert_params() * (c.num_experts if self.is_moe else 1)
+        return c.num_hidden_layers * (self.attention_params_per_layer() + mlp) + self.embedding_params()
+
+    def weight_bytes(self) -> float:
+        return self.total_params() * self.dtype_bytes
+
+    def kv_bytes_per_token(self) -> float:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype_bytes
+
+    # ------------------------------------------------------------------ layouts
+    def layouts(self, gpus: int) -> list[Layout]:
+        """Every (tp, ep, dp, pp) with tp*dp*pp == gpus; ep > 1 only for MoE, dividing the experts
+        and the ranks of one replica stage (tp); tp at most the attention heads; pp at most the layers."""
+        c = self.cfg
+        out = []
+        for tp, dp in itertools.product(_divisors(gpus), repeat=2):
+            if gpus % (tp * dp):
+                continue
+            pp = gpus // (tp * dp)
+            if tp > c.num_attention_heads or c.num_attention_heads % tp or pp > c.num_hidden_layers:
+                continue
+            eps = [1]
+            if self.is_moe:
+                eps = [e for e in _divisors(tp) if c.num_experts % e == 0]
+            for ep in eps:
+                out.append(Layout(tp, ep, dp, pp))
+        return out
+
+    # ------------------------------------------------------------------ one step
+    def _touched_experts(self, tokens: int) -> float:
+        """Expected distinct experts hit by `tokens` tokens with top-k routing (uniform routing)."""
+        c = self.cfg
+        e, k = c.num_experts, c.num_experts_per_tok
+        return e * (1 - (1 - k / e) ** tokens)
+
+    def _allreduce_s(self, nbytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        volume = 2 * (ranks - 1) / ranks * nbytes  # ring: reduce-scatter + all-gather
+        return volume / (self.hw.interconnect_bandwidth * self.eff.interconnect) + \
+            self.hw.interconnect_latency + (ranks - 1) * self.hw.interconnect_latency_per_rank
+
+    def _alltoall_s(self, nbytes: float, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) / ranks * nbytes / (self.hw.interconnect_bandwidth * self.eff.interconnect) + \
+            self.hw.interconnect_latency
+
+    def step_terms(self, layout: Layout, work: Workload) -> dict[str, float]:
+        """Raw (unscaled) quantities of one step on one GPU of one replica: bytes, flops, comm bytes."""
+        c = self.cfg
+        b = self.dtype_bytes
+        tokens = max(1, math.ceil(work.new_tokens / layout.dp))  # per replica
+        layers_per_stage = c.num_hidden_layers / layout.pp
+        kv_split = min(layout.tp, c.num_key_value_heads)  # kv heads replicate beyond their count
+        attn_bytes = self.attention_params_per_layer() * b / layout.tp * layers_per_stage
+        if self.is_moe:
+            touched = self._touched_experts(tokens)
+            mlp_bytes = touched / layout.ep * self.expert_params() * b * layers_per_stage
+            if layout.ep == 1:
+                mlp_bytes /= layout.tp  # experts split by tensor parallelism instead
+            active_mlp_params = c.num_experts_per_tok * self.expert_params()
+        else:
+            mlp_bytes = self.expert_params() * b / layout.tp * layers_per_stage
+            active_mlp_params = self.expert_params()
+        embed_bytes = c.vocab_size * c.hidden_size * b / layout.tp / layout.pp  # lm_head read once per step
+        seqs = max(1, math.ceil(work.batch / layout.dp))
+        context = work.context
+        if work.kind == "decode":
+            kv_read = seqs * context * self.kv_bytes_per_token() / kv_split / layout.pp
+        else:
+            kv_read = tokens * self.kv_bytes_per_token() / kv_split / layout.pp  # written once
+        active_params = c.num_hidden_layers * (self.attention_params_per_layer() + active_mlp_params)
+        flops = 2 * tokens * active_params / (layout.tp * layout.pp) + 2 * tokens * c.vocab_size * c.hidden_size / layout.tp
+        attn_ctx = context if work.kind == "decode" else context / 2
+        flops += 4 * tokens * attn_ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers / (layout.tp * layout.pp)
+        act = tokens * c.hidden_size * b
+        comm_s = 0.0
+        comm_s += 2 * layers_per_stage * self._allreduce_s(act, layout.tp)  # after attention and MLP
+        if self.is_moe and layout.ep > 1:
+            comm_s += 2 * layers_per_stage * self._alltoall_s(act * c.num_experts_per_tok, layout.ep)
+        if layout.pp > 1:
+            comm_s += (layout.pp - 1) / layout.pp * (
+                act / (self.hw.interconnect_bandwidth * self.eff.interconnect) + self.hw.interconnect_latency)
+        return {"bytes": attn_bytes + mlp_bytes + embed_bytes + kv_read, "weight_bytes": attn_bytes + mlp_bytes + embed_bytes,
+                "kv_bytes": kv_read, "flops": flops, "comm_s": comm_s, "tokens_per_replica": tokens}
+
+    def step_time(self, layout: Layout, work: Workload) -> tuple[float, dict[str, float]]:
+        t = self.step_terms(layout, work)
+        mem_s = t["bytes"] / (self.hw.hbm_bandwidth * self.eff.bandwidth)
+        compute_s = t["flops"] / (self.hw.peak_flops * self.eff.flops)
+        # A decode step runs the stages one after another (one batch in flight); prefill streams
+        # micro-batches through the pipeline, so its throughput follows one stage.
+        stages = layout.pp if work.kind == "decode" else 1
+        total = stages * max(mem_s, compute_s) + t["comm_s"] + self.eff.step_overhead_s
+        return total, {"memory_s": mem_s * stages, "compute_s": compute_s * stages, "comm_s": t["comm_s"],
+                       "overhead_s": self.eff.step_overhead_s, **t}
+
+    def memory_per_gpu(self, layout: Layout, batch: int, context: int) -> float:
+        c = self.cfg
+        b = self.dtype_bytes
+        attn = c.num_hidden_layers * self.attention_params_per_layer() * b / (layout.tp * layout.pp)
+        if self.is_moe:
+            mlp = c.num_hidden_layers * c.num_experts * self.expert_params() * b / (layout.pp * (layout.ep if layout.ep > 1 else layout.tp))
+        else:
+            mlp = c.num_hidden_layers * self.expert_params() * b / (layout.tp * layout.pp)
+        embed = self.embedding_params() * b / layout.tp
+        kv_split = min(layout.tp, c.num_key_value_heads)
+        kv = math.ceil(batch / layout.dp) * context * self.kv_bytes_per_token() / (kv_split * layout.pp)
+        return attn + mlp + embed + kv
+
+    # ------------------------------------------------------------------ ranking
+    def predict(self, layout: Layout, batch: int = 32, context: int = 2048, prefill_tokens: int = 8192) -> Prediction:
+        mem = self.memory_per_gpu(layout, batch, context)
+        cap = self.hw.hbm_bytes * self.hw.memory_utilization
+        feasible = mem <= cap
+        reason = "" if feasible else f"needs {mem / 1e9:.1f} GB per GPU, {cap / 1e9:.1f} GB usable"
+        dec_s, breakdown = self.step_time(layout, Workload("decode", batch, context))
+        pre_s, _ = self.step_time(layout, Workload("prefill", max(1, prefill_tokens // max(context, 1)), context,
+                                                   tokens=prefill_tokens))
+        return Prediction(layout, feasible, reason, mem, dec_s, batch / dec_s, prefill_tokens / pre_s, breakdown)
+
+    def rank(self, gpus: int, batch: int = 32, context: int = 2048, prefill_tokens: int = 8192,
+             include_infeasible: bool = False) -> list[Prediction]:
+        preds = [self.predict(layout, batch, context, prefill_tokens) for layout in self.layouts(gpus)]
+        if not include_infeasible:
+            preds = [p for p in preds if p.feasible]
+        return sorted(preds, key=lambda p: (-p.decode_tokens_per_s, -p.prefill_tokens_per_s, str(p.layout)))
+
+    # ------------------------------------------------------------------ calibration
+    def calibrate(self, measurements: Iterable[Measurement]) -> Efficiency:
+        """Fit the efficiency factors to measured steps (least squares, factors kept positive).
+
+        Each step is modelled as  t = m * memory_s + f * compute_s + k * comm_s + overhead, with
+        memory and compute taken as the dominant (roofline) term of that step, where m, f, k are
+        1/efficiency relative to the current factors. With fewer measurements than unknowns the
+        unknowns that no measurement exercises keep their current values.
+        """
+        rows, ys = [], []
+        for m in measurements:
+            _, bd = self.step_time(m.layout, m.workload)
+            mem, comp = bd["memory_s"], bd["compute_s"]
+            rows.append([mem if mem >= comp else 0.0, comp if comp > mem else 0.0, bd["comm_s"], 1.0])
+            ys.append(m.seconds)
+        if not rows:
+            raise ValueError("calibrate() needs at least one measurement")
+        a = np.asarray(rows, dtype=np.float64)
+        y = np.asarray(ys, dtype=np.float64)
+        used = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0)]
+        # Scale columns so the solve is well conditioned, then solve on the used columns.
+        scale = np.array([max(np.abs(a[:, j]).max(), 1e-30) for j in range(a.shape[1])])
+        sol_used, *_ = np.linalg.lstsq(a[:, used] / scale[used], y, rcond=None)
+        coef = np.ones(a.shape[1])
+        coef[3] = self.eff.step_overhead_s
+        for j, v in zip(used, sol_used):
+            coef[j] = v / scale[j]
+        if len(y) < len(used):  # under-determined: attribute everything to the dominant term, keep overhead
+            coef = np.ones(a.shape[1])
+            coef[3] = self.eff.step_overhead_s
+            dominant = int(np.argmax(a[:, :3].sum(axis=0)))
+            coef[dominant] = max(1e-6, (y - coef[3]).sum()) / max(a[:, dominant].sum(), 1e-30)
+        m_coef, f_coef, k_coef, overhead = (max(float(x), 1e-6) for x in coef)
+        self.eff = Efficiency(
+            bandwidth=min(1.0, self.eff.bandwidth / m_coef) if np.any(a[:, 0] > 0) else self.eff.bandwidth,
+            flops=min(1.0, self.eff.flops / f_coef) if np.any(a[:, 1] > 0) else self.eff.flops,
+            interconnect=min(1.0, self.eff.interconnect / k_coef) if np.any(a[:, 2] > 0) else self.eff.interconnect,
+            step_overhead_s=overhead if 3 in used else self.eff.step_overhead_s,
+        )
+        return self.eff
+
+
+def calibrate_from_forward(model_config: Any, hardware: HardwareSpec, dtype: str,
+                           timed_steps: list[tuple[Workload, float]]) -> CostModel:
+    """A cost model calibrated on measured forward passes of one GPU (layout tp1-ep1-dp1-pp1)."""
+    model = CostModel(model_config, hardware, dtype)
+    model.calibrate([Measurement(Layout(), w, s) for w, s in timed_steps])
+    return model

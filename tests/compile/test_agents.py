@@ -1,0 +1,194 @@
+"""Search space and the offline agents: valid proposals, learning from the board, failures logged."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shapeshift.engine.compile.agents import (AgentWorker, BayesAgent, EvolveAgent, SweepAgent, check_candidate,
+                                              make_agents, scored)
+from shapeshift.engine.compile.agents.base import Agent, GarbageCandidate
+from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.search_space import build_search_space, split_recipe
+
+
+@pytest.fixture
+def space():
+    return build_search_space(device="cpu", model_family="llama", stock_recipe={"attention_backend": "torch"},
+                              concurrency=32)
+
+
+def post(board: Board, cand: Candidate, throughput: float | None, tier: str = "fast") -> None:
+    """An agent's input: a candidate and its result as the loop would record them."""
+    board.append("candidate", **cand.to_entry())
+    if throughput is None:
+        board.append("result", trial_id=f"t-{cand.short}", digest=cand.digest, tier=tier, status="failed",
+                     metrics={}, error="crashed")
+    else:
+        board.append("result", trial_id=f"t-{cand.short}", digest=cand.digest, tier=tier, status="ok",
+                     metrics={"throughput": throughput})
+
+
+def test_space_validity_sampling_and_walks(space) -> None:
+    default = space.default()
+    assert space.is_valid(default)
+    assert any(n.startswith("edit.") for n in space.names) and "engine.max_num_seqs" in space.names
+    assert "attention_backend" in space.names and space.knob("attention_backend").values == ("torch",)  # no triton on CPU
+    assert not any(n.startswith("kernel.") for n in space.names)
+    assert space.validate({"nope": 1}) == ["unknown knob 'nope'"]
+    assert "not one of" in space.validate({"engine.max_num_seqs": 3})[0]
+    # sampling is seeded and always valid
+    a = [space.sample(random.Random(7)) for _ in range(3)]
+    b = [space.sample(random.Random(7)) for _ in range(3)]
+    assert a == b and all(space.is_valid(r) for r in a)
+    points = list(space.enumerate(limit=40))
+    assert len(points) == 40 and points[0] == default
+    assert len({tuple(sorted(p.items())) for p in points}) == 40
+    for r in space.neighbors(default, "engine.max_num_seqs"):
+        assert {k for k in r if r[k] != default[k]} == {"engine.max_num_seqs"}
+    recipe, engine, edits = split_recipe({**default, "fuse_qkv": True, "engine.max_num_seqs": 16})
+    assert edits == ["fused_qkv"] and engine["max_num_seqs"] == 16 and "attention_backend" in recipe
+
+
+def test_constraints_reject_conflicting_values() -> None:
+    from shapeshift.engine.compile.search_space import Knob, SearchSpace, _constraint_batch_budget
+
+    small = SearchSpace([Knob("engine.max_num_seqs", (8, 64), 8), Knob("engine.max_num_batched_tokens", (16, 32), 32)],
+                        [("batch budget", _constraint_batch_budget)])
+    assert small.is_valid({"engine.max_num_seqs": 8, "engine.max_num_batched_tokens": 16})
+    assert "batch budget" in small.validate({"engine.max_num_seqs": 64})[0]
+    assert all(r["engine.max_num_batched_tokens"] >= r["engine.max_num_seqs"] for r in small.enumerate())
+    assert len(list(small.enumerate())) == 2
+    cuda = build_search_space(device="cuda", concurrency=128)
+    assert "engine.cuda_graph_max_batch" in cuda.names and "triton" in cuda.knob("attention_backend").values
+    bad = {**cuda.default(), "engine.max_num_seqs": 8, "engine.cuda_graph_max_batch": 64}
+    assert any("graph" in p for p in cuda.validate(bad))
+
+
+def test_each_agent_proposes_valid_fresh_candidates(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    post(board, Candidate(space.default(), agent="baseline"), 100.0)
+    for agent in make_agents(["sweep", "evolve", "bayes"], space, board, seed=3):
+        proposals = agent.propose(2)
+        assert proposals, agent.name
+        for cand in proposals:
+            check_candidate(space, cand)
+            assert cand.agent == agent.name and cand.note
+            assert board.candidate(cand.digest) is None  # nothing already on the board
+
+
+def test_sweep_moves_around_the_best(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    base = space.default()
+    best = {**base, "edit.index_select_gather": True}
+    post(board, Candidate(base, agent="baseline"), 100.0)
+    post(board, Candidate(best, agent="x"), 150.0)
+    sweep = SweepAgent(space, board, seed=0)
+    seen_knobs = set()
+    for _ in range(6):
+        props = sweep.propose(1)
+        for c in props:
+            # every proposal is one knob away from the best recipe
+            diff = {k for k in c.recipe if c.recipe[k] != best[k]}
+            assert len(diff) == 1, diff
+            seen_knobs |= diff
+            post(board, c, 90.0)
+    assert len(seen_knobs) >= 3
+
+
+def test_evolve_recombines_the_best(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    rng = random.Random(0)
+    good = []
+    for i in range(8):
+        r = space.sample(rng)
+        c = Candidate(r, agent="x", note=str(i))
+        post(board, c, 100.0 + 10 * i)
+        good.append(c)
+    post(board, Candidate(space.sample(rng), agent="x", note="failed"), None)
+    top = {c.digest for c in good}
+    evolve = EvolveAgent(space, board, seed=1)
+    children = evolve.propose(5)
+    assert len(children) == 5
+    for child in children:
+        assert child.parent in top and "crossover" in child.note
+        check_candidate(space, child)
+
+
+def test_bayes_learns_which_value_is_fast(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    rng = random.Random(5)
+    # Throughput on this board depends on one knob only: sdpa decode attention on = fast.
+    for _ in range(24):
+        r = space.sample(rng)
+        post(board, Candidate(r, agent="x"), 200.0 if r["edit.index_select_gather"] else 100.0)
+    bayes = BayesAgent(space, board, seed=0)
+    proposals = []
+    for _ in range(12):
+        for c in bayes.propose(1):
+            proposals.append(c)
+            board.append("candidate", **c.to_entry())
+    assert len(proposals) >= 8
+    share = sum(c.recipe["edit.index_select_gather"] for c in proposals) / len(proposals)
+    assert share >= 0.75, share
+
+
+class RaisingAgent(Agent):
+    name = "raiser"
+
+    def propose(self, n=1):
+        self.calls = getattr(self, "calls", 0) + 1
+        raise RuntimeError(f"thinking failed #{self.calls}")
+
+
+class GarbageAgent(Agent):
+    name = "garbage"
+
+    def propose(self, n=1):
+        return [Candidate({"no_such_knob": 1}), "not a candidate",
+                Candidate(self.space.default(), source="def build(:\n"),
+                Candidate({**self.space.default(), "fuse_qkv": True}, agent="garbage", note="ok one")]
+
+
+def test_failing_and_garbage_agents_are_logged_and_go_on(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    experiments: queue.Queue = queue.Queue(maxsize=4)
+    stop = threading.Event()
+    raiser, garbage = RaisingAgent(space, board), GarbageAgent(space, board)
+    workers = [AgentWorker(a, board, space, experiments, stop, idle_sleep_s=0.05, max_backoff_s=0.1)
+               for a in (raiser, garbage)]
+    for w in workers:
+        w.start()
+    got = experiments.get(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sum("thinking failed" in n["text"] for n in board.entries("note")) < 3:
+        try:  # drain like the loop does; a full queue parks every agent (by design)
+            experiments.get(timeout=0.05)
+        except queue.Empty:
+            pass
+    stop.set()
+    for w in workers:
+        w.join(timeout=5)
+    assert got.recipe["fuse_qkv"] is True and got.agent == "garbage"
+    notes = board.entries("note")
+    assert sum("thinking failed" in n["text"] for n in notes) >= 3  # kept retrying after each error
+    garbage_notes = [n["text"] for n in notes if n.get("garbage")]
+    assert any("unknown knob" in t for t in garbage_notes)
+    assert any("not a list" in t or "expected a Candidate" in t for t in garbage_notes)
+    assert any("does not parse" in t for t in garbage_notes)
+    with pytest.raises(GarbageCandidate):
+        check_candidate(space, Candidate({"no_such_knob": 1}))
+
+
+def test_scored_view_marks_failures(tmp_path: Path, space) -> None:
+    board = Board(tmp_path / "b.jsonl")
+    post(board, Candidate(space.default(), agent="a"), 50.0)
+    post(board, Candidate({**space.default(), "fuse_qkv": True}, agent="b"), None)
+    rows = scored(board, space)
+    assert [r.failed for r in rows] == [False, True] and rows[1].throughput == 0.0

@@ -1,0 +1,193 @@
+"""Compile every kernel for sm_90 (H100 / H200) without a GPU, as a subprocess of the tests.
+
+Data flow: with TRITON_INTERPRET unset, each launcher is called on CPU tensors of realistic
+(Llama-3.2-1B / Qwen3-MoE) shapes with its H200 default config; `JITFunction.run` is patched to
+record the launch instead of running it. Each recorded launch is turned into a Triton
+ASTSource (signature from the argument types, the launch's constexprs, 16-byte divisibility
+hints like the runtime's specialisation) and compiled for GPUTarget("cuda", 90, 32) down to a
+cubin with Triton's bundled ptxas, which also reports registers and spills.
+Prints one JSON object per compiled kernel; exits non-zero if any compile failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels_import_shim import ensure_kernels_importable  # noqa: E402
+
+ensure_kernels_importable()
+
+LAUNCHES: list[tuple[JITFunction, tuple, dict, str]] = []
+_CURRENT = {"label": ""}
+
+
+def _record(self, *args, grid, warmup, **kwargs):
+    LAUNCHES.append((self, args, kwargs, _CURRENT["label"]))
+
+
+JITFunction.run = _record
+
+from shapeshift.kernels import (activation, decode_attention, gemv, moe, prefill_attention, rmsnorm,  # noqa: E402
+                                rotary, sampling)
+
+for module in (activation, decode_attention, gemv, moe, prefill_attention, rmsnorm, rotary, sampling):
+    module.check_runnable_device = lambda op, tensor: None
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+BF16 = torch.bfloat16
+
+
+def sm90(spec, problem):
+    return spec.choose_default(problem, "sm90")
+
+
+def launch_all() -> None:
+    def label(name):
+        _CURRENT["label"] = name
+
+    e = torch.empty
+    label("rmsnorm")
+    x = e(64, 2048, dtype=BF16)
+    rmsnorm.rmsnorm(x, e(2048, dtype=BF16), 1e-5, e(64, 2048, dtype=BF16),
+                    config=sm90(rmsnorm.RMSNORM_SPEC, {"rows": 64, "hidden": 2048}))
+    label("silu_and_mul")
+    activation.silu_and_mul(e(64, 16384, dtype=BF16),
+                            config=sm90(activation.SILU_AND_MUL_SPEC, {"rows": 64, "inner": 8192}))
+    label("rotary_kv_write")
+    qkv = e(64, 48 * 64, dtype=BF16)
+    rotary.rotary_kv_write(qkv[:, :2048].view(64, 32, 64), qkv[:, 2048:2560].view(64, 8, 64),
+                           qkv[:, 2560:].view(64, 8, 64), e(64, dtype=torch.int64), e(4096, 64),
+                           e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(64, dtype=torch.int64),
+                           config=sm90(rotary.ROTARY_SPEC, {"q_heads": 32, "head_dim": 64}))
+    for name, B, max_blocks in (("decode_attention split", 8, 256), ("decode_attention one-pass", 256, 64)):
+        label(name)
+        problem = {"batch": B, "q_heads": 32, "kv_heads": 8, "head_dim": 64, "max_context": max_blocks * 16}
+        decode_attention.decode_attention(
+            e(B, 32, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16),
+            e(B, max_blocks, dtype=torch.int32), e(B, dtype=torch.int32), 0.125,
+            config=sm90(decode_attention.DECODE_ATTENTION_SPEC, problem))
+    label("decode_attention fma")
+    decode_attention.decode_attention(
+        e(4, 32, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16),
+        e(4, 64, dtype=torch.int32), e(4, dtype=torch.int32), 0.125,
+        config=decode_attention.KernelConfig.make("fma", num_warps=4, num_stages=2, BLOCK_N=32, NUM_SPLITS=4))
+    for m, n, k in ((1, 2048, 8192), (1, 128256, 2048), (16, 3072, 2048)):
+        label(f"gemv M={m} N={n} K={k}")
+        gemv.gemv(e(m, k, dtype=BF16), e(n, k, dtype=BF16), config=sm90(gemv.GEMV_SPEC, {"m": m, "n": n, "k": k}))
+    label("gemv fma")
+    gemv.gemv(e(1, 2048, dtype=BF16), e(3072, 2048, dtype=BF16),
+              config=gemv.KernelConfig.make("fma", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2))
+    label("argmax")
+    sampling.argmax(e(1, 128256), config=sm90(sampling.ARGMAX_SPEC, {"batch": 1, "vocab": 128256}))
+    label("sample")
+    sampling.sample(e(8, 128256), e(8), e(8, dtype=torch.int32), e(8), e(8, dtype=torch.int64),
+                    config=sm90(sampling.SAMPLE_SPEC, {"batch": 8, "vocab": 128256}))
+    for name, max_q in (("prefill_attention long", 2048), ("prefill_attention short", 8)):
+        label(name)
+        prefill_attention.prefill_attention(
+            e(2048, 32, 64, dtype=BF16), e(300, 16, 8, 64, dtype=BF16), e(300, 16, 8, 64, dtype=BF16),
+            e(1, 256, dtype=torch.int32), e(2, dtype=torch.int32), e(1, dtype=torch.int32), 0.125, max_q,
+            config=sm90(prefill_attention.PREFILL_ATTENTION_SPEC, {"max_query_len": max_q, "head_dim": 64}))
+    label("topk_routing")
+    moe.topk_routing(e(64, 128), 8, True, config=sm90(moe.TOPK_ROUTING_SPEC, {"experts": 128}))
+    label("moe_align")
+    moe.moe_align(torch.zeros(64, 8, dtype=torch.int32), 128, 16)
+    for tokens in (16, 4096):
+        label(f"moe_grouped_gemm T={tokens}")
+        problem = {"tokens": tokens, "top_k": 8, "experts": 128}
+        config = sm90(moe.MOE_GEMM_SPEC, problem)
+        sorted_ids, expert_ids, num_padded = (e(n, dtype=torch.int32) for n in (
+            *moe.moe_align_sizes(tokens * 8, 128, config["BLOCK_M"]), 1))
+        moe.moe_grouped_gemm(e(tokens, 2048, dtype=BF16), e(128, 1536, 2048, dtype=BF16), sorted_ids, expert_ids,
+                             num_padded, 8, a_per_token=True, config=config)
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict):
+    signature, constexprs, attrs = {}, {}, {}
+    bound = dict(zip(fn.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    for index, param in enumerate(fn.params):
+        name = param.name
+        value = bound[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and value != 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
+    return signature, constexprs, attrs
+
+
+def _ptxas_report(ptx: str) -> dict:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
+        handle.write(ptx)
+    try:
+        result = subprocess.run([ptxas, "-v", f"-arch={arch}", handle.name, "-o", os.devnull],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        os.unlink(handle.name)
+    text = result.stderr + result.stdout
+    registers = re.search(r"Used (\d+) registers", text)
+    spill_stores = re.search(r"(\d+) bytes spill stores", text)
+    spill_loads = re.search(r"(\d+) bytes spill loads", text)
+    return {"arch": arch, "registers": int(registers.group(1)) if registers else None,
+            "spill_store_bytes": int(spill_stores.group(1)) if spill_stores else None,
+            "spill_load_bytes": int(spill_loads.group(1)) if spill_loads else None}
+
+
+def main() -> int:
+    launch_all()
+    failures = 0
+    seen = set()
+    for fn, args, kwargs, label in LAUNCHES:
+        signature, constexprs, attrs = _signature(fn, args, kwargs)
+        key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
+               kwargs.get("num_warps"), kwargs.get("num_stages"))
+        if key in seen:
+            continue
+        seen.add(key)
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        row = {"label": label, "kernel": fn.__name__, **options}
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                      options=options)
+            row["shared_bytes"] = compiled.metadata.shared
+            row.update(_ptxas_report(compiled.asm["ptx"]))
+            row["ok"] = True
+        except Exception as error:  # report every failure, keep compiling the rest
+            row["ok"] = False
+            row["error"] = f"{type(error).__name__}: {str(error)[-1500:]}"
+            failures += 1
+        print(json.dumps(row), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
