@@ -352,7 +352,7 @@ class RolloutAgent:
         reactivated = self._on_engine_thread(lambda: self._activate_held(digest, resource))
         if reactivated is not None:
             return reactivated
-        if desired.is_stock:
+        if desired.is_stock or digest == self.stock_digest:  # stock, possibly pinned by its digest
             path, source = stock_bundle_dir(), "the engine's stock bundle"
         else:
             path = self.fetcher.fetch(desired.artifact, digest)

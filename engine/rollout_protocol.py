@@ -43,6 +43,25 @@ DEFAULT_ANNOTATIONS_FILE = "/etc/shapeshift/podinfo/annotations"
 DOWNWARD_API_MOUNT_PATH = "/etc/shapeshift/podinfo"
 DOWNWARD_API_ANNOTATIONS_ITEM = "annotations"
 
+
+
+def podinfo_volume(name: str = "podinfo") -> dict:
+    """The pod-template volume that exposes the pod's annotations to the engine container."""
+    return {"name": name, "downwardAPI": {"items": [
+        {"path": DOWNWARD_API_ANNOTATIONS_ITEM, "fieldRef": {"fieldPath": "metadata.annotations"}}]}}
+
+
+def podinfo_volume_mount(name: str = "podinfo") -> dict:
+    """The engine container's mount of ``podinfo_volume``; pair it with the server flag
+    ``--desired-forward-pass-file`` + DEFAULT_ANNOTATIONS_FILE."""
+    return {"name": name, "mountPath": DOWNWARD_API_MOUNT_PATH, "readOnly": True}
+
+
+def serve_args(annotations_file: str = DEFAULT_ANNOTATIONS_FILE) -> list[str]:
+    """`shapeshift serve` arguments that make the engine follow the annotations."""
+    return ["--desired-forward-pass-file", annotations_file]
+
+
 # ------------------------------------------------------------------ metric names
 # Every series also carries the `model` label (the served model name).
 

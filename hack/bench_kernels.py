@@ -161,6 +161,12 @@ def _measure_case(case, quick):
     return row
 
 
+def _axis_distance(a, b):
+    """How many of (params, num_warps, num_stages) differ between two configs of one variant."""
+    pa, pb = dict(a.params), dict(b.params)
+    return sum(pa[k] != pb.get(k) for k in pa) + (a.num_warps != b.num_warps) + (a.num_stages != b.num_stages)
+
+
 def _tune_case(case, spec, budget_s, max_configs, quick):
     """Time a random sample of the op's search space (plus the default) on one case."""
     import torch
@@ -168,7 +174,10 @@ def _tune_case(case, spec, budget_s, max_configs, quick):
     configs = list(spec.search_space.configs(case.problem))
     random.Random(case.op).shuffle(configs)
     default = spec.default_config(case.problem, torch.device(DEVICE))
-    configs = [default] + [c for c in configs if c != default][: max_configs - 1]
+    # First the default's one-axis neighbours (cheap, informative), then random points.
+    neighbours = [c for c in configs if c.variant == default.variant and _axis_distance(c, default) == 1]
+    ordered = [default] + neighbours + [c for c in configs if c != default and c not in neighbours]
+    configs = ordered[:max_configs]
     results, start = [], time.time()
     for config in configs:
         if time.time() - start > budget_s:
@@ -388,7 +397,8 @@ def cases_gemv(quick):
     from shapeshift.kernels.gemv import gemv, gemv_ref
 
     h, inter, vocab = LLAMA["hidden"], LLAMA["inter"], LLAMA["vocab"]
-    shapes = [("qkv_proj", 3072, h), ("o_proj", h, h), ("gate_up_proj", 2 * inter, h), ("up_proj", inter, h),
+    qkv = (LLAMA["heads"] + 2 * LLAMA["kv_heads"]) * LLAMA["head_dim"]  # 3072 for Llama-3.2-1B
+    shapes = [("qkv_proj", qkv, h), ("o_proj", h, h), ("gate_up_proj", 2 * inter, h), ("up_proj", inter, h),
               ("down_proj", h, inter), ("lm_head", vocab, h)]
     rows = [1, 4, 16]
     if quick:

@@ -190,14 +190,15 @@ def _choose_default(problem, key: str) -> KernelConfig:
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 1.5 * sms), 16)
     split_k = 1
     if triton.cdiv(n, block_n) < 0.9 * sms:
-        while triton.cdiv(n, block_n) * split_k < 2 * sms and k // (split_k * 2) >= 1024:
+        while triton.cdiv(n, block_n) * split_k < 2 * sms and k // (split_k * 2) >= 256:
             split_k *= 2
     programs = triton.cdiv(n, block_n) * split_k
     # Little's law: ~4.3 TB/s x ~1 us of HBM latency is ~4.5 MB in flight, ~48 KB per SM with
-    # margin. Each program keeps (stages - 1) weight tiles of BLOCK_N x BLOCK_K in flight.
-    per_sm = max(1.0, programs / sms)
+    # margin. Each program keeps (stages - 1) weight tiles of BLOCK_N x BLOCK_K in flight, and
+    # about two programs per SM are resident at once (shared memory) when there are more.
+    per_sm = min(2.0, max(1.0, programs / sms))
     block_k = 48 * 1024 / (per_sm * (stages - 1) * block_n * _element_size(problem))
-    block_k = 1 << max(6, min(9, int(block_k).bit_length() - 1))  # power of two in [64, 512]
+    block_k = 1 << max(7, min(9, int(block_k).bit_length() - 1))  # power of two in [128, 512]
     while block_k > 64 and block_k * split_k > k:
         block_k //= 2
     return KernelConfig.make("dot", num_warps=4, num_stages=stages, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -200,7 +201,7 @@ GROUP, VERSION, PLURAL = "shapeshift.dev", "v1alpha1", "forwardpasses"
 
 
 def _dns_name(text: str) -> str:
-    safe = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    safe = re.sub("-+", "-", "".join(c if c.isalnum() else "-" for c in text.lower())).strip("-")
     return safe[:63].rstrip("-") or "fp"
 
 

@@ -28,6 +28,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .candidate import canonical_json
@@ -319,7 +320,8 @@ def build_search_space(
     """The space for one model family on one device.
 
     ``concurrency`` (the traffic's requests in flight) bounds the batch sizes worth trying;
-    ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml).
+    ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml);
+    ``stock_source`` is the forward.py whose docstring declares them (default: the stock one).
     """
     stock_recipe = dict(stock_recipe or {})
     cuda = device.startswith("cuda")
@@ -327,8 +329,11 @@ def build_search_space(
 
     # Recipe knobs the stock forward pass declares (its docstring), with device limits:
     # Triton backends only on CUDA, MoE knobs only for MoE models.
-    declared = stock_recipe_knobs(stock_source) if stock_source else {
-        "attention_backend": ("choice", ("torch", "triton"))}
+    if stock_source is None:
+        from ..bundle import stock_bundle_dir
+
+        stock_source = (Path(stock_bundle_dir()) / "forward.py").read_text()
+    declared = stock_recipe_knobs(stock_source)
     for name, (kind, choices) in declared.items():
         if kind == "choice":
             choices = tuple(c for c in choices if cuda or c != "triton")

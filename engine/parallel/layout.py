@@ -128,6 +128,8 @@ class ParallelLayout:
             return choice
         if isinstance(choice, str):
             return cls.parse(choice)
+        if hasattr(choice, "layout") and not hasattr(choice, "tp"):  # a ranking entry (prediction) -> its layout
+            return cls.coerce(choice.layout)
         source = choice if isinstance(choice, dict) else {k: getattr(choice, k) for k in ("tp", "ep", "dp", "pp")
                                                           if hasattr(choice, k)}
         known = {k: int(source[k]) for k in ("tp", "ep", "dp", "pp") if source.get(k) is not None}
@@ -256,14 +258,25 @@ def candidate_layouts(cfg: ModelConfig, num_devices: int, include_pipeline: bool
 def choose_layout(cfg: ModelConfig, num_devices: int, cost_model_choice: Any = None) -> ParallelLayout:
     """The layout one engine replica uses on ``num_devices`` accelerators.
 
-    With ``cost_model_choice`` (a ParallelLayout, a mapping, a string or a ranking entry
-    with tp/ep/dp/pp), that layout is validated against the model and the device count
-    and taken. Otherwise: one replica over all devices (the server drives one engine),
+    With ``cost_model_choice`` (a ParallelLayout, a mapping, a string, a ranking entry
+    with tp/ep/dp/pp or with a ``layout``, or a whole ranking best first, of which the
+    first executable entry wins), that layout is validated against the model and the
+    device count and taken. Otherwise: one replica over all devices (the server drives one engine),
     tensor-parallel over every device, and for MoE experts split over every device when
     their count allows (else split inside each expert).
     """
     if num_devices < 1:
         raise LayoutError(f"hardware count must be >= 1, got {num_devices}")
+    if isinstance(cost_model_choice, (list, tuple)):
+        # A whole ranking, best first: take the best entry this engine can run.
+        reasons = []
+        for entry in cost_model_choice:
+            try:
+                return choose_layout(cfg, num_devices, entry)
+            except LayoutError as exc:
+                reasons.append(str(exc))
+        raise LayoutError(f"no layout of the cost model's ranking fits this engine on {num_devices} devices: "
+                          + "; ".join(reasons[:3]))
     if cost_model_choice is not None:
         layout = ParallelLayout.coerce(cost_model_choice).validate(cfg, num_devices)
         if not layout.is_executable:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.parallel.engine import ParallelLLMEngine
+from shapeshift.engine.parallel.engine import ControlChannel, ParallelLLMEngine, SeqStep, StepMessage
 from shapeshift.engine.parallel.layout import ParallelLayout
 from shapeshift.engine.parallel.process_group import init_parallel
 from shapeshift.engine.sampling import SamplingParams
@@ -48,7 +48,7 @@ def observe(engine: Any) -> dict[str, Any]:
 
 
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, str]], device: str = "cpu") -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"channel": channel_roundtrip(rank, world_size, device)}
     for model, layout_name in cases:
         layout = ParallelLayout.parse(layout_name)
         state = init_parallel(layout, rank, world_size, device=None if device == "cuda" else "cpu")
@@ -69,3 +69,22 @@ def run_cases(rank: int, world_size: int, cases: list[tuple[str, str]], device: 
 
 def wrong_world(rank: int, world_size: int) -> None:
     init_parallel(ParallelLayout(tp=4), rank, world_size)
+
+
+CHANNEL_MESSAGES = [
+    StepMessage("run", [SeqStep(start=5, tokens=[9], num_tokens=6, block_table=[3])]),
+    # Larger than the channel's buffer: takes the second-broadcast path.
+    StepMessage("run", [SeqStep(start=0, tokens=list(range(40_000)), num_tokens=40_000, block_table=list(range(2500)))]),
+    StepMessage("stop", []),
+]
+
+
+def channel_roundtrip(rank: int, world_size: int, device: str) -> list[Any] | None:
+    """The driver sends CHANNEL_MESSAGES; the follower returns what it received."""
+    state = init_parallel(ParallelLayout(tp=2), rank, world_size, device=None if device == "cuda" else "cpu")
+    channel = ControlChannel(state)
+    if state.is_driver:
+        for message in CHANNEL_MESSAGES:
+            channel.send(message)
+        return None
+    return [channel.receive() for _ in CHANNEL_MESSAGES]

@@ -117,3 +117,18 @@ def test_padded_vocab_and_rank_view():
     assert layout.padded_vocab(odd) == 512
     view = layout.rank_model_config(qwen)
     assert (view.num_attention_heads, view.num_key_value_heads, view.vocab_size) == (1, 1, 512)
+
+
+def test_cost_model_ranking_yields_its_best_executable_layout():
+    from shapeshift.engine.compile.cost_model import CostModel
+
+    moe = cfg("moe-medium-shape")
+    ranking = CostModel(moe).rank(4)
+    chosen = choose_layout(moe, 4, cost_model_choice=ranking)
+    best_runnable = next(p.layout for p in ranking if p.layout.pp == 1)
+    assert chosen.name == str(best_runnable)
+    runnable_entry = next(p for p in ranking if p.layout.pp == 1)  # one Prediction, not the list
+    assert choose_layout(moe, 4, cost_model_choice=runnable_entry).name == str(runnable_entry.layout)
+    pipelined = next(p for p in ranking if p.layout.pp > 1)
+    with pytest.raises(LayoutError, match="pipeline"):
+        choose_layout(moe, 4, cost_model_choice=pipelined)

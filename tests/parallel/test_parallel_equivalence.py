@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_cases import engine_config, observe, run_cases, wrong_world
+from parallel_cases import CHANNEL_MESSAGES, engine_config, observe, run_cases, wrong_world
 from shapeshift.engine.llm_engine import LLMEngine
 from shapeshift.engine.parallel.engine import PARALLEL_BUNDLE_DIR
 from shapeshift.engine.parallel.process_group import launch
@@ -85,3 +85,7 @@ def test_parallel_bundle_single_process_equals_stock(references):
 def test_launch_reports_a_rank_failure_with_its_cause():
     with pytest.raises(RuntimeError, match=r"layout tp4-ep1-dp1-pp1 needs 4 processes, 2 were started"):
         launch(wrong_world, 2, timeout_s=120)
+
+
+def test_control_channel_carries_small_and_oversized_messages(parallel_results):
+    assert parallel_results["rank1"]["channel"] == CHANNEL_MESSAGES

@@ -169,3 +169,15 @@ def test_local_paths_are_used_in_place(tmp_path):
     archive.write_bytes(b"x")
     assert fetcher(tmp_path).fetch(str(archive), "ab" * 32) == archive
     assert fetcher(tmp_path).fetch(f"file://{archive}", "ab" * 32) == archive
+
+
+def test_pod_template_pieces_point_the_engine_at_the_annotations():
+    from shapeshift.engine.rollout_protocol import (DEFAULT_ANNOTATIONS_FILE, podinfo_volume, podinfo_volume_mount,
+                                                    serve_args)
+
+    volume, mount = podinfo_volume(), podinfo_volume_mount()
+    assert volume["name"] == mount["name"]
+    item = volume["downwardAPI"]["items"][0]
+    assert item["fieldRef"]["fieldPath"] == "metadata.annotations"
+    assert f"{mount['mountPath']}/{item['path']}" == DEFAULT_ANNOTATIONS_FILE
+    assert serve_args() == ["--desired-forward-pass-file", DEFAULT_ANNOTATIONS_FILE]

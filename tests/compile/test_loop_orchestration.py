@@ -1,0 +1,160 @@
+"""Orchestration logic of the compile loop, against `FakeEvaluatorForOrchestrationTests`.
+
+The fake evaluator exists only to drive the loop's decisions into known corners (a
+candidate that is faster but fails verification, one inside the noise, a crash); every
+measurement claim of the project comes from the real evaluator (test_loop_real.py).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from shapeshift.engine.compile.agents.base import Agent
+from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig, write_report
+from shapeshift.engine.compile.measure import (Measurement, Verification, beats, beats_paired, paired_gain,
+                                               per_user_not_worse)
+from shapeshift.engine.compile.search_space import Knob, SearchSpace
+
+
+class FakeEvaluatorForOrchestrationTests:
+    """Speeds are a table lookup plus seeded noise; verification verdicts are scripted."""
+
+    def __init__(self, speed: dict[str, float], fails_verification: set[str] = frozenset(), crashes: set[str] = frozenset(),
+                 noise: float = 0.002, seed: int = 0):
+        self.speed, self.fails, self.crashes = speed, set(fails_verification), set(crashes)
+        self.rng = random.Random(seed)
+        self.noise = noise
+        self.calls: list[tuple[str, str]] = []
+
+    def _key(self, c: Candidate) -> str:
+        return c.recipe.get("variant", "stock")
+
+    def _measure(self, c: Candidate, n: int) -> Measurement:
+        key = self._key(c)
+        if key in self.crashes:
+            return Measurement(error="crashed in forward()")
+        base = self.speed[key]
+        return Measurement(samples=[base * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(n)],
+                           per_user_p90=[base / 10] * n)
+
+    def screen(self, c):
+        self.calls.append(("screen", self._key(c)))
+        return self._measure(c, 3)
+
+    def confirm(self, c):
+        self.calls.append(("confirm", self._key(c)))
+        return self._measure(c, 3)
+
+    def compare(self, c, inc):
+        self.calls.append(("compare", self._key(c)))
+        return self._measure(c, 5), self._measure(inc, 5)
+
+    def verify(self, c):
+        self.calls.append(("verify", self._key(c)))
+        ok = self._key(c) not in self.fails
+        return Verification(ok, {"outputs.agreement": ok, "smoke": True})
+
+    def export(self, c, out_dir):
+        return {"path": str(out_dir), "digest": c.digest}
+
+    def describe(self):
+        return {"fake": True}
+
+
+class ListAgent(Agent):
+    """Proposes a fixed list, one per call."""
+
+    name = "list"
+
+    def __init__(self, space, board, items):
+        super().__init__(space, board)
+        self.items = list(items)
+
+    def propose(self, n=1):
+        return [Candidate({"variant": self.items.pop(0)}, agent=self.name, note="scripted")] if self.items else []
+
+
+def space() -> SearchSpace:
+    return SearchSpace([Knob("variant", ("stock", "fast", "wrong", "same", "crash", "faster"), "stock")])
+
+
+def run_loop(tmp_path, speed, items, budget=10, **kw):
+    board = Board(tmp_path / "board.jsonl")
+    sp = space()
+    ev = FakeEvaluatorForOrchestrationTests(speed, **kw)
+    statuses = []
+    loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, items)], Budget(max_trials=budget),
+                       LoopConfig(deterministic=True), on_status=statuses.append)
+    return loop.run(), board, ev, statuses
+
+
+def test_noise_test_helpers() -> None:
+    inc = Measurement([100.0, 101.0, 99.0])
+    assert beats(Measurement([110.0, 111.0, 109.0]), inc)
+    assert not beats(Measurement([101.5, 102.0, 101.0]), inc)  # inside the incumbent's range
+    same = Measurement([100.0, 100.5, 99.5, 100.2])
+    assert not beats_paired(same, Measurement([100.1, 100.4, 99.7, 100.0]))
+    gain, low, high = paired_gain(Measurement([120, 118, 125, 121]), Measurement([100, 99, 104, 100]))
+    assert 1.18 < gain < 1.22 and low > 1.1 and high < 1.3
+    # a load swing that hits both members of each pair alike is not mistaken for noise
+    assert beats_paired(Measurement([60, 120, 90]), Measurement([50, 100, 75]))
+    assert not per_user_not_worse(Measurement([1.0], per_user_p90=[5.0]), Measurement([1.0], per_user_p90=[10.0]))
+
+
+def test_faster_verified_candidate_becomes_champion(tmp_path: Path) -> None:
+    result, board, ev, statuses = run_loop(tmp_path, {"stock": 100, "fast": 130, "faster": 160},
+                                           ["fast", "faster"])
+    assert result.champion is not None and result.champion.recipe["variant"] == "faster"
+    assert 1.55 < result.speedup < 1.65
+    assert [e["digest"] for e in board.entries("incumbent")] == [
+        Candidate({"variant": "fast"}).digest, Candidate({"variant": "faster"}).digest]
+    assert statuses[-1]["phase"] == "Succeeded" and statuses[-1]["best_speedup"] > 1.5
+    assert all("leaderboard" in s and "eta_s" in s for s in statuses)
+    json_path, md_path = write_report(result, board, tmp_path / "out", {"model": "m", "profile": "p"})
+    assert "faster" in json_path.read_text() and "verified" in md_path.read_text()
+
+
+def test_only_verified_winners_become_champions(tmp_path: Path) -> None:
+    result, board, ev, _ = run_loop(tmp_path, {"stock": 100, "wrong": 200}, ["wrong"], fails_verification={"wrong"})
+    assert result.champion is None and result.speedup is None
+    assert ("verify", "wrong") in ev.calls
+    assert not board.entries("incumbent")
+    assert any("rejected by verification" in n["text"] for n in board.entries("note"))
+
+
+def test_never_accepts_within_noise(tmp_path: Path) -> None:
+    result, board, ev, _ = run_loop(tmp_path, {"stock": 100, "same": 100.5}, ["same"], noise=0.02)
+    assert result.champion is None
+    assert not [c for c in ev.calls if c[0] == "verify"]  # verification only for confirmed winners
+
+
+def test_crashing_candidate_is_a_failed_trial_and_the_run_goes_on(tmp_path: Path) -> None:
+    result, board, ev, _ = run_loop(tmp_path, {"stock": 100, "fast": 150}, ["crash", "fast"], crashes={"crash"})
+    failed = [r for r in board.entries("result") if r["status"] == "failed"]
+    assert len(failed) == 1 and "crashed" in failed[0]["error"]
+    assert result.champion is not None and result.champion.recipe["variant"] == "fast"
+    assert result.trials == 2
+
+
+def test_resume_counts_each_trial_once(tmp_path: Path) -> None:
+    board_path = tmp_path / "board.jsonl"
+    result1, board, ev, _ = run_loop(tmp_path, {"stock": 100, "fast": 101, "same": 100}, ["fast", "same"], budget=2)
+    assert result1.trials == 2
+    # Simulate a crash after a trial started: a "trial" entry without its result.
+    pending = Candidate({"variant": "faster"}, agent="list", note="scripted")
+    board.append("candidate", **pending.to_entry())
+    board.append("trial", trial_id="t00099-" + pending.digest[:10], digest=pending.digest, tier="fast", agent="list")
+    sp = space()
+    ev2 = FakeEvaluatorForOrchestrationTests({"stock": 100, "fast": 101, "same": 100, "faster": 150})
+    loop = CompileLoop(ev2, sp, Board(board_path), [ListAgent(sp, Board(board_path), ["fast", "same"])],
+                       Budget(max_trials=3), LoopConfig(deterministic=True))
+    result2 = loop.run()
+    assert ("screen", "stock") not in ev2.calls  # the baseline is not measured again
+    assert [c for c in ev2.calls if c[0] == "screen"] == [("screen", "faster")]  # only the unfinished trial
+    assert result2.trials == 3
+    finished = [r for r in Board(board_path).entries("result") if r["tier"] == "fast" and not r.get("role")]
+    assert len({r["trial_id"] for r in finished}) == 3 and len({r["digest"] for r in finished}) == 3
+    assert any(r["trial_id"].startswith("t00099-") for r in finished)  # re-run under its own id

@@ -1,0 +1,99 @@
+"""Champion registry: signatures, traffic regimes, nearest champions, publishing bundles."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
+from shapeshift.engine.compile.registry import (ChampionEntry, ClusterRegistry, LocalRegistry, TrafficRegime,
+                                                model_signature, project_recipe, rank)
+from shapeshift.engine.compile.search_space import build_search_space
+from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.traffic import builtin_profile
+
+
+def cfg(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(PRESETS[name].hf_config)
+
+
+def entry(name, signature, hardware="cpu", profile="chat", speedup=1.2, family="llama", digest="0" * 64, recipe=None):
+    return ChampionEntry(name=name, signature=signature, model="m", family=family, hardware=hardware,
+                         regime=TrafficRegime.of(builtin_profile(profile)).to_dict(), bundle_digest=digest,
+                         recipe=recipe or {"fuse_qkv": True}, speedup=speedup)
+
+
+def test_signature_tracks_architecture_not_name() -> None:
+    a = cfg("tiny-llama")
+    assert model_signature(a) == model_signature(ModelConfig.from_hf(dict(PRESETS["tiny-llama"].hf_config)))
+    assert model_signature(a) != model_signature(cfg("tiny-qwen3")) != model_signature(cfg("tiny-moe"))
+    assert model_signature(a) == model_signature(a.__dict__ | {"eos_token_ids": [1, 2]})  # tokens are not shape
+
+
+def test_regimes_bucket_traffic() -> None:
+    chat, agentic, burst = (TrafficRegime.of(builtin_profile(p)) for p in ("chat", "agentic-long-context", "burst"))
+    assert chat != agentic and chat.distance(agentic) > chat.distance(burst) - 10
+    assert agentic.prompt > chat.prompt and agentic.hit > burst.hit and burst.concurrency > agentic.concurrency
+    assert chat.distance(chat) == 0
+
+
+def test_nearest_champions_order() -> None:
+    sig = model_signature(cfg("tiny-llama"))
+    other = model_signature(cfg("tiny-qwen3"))
+    entries = [
+        entry("same-sig-other-hw", sig, hardware="nvidia-h200", speedup=3.0),
+        entry("same-sig-far-traffic", sig, profile="agentic-long-context", speedup=2.0),
+        entry("same-sig-exact", sig, speedup=1.1),
+        entry("same-family", other, speedup=5.0),
+        entry("other-family", "ffff", family="moe", speedup=9.0),
+    ]
+    names = [e.name for e in rank(entries, sig, "cpu", builtin_profile("chat"), family="llama", k=5)]
+    assert names == ["same-sig-exact", "same-sig-far-traffic", "same-sig-other-hw", "same-family"]
+    assert [e.name for e in rank(entries, sig, "cpu", builtin_profile("chat"), k=5)] == names[:3]
+
+
+def test_local_registry_publish_and_lookup(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    manifest = create_bundle(stock_bundle_dir(), {"fuse_qkv": True}, bundle, name="champ")
+    reg = LocalRegistry(tmp_path / "reg")
+    sig = model_signature(cfg("tiny-llama"))
+    e = entry("tiny-llama-chat-1", sig, digest=manifest.digest)
+    reg.publish(e, bundle)
+    with pytest.raises(ValueError, match="digest"):
+        reg.publish(entry("bad", sig, digest="1" * 64), bundle)
+    again = LocalRegistry(tmp_path / "reg")
+    [found] = again.nearest_champions(sig, "cpu", builtin_profile("chat"), k=3, family="llama")
+    assert found.name == "tiny-llama-chat-1" and (again.bundle_dir(found) / "forward.py").is_file()
+    cand = found.candidate()
+    assert cand.recipe == {"fuse_qkv": True} and cand.agent == "registry"
+    # re-publishing under the same name replaces the entry
+    reg.publish(entry("tiny-llama-chat-1", sig, digest=manifest.digest, speedup=1.5), bundle)
+    assert [x.speedup for x in again.entries()] == [1.5]
+    shutil.rmtree(bundle)
+
+
+def test_project_recipe_into_another_space() -> None:
+    space = build_search_space(device="cpu", concurrency=32)
+    gpu_recipe = {"attention_backend": "triton", "fuse_qkv": True, "engine.cuda_graph_max_batch": 64,
+                  "engine.max_num_seqs": 32}
+    projected = project_recipe(gpu_recipe, space)
+    assert space.is_valid(projected)
+    assert projected["fuse_qkv"] is True and projected["engine.max_num_seqs"] == 32
+    assert projected["attention_backend"] == "torch" and "engine.cuda_graph_max_batch" not in projected
+
+
+def test_cluster_object_validates_against_the_crd_model() -> None:
+    sig = model_signature(cfg("tiny-llama"))
+    e = entry("Tiny Llama/chat #1", sig, digest="a" * 64)
+    e.verification = {"passed": True, "gates": {"smoke": True, "outputs.agreement": True}}
+    e.metrics = {"tokens_per_second": 12.5, "baseline_tokens_per_second": 10.0, "per_user_p90": 1.0, "dtype": "float32"}
+    e.profile = builtin_profile("chat").to_dict()
+    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///bundles/x.tar.gz")
+    assert obj["metadata"]["name"] == "tiny-llama-chat-1"
+    assert obj["spec"]["artifact"]["sha256"] == "a" * 64
+    assert obj["spec"]["verification"]["gates"][0] == {"name": "smoke", "passed": True}
+    assert obj["spec"]["model"]["dtype"] == "float32"
+    assert obj["metadata"]["labels"]["shapeshift.dev/model-signature"] == sig

@@ -1,0 +1,47 @@
+"""EngineConfig / ModelConfig validation: invalid settings fail early, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from shapeshift.engine.config import EngineConfig, ModelConfig
+from shapeshift.engine.presets import PRESETS, resolve_model
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"dtype": "fp8"}, "dtype"),
+    ({"device": "tpu"}, "device"),
+    ({"block_size": 12}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"num_kv_blocks": 4, "max_model_len": 128, "block_size": 16}, "num_kv_blocks"),
+    ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
+    ({"cuda_graph_batch_sizes": [0, 4]}, "cuda_graph_batch_sizes"),
+    ({"num_layers_override": 0}, "num_layers_override"),
+])
+def test_engine_config_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_defaults():
+    cfg = EngineConfig(max_num_seqs=6, max_model_len=4096)
+    assert cfg.cuda_graph_batch_sizes == [1, 2, 4, 6]
+    assert cfg.cuda_graph_context_lens == [512, 2048, 4096]
+    assert EngineConfig(device="cpu").resolved_dtype() == "float32"
+    assert EngineConfig(device="cuda").resolved_dtype() == "bfloat16"
+
+
+def test_model_config_from_presets_and_errors():
+    llama = ModelConfig.from_hf(PRESETS["llama-3.2-1b-shape"].hf_config)
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_key_value_heads, llama.head_dim) == (2048, 16, 8, 64)
+    assert llama.tie_word_embeddings and llama.rope_scaling["rope_type"] == "llama3"
+    moe = ModelConfig.from_hf(PRESETS["tiny-moe"].hf_config)
+    assert moe.family == "moe" and moe.num_experts == 4 and moe.moe_intermediate_size == 96
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_hf({**PRESETS["tiny-llama"].hf_config, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="num_layers_override"):
+        llama.with_num_layers(17)
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_model("no-such-model-or-folder")
