@@ -14,7 +14,7 @@ Math:
 
 Data flow of fused_moe: router logits [T, E] -> routing -> (weights, ids) [T, k]
   -> align (count per expert with atomics, pad and prefix-sum in one program, scatter with
-     atomics) -> sorted_ids [T*k + E*(BLOCK_M-1)], expert_ids [blocks], num_padded [1]
+     atomics) -> sorted_ids [T*k + min(E, T*k)*(BLOCK_M-1)], expert_ids [blocks], num_padded [1]
   -> grouped GEMM 1: x [T, H] x W13 -> [T*k, 2I] -> silu_and_mul -> [T*k, I]
   -> grouped GEMM 2 (routing weight folded in) -> [T*k, H] -> sum over k -> y [T, H].
 All grid sizes come from T, k, E and BLOCK_M (static shapes); blocks past num_padded exit at
@@ -171,8 +171,11 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_entries, BLOCK: tl.
 
 
 def moe_align_sizes(num_entries: int, num_experts: int, block_m: int) -> tuple[int, int]:
-    """(length of sorted_ids, number of blocks): static upper bounds from the shapes."""
-    max_padded = num_entries + num_experts * (block_m - 1)
+    """(length of sorted_ids, number of blocks): static upper bounds from the shapes.
+
+    Only experts that receive an entry are padded (by at most block_m - 1 rows), and at most
+    min(E, T*k) experts can: at decode sizes this keeps the grid to a few blocks, not E."""
+    max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
     return max_padded, triton.cdiv(max_padded, block_m)
 
 
@@ -197,7 +200,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group the T*k entries of topk_ids [T, k] int32 by expert, padded to BLOCK_M rows.
 
-    Returns sorted_ids int32 [T*k + E*(block_m-1)] (entry indices t*k+j; padding = T*k),
+    Returns sorted_ids int32 [T*k + min(E, T*k)*(block_m-1)] (entry indices t*k+j; padding = T*k),
     expert_ids int32 [blocks] (-1 past the end), num_padded int32 [1] (rows in use).
     """
     op = "moe_align"

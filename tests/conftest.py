@@ -29,13 +29,14 @@ import uuid
 import pytest
 
 from harness import tools
-from harness.cluster import Cluster
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     external = os.environ.get("SHAPESHIFT_TEST_KUBECONFIG")
     if external:
+        from harness.cluster import Cluster  # imported here: GPU-only runs lack the kubernetes client
+
         handle = Cluster(external)
         yield handle
         handle.close()
@@ -43,6 +44,7 @@ def cluster(tmp_path_factory):
     missing = tools.missing()
     if missing and os.environ.get("SHAPESHIFT_SKIP_CLUSTER") == "1":
         pytest.skip(f"SHAPESHIFT_SKIP_CLUSTER=1 and control-plane binaries missing: {missing}")
+    from harness.cluster import Cluster
     from harness.controlplane import ControlPlane
 
     # start() raises ToolMissing (a test error, not a skip) when binaries are absent,
