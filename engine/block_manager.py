@@ -95,16 +95,13 @@ class BlockManager:
         the number of cached tokens (the sequence's ``num_computed_tokens`` is set to it)."""
         assert not seq.block_table, f"sequence {seq.request_id} already holds blocks"
         hits = self._lookup(seq)
-        parent: int | None = None
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free_cached[block_id]
+                del self.free_cached[block_id]  # revived from the cached free list
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-            parent = block.hash
-        del parent
         cached = len(hits) * self.block_size
         if seq.num_preemptions == 0:  # a resumed sequence is not a new query
             self.prefix_cache_queried_tokens += seq.num_tokens

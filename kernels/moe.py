@@ -13,8 +13,8 @@ Math:
             with W13 [E, 2I, H] (gate rows then up rows) and W2 [E, H, I].
 
 Data flow of fused_moe: router logits [T, E] -> routing -> (weights, ids) [T, k]
-  -> align (count per expert with atomics, pad and prefix-sum in one program, scatter with
-     atomics) -> sorted_ids [T*k + min(E, T*k)*(BLOCK_M-1)], expert_ids [blocks], num_padded [1]
+  -> align (per-program expert histograms merged with one atomic per expert, pad and
+     prefix-sum in one program, scatter through per-program reservations) -> sorted_ids [T*k + min(E, T*k)*(BLOCK_M-1)], expert_ids [blocks], num_padded [1]
   -> grouped GEMM 1: x [T, H] x W13 -> [T*k, 2I] -> silu_and_mul -> [T*k, I]
   -> grouped GEMM 2 (routing weight folded in) -> [T*k, H] -> sum over k -> y [T, H].
 All grid sizes come from T, k, E and BLOCK_M (static shapes); blocks past num_padded exit at
@@ -122,11 +122,14 @@ def topk_routing(
 
 # ----------------------------------------------------------------------------- alignment
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_entries, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_entries, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_entries
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
-    tl.atomic_add(counts_ptr + expert, 1, mask=mask)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_entries, other=-1)
+    e = tl.arange(0, BLOCK_E)
+    # A per-program histogram, then one atomic per (program, expert): skewed routing would
+    # otherwise serialise thousands of atomics on the few hot experts' counters.
+    local = tl.sum((expert[:, None] == e[None, :]).to(tl.int32), axis=0)  # [BLOCK_E]
+    tl.atomic_add(counts_ptr + e, local, mask=(e < E) & (local > 0))
 
 
 @triton.jit
@@ -162,11 +165,19 @@ def _pad_offsets_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_entries, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_entries, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_entries
-    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
-    position = tl.atomic_add(cursor_ptr + expert, 1, mask=mask)
+    expert = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    e = tl.arange(0, BLOCK_E)
+    onehot = (expert[:, None] == e[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
+    local = tl.sum(onehot, axis=0)
+    # Reserve this program's run inside each expert's group with one atomic per expert, then
+    # place each entry at its rank among the program's entries of the same expert.
+    base = tl.atomic_add(cursor_ptr + e, local, mask=(e < E) & (local > 0))
+    base = tl.where(local > 0, base, 0)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # [BLOCK]
+    position = tl.sum(onehot * base[None, :], axis=1) + rank
     tl.store(sorted_ids_ptr + position, offs, mask=mask)
 
 
@@ -218,13 +229,20 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
     counts = torch.zeros((num_experts,), dtype=torch.int32, device=device)
     cursor = torch.empty((num_experts,), dtype=torch.int32, device=device)
-    block = 1024
+    block_e = next_power_of_2(num_experts)
+    # Keep the [entries, experts] one-hot tile of the count/scatter kernels near 32K elements.
+    block = max(16, min(1024, 32768 // block_e))
     if num_entries:
-        _count_kernel[(triton.cdiv(num_entries, block),)](topk_ids, counts, num_entries, BLOCK=block)
+        _count_kernel[(triton.cdiv(num_entries, block),)](topk_ids, counts, num_entries, num_experts,
+                                                          BLOCK=block, BLOCK_E=block_e, num_warps=8)
     _pad_offsets_kernel[(1,)](counts, cursor, expert_ids, num_padded, num_experts, max_blocks,
-                              BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts), BLOCK_B=64)
+                              BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=64)
     if num_entries:
-        _scatter_kernel[(triton.cdiv(num_entries, block),)](topk_ids, cursor, sorted_ids, num_entries, BLOCK=block)
+        # The scatter's cumulative sum over the one-hot tile needs scratch shared memory: a
+        # smaller tile (16K elements, 64 KB) than the count kernel's.
+        scatter_block = max(16, min(1024, 16384 // block_e))
+        _scatter_kernel[(triton.cdiv(num_entries, scatter_block),)](
+            topk_ids, cursor, sorted_ids, num_entries, num_experts, BLOCK=scatter_block, BLOCK_E=block_e, num_warps=8)
     return sorted_ids, expert_ids, num_padded
 
 

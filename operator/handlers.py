@@ -5,6 +5,7 @@
                                                 from the Deployment's and pods' real state
     CompileRun create/resume                 -> read its InferenceDeployment -> ensure RBAC + Job -> status
     CompileRun timer (resync)                -> Job conditions and pod scheduling -> phase, conditions
+    (imported at the end) drift_handlers     -> drift timer: Prometheus -> observed traffic -> CompileRun
 
 Edge handlers react; timers observe. Every write is get-or-create-then-patch
 keyed by a content hash (kube.Kube.ensure) and every status write merges only
@@ -268,3 +269,9 @@ def compile_run_observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if current.phase in TERMINAL_PHASES:
         return
     _api_errors(lambda: _observe_run(body, _kube(memo)))
+
+
+# ---- the rest of the operator ------------------------------------------------------------------
+# The drift timer (Prometheus -> observed traffic -> CompileRun) registers itself on import,
+# so `kopf run -m shapeshift.operator.handlers` and `shapeshift operator` run the whole operator.
+from shapeshift.operator import drift_handlers  # noqa: E402,F401

@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kopf.run(
             standalone=args.standalone,
-            peering_name=args.peering,
+            # kopf makes peering mandatory whenever a name is given, overriding standalone.
+            peering_name=None if args.standalone else args.peering,
             clusterwide=bool(args.all_namespaces),
             namespaces=args.namespaces or (),
             liveness_endpoint=liveness,

@@ -17,11 +17,9 @@ resumes from the board.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,14 +41,17 @@ def parse_duration(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shapeshift compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llama", help="preset name or model folder (default: %(default)s)")
-    p.add_argument("--profile", default="chat",
-                   help="traffic profile: chat, agentic-long-context, burst or a YAML file (default: %(default)s)")
+    p.add_argument("--model", default=None, help="preset name or model folder (default: tiny-llama)")
+    p.add_argument("--profile", default=None,
+                   help="traffic profile: chat, agentic-long-context, burst or a YAML file (default: chat)")
     p.add_argument("--budget-trials", type=int, default=None, help="candidates to screen (default: 12 unless --budget)")
     p.add_argument("--budget-seconds", type=float, default=None, help="wall-clock limit in seconds")
     p.add_argument("--budget", type=parse_duration, default=None, help="wall-clock limit as a duration (15m, 1h)")
-    p.add_argument("--agents", default=DEFAULT_AGENTS, help="comma list of sweep, evolve, bayes, llm (default: %(default)s)")
-    p.add_argument("--out", default="shapeshift-compile-out", help="output folder; an existing board there is resumed")
+    p.add_argument("--agents", default=None, help=f"comma list of sweep, evolve, bayes, llm (default: {DEFAULT_AGENTS})")
+    p.add_argument("--out", default=None, help="output folder; an existing board there is resumed "
+                                               "(default: shapeshift-compile-out)")
+    p.add_argument("--min-speedup", type=float, default=None,
+                   help="least speedup over the incumbent, beyond the noise, to accept (default: 1.0)")
     p.add_argument("--registry", default=None, help="champion registry folder (default: OUT/../shapeshift-registry)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
@@ -87,6 +88,7 @@ def _resolve_profile(text: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.profile_given, args.agents_given, args.out_given = args.profile, args.agents, args.out
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_ref = None
     if args.compile_run:
@@ -94,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_ref = CompileRunContext.connect(args.compile_run, args.kubeconfig)
         run_ref.apply_to_args(args)
+    args.model = args.model or "tiny-llama"
+    args.profile = args.profile if args.profile is not None else "chat"
+    args.agents = args.agents or DEFAULT_AGENTS
+    args.out = args.out or "shapeshift-compile-out"
     try:
         return run(args, run_ref)
     except Exception as exc:
@@ -144,16 +150,21 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     hardware = evaluator.hardware()
     registry = None if args.no_registry else LocalRegistry(args.registry or out.parent / "shapeshift-registry")
     seeds = []
-    if registry is not None:
-        for entry in registry.nearest_champions(signature, hardware, profile, k=3, family=mc.family):
+    nearest = []
+    if run_ref is not None and not args.no_registry:
+        nearest = run_ref.nearest_champions(signature, hardware, profile, mc.family)
+    elif registry is not None:
+        nearest = registry.nearest_champions(signature, hardware, profile, k=3, family=mc.family)
+    if nearest:
+        for entry in nearest:
             cand = entry.candidate()
             seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
-        if seeds:
-            log.info("seeding with %d champion(s) from %s", len(seeds), registry.root)
+        log.info("seeding with %d champion(s): %s", len(seeds), ", ".join(e.name for e in nearest))
 
     on_status = run_ref.patch_status if run_ref is not None else None
     loop = CompileLoop(evaluator, space, board, agents, budget,
-                       LoopConfig(seed=args.seed, deterministic=args.deterministic), on_status, seeds)
+                       LoopConfig(seed=args.seed, deterministic=args.deterministic,
+                                  min_speedup=args.min_speedup or 1.0), on_status, seeds)
     result = loop.run()
 
     context = {"model": args.model, "profile": profile.name, "device": device, "signature": signature,

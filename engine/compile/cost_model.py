@@ -53,6 +53,7 @@ class Efficiency:
     flops: float = 0.6  # of peak FLOP/s in GEMMs
     interconnect: float = 0.7  # of link bandwidth in collectives
     step_overhead_s: float = 30e-6  # launches, sampling, host work per step (CUDA graphs keep it small)
+    per_sequence_s: float = 0.5e-6  # host work per sequence per step (scheduling, sampling bookkeeping)
 
 
 @dataclass(frozen=True)
@@ -180,18 +181,17 @@ class CostModel:
         e, k = c.num_experts, c.num_experts_per_tok
         return e * (1 - (1 - k / e) ** tokens)
 
-    def _allreduce_s(self, nbytes: float, ranks: int) -> float:
+    def _allreduce(self, nbytes: float, ranks: int) -> tuple[float, float]:
+        """(bytes each rank sends, latency seconds) of a ring all-reduce."""
         if ranks <= 1:
-            return 0.0
-        volume = 2 * (ranks - 1) / ranks * nbytes  # ring: reduce-scatter + all-gather
-        return volume / (self.hw.interconnect_bandwidth * self.eff.interconnect) + \
-            self.hw.interconnect_latency + (ranks - 1) * self.hw.interconnect_latency_per_rank
+            return 0.0, 0.0
+        volume = 2 * (ranks - 1) / ranks * nbytes  # reduce-scatter + all-gather
+        return volume, self.hw.interconnect_latency + (ranks - 1) * self.hw.interconnect_latency_per_rank
 
-    def _alltoall_s(self, nbytes: float, ranks: int) -> float:
+    def _alltoall(self, nbytes: float, ranks: int) -> tuple[float, float]:
         if ranks <= 1:
-            return 0.0
-        return (ranks - 1) / ranks * nbytes / (self.hw.interconnect_bandwidth * self.eff.interconnect) + \
-            self.hw.interconnect_latency
+            return 0.0, 0.0
+        return (ranks - 1) / ranks * nbytes, self.hw.interconnect_latency
 
     def step_terms(self, layout: Layout, work: Workload) -> dict[str, float]:
         """Raw (unscaled) quantities of one step on one GPU of one replica: bytes, flops, comm bytes."""
@@ -222,15 +222,21 @@ class CostModel:
         attn_ctx = context if work.kind == "decode" else context / 2
         flops += 4 * tokens * attn_ctx * c.num_attention_heads * c.head_dim * c.num_hidden_layers / (layout.tp * layout.pp)
         act = tokens * c.hidden_size * b
-        comm_s = 0.0
-        comm_s += 2 * layers_per_stage * self._allreduce_s(act, layout.tp)  # after attention and MLP
+        comm_bytes, comm_lat = 0.0, 0.0
+        vol, lat = self._allreduce(act, layout.tp)  # after attention and after the MLP, every layer
+        comm_bytes += 2 * layers_per_stage * vol
+        comm_lat += 2 * layers_per_stage * lat
         if self.is_moe and layout.ep > 1:
-            comm_s += 2 * layers_per_stage * self._alltoall_s(act * c.num_experts_per_tok, layout.ep)
+            vol, lat = self._alltoall(act * c.num_experts_per_tok, layout.ep)  # dispatch and combine
+            comm_bytes += 2 * layers_per_stage * vol
+            comm_lat += 2 * layers_per_stage * lat
         if layout.pp > 1:
-            comm_s += (layout.pp - 1) / layout.pp * (
-                act / (self.hw.interconnect_bandwidth * self.eff.interconnect) + self.hw.interconnect_latency)
+            comm_bytes += (layout.pp - 1) / layout.pp * act
+            comm_lat += (layout.pp - 1) / layout.pp * self.hw.interconnect_latency
+        comm_s = comm_bytes / (self.hw.interconnect_bandwidth * self.eff.interconnect) + comm_lat
         return {"bytes": attn_bytes + mlp_bytes + embed_bytes + kv_read, "weight_bytes": attn_bytes + mlp_bytes + embed_bytes,
-                "kv_bytes": kv_read, "flops": flops, "comm_s": comm_s, "tokens_per_replica": tokens}
+                "kv_bytes": kv_read, "flops": flops, "comm_bytes": comm_bytes, "comm_latency_s": comm_lat,
+                "comm_s": comm_s, "tokens_per_replica": tokens, "seqs_per_replica": seqs}
 
     def step_time(self, layout: Layout, work: Workload) -> tuple[float, dict[str, float]]:
         t = self.step_terms(layout, work)
@@ -239,9 +245,10 @@ class CostModel:
         # A decode step runs the stages one after another (one batch in flight); prefill streams
         # micro-batches through the pipeline, so its throughput follows one stage.
         stages = layout.pp if work.kind == "decode" else 1
-        total = stages * max(mem_s, compute_s) + t["comm_s"] + self.eff.step_overhead_s
-        return total, {"memory_s": mem_s * stages, "compute_s": compute_s * stages, "comm_s": t["comm_s"],
-                       "overhead_s": self.eff.step_overhead_s, **t}
+        host_s = self.eff.step_overhead_s + self.eff.per_sequence_s * t["seqs_per_replica"]
+        total = stages * max(mem_s, compute_s) + t["comm_s"] + host_s
+        return total, {**t, "memory_s": mem_s * stages, "compute_s": compute_s * stages, "host_s": host_s,
+                       "comm_bw_s": t["comm_bytes"] / (self.hw.interconnect_bandwidth * self.eff.interconnect)}
 
     def memory_per_gpu(self, layout: Layout, batch: int, context: int) -> float:
         c = self.cfg
@@ -278,40 +285,36 @@ class CostModel:
     def calibrate(self, measurements: Iterable[Measurement]) -> Efficiency:
         """Fit the efficiency factors to measured steps (least squares, factors kept positive).
 
-        Each step is modelled as  t = m * memory_s + f * compute_s + k * comm_s + overhead, with
-        memory and compute taken as the dominant (roofline) term of that step, where m, f, k are
-        1/efficiency relative to the current factors. With fewer measurements than unknowns the
-        unknowns that no measurement exercises keep their current values.
+        Each step is modelled as  t = m * memory_s + f * compute_s + k * comm_bw_s + comm_latency
+        + overhead + per_seq * sequences, with memory or compute taken as the dominant (roofline)
+        term of that step; m, f, k rescale the current bandwidth, FLOP/s and link efficiencies.
+        Terms no measurement exercises keep their current values.
         """
         rows, ys = [], []
         for m in measurements:
             _, bd = self.step_time(m.layout, m.workload)
             mem, comp = bd["memory_s"], bd["compute_s"]
-            rows.append([mem if mem >= comp else 0.0, comp if comp > mem else 0.0, bd["comm_s"], 1.0])
-            ys.append(m.seconds)
+            rows.append([mem if mem >= comp else 0.0, comp if comp > mem else 0.0, bd["comm_bw_s"], 1.0,
+                         float(bd["seqs_per_replica"])])
+            ys.append(m.seconds - bd["comm_latency_s"])
         if not rows:
             raise ValueError("calibrate() needs at least one measurement")
         a = np.asarray(rows, dtype=np.float64)
         y = np.asarray(ys, dtype=np.float64)
-        used = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0)]
-        # Scale columns so the solve is well conditioned, then solve on the used columns.
+        used = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0) and np.ptp(a[:, j]) > 0 or j == 3]
+        if len(y) < len(used):  # fewer measurements than unknowns: keep host costs, scale the dominant term
+            used = [int(np.argmax(a[:, :3].sum(axis=0)))]
+            y = y - self.eff.step_overhead_s - self.eff.per_sequence_s * a[:, 4]
         scale = np.array([max(np.abs(a[:, j]).max(), 1e-30) for j in range(a.shape[1])])
-        sol_used, *_ = np.linalg.lstsq(a[:, used] / scale[used], y, rcond=None)
-        coef = np.ones(a.shape[1])
-        coef[3] = self.eff.step_overhead_s
-        for j, v in zip(used, sol_used):
-            coef[j] = v / scale[j]
-        if len(y) < len(used):  # under-determined: attribute everything to the dominant term, keep overhead
-            coef = np.ones(a.shape[1])
-            coef[3] = self.eff.step_overhead_s
-            dominant = int(np.argmax(a[:, :3].sum(axis=0)))
-            coef[dominant] = max(1e-6, (y - coef[3]).sum()) / max(a[:, dominant].sum(), 1e-30)
-        m_coef, f_coef, k_coef, overhead = (max(float(x), 1e-6) for x in coef)
+        sol, *_ = np.linalg.lstsq(a[:, used] / scale[used], y, rcond=None)
+        coef = {j: max(float(v / scale[j]), 1e-9) for j, v in zip(used, sol)}
+        eff = self.eff
         self.eff = Efficiency(
-            bandwidth=min(1.0, self.eff.bandwidth / m_coef) if np.any(a[:, 0] > 0) else self.eff.bandwidth,
-            flops=min(1.0, self.eff.flops / f_coef) if np.any(a[:, 1] > 0) else self.eff.flops,
-            interconnect=min(1.0, self.eff.interconnect / k_coef) if np.any(a[:, 2] > 0) else self.eff.interconnect,
-            step_overhead_s=overhead if 3 in used else self.eff.step_overhead_s,
+            bandwidth=min(1.0, eff.bandwidth / coef[0]) if 0 in coef else eff.bandwidth,
+            flops=min(1.0, eff.flops / coef[1]) if 1 in coef else eff.flops,
+            interconnect=min(1.0, eff.interconnect / coef[2]) if 2 in coef else eff.interconnect,
+            step_overhead_s=coef.get(3, eff.step_overhead_s),
+            per_sequence_s=coef.get(4, eff.per_sequence_s),
         )
         return self.eff
 

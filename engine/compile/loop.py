@@ -438,9 +438,14 @@ class CompileLoop:
         best_full = None
         if inc is not None and inc.candidate.agent != "baseline":
             best_full = round(self._incumbent_speedup(), 4)
+        results = self.board.entries("result")
+        verified = {v["digest"] for v in self.board.entries("verification") if v.get("passed")}
         return {
             "phase": phase,
             "trials": self.trials,
+            "improved": len(self.board.entries("incumbent")),
+            "rejected": len([v for v in self.board.entries("verification") if not v.get("passed")]),
+            "failed": len([r for r in results if r.get("status") != "ok" and not r.get("role")]),
             "trials_budget": self.budget.max_trials,
             "confirms": self.confirms,
             "verifications": self.verifications,
@@ -451,7 +456,8 @@ class CompileLoop:
             "eta_s": None if self.eta_s() is None else round(self.eta_s(), 1),
             "agents": [a.describe() for a in self.agents],
             "leaderboard": [{"digest": r.digest[:12], "agent": r.agent, "throughput": round(r.throughput, 2),
-                             "speedup": None if r.speedup is None else round(r.speedup, 4)} for r in rows],
+                             "speedup": None if r.speedup is None else round(r.speedup, 4),
+                             "verified": r.digest in verified} for r in rows],
         }
 
     def _progress(self, force: bool = False) -> None:

@@ -262,16 +262,20 @@ class ClusterRegistry:
                 "spec": spec}
 
     def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None) -> dict[str, Any]:
+        """Create the ForwardPass. Its spec is immutable, so an existing object of the same name
+        is kept when it pins the same bundle, and refused (ValueError) when it pins another."""
         body = self.to_object(entry, artifact_uri, size_bytes)
         try:
             return self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
-        except Exception as exc:  # noqa: BLE001 - 409: replace the existing one
+        except Exception as exc:  # noqa: BLE001 - 409: look at what is there
             if getattr(exc, "status", None) != 409:
                 raise
-            current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body["metadata"]["name"])
-            body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-            return self.api.replace_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                             body["metadata"]["name"], body)
+            name = body["metadata"]["name"]
+            current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+            if current.get("spec", {}).get("artifact", {}).get("sha256") != entry.bundle_digest:
+                raise ValueError(f"ForwardPass {self.namespace}/{name} exists and pins another bundle; "
+                                 "publish the champion under a new name") from exc
+            return current
 
     def entries(self) -> list[ChampionEntry]:
         objs = self.api.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL).get("items", [])

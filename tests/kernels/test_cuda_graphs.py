@@ -11,7 +11,7 @@ from shapeshift.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from shapeshift.kernels.rotary import rope_cos_sin_cache, rotary_kv_write, rotary_kv_write_ref
 from shapeshift.kernels.sampling import argmax, sample
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
 
 
 def _capture(fn):

@@ -51,6 +51,17 @@ def test_moe_align_skewed_routing(device):
     _check_alignment(ids, E, 4, *moe_align(ids, E, 4))
 
 
+def test_moe_align_many_programs_skewed(device):
+    # 600 entries over 64 experts span several count/scatter programs, which must reserve
+    # disjoint runs inside the hot experts' groups.
+    T, E, k = 300, 64, 2
+    hot = torch.tensor([3, 17, 40], device=device)
+    first = hot[torch.randint(0, 3, (T,), device=device)]
+    second = (first + 1 + torch.randint(0, E - 1, (T,), device=device)) % E
+    ids = torch.stack([first, second], 1).to(torch.int32)
+    _check_alignment(ids, E, 16, *moe_align(ids, E, 16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("a_per_token", [True, False])
 def test_moe_grouped_gemm(a_per_token, dtype, device):

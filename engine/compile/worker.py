@@ -1,0 +1,216 @@
+"""The compile worker's side of a CompileRun: read the run, report progress, publish the champion.
+
+Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
+    API: CompileRun NS/NAME (spec) + its InferenceDeployment (model, when no engine config)
+      + $SHAPESHIFT_ENGINE_CONFIG (the deployment's engine.yaml: model, dtype, context)
+      + $SHAPESHIFT_AGENT_<i>_API_KEY (LLM keys the kubelet took from Secrets)
+      --apply_to_args--> the CLI's settings (model, profile, budget, agents, tiers, baseline)
+    loop status callbacks --patch_status--> CompileRun status: trials, bestSpeedup,
+      leaderboard, message (throttled; the operator owns phase, job, pod and conditions)
+    champion --publish--> a ForwardPass object (the cluster registry)
+    end --finish / fail--> final status: champion name, counts, message
+
+The worker's ServiceAccount may get its own CompileRun, patch its status, get its
+deployment and list/create ForwardPasses; nothing else is needed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..traffic import TrafficProfile, builtin_profile
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+AGENT_KINDS = {"coordinate-sweep": "sweep", "evolutionary": "evolve", "model-based": "bayes", "llm": "llm"}
+
+
+def _load_client(kubeconfig: str | None) -> Any:
+    import kubernetes
+
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config()
+        return kubernetes.client.ApiClient()
+    return kubernetes.config.new_client_from_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"))
+
+
+class CompileRunContext:
+    def __init__(self, api_client: Any, namespace: str, name: str, min_patch_interval_s: float = 2.0):
+        import kubernetes
+
+        self.api_client = api_client
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.namespace, self.name = namespace, name
+        self.min_patch_interval_s = min_patch_interval_s
+        self._last_patch = 0.0
+        self.obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name)
+        self.spec: dict[str, Any] = self.obj.get("spec", {})
+        self.champion_name: str | None = None
+        self.counts = {"total": 0, "improved": 0, "rejected": 0, "failed": 0}
+
+    @classmethod
+    def connect(cls, ref: str, kubeconfig: str | None = None) -> "CompileRunContext":
+        if ref.count("/") != 1 or not all(ref.split("/")):
+            raise SystemExit(f"shapeshift compile: --compile-run takes NAMESPACE/NAME, got {ref!r}")
+        namespace, name = ref.split("/")
+        return cls(_load_client(kubeconfig), namespace, name)
+
+    # ------------------------------------------------------------------ spec -> settings
+    def _deployment(self) -> dict[str, Any] | None:
+        ref = (self.spec.get("deploymentRef") or {}).get("name")
+        if not ref:
+            return None
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "inferencedeployments", ref)
+        except Exception as exc:  # noqa: BLE001 - the run may name a deployment that is gone
+            log.warning("cannot read InferenceDeployment %s/%s: %s", self.namespace, ref, exc)
+            return None
+
+    def profile(self, deployment: dict[str, Any] | None) -> TrafficProfile:
+        traffic = self.spec.get("traffic") or {}
+        if traffic.get("inline"):
+            return TrafficProfile.model_validate(traffic["inline"])
+        if traffic.get("builtin"):
+            return builtin_profile(traffic["builtin"])
+        status = (deployment or {}).get("status") or {}
+        for key in ("observedTraffic", "compiledFor"):
+            if status.get(key):
+                return TrafficProfile.model_validate(status[key])
+        if traffic.get("prometheus"):
+            raise ValueError("spec.traffic.prometheus: the deployment has no observed traffic in its status yet; "
+                             "give spec.traffic.builtin or spec.traffic.inline")
+        return builtin_profile("chat")
+
+    def apply_to_args(self, args: argparse.Namespace) -> None:
+        """Fill the CLI settings from the run (explicit command-line values win)."""
+        deployment = self._deployment()
+        engine_file = os.environ.get("SHAPESHIFT_ENGINE_CONFIG")
+        engine_cfg: dict[str, Any] = {}
+        if engine_file and Path(engine_file).is_file():
+            engine_cfg = yaml.safe_load(Path(engine_file).read_text()) or {}
+        if args.model is None:
+            args.model = engine_cfg.get("model") or ((deployment or {}).get("spec", {}).get("model", {}) or {}).get("preset")
+        if args.model is None:
+            raise ValueError(f"CompileRun {self.namespace}/{self.name}: no model: neither $SHAPESHIFT_ENGINE_CONFIG "
+                             "nor the InferenceDeployment names one")
+        args.dtype = args.dtype or engine_cfg.get("dtype")
+        if args.max_model_len is None and engine_cfg.get("max_model_len"):
+            args.max_model_len = int(engine_cfg["max_model_len"])
+        if args.profile_given is None:
+            args.profile = self.profile(deployment)
+        budget = self.spec.get("budget") or {}
+        if args.budget_trials is None and budget.get("trials"):
+            args.budget_trials = int(budget["trials"])
+        if args.budget_seconds is None and args.budget is None and budget.get("wallClockSeconds"):
+            args.budget_seconds = float(budget["wallClockSeconds"])
+        agents = self.spec.get("agents") or []
+        if agents and args.agents_given is None:
+            names = []
+            for index, agent in enumerate(agents):
+                kind = AGENT_KINDS.get(agent.get("kind"), None)
+                if kind is None or kind in names:
+                    continue
+                names.append(kind)
+                if kind == "llm":
+                    llm = agent.get("llm") or {}
+                    args.llm_url, args.llm_model = llm.get("endpoint"), llm.get("model")
+                    key = os.environ.get(f"SHAPESHIFT_AGENT_{index}_API_KEY")
+                    if key:
+                        args.llm_key_file = str(self._key_file(args, key))
+            args.agents = ",".join(names)
+        tiers = self.spec.get("tiers") or {}
+        if args.fast_layers is None and tiers.get("fastLayers"):
+            args.fast_layers = int(tiers["fastLayers"])
+        if args.confirm_requests is None and tiers.get("replayRequests"):
+            args.confirm_requests = int(tiers["replayRequests"])
+        if args.confirm_repeats is None and tiers.get("repeats"):
+            args.confirm_repeats = int(tiers["repeats"])
+        baseline = self.spec.get("baseline") or {}
+        if args.min_speedup is None and baseline.get("minSpeedup"):
+            args.min_speedup = float(baseline["minSpeedup"])
+        work = os.environ.get("SHAPESHIFT_WORK_DIR")
+        if args.out_given is None and work:
+            args.out = str(Path(work) / self.name)
+        args.compile_run = f"{self.namespace}/{self.name}"
+
+    def _key_file(self, args: argparse.Namespace, key: str) -> Path:
+        """The key in a 0600 file (the LLM agent reads keys from files, like a mounted Secret)."""
+        folder = Path(os.environ.get("SHAPESHIFT_WORK_DIR") or args.out) / ".keys"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "llm-api-key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        return path
+
+    # ------------------------------------------------------------------ status
+    def _patch(self, status: dict[str, Any]) -> None:
+        body = {"status": {k: v for k, v in status.items() if v is not None}}
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, self.namespace, "compileruns", self.name, body)
+
+    def status_body(self, st: dict[str, Any]) -> dict[str, Any]:
+        self.counts = {"total": int(st.get("trials", 0)), "improved": int(st.get("improved", 0)),
+                       "rejected": int(st.get("rejected", 0)), "failed": int(st.get("failed", 0))}
+        board = [{"candidate": row["digest"], "agent": (row.get("agent") or "")[:63] or None,
+                  "speedup": row.get("speedup"), "tokensPerSecond": row.get("throughput"),
+                  "verified": row.get("verified")} for row in (st.get("leaderboard") or [])][:20]
+        eta = st.get("eta_s")
+        message = (f"{st.get('trials', 0)} trials, {st.get('confirms', 0)} confirmed on the full tier; "
+                   + (f"best verified speedup {st['best_speedup']:.3f}x" if st.get("best_speedup") else "no verified gain yet")
+                   + (f"; ETA {eta:.0f}s" if eta is not None else ""))
+        return {"trials": self.counts, "bestSpeedup": st.get("best_speedup"), "leaderboard": board,
+                "message": message[:4096]}
+
+    def patch_status(self, st: dict[str, Any]) -> None:
+        now = time.monotonic()
+        final = st.get("phase") == "Succeeded"
+        if not final and now - self._last_patch < self.min_patch_interval_s:
+            return
+        self._last_patch = now
+        try:
+            self._patch(self.status_body(st))
+        except Exception as exc:  # noqa: BLE001 - status is best effort while the search runs
+            log.warning("patching CompileRun %s/%s status failed: %s", self.namespace, self.name, exc)
+
+    def publish(self, entry: Any, bundle_dir: Path) -> None:
+        from ..bundle import pack_bundle
+        from .registry import ClusterRegistry
+
+        archive = Path(bundle_dir).parent / f"{entry.bundle_digest[:16]}.tar.gz"
+        pack_bundle(bundle_dir, archive)
+        obj = ClusterRegistry(self.custom, self.namespace).publish(entry, archive.resolve().as_uri(),
+                                                                   archive.stat().st_size)
+        self.champion_name = obj["metadata"]["name"]
+
+    def finish(self, result: Any, exported: dict[str, Any] | None) -> None:
+        if result.champion is None:
+            message = f"no verified improvement over the stock forward pass ({result.stop_reason})"
+        else:
+            message = (f"champion {self.champion_name or result.champion.digest[:12]}: {result.speedup:.3f}x the "
+                       f"stock pass, verified ({result.stop_reason})")
+        self._patch({"trials": self.counts | {"total": result.trials}, "bestSpeedup": result.speedup,
+                     "champion": self.champion_name, "message": message})
+
+    def fail(self, message: str) -> None:
+        try:
+            self._patch({"message": f"compile worker failed: {message}"[:4096]})
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not report the failure to the CompileRun: %s", exc)
+
+    def nearest_champions(self, signature: str, hardware: str, profile: TrafficProfile, family: str, k: int = 3):
+        from .registry import ClusterRegistry
+
+        try:
+            return ClusterRegistry(self.custom, self.namespace).nearest_champions(signature, hardware, profile, k, family)
+        except Exception as exc:  # noqa: BLE001 - seeding is optional
+            log.warning("reading ForwardPass champions failed: %s", exc)
+            return []

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One whole GPU measurement session on a CUDA machine that already has torch,
+# triton and transformers (no network): make the `shapeshift` namespace
+# importable without installing, run the CUDA tests, then the benchmarks.
+#   hack/gpu_run.sh [tests] [kernels] [decode] [reload] [parallel]  (default: all but parallel)
+# Results land in bench/results/; logs and a tarball of the results go to
+# $OUT when it is set.
+set -uo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$REPO_ROOT/bench/out}"
+mkdir -p "$OUT" "$REPO_ROOT/bench/results"
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# Namespace package over the repository's code folders (pyproject maps them the same way).
+NS=/tmp/shapeshift-ns
+mkdir -p "$NS/shapeshift"
+for d in engine kernels operator; do ln -sfn "$REPO_ROOT/$d" "$NS/shapeshift/$d"; done
+SITE=/tmp/shapeshift-site
+if compgen -G "$REPO_ROOT/.whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$REPO_ROOT"/.whl/*.whl
+fi
+export PYTHONPATH="$NS:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+
+steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels decode reload)
+cd "$REPO_ROOT"
+for step in "${steps[@]}"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    tests)    timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
+                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    kernels)  timeout 330 python3 hack/bench_kernels.py --budget-s 300 2>&1 | tee "$OUT/kernels.log" ;;
+    decode)   timeout 300 python3 hack/bench_decode.py 2>&1 | tee "$OUT/decode.log" ;;
+    reload)   timeout 240 python3 hack/bench_reload.py --model llama-3.2-1b-shape 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
+    parallel) timeout 500 python3 hack/bench_parallel.py 2>&1 | tee "$OUT/parallel.log" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$REPO_ROOT/bench" results
