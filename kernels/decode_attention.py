@@ -21,7 +21,6 @@ device from context_lens.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

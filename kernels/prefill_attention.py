@@ -50,32 +50,43 @@ def _prefill_attention_kernel(
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,  # 1, or the query group padded to a power of two (PACK_GQA)
+    PACK_GQA: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
-    kv_head = head // QUERY_GROUP
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if m_tile * BLOCK_M < q_len:
         context_len = tl.load(context_lens_ptr + b)
         first_position = context_len - q_len
-        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < q_len
-        positions = first_position + rows  # [BLOCK_M]
+        # Rows of the score tile: BLOCK_M tokens x HEADS_PER_PROGRAM heads. With PACK_GQA the
+        # heads of one kv group share each K/V tile (read once instead of once per head).
+        r = tl.arange(0, BLOCK_M * HEADS_PER_PROGRAM)
+        rows = m_tile * BLOCK_M + r // HEADS_PER_PROGRAM  # token index within the chunk
+        if PACK_GQA:
+            kv_head = tl.program_id(2)
+            in_group = r % HEADS_PER_PROGRAM
+            head = kv_head * QUERY_GROUP + in_group
+            row_mask = (rows < q_len) & (in_group < QUERY_GROUP)
+        else:
+            head = tl.program_id(2) + r * 0
+            kv_head = tl.program_id(2) // QUERY_GROUP
+            row_mask = rows < q_len
+        positions = first_position + rows  # [BLOCK_R]
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
         token = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + token[:, None] * stride_q_t + head * stride_q_h + d[None, :],
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_M * HEADS_PER_PROGRAM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * HEADS_PER_PROGRAM], tl.float32)
+        acc = tl.zeros([BLOCK_M * HEADS_PER_PROGRAM, BLOCK_D], tl.float32)
         # Causal: this tile's last valid row sees tokens up to its position (inclusive).
         kv_end = tl.minimum(context_len, first_position + tl.minimum((m_tile + 1) * BLOCK_M, q_len))
         for tile_start in range(0, kv_end, BLOCK_N):
@@ -99,7 +110,7 @@ def _prefill_attention_kernel(
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_t + head * stride_o_h + d[None, :],
+        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -175,13 +186,17 @@ def prefill_attention(
     check_tensor(op, "out", out, shape=(T, num_q_heads, head_dim), device=device)
     check_same_dtype(op, "q", q, out=out)
     if config is None:
-        problem = {"max_query_len": max_query_len, "head_dim": head_dim, "dtype": dtype_name(q.dtype)}
+        problem = {"max_query_len": max_query_len, "head_dim": head_dim, "query_group": num_q_heads // num_kv_heads,
+                   "dtype": dtype_name(q.dtype)}
         config = PREFILL_ATTENTION_SPEC.default_config(problem, device)
     if B == 0 or T == 0 or max_query_len == 0:
         return out
     upcast_dot, dot_precision = dot_flags(q.dtype)
     block_m = config["BLOCK_M"]
-    grid = (triton.cdiv(max_query_len, block_m), B, num_q_heads)
+    group = num_q_heads // num_kv_heads
+    pack = config.variant == "gqa"
+    heads_per_program = next_power_of_2(group) if pack else 1
+    grid = (triton.cdiv(max_query_len, block_m), B, num_kv_heads if pack else num_q_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         float(scale) * LOG2E,
@@ -190,8 +205,9 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         block_size,
-        QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        QUERY_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEADS_PER_PROGRAM=heads_per_program, PACK_GQA=pack,
+        UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -200,13 +216,25 @@ def prefill_attention(
 def _choose_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
         return KernelConfig.make("tile", num_warps=4, num_stages=1, BLOCK_M=16, BLOCK_N=16)
-    small = int(problem["max_query_len"]) <= 16
     head_dim = int(problem["head_dim"])
-    if small:
-        return KernelConfig.make("tile", num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=64)
+    if int(problem["max_query_len"]) <= 16:
+        # Decode-like chunks: pack the kv group's heads into the 16-row tile instead of padding
+        # a few tokens of one head to 16 rows; K/V are then read once per group.
+        group = next_power_of_2(max(1, int(problem.get("query_group", 1))))
+        block_m = max(4, min(16, 16 // group)) if group <= 16 else 4
+        return KernelConfig.make("gqa", num_warps=4, num_stages=2, BLOCK_M=block_m, BLOCK_N=64)
     if head_dim <= 64:
         return KernelConfig.make("tile", num_warps=4, num_stages=3, BLOCK_M=128, BLOCK_N=64)
     return KernelConfig.make("tile", num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=64)
+
+
+def _constraint(config: KernelConfig, problem) -> bool:
+    if config.variant != "gqa":
+        return True
+    # Packed rows = BLOCK_M x group (padded): the tensor-core tile needs >= 16 rows and more
+    # than 256 rows overflows registers.
+    group = next_power_of_2(max(1, int(problem.get("query_group", 4))))
+    return 16 <= config["BLOCK_M"] * group <= 256
 
 
 PREFILL_ATTENTION_SPEC = register(
@@ -220,10 +248,14 @@ PREFILL_ATTENTION_SPEC = register(
                 VariantSpace("tile", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128),
                                       "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
                              "BLOCK_M query rows of one head per program, KV gathered per tile"),
+                VariantSpace("gqa", {"BLOCK_M": (4, 8, 16, 32, 64), "BLOCK_N": (16, 32, 64, 128),
+                                     "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
+                             "BLOCK_M tokens x every head of one kv group per program: K/V read once per group"),
             ),
+            constraint=_constraint,
         ),
         choose_default=_choose_default,
-        problem_keys=("max_query_len", "head_dim", "dtype"),
+        problem_keys=("max_query_len", "head_dim", "query_group", "dtype"),
         doc=__doc__ or "",
     )
 )

@@ -109,20 +109,6 @@ def _rewrite(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
     return node
 
 
-def _check_preserve(node: Any, allowed: int, path: str = "") -> int:
-    """Count preserve-unknown-fields markers (tests pin the number)."""
-    if not isinstance(node, dict):
-        return 0
-    n = 1 if node.get("x-kubernetes-preserve-unknown-fields") else 0
-    for k, v in node.items():
-        if isinstance(v, dict):
-            if k == "properties":
-                n += sum(_check_preserve(c, allowed, f"{path}.{name}") for name, c in v.items())
-            else:
-                n += _check_preserve(v, allowed, path)
-    return n
-
-
 def openapi_schema(kind: Kind) -> dict[str, Any]:
     spec = structural(kind.spec)
     status = structural(kind.status)

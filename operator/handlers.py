@@ -7,7 +7,7 @@
     CompileRun timer (resync)                -> Job conditions and pod scheduling -> phase, conditions
     (imported at the end) drift_handlers     -> drift timer: Prometheus -> observed traffic -> CompileRun
 
-Edge handlers react; timers observe. Every write is get-or-create-then-patch
+Edge handlers react; timers observe. Every write is get-or-create-then-update
 keyed by a content hash (kube.Kube.ensure) and every status write merges only
 when something changed (kube.Kube.write_status), so a resync or an operator
 restart changes nothing that is already right. Children carry controller

@@ -3,11 +3,12 @@
     desired child (builders) --ensure()--> created | updated | unchanged
     StatusUpdate (status.py) --write_status()--> status subresource (only on change)
 
-`ensure` is get-or-create-then-patch keyed by the `shapeshift.dev/spec-hash`
+`ensure` is get-or-create-then-update keyed by the `shapeshift.dev/spec-hash`
 annotation: an existing child whose hash matches is left alone (no write, no
-new resourceVersion); one whose hash differs gets a JSON merge patch of the
-desired labels, annotations, owner references and body. `create_only=True`
-(Jobs, whose pod template is immutable) never patches.
+new resourceVersion); one whose hash differs is replaced by the desired body
+(with the read resourceVersion, so a concurrent change makes it retry), keeping
+labels and annotations others added. `create_only=True` (Jobs, whose pod
+template is immutable) never updates.
 
 `write_status` reads the object, merges the owned fields and conditions, and
 patches only when something changed, with the read resourceVersion as a
@@ -103,15 +104,20 @@ class Kube:
         have = ((existing.get("metadata") or {}).get("annotations") or {}).get(SPEC_HASH)
         if have == meta["annotations"][SPEC_HASH] or create_only:
             return "unchanged", existing
-        body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+        # Replace, not merge: a key the new desired object dropped (a nodeSelector entry after
+        # the accelerator changed) must disappear. Other writers' labels and annotations are
+        # kept; the API server keeps what it allocated (a Service's clusterIP) on update.
+        old_meta = existing["metadata"]
+        body = dict(desired)
         body["metadata"] = {
-            "labels": meta.get("labels") or {},
-            "annotations": meta.get("annotations") or {},
+            **{k: v for k, v in old_meta.items() if k not in ("managedFields",)},
+            "labels": {**(old_meta.get("labels") or {}), **(meta.get("labels") or {})},
+            "annotations": {**(old_meta.get("annotations") or {}), **(meta.get("annotations") or {})},
             "ownerReferences": meta.get("ownerReferences") or [],
         }
-        patched = _json(getattr(api, f"patch_{suffix}")(
-            meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH, _preload_content=False))
-        return "updated", patched
+        replaced = _json(getattr(api, f"replace_{suffix}")(
+            meta["name"], meta["namespace"], body, _preload_content=False))
+        return "updated", replaced
 
     # ---- custom resources
 
@@ -127,6 +133,7 @@ class Kube:
     def write_status(self, kind: Kind, namespace: str, name: str, update: StatusUpdate,
                      generation: int | None = None, attempts: int = 5) -> tuple[bool, dict[str, Any]]:
         """Merge `update` into the stored status; patch only on change. Returns (changed, status)."""
+        _check_against_model(kind, update)
         for _ in range(attempts):
             obj = self.get_custom(kind, namespace, name)
             if obj is None:
@@ -160,6 +167,16 @@ class Kube:
                     return False, {}
                 raise
         raise kubernetes.client.ApiException(status=409, reason=f"status of {kind.kind} {namespace}/{name} kept changing")
+
+
+def _check_against_model(kind: Kind, update: StatusUpdate) -> None:
+    """Every written field must be one the status model (and so the CRD schema) has, with a
+    value it accepts: the API server would otherwise prune or reject it silently or late."""
+    known = {f.alias or name for name, f in kind.status.model_fields.items()}
+    unknown = sorted(set(update.fields) - known)
+    if unknown:
+        raise ValueError(f"{kind.kind} status has no field(s) {unknown}; known: {sorted(known)}")
+    kind.status.model_validate({k: v for k, v in update.fields.items() if v is not None})
 
 
 def _normal(value: Any) -> Any:

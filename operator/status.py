@@ -187,10 +187,15 @@ def compile_run_status(
     pod_phase = (pod.get("status") or {}).get("phase")
     if pod_phase == "Running":
         phase = current.phase if current.phase in ("Running", "Verifying") else "Running"
-        fields.update(phase=phase, message=f"compiling on node {node}")
+        message = f"compiling on node {node}"
     else:
         phase = current.phase if current.phase in ("Running", "Verifying") else "Scheduled"
-        fields.update(phase=phase, message=f"pod {pod['metadata']['name']} bound to node {node}; starting")
+        message = f"pod {pod['metadata']['name']} bound to node {node}; starting"
+    fields["phase"] = phase
+    # While the worker runs it owns the message (progress); the operator writes one only
+    # when it moves the phase, so the two never overwrite each other on every resync.
+    if phase != current.phase:
+        fields["message"] = message
     return StatusUpdate(fields, [bound])
 
 

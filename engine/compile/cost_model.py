@@ -282,40 +282,43 @@ class CostModel:
         return sorted(preds, key=lambda p: (-p.decode_tokens_per_s, -p.prefill_tokens_per_s, str(p.layout)))
 
     # ------------------------------------------------------------------ calibration
-    def calibrate(self, measurements: Iterable[Measurement]) -> Efficiency:
-        """Fit the efficiency factors to measured steps (least squares, factors kept positive).
+    def calibrate(self, measurements: Iterable[Measurement], iterations: int = 60) -> Efficiency:
+        """Fit the efficiency factors to measured steps; returns (and keeps) the fitted factors.
 
-        Each step is modelled as  t = m * memory_s + f * compute_s + k * comm_bw_s + comm_latency
-        + overhead + per_seq * sequences, with memory or compute taken as the dominant (roofline)
-        term of that step; m, f, k rescale the current bandwidth, FLOP/s and link efficiencies.
-        Terms no measurement exercises keep their current values.
+        Minimises the sum of squared relative errors of the full model (roofline max included)
+        by a pattern search over the logarithms of the five factors: bandwidth, FLOP/s and
+        link efficiency (each at most 1), fixed step overhead and per-sequence host time.
+        Factors that no measurement depends on do not move.
         """
-        rows, ys = [], []
-        for m in measurements:
-            _, bd = self.step_time(m.layout, m.workload)
-            mem, comp = bd["memory_s"], bd["compute_s"]
-            rows.append([mem if mem >= comp else 0.0, comp if comp > mem else 0.0, bd["comm_bw_s"], 1.0,
-                         float(bd["seqs_per_replica"])])
-            ys.append(m.seconds - bd["comm_latency_s"])
-        if not rows:
+        data = [(m.layout, m.workload, m.seconds) for m in measurements]
+        if not data:
             raise ValueError("calibrate() needs at least one measurement")
-        a = np.asarray(rows, dtype=np.float64)
-        y = np.asarray(ys, dtype=np.float64)
-        used = [j for j in range(a.shape[1]) if np.any(a[:, j] > 0) and np.ptp(a[:, j]) > 0 or j == 3]
-        if len(y) < len(used):  # fewer measurements than unknowns: keep host costs, scale the dominant term
-            used = [int(np.argmax(a[:, :3].sum(axis=0)))]
-            y = y - self.eff.step_overhead_s - self.eff.per_sequence_s * a[:, 4]
-        scale = np.array([max(np.abs(a[:, j]).max(), 1e-30) for j in range(a.shape[1])])
-        sol, *_ = np.linalg.lstsq(a[:, used] / scale[used], y, rcond=None)
-        coef = {j: max(float(v / scale[j]), 1e-9) for j, v in zip(used, sol)}
-        eff = self.eff
-        self.eff = Efficiency(
-            bandwidth=min(1.0, eff.bandwidth / coef[0]) if 0 in coef else eff.bandwidth,
-            flops=min(1.0, eff.flops / coef[1]) if 1 in coef else eff.flops,
-            interconnect=min(1.0, eff.interconnect / coef[2]) if 2 in coef else eff.interconnect,
-            step_overhead_s=coef.get(3, eff.step_overhead_s),
-            per_sequence_s=coef.get(4, eff.per_sequence_s),
-        )
+        if any(s <= 0 for _, _, s in data):
+            raise ValueError("calibrate() needs positive measured step times")
+        names = ("bandwidth", "flops", "interconnect", "step_overhead_s", "per_sequence_s")
+        x = np.log(np.array([max(getattr(self.eff, n), 1e-12) for n in names]))
+        upper = np.array([0.0, 0.0, 0.0, np.inf, np.inf])  # efficiencies cannot exceed 1
+
+        def loss(logs: np.ndarray) -> float:
+            self.eff = Efficiency(**{n: float(np.exp(v)) for n, v in zip(names, logs)})
+            return float(sum((self.step_time(layout, work)[0] / sec - 1.0) ** 2 for layout, work, sec in data))
+
+        best = loss(x)
+        step = 2.0
+        for _ in range(iterations):
+            improved = False
+            for i in range(len(x)):
+                for direction in (1.0, -1.0):
+                    trial = x.copy()
+                    trial[i] = min(trial[i] + direction * step, upper[i])
+                    value = loss(trial)
+                    if value < best - 1e-15:
+                        x, best, improved = trial, value, True
+            if not improved:
+                step /= 2
+                if step < 1e-3:
+                    break
+        loss(x)  # leave the best factors in place
         return self.eff
 
 

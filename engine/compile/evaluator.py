@@ -9,7 +9,9 @@ Data flow:
     full tier:  LLMEngine(all layers) --reload--> replay of the traffic profile, `confirm_repeats` times
     verify:     the verification gates (shapeshift.engine.verify) on the full model against
         the stock pass: greedy agreement, logprob tolerance, KV contamination, coverage, anti-cheat
-    export:     the bundle copied to the output folder, re-verified against its manifest
+    export:     the bundle copied to the output folder, re-verified against its manifest; it
+        carries engine.json, the EngineConfig overrides (batch size, chunk budget, prefix
+        caching, graph buckets) the candidate was measured with
 
 Each tier keeps one persistent engine (weights loaded once). Engine knobs of a candidate
 (``engine.*``: batch size, chunk budget, prefix caching, graph buckets) are applied to the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import logging
 import shutil
 import statistics
@@ -43,6 +46,7 @@ from .source_edits import SourceEditError, apply_edits
 log = logging.getLogger(__name__)
 
 FAST, FULL = "fast", "full"
+ENGINE_SETTINGS_FILE = "engine.json"  # in a compiled bundle: EngineConfig overrides it was measured with
 
 
 @dataclass
@@ -69,6 +73,8 @@ class EvaluatorSettings:
     # charged to the candidate). "process": CPU seconds of the whole process.
     # None: "thread" on CPU with one torch thread, "process" on CPU otherwise, "wall" on CUDA.
     timer: str | None = None
+    fast_tier_memory: float = 0.25  # CUDA: share of GPU memory for the fast tier's engine
+    full_tier_memory: float = 0.55  # CUDA: share for the full tier's engine
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
 
 
@@ -200,6 +206,9 @@ class EngineEvaluator:
                                       seed=s.seed)
         if tier == FAST:
             kwargs["num_layers_override"] = self.fast_layers()
+        if str(s.device or "").startswith("cuda"):
+            # Both tiers live on one GPU: each sizes its KV cache from its own share of memory.
+            kwargs["gpu_memory_utilization"] = s.fast_tier_memory if tier == FAST else s.full_tier_memory
         kwargs.update(overrides)
         if kwargs.get("max_num_batched_tokens", 2048) < kwargs.get("max_num_seqs", 64):
             kwargs["max_num_batched_tokens"] = kwargs.get("max_num_seqs", 64)
@@ -273,11 +282,10 @@ class EngineEvaluator:
     # ------------------------------------------------------------------ bundles
     def space(self) -> SearchSpace:
         """The search space for this model on this device."""
-        from ..forward_pass import load_bundle  # noqa: F401 - the stock recipe is read below
-        import yaml
+        from ..bundle import load_recipe
 
         eng = self._engine(FULL, {})
-        stock_recipe = yaml.safe_load((self.stock_dir / "recipe.yaml").read_text()) or {}
+        stock_recipe = load_recipe(self.stock_dir)
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
                                   stock_recipe=stock_recipe, stock_source=self.stock_source,
                                   concurrency=self.profile.concurrency,
@@ -290,12 +298,16 @@ class EngineEvaluator:
         out = self.work_dir / "bundles" / cand.digest[:16]
         if (out / "manifest.json").is_file():
             return out
-        recipe, _, edits = split_recipe(cand.recipe)
+        recipe, engine_knobs, edits = split_recipe(cand.recipe)
         source = apply_edits(cand.source if cand.source is not None else self.stock_source, edits)
         with tempfile.TemporaryDirectory(prefix="shapeshift-src-") as tmp:
             src = Path(tmp) / "src"
             shutil.copytree(self.stock_dir, src, ignore=shutil.ignore_patterns("__pycache__", "manifest.json"))
             (src / "forward.py").write_text(source)
+            # The engine settings the candidate was measured with travel in the bundle (hashed
+            # like every file): EngineConfig keyword arguments for the serving engine.
+            (src / ENGINE_SETTINGS_FILE).write_text(json.dumps(engine_overrides(engine_knobs), indent=2,
+                                                                sort_keys=True) + "\n")
             if out.exists():
                 shutil.rmtree(out)
             create_bundle(src, recipe, out, name=f"compiled-{cand.digest[:12]}",

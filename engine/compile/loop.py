@@ -14,9 +14,10 @@ measured or counted again, a trial that was started but never finished is re-run
 its own id, candidates that were proposed but never started are measured first, and the
 latest incumbent (with its measurements) is restored.
 
-Deterministic mode (``LoopConfig.deterministic``) drives the agents round-robin from the
-loop's own thread instead of concurrently, so with the same seed the sequence of
-candidates depends only on the measured results.
+Deterministic mode (``LoopConfig.deterministic``) drives the agents in rounds from the
+loop's own thread instead of concurrently: every agent proposes against the same board,
+then the round is measured. The first round sees only the baseline, so with the same seed
+it is the same; later rounds depend on measured results (timings are never exact).
 """
 
 from __future__ import annotations
@@ -401,19 +402,18 @@ class CompileLoop:
             if not self._measured(cand.digest):
                 return cand, tid
         if self.config.deterministic:
-            for _ in range(3 * max(1, len(self.agents))):
-                if not self.agents:
-                    return None
-                agent = self.agents[self._rr % len(self.agents)]
-                self._rr += 1
-                try:
-                    proposals = agent.propose(1)
-                except Exception as exc:  # noqa: BLE001
-                    agent.errors += 1
-                    self.board.note(agent.name, f"agent raised {type(exc).__name__}: {exc}", error=True)
-                    continue
-                for cand in submit(agent, self.board, self.space, proposals):
-                    self.pending.append((cand, None))
+            # Rounds: every agent proposes against the same board, then the round is measured
+            # in agent order. Round one sees only the baseline, so it is a function of the seed.
+            for _ in range(3):
+                for agent in self.agents:
+                    try:
+                        proposals = agent.propose(1)
+                    except Exception as exc:  # noqa: BLE001
+                        agent.errors += 1
+                        self.board.note(agent.name, f"agent raised {type(exc).__name__}: {exc}", error=True)
+                        continue
+                    for cand in submit(agent, self.board, self.space, proposals):
+                        self.pending.append((cand, None))
                 while self.pending:
                     cand, tid = self.pending.popleft()
                     if not self._measured(cand.digest):

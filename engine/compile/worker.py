@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..traffic import TrafficProfile, builtin_profile
 
 log = logging.getLogger(__name__)
@@ -96,6 +94,8 @@ class CompileRunContext:
         engine_file = os.environ.get("SHAPESHIFT_ENGINE_CONFIG")
         engine_cfg: dict[str, Any] = {}
         if engine_file and Path(engine_file).is_file():
+            import yaml
+
             engine_cfg = yaml.safe_load(Path(engine_file).read_text()) or {}
         if args.model is None:
             args.model = engine_cfg.get("model") or ((deployment or {}).get("spec", {}).get("model", {}) or {}).get("preset")

@@ -51,6 +51,34 @@ def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) ->
         reg.publish(clash, "file:///x.tar.gz")
 
 
+def worker_kubeconfig(cluster, namespace: str, run: str, tmp_path: Path) -> Path:
+    """A kubeconfig holding a token of the run's own ServiceAccount, with exactly the Role the
+    operator gives compile workers (operator.builders.build_compile_rbac)."""
+    import kubernetes
+    import yaml
+
+    from shapeshift.operator.builders import Parent, build_compile_rbac
+    from shapeshift.operator.models import CompileRunSpec
+
+    obj = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", run)
+    cluster.apply(build_compile_rbac(Parent.from_body(obj), CompileRunSpec.model_validate(obj["spec"])), namespace)
+    account = f"{run}-compile"
+    token = cluster.core.create_namespaced_service_account_token(
+        account, namespace, kubernetes.client.AuthenticationV1TokenRequest(
+            spec=kubernetes.client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    config = {"apiVersion": "v1", "kind": "Config", "clusters": [server],
+              "users": [{"name": account, "user": {"token": token}}],
+              "contexts": [{"name": account, "context": {"cluster": server["name"], "user": account,
+                                                          "namespace": namespace}}],
+              "current-context": account}
+    path = tmp_path / "worker-kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @pytest.mark.slow
 def test_worker_reads_compile_run_reports_status_and_publishes(crds, namespace, tmp_path: Path) -> None:
     cluster = crds
@@ -64,7 +92,8 @@ def test_worker_reads_compile_run_reports_status_and_publishes(crds, namespace, 
                  "agents": [{"kind": "coordinate-sweep"}, {"kind": "model-based"}],
                  "tiers": {"fastLayers": 1, "replayRequests": 64, "repeats": 4},
                  "baseline": {"minSpeedup": 1.0}}})
-    rc = main(["--compile-run", f"{namespace}/run-1", "--kubeconfig", str(cluster.kubeconfig), "--device", "cpu",
+    kubeconfig = worker_kubeconfig(cluster, namespace, "run-1", tmp_path)
+    rc = main(["--compile-run", f"{namespace}/run-1", "--kubeconfig", str(kubeconfig), "--device", "cpu",
                "--screen-requests", "32", "--out", str(tmp_path / "out"), "--registry", str(tmp_path / "reg")])
     assert rc == 0
     run = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")
@@ -82,3 +111,10 @@ def test_worker_reads_compile_run_reports_status_and_publishes(crds, namespace, 
         assert f"champion {st['champion']}" in st["message"]
     else:
         assert fps == [] and "no verified improvement" in st["message"]
+    # The worker's token can do only what it needs: not even read another run or a Secret.
+    import kubernetes
+
+    worker = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    with pytest.raises(kubernetes.client.ApiException) as denied:
+        kubernetes.client.CoreV1Api(worker).list_namespaced_secret(namespace)
+    assert denied.value.status == 403

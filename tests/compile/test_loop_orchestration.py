@@ -8,6 +8,7 @@ measurement claim of the project comes from the real evaluator (test_loop_real.p
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 from shapeshift.engine.compile.agents.base import Agent
@@ -158,3 +159,28 @@ def test_resume_counts_each_trial_once(tmp_path: Path) -> None:
     finished = [r for r in Board(board_path).entries("result") if r["tier"] == "fast" and not r.get("role")]
     assert len({r["trial_id"] for r in finished}) == 3 and len({r["digest"] for r in finished}) == 3
     assert any(r["trial_id"].startswith("t00099-") for r in finished)  # re-run under its own id
+
+
+class SlowThinker(Agent):
+    """Takes a long time per proposal (like an LLM call)."""
+
+    name = "slow"
+
+    def propose(self, n=1):
+        time.sleep(1.5)
+        self.done = getattr(self, "done", 0) + 1
+        return [Candidate({"variant": "faster"}, agent=self.name, note="after long thought")] if self.done == 1 else []
+
+
+def test_measurement_never_waits_for_a_thinking_agent(tmp_path: Path) -> None:
+    board = Board(tmp_path / "board.jsonl")
+    sp = space()
+    ev = FakeEvaluatorForOrchestrationTests({"stock": 100, "fast": 101, "same": 100, "wrong": 99, "faster": 150})
+    slow = SlowThinker(sp, board)
+    quick = ListAgent(sp, board, ["fast", "same", "wrong"])
+    loop = CompileLoop(ev, sp, board, [slow, quick], Budget(max_trials=4), LoopConfig(queue_size=2))
+    result = loop.run()
+    screened = [k for op, k in ev.calls if op == "screen" and k != "stock"]
+    # The quick agent's three candidates were measured while the slow one was still thinking.
+    assert screened[:3] == ["fast", "same", "wrong"] and screened[3] == "faster"
+    assert result.trials == 4 and result.champion.recipe["variant"] == "faster"

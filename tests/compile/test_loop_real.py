@@ -33,14 +33,18 @@ def _incumbent_entries_are_verified(board: Board) -> None:
 
 
 def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> None:
+    """`shapeshift compile --budget-trials 12` with every other setting at its embedded default."""
     out = tmp_path / "out"
-    rc = main(SMALL + ["--budget-trials", "8", "--out", str(out), "--registry", str(tmp_path / "registry")])
+    rc = main(["--budget-trials", "12", "--out", str(out), "--registry", str(tmp_path / "registry")])
     assert rc == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     board = Board(out / "board.jsonl")
-    assert report["trials"] == 8 and "Leaderboard" in (out / "report.md").read_text()
-    assert len({r["trial_id"] for r in board.results("fast") if not r.get("role")}) == 8
+    assert report["model"] == "tiny-llama" and report["profile"] == "chat"
+    assert report["trials"] == 12 and "Leaderboard" in (out / "report.md").read_text()
+    assert len({r["trial_id"] for r in board.results("fast") if not r.get("role")}) == 12
+    with capsys.disabled():
+        print(f"\nembedded default: champion={report['champion']} speedup={report['speedup']}")
     _incumbent_entries_are_verified(board)
     if report["champion"] is None:
         assert "no verified improvement" in printed
@@ -52,6 +56,9 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> Non
         assert report["verification"]["passed"] and all(report["verification"]["gates"].values())
         assert len(report["verification"]["gates"]) >= 10
         manifest = verify_bundle(out / "champion")
+        assert "engine.json" in manifest.files  # the engine settings it was measured with, hashed
+        engine = json.loads((out / "champion" / "engine.json").read_text())
+        assert engine["max_num_seqs"] == report["champion_recipe"]["engine.max_num_seqs"]
         final = [n for n in board.entries("note") if n.get("final")][-1]
         assert final["low"] > 1.0 and report["speedup"] == pytest.approx(final["gain"])
         [entry] = LocalRegistry(tmp_path / "registry").entries()
@@ -101,8 +108,10 @@ def test_same_seed_same_deterministic_parts(tmp_path: Path) -> None:
         assert main(SMALL + ["--budget-trials", "3", "--out", str(out), "--no-registry", "--deterministic",
                              "--seed", "11", "--screen-repeats", "1", "--confirm-repeats", "2"]) == 0
         board = Board(out / "board.jsonl")
-        first = [(c["agent"], c["digest"]) for c in board.entries("candidate")][:4]  # baseline + one per agent
-        status = [(r["digest"], r["status"]) for r in board.entries("result") if r["tier"] == "fast"][:4]
-        runs.append((first, status))
+        cands = board.entries("candidate")
+        first_round = [(c["agent"], c["digest"]) for c in cands if c["agent"] != "baseline"][:3]
+        statuses = {r["digest"]: r["status"] for r in board.entries("result") if r["tier"] == "fast"}
+        runs.append((cands[0]["digest"], first_round, [statuses.get(d) for _, d in first_round]))
     assert runs[0] == runs[1]
-    assert [a for a, _ in runs[0][0]] == ["baseline", "sweep", "evolve", "bayes"]
+    assert [a for a, _ in runs[0][1]] == ["sweep", "evolve", "bayes"]
+    assert runs[0][2] == ["ok", "ok", "ok"]

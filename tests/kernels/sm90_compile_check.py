@@ -101,7 +101,8 @@ def launch_all() -> None:
         prefill_attention.prefill_attention(
             e(2048, 32, 64, dtype=BF16), e(300, 16, 8, 64, dtype=BF16), e(300, 16, 8, 64, dtype=BF16),
             e(1, 256, dtype=torch.int32), e(2, dtype=torch.int32), e(1, dtype=torch.int32), 0.125, max_q,
-            config=sm90(prefill_attention.PREFILL_ATTENTION_SPEC, {"max_query_len": max_q, "head_dim": 64}))
+            config=sm90(prefill_attention.PREFILL_ATTENTION_SPEC, {"max_query_len": max_q, "head_dim": 64,
+                                                                   "query_group": 4}))
     label("topk_routing")
     moe.topk_routing(e(64, 128), 8, True, config=sm90(moe.TOPK_ROUTING_SPEC, {"experts": 128}))
     label("moe_align")

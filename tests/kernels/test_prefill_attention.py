@@ -29,11 +29,11 @@ MIXED = ([19, 3, 1, 0], [19, 21, 9, 4])
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,bs", [(4, 2, 16, 4), (3, 1, 24, 8)])
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
-def test_prefill_attention_matches_reference(hq, hkv, d, bs, block_m, block_n, dtype, device):
+@pytest.mark.parametrize("variant,block_m,block_n", [("tile", 16, 16), ("tile", 32, 16), ("gqa", 8, 16)])
+def test_prefill_attention_matches_reference(hq, hkv, d, bs, variant, block_m, block_n, dtype, device):
     q, kc, vc, bt, qsl, cl = _mixed_batch(*MIXED, hq, hkv, d, bs, dtype, device)
     out = poisoned(q.shape, dtype, device)
-    config = KernelConfig.make("tile", num_warps=4, num_stages=1, BLOCK_M=block_m, BLOCK_N=block_n)
+    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_M=block_m, BLOCK_N=block_n)
     prefill_attention(q, kc, vc, bt, qsl, cl, d ** -0.5, max(MIXED[0]), out=out, config=config)
     assert_close_norm(out, prefill_attention_ref(q, kc, vc, bt, qsl, cl, d ** -0.5), dtype)
 

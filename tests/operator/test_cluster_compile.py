@@ -61,6 +61,12 @@ def bound_pod(kube, namespace, run="run-1"):
     return pods[0] if pods else None
 
 
+def event_reasons(cluster, namespace, name="run-1") -> list[str]:
+    """Reasons of the events about one object; kopf aggregates repeats into one event with a count."""
+    events = cluster.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return [e.reason for e in events]
+
+
 def stand_in_worker(tmp_path: Path, exit_code: int) -> dict[str, str]:
     """A `shapeshift` executable that records argv and env, then exits with `exit_code`."""
     bin_dir = tmp_path / f"stand-in-{exit_code}"
@@ -125,8 +131,7 @@ def test_job_fate_becomes_the_phase(crds, namespace, operator, kube, run_pod_loc
     key = "Complete" if phase == "Succeeded" else "Failed"
     assert conditions(st)[key]["status"] == "True" and conditions(st)[key]["reason"] == reason
     assert st["completionTime"]
-    events = crds.core.list_namespaced_event(namespace, field_selector="involvedObject.name=run-1").items
-    assert any(e.reason == phase for e in events), [e.reason for e in events]
+    wait_until(lambda: phase in event_reasons(crds, namespace), 15, f"a {phase} event")
     time.sleep(5)  # finished runs are left alone by later resyncs
     assert len(jobs(kube, namespace)) == 1 and run_status(crds, namespace) == st
 
@@ -144,8 +149,10 @@ def test_unplaceable_run_reports_unschedulable_within_a_minute(crds, namespace, 
     assert time.monotonic() - started < 60
     assert cond["reason"] == "Unschedulable" and "node" in cond["message"], cond
     assert run_status(crds, namespace)["phase"] == "Pending"
-    events = crds.core.list_namespaced_event(namespace, field_selector="involvedObject.name=run-1").items
-    assert any(e.reason == "Unschedulable" and e.type == "Warning" for e in events)
+    # kopf posts events asynchronously, after the status write
+    wait_until(lambda: any(e.reason == "Unschedulable" and e.type == "Warning" for e in
+                           crds.core.list_namespaced_event(namespace, field_selector="involvedObject.name=run-1").items),
+               15, "an Unschedulable warning event")
 
 
 def test_run_for_a_missing_deployment_waits_for_it(crds, namespace, operator, kube):
@@ -191,6 +198,8 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
         (job,) = wait_until(lambda: jobs(kube, namespace), 30, "the compile Job")
         pod = wait_until(lambda: bound_pod(kube, namespace), 30, "the compile pod to be bound")
         wait_until(lambda: run_status(crds, namespace).get("phase") in ("Scheduled", "Running"), 30, "run scheduled")
+        rbac_before = {k: kube.get(k, namespace, "run-1-compile")["metadata"]["resourceVersion"]
+                       for k in ("ServiceAccount", "Role", "RoleBinding")}
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=10)
@@ -213,9 +222,10 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
         assert after["metadata"]["uid"] == job["metadata"]["uid"], "the Job was recreated"
         assert len(kube.list("Pod", namespace, {"shapeshift.dev/compile-run": "run-1"})) == 1
         assert run_status(crds, namespace) == st
-        events = crds.core.list_namespaced_event(namespace, field_selector="involvedObject.name=run-1").items
-        assert [e.reason for e in events].count("JobCreated") == 1
-        assert [e.reason for e in events].count("Succeeded") == 1
+        assert {k: kube.get(k, namespace, "run-1-compile")["metadata"]["resourceVersion"]
+                for k in ("ServiceAccount", "Role", "RoleBinding")} == rbac_before, "resume rewrote the RBAC"
+        reasons = event_reasons(crds, namespace)
+        assert reasons.count("JobCreated") == 1 and reasons.count("Succeeded") == 1, reasons
     finally:
         second.send_signal(signal.SIGTERM)
         try:

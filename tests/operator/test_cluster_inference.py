@@ -116,6 +116,29 @@ def test_spec_update_patches_in_place_and_deleted_child_is_recreated(crds, names
     assert after["ConfigMap"] == before["ConfigMap"] and after["Service"] == before["Service"]
     wait_until(lambda: status(crds, namespace).get("readyReplicas") == 3, 60, "3 ready replicas in status")
 
+    # Moving to another pool removes the old pool's selector and tolerations (replace, not merge),
+    # and the real scheduler then puts the new pods on the CPU pool.
+    crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama",
+                                               {"spec": {"hardware": {"accelerator": "cpu", "count": 1}}})
+
+    def on_cpu_pool():
+        dep = kube.get("Deployment", namespace, "llama-engine")
+        pod_spec = dep["spec"]["template"]["spec"]
+        return dep if "nodeSelector" not in pod_spec and not pod_spec.get("tolerations") else None
+
+    dep = wait_until(on_cpu_pool, 30, "the Deployment to drop the GPU pool's selector")
+    assert "nvidia.com/gpu" not in dep["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+
+    def cpu_pods_ready():
+        if status(crds, namespace).get("phase") != "Ready":
+            return None
+        pods = kube.list("Pod", namespace, {"shapeshift.dev/inference-deployment": "llama"})
+        nodes = [p["spec"].get("nodeName") or "" for p in pods if not p["metadata"].get("deletionTimestamp")]
+        return nodes if len(nodes) == 3 and all(n.startswith("cpu-") for n in nodes) else None
+
+    wait_until(cpu_pods_ready, 90, "3 ready engine pods on the CPU pool")
+    assert kube.get("Service", namespace, "llama")["metadata"]["resourceVersion"] == before["Service"][1]
+
     crds.core.delete_namespaced_service("llama", namespace)
     recreated = wait_until(lambda: kube.get("Service", namespace, "llama"), 30, "the Service to be recreated")
     assert recreated["metadata"]["uid"] != before["Service"][0]
@@ -142,3 +165,15 @@ def test_unplaceable_deployment_reports_unschedulable(crds, namespace, operator)
     cond = wait_until(unschedulable, 60, "Scheduled=False on the InferenceDeployment")
     assert cond["reason"] == "Unschedulable" and "node" in cond["message"]
     assert status(crds, namespace)["phase"] == "Degraded"
+
+
+def test_scale_subresource_drives_the_engine_deployment(crds, namespace, operator, kube):
+    """`kubectl scale` (and so an HPA) works on the InferenceDeployment itself."""
+    make(crds, namespace, replicas=1)
+    wait_until(lambda: status(crds, namespace).get("phase") == "Ready", 60, "phase Ready")
+    assert status(crds, namespace)["selector"] == (
+        "app.kubernetes.io/component=engine,shapeshift.dev/inference-deployment=llama")
+    crds.kubectl("scale", "inferencedeployment/llama", "-n", namespace, "--replicas=2")
+    wait_until(lambda: (kube.get("Deployment", namespace, "llama-engine") or {}).get("spec", {}).get("replicas") == 2,
+               30, "the engine Deployment to follow the scale")
+    wait_until(lambda: status(crds, namespace).get("readyReplicas") == 2, 60, "2 ready replicas")

@@ -33,10 +33,10 @@ def test_run_waits_then_is_scheduled_then_running():
     assert u.fields["phase"] == "Running"
 
 
-def test_worker_reported_verifying_is_not_turned_back():
-    cur = CompileRunStatus(phase="Verifying")
+def test_worker_reported_verifying_and_progress_message_are_left_alone():
+    cur = CompileRunStatus(phase="Verifying", message="trial 17: 1.21x")
     u = compile_run_status(current=cur, job=job(), job_name="r-compile", pods=[pod("p", node="n", phase="Running")])
-    assert u.fields["phase"] == "Verifying"
+    assert u.fields["phase"] == "Verifying" and "message" not in u.fields
 
 
 def test_unschedulable_pod_becomes_a_condition():
@@ -100,3 +100,18 @@ def test_merged_conditions_unchanged_when_nothing_changed():
     first = merged_conditions([], u, 3)
     again = merged_conditions(first, idep_status(deployment(ready=2)), 3)
     assert again == first
+
+
+def test_status_writes_are_checked_against_the_model():
+    import pytest
+    from pydantic import ValidationError
+
+    from shapeshift.operator.kube import _check_against_model
+    from shapeshift.operator.models import COMPILE_RUN
+    from shapeshift.operator.status import StatusUpdate
+
+    _check_against_model(COMPILE_RUN, StatusUpdate({"phase": "Running", "jobName": "r-compile", "nodeName": None}))
+    with pytest.raises(ValueError, match="phaze"):
+        _check_against_model(COMPILE_RUN, StatusUpdate({"phaze": "Running"}))
+    with pytest.raises(ValidationError):
+        _check_against_model(COMPILE_RUN, StatusUpdate({"phase": "Done"}))

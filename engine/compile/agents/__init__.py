@@ -10,17 +10,28 @@ from typing import Any
 from ..board import Board
 from ..search_space import SearchSpace
 from .base import Agent, AgentWorker, GarbageCandidate, check_candidate, scored, submit
-from .bayes import BayesAgent
 from .evolve import EvolveAgent
 from .llm import LLMAgent, extract_module
 from .sweep import SweepAgent
 
-AGENT_CLASSES: dict[str, type[Agent]] = {
-    "sweep": SweepAgent,
-    "evolve": EvolveAgent,
-    "bayes": BayesAgent,
-    "llm": LLMAgent,
-}
+AGENT_NAMES = ("sweep", "evolve", "bayes", "llm")
+
+
+def __getattr__(name: str):
+    # optuna is imported only when the model-based agent is used (GPU hosts may lack it).
+    if name == "BayesAgent":
+        from .bayes import BayesAgent
+
+        return BayesAgent
+    raise AttributeError(name)
+
+
+def agent_class(name: str) -> type[Agent]:
+    if name == "bayes":
+        from .bayes import BayesAgent
+
+        return BayesAgent
+    return {"sweep": SweepAgent, "evolve": EvolveAgent, "llm": LLMAgent}[name]
 
 
 def make_agents(names: list[str], space: SearchSpace, board: Board, seed: int = 0,
@@ -28,16 +39,16 @@ def make_agents(names: list[str], space: SearchSpace, board: Board, seed: int = 
     """Agents by name; `llm` holds the LLM agent's keyword arguments (base_url, model, ...)."""
     agents: list[Agent] = []
     for name in names:
-        if name not in AGENT_CLASSES:
-            raise ValueError(f"unknown agent {name!r}; choose from {', '.join(AGENT_CLASSES)}")
+        if name not in AGENT_NAMES:
+            raise ValueError(f"unknown agent {name!r}; choose from {', '.join(AGENT_NAMES)}")
         if name == "llm":
             if not llm:
                 raise ValueError("agent 'llm' needs --llm-url and --llm-model")
             agents.append(LLMAgent(space, board, seed, **llm))
         else:
-            agents.append(AGENT_CLASSES[name](space, board, seed))
+            agents.append(agent_class(name)(space, board, seed))
     return agents
 
 
-__all__ = ["AGENT_CLASSES", "Agent", "AgentWorker", "BayesAgent", "EvolveAgent", "GarbageCandidate", "LLMAgent",
+__all__ = ["AGENT_NAMES", "Agent", "AgentWorker", "BayesAgent", "EvolveAgent", "GarbageCandidate", "LLMAgent",
            "SweepAgent", "check_candidate", "extract_module", "make_agents", "scored", "submit"]

@@ -165,12 +165,15 @@ class AgentWorker(threading.Thread):
                 self.stop_event.wait(backoff)
                 backoff = min(self.max_backoff_s, backoff * 2)
                 continue
-            backoff = self.idle_sleep_s
             good = submit(self.agent, self.board, self.space, proposals)
             if not good:
+                # Nothing new until the board changes: back off, so an idle agent does not
+                # take CPU from the measurement.
                 self.agent.state = "idle: nothing new to propose"
-                self.stop_event.wait(self.idle_sleep_s)
+                self.stop_event.wait(backoff)
+                backoff = min(self.max_backoff_s, backoff * 2)
                 continue
+            backoff = self.idle_sleep_s
             for cand in good:
                 while not self.stop_event.is_set():
                     try:

@@ -21,7 +21,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
+try:  # the LLM agent is optional; GPU hosts without httpx can run the offline agents
+    import httpx
+except ImportError:  # pragma: no cover - exercised only where httpx is absent
+    httpx = None
 
 from ..board import Board
 from ..candidate import Candidate
@@ -45,6 +48,9 @@ SYSTEM_PROMPT = (
 
 class ReplyError(ValueError):
     """The endpoint's reply holds no usable module."""
+
+
+_HTTP_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError,) if httpx is not None else ()
 
 
 def extract_module(reply: str) -> str:
@@ -129,6 +135,8 @@ class LLMAgent(Agent):
             "seed": self.rng.randrange(1 << 30),
         }
         self.calls += 1
+        if httpx is None:
+            raise ReplyError("the llm agent needs the httpx package (pip install httpx)")
         resp = httpx.post(f"{self.base_url}/chat/completions", json=body, headers=headers, timeout=self.timeout_s)
         if resp.status_code != 200:
             raise ReplyError(f"endpoint answered HTTP {resp.status_code}: {resp.text[:200]}")
@@ -146,7 +154,7 @@ class LLMAgent(Agent):
         try:
             reply = self.chat(prompt)
             source = extract_module(reply)
-        except (ReplyError, httpx.HTTPError) as exc:
+        except (ReplyError, *_HTTP_ERRORS) as exc:
             self.garbage += 1
             self.board.note(self.name, f"LLM reply skipped: {exc}", garbage=True)
             return []
