@@ -2,7 +2,10 @@
 
     InferenceDeployment (Parent + InferenceDeploymentSpec)
         -> build_engine_configmap  ConfigMap  <name>-engine     engine.yaml (EngineConfig fields)
-        -> build_engine_deployment Deployment <name>-engine     engine server pods on the pool
+        -> build_engine_deployment Deployment <name>-engine     engine server pods on the pool; each
+                                   engine follows its pod's forward-pass annotations through a
+                                   downwardAPI volume (engine/rollout_protocol.py); under the
+                                   Restart strategy the rollout passes the template's annotations
         -> build_engine_service    Service    <name>            port http -> the pods
     CompileRun (Parent + CompileRunSpec) + its deployment's spec
         -> build_compile_rbac      ServiceAccount, Role, RoleBinding  <run>-compile
@@ -24,6 +27,13 @@ from typing import Any, Mapping
 
 import yaml
 
+from shapeshift.engine.rollout_protocol import (
+    DEFAULT_ANNOTATIONS_FILE,
+    DOWNWARD_API_MOUNT_PATH,
+    podinfo_volume,
+    podinfo_volume_mount,
+    serve_args,
+)
 from shapeshift.operator.hardware import accelerator, placement
 from shapeshift.operator.models import (
     API_VERSION,
@@ -41,7 +51,11 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "shapeshift-operator", "app.kubernetes.io/part-of": "shapeshift"}
 
 MODEL_MOUNT = "/models"
-CONFIG_MOUNT = "/etc/shapeshift"
+# Siblings under /etc/shapeshift, never nested: a volume mounted inside a read-only one
+# needs its mount point created in a read-only file system, which container runtimes refuse.
+CONFIG_MOUNT = "/etc/shapeshift/config"
+ADMIN_TOKEN_MOUNT = "/etc/shapeshift/admin"
+ADMIN_TOKEN_FILE = "token"
 WORK_MOUNT = "/var/lib/shapeshift"
 ENGINE_CONFIG_KEY = "engine.yaml"
 
@@ -195,6 +209,10 @@ def engine_args(spec: InferenceDeploymentSpec) -> list[str]:
         args.append("--no-prefix-caching")
     if cfg["enforce_eager"]:
         args.append("--enforce-eager")
+    # The engine follows the pod's forward-pass annotations (the rollout writes them).
+    args += serve_args(DEFAULT_ANNOTATIONS_FILE)
+    if spec.engine.admin_token_secret is not None:
+        args += ["--admin-token-file", f"{ADMIN_TOKEN_MOUNT}/{ADMIN_TOKEN_FILE}"]
     return args
 
 
@@ -226,10 +244,27 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
             "failureThreshold": failures}
 
 
-def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+def _engine_volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod-info (downward API) volume every engine reads, plus the admin token if configured."""
+    assert podinfo_volume_mount()["mountPath"] == DOWNWARD_API_MOUNT_PATH
+    volumes, mounts = [podinfo_volume()], [podinfo_volume_mount()]
+    secret = spec.engine.admin_token_secret
+    if secret is not None:
+        volumes.append({"name": "admin-token", "secret": {
+            "secretName": secret.name, "items": [{"key": secret.key, "path": ADMIN_TOKEN_FILE}],
+            "defaultMode": 0o400}})
+        mounts.append({"name": "admin-token", "mountPath": ADMIN_TOKEN_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
+                            template_annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The engine Deployment. ``template_annotations``: extra pod-template annotations (the
+    forward pass the Restart strategy rolls out); a change to them rolls the pods."""
     place = _placement(spec.hardware)
     configmap = build_engine_configmap(parent, spec)
     model_volumes, model_mounts = _model_volumes(spec)
+    engine_volumes, engine_mounts = _engine_volumes(spec)
     port = spec.engine.port
     pod_labels = engine_labels(parent.name)
     pod_annotations = {
@@ -238,6 +273,7 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec) -> di
         "prometheus.io/path": "/metrics",
         # A changed engine config restarts the pods; the ConfigMap itself is not watched by the engine.
         CONFIG_HASH: configmap["metadata"]["annotations"][SPEC_HASH],
+        **dict(template_annotations or {}),
     }
     container = {
         "name": "engine",
@@ -258,13 +294,15 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec) -> di
         "startupProbe": _probe("/health", 10, 180),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
-        "volumeMounts": [{"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True}, *model_mounts],
+        "volumeMounts": [{"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True}, *model_mounts,
+                         *engine_mounts],
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [
             {"name": "engine-config", "configMap": {"name": engine_configmap_name(parent.name)}},
             *model_volumes,
+            *engine_volumes,
         ],
         "terminationGracePeriodSeconds": 60,
     }

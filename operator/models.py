@@ -190,6 +190,13 @@ class ModelSource(WireModel):
 KV_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
+class AdminTokenSecret(WireModel):
+    """A Secret key holding the bearer token of the engine's admin API (/admin/forward-passes)."""
+
+    name: str = Field(max_length=253, pattern=_DNS_SUBDOMAIN, description="Secret name (same namespace).")
+    key: str = Field(default="token", max_length=253, description="Key in the Secret.")
+
+
 class EngineSettings(WireModel):
     """Engine server settings. The bounds mirror `shapeshift.engine.config.EngineConfig`
     (dtype choices, power-of-two block size, batched tokens >= batch size,
@@ -221,6 +228,10 @@ class EngineSettings(WireModel):
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
     cuda_graphs: bool = Field(default=True, description="Capture CUDA graphs per batch bucket (GPU only).")
     port: int = Field(default=8000, ge=1024, le=65535, description="HTTP port of the OpenAI API, /health and /metrics.")
+    admin_token_secret: AdminTokenSecret | None = Field(
+        default=None,
+        description="Secret with the admin API's bearer token, mounted into the engine (no Secret: admin API off).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "EngineSettings":
@@ -313,6 +324,10 @@ class RolloutSpec(WireModel):
     allowed_regression: float = Field(
         default=0.05, ge=0, le=1, description="Largest relative regression (p90 latency, error rate, tokens/s) still promoted."
     )
+    load_timeout_seconds: int = Field(
+        default=600, ge=10, le=86400,
+        description="How long canary pods may take to report the new forward pass before it is rolled back.",
+    )
 
 
 class InferenceDeploymentSpec(WireModel):
@@ -357,7 +372,8 @@ class ForwardPassRef(StatusModel):
     """A forward pass as a deployment or pod runs it."""
 
     name: str = Field(default="stock", max_length=253, description="ForwardPass name ('stock' for the built-in one).")
-    sha256: str | None = Field(default=None, max_length=64, description="sha256 of the bundle.")
+    sha256: str | None = Field(default=None, max_length=64, description="Bundle digest (manifest digest) the engine checks.")
+    artifact: str | None = Field(default=None, max_length=2048, description="Where the bundle lives (the ForwardPass's artifact URI).")
     speedup: float | None = Field(default=None, ge=0, description="Measured speedup over the stock forward pass.")
 
 
@@ -380,6 +396,7 @@ class PodForwardPass(StatusModel):
     name: str = Field(max_length=253, description="Pod name.")
     forward_pass: str | None = Field(default=None, max_length=253, description="ForwardPass the pod reports running.")
     sha256: str | None = Field(default=None, max_length=64, description="sha256 the pod reports.")
+    desired: str | None = Field(default=None, max_length=253, description="ForwardPass the operator asks the pod to run ('stock' for none).")
     canary: bool = Field(default=False, description="Whether the pod is in the canary group.")
     ready: bool = Field(default=False, description="Whether the pod is ready.")
 
@@ -393,6 +410,7 @@ class RolloutStatus(StatusModel):
     previous: ForwardPassRef | None = Field(default=None, description="Forward pass to roll back to.")
     canary_pods: list[str] | None = Field(default=None, max_length=1000, description="Pods in the canary group.")
     start_time: datetime | None = Field(default=None, description="When the rollout started.")
+    phase_since: datetime | None = Field(default=None, description="When the current phase started.")
     message: str | None = Field(default=None, max_length=4096, description="Why the rollout is where it is.")
 
 
@@ -616,7 +634,8 @@ class Artifact(WireModel):
     """Where the bundle lives."""
 
     uri: str = Field(max_length=2048, description="Location of the bundle (file://, s3://, http(s)://, configmap://).")
-    sha256: str = Field(pattern=r"^[a-f0-9]{64}$", max_length=64, description="sha256 of the bundle archive.")
+    sha256: str = Field(pattern=r"^[a-f0-9]{64}$", max_length=64,
+                        description="Bundle digest (the manifest digest, independent of packing) the engine checks before loading.")
     size_bytes: int | None = Field(default=None, ge=0, description="Size of the bundle.")
 
 
@@ -726,6 +745,7 @@ INFERENCE_DEPLOYMENT = Kind(
         _col("Forward-Pass", ".status.activeForwardPass.name", description="Forward pass the pods run."),
         _col("Speedup", ".status.activeForwardPass.speedup", "number", description="Over the stock forward pass."),
         _col("Drift", ".status.drift.score", "number", description="Last drift score."),
+        _col("Rollout", ".status.rollout.phase", description="Idle, Canary, Analyzing, Promoting, Complete, RolledBack."),
         _col("Policy", ".spec.compilation.policy", priority=1),
         _col("Last-Compile", ".status.lastCompileRun", priority=1),
         _col("Message", ".status.message", priority=1),

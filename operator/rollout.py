@@ -6,7 +6,7 @@ Data flow (one step, driven by a timer of the InferenceDeployment):
     RolloutState         (persisted in status.rollout between steps)
     target               (the ForwardPass to run: the verified champion or spec.forwardPass)
     active               (what the deployment ran before; status.activeForwardPass)
-    pods                 (name, ready, what each engine reports running)
+    pods                 (name, ready, what each engine reports running, and a load it refused)
     analysis             (canary vs the rest from Prometheus over the analysis window, or None)
         --step(...)--> RolloutState (next)
         --desired_per_pod(state, pods)--> {pod: forward pass}
@@ -22,6 +22,7 @@ Phases (HotReload):
         (by name) are told to load the target; the others keep the previous one
     Canary --every canary pod reports the target--> Analyzing (the window starts)
     Canary --a canary pod still not on the target after the load timeout--> RolledBack
+    Canary --a canary pod refused the target (digest mismatch, invalid bundle)--> RolledBack
     Analyzing --window over, canary within the allowed regression--> Promoting: every pod
     Analyzing --window over, canary regressed--> RolledBack: canary pods back to the previous one
     Analyzing --no canary traffic for 3 windows--> RolledBack (never promote on no evidence)
@@ -79,6 +80,10 @@ class PodView:
     name: str
     ready: bool
     running: ForwardPassIdentity | None  # what the engine in the pod reports; None: not reported yet
+    # Why the engine refused the forward pass it was asked for during this rollout phase
+    # (e.g. "digest_mismatch"); None: no refusal seen. Fetch errors are not refusals: they
+    # may pass, and the load timeout covers them.
+    load_refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,10 @@ def step(
             return replace(state, phase="Analyzing", phase_since=now,
                            message=f"canary runs {state.desired.name}; analysing for "
                                    f"{int(settings.analysis_window.total_seconds())} s")
+        refused = [f"{p.name} ({p.load_refused})" for p in canary
+                   if p is not None and p.load_refused and not state.desired.matches(p.running)]
+        if refused:
+            return _rolled_back(state, now, f"canary {', '.join(refused)} refused {state.desired.name}")
         if state.phase_since is not None and now - state.phase_since >= settings.load_timeout:
             late = [name for name, p in zip(state.canary_pods, canary)
                     if p is None or not state.desired.matches(p.running)]

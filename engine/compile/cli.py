@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _git_commit() -> str | None:
+    """The commit of the source tree this runs from (benchmark records name it), if it is a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def _resolve_profile(text: str):
     from ..traffic import load_profile
 
@@ -87,7 +99,9 @@ def _resolve_profile(text: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
     args.profile_given, args.agents_given, args.out_given = args.profile, args.agents, args.out
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_ref = None
@@ -167,7 +181,8 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
                                   min_speedup=args.min_speedup or 1.0), on_status, seeds)
     result = loop.run()
 
-    context = {"model": args.model, "profile": profile.name, "device": device, "signature": signature,
+    context = {"command": ["shapeshift", "compile", *args.argv], "commit": _git_commit(),
+               "model": args.model, "profile": profile.name, "device": device, "signature": signature,
                "hardware": hardware, "regime": TrafficRegime.of(profile).key, "evaluator": evaluator.describe()}
     exported = None
     if result.champion is not None:

@@ -3,11 +3,17 @@
 Data flow:
     agents (threads) --candidates--> bounded experiment queue --> loop (one measuring thread)
     loop: screen on the fast tier ---------------------------------> board "trial" + "result"
-          beats the incumbent beyond noise? -> confirm on the full tier (traffic replay)
-          beats it there too, p90 per-user speed not worse? -> verify (gates vs stock)
+          faster than the incumbent by screen_margin? -> confirm on the full tier: traffic
+            replay of candidate and incumbent in alternation (evaluator.compare)
+          lower 95% bound of the paired speed ratio > 1 + noise floor (and >= min_speedup),
+            p90 per-user speed not worse? -> verify (the gate suite, against the stock pass)
           passed -> new incumbent -------------------------------> board "incumbent"
-    budget (trials, wall clock) spent -> stop agents -> champion bundle + report (JSON, markdown)
-    every trial -> progress log line (trials, best speedup, ETA) and the status callback
+    every few trials the incumbent is re-screened (the machine's load drifts)
+    budget (trials, wall clock) spent -> stop agents -> final paired comparison of the
+      incumbent with the stock pass (the reported speedup; within noise -> nothing published)
+      -> champion bundle + report (JSON, markdown)
+    every trial -> progress log line (trials, best speedup, ETA, agents' states) and the
+      status callback
 
 Restart: the board is the state. A resumed loop reads it back: finished trials are not
 measured or counted again, a trial that was started but never finished is re-run under
@@ -521,6 +527,14 @@ class CompileLoop:
         self.final = None
         if champion is not None:
             speedup = self._final_comparison(champion)
+            if self.final is not None and not beats_paired(*self.final):
+                # Each step beat its incumbent, but against the stock pass, measured side by side
+                # at the end, the gain does not clear the noise: publish nothing.
+                gain, low, high = paired_gain(*self.final)
+                self.board.note("loop", f"champion {champion.short} withdrawn: against the stock pass its paired "
+                                f"speed ratio is {gain:.3f} ({low:.3f}..{high:.3f}), within the noise", withdrawn=True)
+                stop_reason = (stop_reason + "; " if stop_reason else "") + "final comparison with the stock pass within noise"
+                champion, speedup = None, None
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason)

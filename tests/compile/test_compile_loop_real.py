@@ -115,3 +115,36 @@ def test_same_seed_same_deterministic_parts(tmp_path: Path) -> None:
     assert runs[0] == runs[1]
     assert [a for a, _ in runs[0][1]] == ["sweep", "evolve", "bayes"]
     assert runs[0][2] == ["ok", "ok", "ok"]
+
+
+def test_a_no_op_candidate_is_never_accepted(tmp_path: Path) -> None:
+    """The stock module with a comment added computes and costs exactly the same: forced through
+    the paired full-tier confirmation, it must not clear the noise."""
+    from shapeshift.engine.compile.agents.base import Agent
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+    from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig
+
+    ev = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+        model="tiny-llama", device="cpu", max_model_len=512, screen_requests=48, confirm_requests=96,
+        screen_repeats=2, confirm_repeats=6, cpu_threads=1, work_dir=str(tmp_path / "work")))
+    space = ev.space()
+
+    class NoOp(Agent):
+        name = "noop"
+
+        def propose(self, n=1):
+            if getattr(self, "sent", False):
+                return []
+            self.sent = True
+            return [Candidate(space.default(), ev.stock_source + "\n# the same module, one comment longer\n",
+                              self.name, "no-op")]
+
+    board = Board(tmp_path / "board.jsonl")
+    loop = CompileLoop(ev, space, board, [NoOp(space, board)], Budget(max_trials=1),
+                       LoopConfig(deterministic=True, screen_margin=-1.0))  # every screen goes to confirmation
+    result = loop.run()
+    assert result.confirms == 1 and result.champion is None
+    assert not board.entries("incumbent") and not board.entries("verification")
+    [note] = [n for n in board.entries("note") if "not confirmed" in n["text"]]
+    assert "paired speed ratio" in note["text"]
