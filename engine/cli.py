@@ -9,6 +9,7 @@ never needs the engine) start without importing torch:
         [--desired-forward-pass-file F]   follow the pod's forward-pass annotations
     shapeshift import-smollm2 [...]                      -> engine.smollm2.import_smollm2(...)
     shapeshift operator [ARGS...]                        -> operator.main.main(ARGS)
+    shapeshift compile [ARGS...]                         -> engine.compile.cli.main(ARGS)
 
 A new subcommand (e.g. `compile`) is one `_add_<name>` function registering
 its parser plus one `_run_<name>` function, listed in `SUBCOMMANDS`.
@@ -211,6 +212,19 @@ def _run_operator(argv: list[str]) -> int:
     return int(result or 0)
 
 
+# -------------------------------------------------------------- compile
+
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("compile", add_help=False,
+                   help="search, verify and publish a faster forward pass (arguments are passed through)")
+
+
+def _run_compile(argv: list[str]) -> int:
+    from shapeshift.engine.compile.cli import main as compile_main
+
+    return int(compile_main(argv) or 0)
+
+
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _run_serve,
     "import-smollm2": _run_import_smollm2,
@@ -218,6 +232,7 @@ SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 # Subcommands that take the rest of the command line verbatim.
 PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
     "operator": _run_operator,
+    "compile": _run_compile,
 }
 
 
@@ -230,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_import_smollm2(sub)
     _add_operator(sub)
+    _add_compile(sub)
     return parser
 
 

@@ -6,6 +6,8 @@
     CompileRun create/resume                 -> read its InferenceDeployment -> ensure RBAC + Job -> status
     CompileRun timer (resync)                -> Job conditions and pod scheduling -> phase, conditions
     (imported at the end) drift_handlers     -> drift timer: Prometheus -> observed traffic -> CompileRun
+    (imported at the end) rollout_handlers   -> rollout timer: desired ForwardPass -> canary pods ->
+                                                analysis in Prometheus -> all pods (or back)
 
 Edge handlers react; timers observe. Every write is get-or-create-then-update
 keyed by a content hash (kube.Kube.ensure) and every status write merges only
@@ -113,17 +115,30 @@ def _api_errors(call):
 # ---- InferenceDeployment -------------------------------------------------------------------
 
 
-def _engine_children(body: kopf.Body, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+def _engine_children(body: kopf.Body, spec: InferenceDeploymentSpec,
+                     template_annotations: dict[str, str] | None = None) -> list[dict[str, Any]]:
     parent = builders.Parent.from_body(body)
     return [
         builders.build_engine_configmap(parent, spec),
         builders.build_engine_service(parent, spec),
-        builders.build_engine_deployment(parent, spec),
+        builders.build_engine_deployment(parent, spec, template_annotations),
     ]
 
 
+def _template_annotations(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube) -> dict[str, str]:
+    """The forward pass the Restart rollout put in the pod template, from the freshly read status
+    (the rollout timer writes it; a stale body here would roll the pods back and forth)."""
+    if spec.rollout.strategy != "Restart":
+        return {}
+    from shapeshift.operator.rollout_handlers import template_annotations_for
+
+    stored = _api_errors(lambda: kube.get_custom(INFERENCE_DEPLOYMENT, body["metadata"]["namespace"],
+                                                 body["metadata"]["name"])) or body
+    return template_annotations_for(spec, parse_status(INFERENCE_DEPLOYMENT, stored.get("status")))
+
+
 def _reconcile_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube, logger: logging.Logger) -> None:
-    for desired in _engine_children(body, spec):
+    for desired in _engine_children(body, spec, _template_annotations(body, spec, kube)):
         action, _obj = _api_errors(lambda: kube.ensure(desired))
         if action != "unchanged":
             what = f"{desired['kind']} {desired['metadata']['name']}"
@@ -275,3 +290,4 @@ def compile_run_observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 # The drift timer (Prometheus -> observed traffic -> CompileRun) registers itself on import,
 # so `kopf run -m shapeshift.operator.handlers` and `shapeshift operator` run the whole operator.
 from shapeshift.operator import drift_handlers  # noqa: E402,F401
+from shapeshift.operator import rollout_handlers  # noqa: E402,F401

@@ -12,7 +12,8 @@ Cluster fixtures (tests marked `cluster`):
   run_pod_locally  per test: run_pod_locally(namespace, pod_name, background=False, ...)
                    runs a scheduled pod's containers as local processes and reports their
                    exit to the API (see harness.kubelet). background=True returns the
-                   running LocalPod; it is stopped at teardown.
+                   running LocalPod; it is stopped at teardown. flag_overrides={"--port": "18001"}
+                   replaces a flag's value in the command line (or appends the flag).
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
 
@@ -73,8 +74,10 @@ def run_pod_locally(cluster, tmp_path):
 
     started: list[LocalPod] = []
 
-    def run(namespace: str, pod_name: str, *, background: bool = False, timeout_s: float = 120.0, extra_env=None):
-        pod = LocalPod(cluster.api_client, namespace, pod_name, tmp_path / "pods", extra_env=extra_env)
+    def run(namespace: str, pod_name: str, *, background: bool = False, timeout_s: float = 120.0, extra_env=None,
+            flag_overrides=None):
+        pod = LocalPod(cluster.api_client, namespace, pod_name, tmp_path / "pods", extra_env=extra_env,
+                       flag_overrides=flag_overrides)
         started.append(pod)
         pod.start(timeout_s=timeout_s)
         if not background:

@@ -12,9 +12,24 @@ so controllers that watch pod status (the Job controller, an operator) see the r
 outcome of the real process. Supported, as a kubelet does them: command and args with
 $(VAR) expansion, env values, envFrom and valueFrom for ConfigMap/Secret keys, fieldRef
 (metadata.name/namespace/uid/labels/annotations, spec.nodeName/serviceAccountName,
-status.podIP/hostIP) and resourceFieldRef (cpu/memory requests and limits). Not
-modelled: images (the process runs from the local PATH, so a container must set
-`command`), volumes, probes and restarts: an exit is final, whatever restartPolicy says.
+status.podIP/hostIP) and resourceFieldRef (cpu/memory requests and limits).
+
+downwardAPI volumes are emulated for the containers that mount them:
+
+    pod spec volume {downwardAPI: items [{path, fieldRef}]} + container volumeMount(mountPath)
+      -> <workdir>/<ns>_<pod>_<volume>/<path>   written like the kubelet writes them (labels and
+         annotations as sorted key="value" lines, engine/rollout_protocol.format_downward_api_map;
+         name, namespace, uid as plain text), replaced atomically
+      -> every argv part and env value naming a path under mountPath is rewritten to that folder
+         (a process cannot see the container's file system, so it is told the real path)
+      -> a watch on the pod rewrites the files when its labels or annotations change, while the
+         containers run (the kubelet refreshes these volumes on its sync loop the same way)
+
+`flag_overrides` ({"--port": "18001"}) replaces the value after a flag in the command line, or
+appends the flag: several pods of one Deployment, each given its own loopback port.
+
+Not modelled: images (the process runs from the local PATH, so a container must set
+`command`), other volumes, probes and restarts: an exit is final, whatever restartPolicy says.
 """
 
 from __future__ import annotations
@@ -25,12 +40,15 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import kubernetes
 from kubernetes.client import ApiException, CoreV1Api, V1Pod
+
+from shapeshift.engine.rollout_protocol import format_downward_api_map
 
 # The process environment a workload starts from, before the pod's own env. A real
 # container gets only the image's env; locally the tools must still be found.
@@ -155,6 +173,137 @@ def resolve_env(core: CoreV1Api, pod: V1Pod, container) -> dict[str, str]:
     return env
 
 
+# ---- downwardAPI volumes ------------------------------------------------------------------
+
+
+def downward_api_files(pod: V1Pod, volume) -> dict[str, str]:
+    """{relative path: content} of one downwardAPI volume, as the kubelet would write them."""
+    files: dict[str, str] = {}
+    for item in volume.downward_api.items or []:
+        if item.resource_field_ref is not None or item.field_ref is None:
+            raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: downwardAPI volume "
+                               f"{volume.name!r} item {item.path!r}: only fieldRef items are emulated locally")
+        field_path = item.field_ref.field_path
+        if field_path in ("metadata.annotations", "metadata.labels"):
+            mapping = (pod.metadata.annotations if field_path == "metadata.annotations" else pod.metadata.labels) or {}
+            files[item.path] = format_downward_api_map(dict(mapping))
+        else:
+            files[item.path] = _field_value(pod, field_path)
+    return files
+
+
+def write_files_atomically(root: Path, files: dict[str, str]) -> bool:
+    """Write every file whose content changed (temp file + rename: readers never see half a file)."""
+    changed = False
+    for relative, content in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and path.read_text() == content:
+            continue
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(content)
+        os.replace(tmp, path)
+        changed = True
+    return changed
+
+
+def rewrite_paths(text: str, mounts: dict[str, Path]) -> str:
+    """Paths under a container mount point -> the local folder standing in for it.
+
+    Matches a whole argument (`/etc/x/file`) or the value of `--flag=/etc/x/file`."""
+    for mount_path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+        mount_path = mount_path.rstrip("/")
+        for prefix in ("", "="):
+            start = 0
+            while True:
+                at = text.find(prefix + mount_path, start)
+                if at < 0:
+                    break
+                if prefix == "" and at != 0:
+                    start = at + 1
+                    continue
+                end = at + len(prefix) + len(mount_path)
+                if end == len(text) or text[end] == "/":
+                    text = text[:at] + prefix + str(local) + text[end:]
+                    start = at + len(prefix) + len(str(local))
+                else:
+                    start = end
+    return text
+
+
+def override_flags(argv: list[str], overrides: dict[str, str]) -> list[str]:
+    """Replace the value following each flag (`--port 8000` or `--port=8000`), or append the flag."""
+    out = list(argv)
+    for flag, value in overrides.items():
+        for i, part in enumerate(out):
+            if part == flag and i + 1 < len(out):
+                out[i + 1] = value
+                break
+            if part.startswith(flag + "="):
+                out[i] = f"{flag}={value}"
+                break
+        else:
+            out += [flag, value]
+    return out
+
+
+class DownwardAPIVolumes:
+    """The pod's mounted downwardAPI volumes as local folders, kept current by a pod watch."""
+
+    def __init__(self, core: CoreV1Api, pod: V1Pod, workdir: Path):
+        self.core, self.namespace, self.name = core, pod.metadata.namespace, pod.metadata.name
+        mounted = {m.name for c in pod.spec.containers for m in c.volume_mounts or []}
+        self.volumes = [v for v in pod.spec.volumes or [] if v.downward_api is not None and v.name in mounted]
+        self.folders = {v.name: workdir / f"{self.namespace}_{self.name}_{v.name}" for v in self.volumes}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refresh(pod)
+
+    def mounts_of(self, container) -> dict[str, Path]:
+        """{mountPath: local folder} of the container's downwardAPI mounts."""
+        return {m.mount_path: self.folders[m.name] for m in container.volume_mounts or [] if m.name in self.folders}
+
+    def refresh(self, pod: V1Pod) -> bool:
+        changed = False
+        for volume in self.volumes:
+            changed |= write_files_atomically(self.folders[volume.name], downward_api_files(pod, volume))
+        return changed
+
+    def start(self, resource_version: str | None) -> None:
+        if self.volumes:
+            self._thread = threading.Thread(target=self._watch, args=(resource_version,), daemon=True,
+                                            name=f"downward-api-{self.name}")
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self, resource_version: str | None) -> None:
+        while not self._stop.is_set():
+            watcher = kubernetes.watch.Watch()
+            try:
+                for event in watcher.stream(self.core.list_namespaced_pod, self.namespace,
+                                            field_selector=f"metadata.name={self.name}",
+                                            resource_version=resource_version, timeout_seconds=2):
+                    if self._stop.is_set():
+                        break
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        resource_version = event["object"].metadata.resource_version
+                        self.refresh(event["object"])
+            except ApiException as error:
+                if error.status == 410:  # the watch fell too far behind: start over from the pod as it is
+                    pod = self.core.read_namespaced_pod(self.name, self.namespace)
+                    resource_version = pod.metadata.resource_version
+                    self.refresh(pod)
+                elif not self._stop.is_set():
+                    time.sleep(0.5)
+            except Exception:  # the API going away while a test tears down ends nothing else
+                if not self._stop.is_set():
+                    time.sleep(0.5)
+            finally:
+                watcher.stop()
+
+
 @dataclass
 class ContainerRun:
     name: str
@@ -191,13 +340,16 @@ class LocalPod:
         workdir: Path,
         *,
         extra_env: dict[str, str] | None = None,
+        flag_overrides: dict[str, str] | None = None,
     ):
         self.core = CoreV1Api(api_client)
         self.namespace, self.name = namespace, name
         self.workdir = Path(workdir)
         self.extra_env = dict(extra_env or {})
+        self.flag_overrides = dict(flag_overrides or {})
         self.containers: list[ContainerRun] = []
         self.reported = False
+        self.downward_api: DownwardAPIVolumes | None = None
 
     # ---- lifecycle
 
@@ -206,14 +358,18 @@ class LocalPod:
         self.workdir.mkdir(parents=True, exist_ok=True)
         base = {key: os.environ[key] for key in INHERITED_ENV if key in os.environ}
         base["HOSTNAME"] = pod.metadata.name
+        self.downward_api = DownwardAPIVolumes(self.core, pod, self.workdir)
         for container in pod.spec.containers:
             if not container.command:
                 raise PodSpecError(
                     f"pod {self.namespace}/{self.name} container {container.name!r} has no `command`; "
                     "without an image there is no entrypoint to run locally, so set command (and args)"
                 )
+            mounts = self.downward_api.mounts_of(container)
             env = {**base, **resolve_env(self.core, pod, container), **self.extra_env}
-            argv = [expand(part, env) for part in [*container.command, *(container.args or [])]]
+            env = {key: rewrite_paths(value, mounts) for key, value in env.items()}
+            argv = [rewrite_paths(expand(part, env), mounts) for part in [*container.command, *(container.args or [])]]
+            argv = override_flags(argv, self.flag_overrides)
             cwd = container.working_dir if container.working_dir and Path(container.working_dir).is_dir() else self.workdir
             log_path = self.workdir / f"{self.namespace}_{self.name}_{container.name}.log"
             with open(log_path, "wb") as log:
@@ -222,6 +378,7 @@ class LocalPod:
                     start_new_session=True,  # its own process group, so stop() reaches its children
                 )
             self.containers.append(ContainerRun(container.name, container.image, argv, log_path, process, _now()))
+        self.downward_api.start(pod.metadata.resource_version)
         return self
 
     def wait(self, timeout_s: float = 120.0) -> dict[str, int]:
@@ -238,11 +395,15 @@ class LocalPod:
                     f"stopped it. Output so far:\n{run.output[-2000:]}"
                 ) from None
             run.finished_at = _now()
+        if self.downward_api is not None:
+            self.downward_api.stop()
         self.report()
         return self.exit_codes
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int]:
         """Terminate the containers like a pod deletion would, then report."""
+        if self.downward_api is not None:
+            self.downward_api.stop()
         for run in self.containers:
             if run.process.poll() is None:
                 os.killpg(run.process.pid, signal.SIGTERM)
@@ -342,8 +503,10 @@ def run_pod_locally(
     *,
     timeout_s: float = 120.0,
     extra_env: dict[str, str] | None = None,
+    flag_overrides: dict[str, str] | None = None,
 ) -> LocalPod:
     """Run the pod's containers to completion and report; returns the finished LocalPod."""
-    pod = LocalPod(api_client, namespace, name, workdir, extra_env=extra_env).start(timeout_s=timeout_s)
+    pod = LocalPod(api_client, namespace, name, workdir, extra_env=extra_env,
+                   flag_overrides=flag_overrides).start(timeout_s=timeout_s)
     pod.wait(timeout_s=timeout_s)
     return pod

@@ -1,0 +1,453 @@
+"""The rollout timer: a verified ForwardPass reaches the engine pods, canary first.
+
+Data flow of one tick of one InferenceDeployment:
+
+    spec.forwardPass, else the champion of its newest Succeeded CompileRun
+        --resolve_target (GET ForwardPass: verified? same accelerator?)--> target identity
+    status.rollout, status.activeForwardPass --state_from_status--> RolloutState, active
+    engine pods (API: ready, annotations) + Prometheus (rollout_metrics.RolloutQueries:
+        what each pod reports running, refused loads) --pod_views--> [PodView]
+    Analyzing and the window is over --RolloutQueries.analysis--> CanaryAnalysis (canary vs the rest)
+        --rollout.step--> next RolloutState
+        HotReload: --rollout.desired_per_pod + pod_annotations--> merge-patch each pod whose
+                   forward-pass annotations differ (the engine follows them, see
+                   engine/rollout_protocol.py)
+        Restart:   --rollout.template_forward_pass--> the engine Deployment's pod template
+                   annotations (kube.ensure replaces it; Kubernetes rolls the pods)
+        --rollout_status_update--> status.rollout, status.pods, status.activeForwardPass and
+                   status.compiledFor once complete, condition ForwardPassRolledOut; an event
+                   for every phase transition
+
+Under HotReload the pod template is left alone: changing it would restart every pod, the
+very thing hot reloading avoids. Pods created later (a rescheduled pod, a scale-up) are
+annotated by the next tick with what the current phase wants them to run, so they start
+on stock and hot-reload the promoted pass within one tick.
+
+Prometheus missing or unreachable holds the rollout where it is (a condition says why):
+a rollout is never advanced, promoted or rolled back on missing data.
+
+Everything above the kopf timer is pure and tested without a cluster. Settings from the
+environment: SHAPESHIFT_ROLLOUT_TIMER_SECONDS (tick, default the resync interval),
+SHAPESHIFT_ROLLOUT_MIN_REQUESTS (canary requests needed to judge, default 20),
+SHAPESHIFT_PROMETHEUS_POD_LABEL (pod target label, default `pod`), and the drift timer's
+Prometheus settings (address, namespace/deployment label names, timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Mapping
+
+import kopf
+from kubernetes.client import ApiException
+from pydantic import ValidationError
+
+from shapeshift.engine.rollout_protocol import (
+    RESULT_DIGEST_MISMATCH,
+    RESULT_REFUSED,
+    STOCK_FORWARD_PASS,
+    DesiredForwardPass,
+)
+from shapeshift.operator import builders
+from shapeshift.operator.drift_handlers import DriftSettings, selector_for
+from shapeshift.operator.kube import MERGE_PATCH, Kube, new_api_client
+from shapeshift.operator.models import (
+    COMPILE_RUN,
+    FORWARD_PASS,
+    GROUP,
+    INFERENCE_DEPLOYMENT,
+    VERSION,
+    ForwardPassRef,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    RolloutStatus,
+    parse_spec,
+    parse_status,
+)
+from shapeshift.operator.prometheus import PrometheusTraffic, TrafficQueryError
+from shapeshift.operator.rollout import (
+    SETTLED,
+    CanaryAnalysis,
+    ForwardPassIdentity,
+    PodView,
+    RolloutSettings,
+    RolloutState,
+    desired_per_pod,
+    pod_annotations,
+    step,
+    template_forward_pass,
+)
+from shapeshift.operator.rollout_metrics import PodReport, RolloutQueries
+from shapeshift.operator.status import StatusUpdate
+
+__all__ = [
+    "RolloutEnv",
+    "Target",
+    "annotation_patch",
+    "champion_of",
+    "pod_views",
+    "resolve_target",
+    "rollout_status_update",
+    "rollout_tick",
+    "settings_from_spec",
+    "state_from_status",
+    "template_annotations_for",
+]
+
+TIMER_SECONDS = float(os.environ.get("SHAPESHIFT_ROLLOUT_TIMER_SECONDS")
+                      or os.environ.get("SHAPESHIFT_RESYNC_SECONDS") or "10")
+CONDITION = "ForwardPassRolledOut"
+REFUSALS = (RESULT_DIGEST_MISMATCH, RESULT_REFUSED)  # final for these annotations; fetch errors may pass
+EVENT_REASONS = {"Canary": "CanaryStarted", "Analyzing": "CanaryInSync", "Promoting": "Promoting",
+                 "Complete": "RolledOut", "RolledBack": "RolledBack", "Failed": "RolloutFailed"}
+
+
+@dataclass(frozen=True)
+class RolloutEnv:
+    """Operator-wide rollout settings (the Helm chart sets the environment)."""
+
+    prometheus_url: str | None = None
+    namespace_label: str = "namespace"
+    deployment_label: str = "deployment"
+    pod_label: str = "pod"
+    min_requests: float = 20
+    query_timeout_seconds: float = 5.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "RolloutEnv":
+        drift = DriftSettings.from_env(env)
+        return cls(prometheus_url=drift.prometheus_url, namespace_label=drift.namespace_label,
+                   deployment_label=drift.deployment_label,
+                   pod_label=env.get("SHAPESHIFT_PROMETHEUS_POD_LABEL") or "pod",
+                   min_requests=float(env.get("SHAPESHIFT_ROLLOUT_MIN_REQUESTS") or 20),
+                   query_timeout_seconds=drift.query_timeout_seconds)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the deployment should run, or why nothing can be rolled out."""
+
+    identity: ForwardPassIdentity | None
+    speedup: float | None = None
+    traffic: dict[str, Any] | None = None  # the ForwardPass's spec.traffic (what it was compiled for)
+    problem: str | None = None  # why the named forward pass cannot be rolled out
+
+
+# ---- pure pieces -----------------------------------------------------------------------------
+
+
+def settings_from_spec(spec: InferenceDeploymentSpec) -> RolloutSettings:
+    r = spec.rollout
+    return RolloutSettings(strategy=r.strategy, canary_replicas=r.canary_replicas,
+                           analysis_window=timedelta(seconds=r.analysis_window_seconds),
+                           allowed_regression=r.allowed_regression,
+                           load_timeout=timedelta(seconds=r.load_timeout_seconds))
+
+
+def identity_of(ref: ForwardPassRef | None) -> ForwardPassIdentity | None:
+    if ref is None:
+        return None
+    return ForwardPassIdentity(ref.name, ref.sha256, ref.artifact)
+
+
+def ref_of(identity: ForwardPassIdentity | None, speedup: float | None = None) -> dict[str, Any] | None:
+    if identity is None:
+        return None
+    ref = {"name": identity.name, "sha256": identity.sha256, "artifact": identity.artifact, "speedup": speedup}
+    return {k: v for k, v in ref.items() if v is not None}
+
+
+def state_from_status(rollout: RolloutStatus | None) -> RolloutState:
+    if rollout is None:
+        return RolloutState()
+    return RolloutState(phase=rollout.phase, desired=identity_of(rollout.desired),
+                        previous=identity_of(rollout.previous), canary_pods=tuple(rollout.canary_pods or ()),
+                        started_at=rollout.start_time, phase_since=rollout.phase_since,
+                        message=rollout.message or "")
+
+
+def champion_of(compile_runs: list[Mapping[str, Any]], deployment: str) -> str | None:
+    """The champion of the deployment's most recently finished, successful CompileRun."""
+    done = [run for run in compile_runs
+            if (run.get("spec") or {}).get("deploymentRef", {}).get("name") == deployment
+            and (run.get("status") or {}).get("phase") == "Succeeded" and (run.get("status") or {}).get("champion")]
+    if not done:
+        return None
+    newest = max(done, key=lambda run: ((run.get("status") or {}).get("completionTime") or "",
+                                        run["metadata"].get("creationTimestamp") or "", run["metadata"]["name"]))
+    return newest["status"]["champion"]
+
+
+def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
+                   spec: InferenceDeploymentSpec) -> Target:
+    """The identity to roll out from the named ForwardPass object (None: not found)."""
+    if name is None:
+        return Target(None)
+    if forward_pass is None:
+        if name == STOCK_FORWARD_PASS:
+            return Target(ForwardPassIdentity(STOCK_FORWARD_PASS, None))
+        return Target(None, problem=f"ForwardPass {name} not found in this namespace; create it or fix "
+                                    "spec.forwardPass")
+    fp = forward_pass.get("spec") or {}
+    if not (fp.get("verification") or {}).get("passed"):
+        return Target(None, problem=f"ForwardPass {name} did not pass verification; only verified forward "
+                                    "passes are rolled out")
+    accelerator = (fp.get("hardware") or {}).get("accelerator")
+    if accelerator != spec.hardware.accelerator:
+        return Target(None, problem=f"ForwardPass {name} is for accelerator {accelerator}, the deployment runs "
+                                    f"on {spec.hardware.accelerator}")
+    artifact = fp.get("artifact") or {}
+    return Target(ForwardPassIdentity(name, artifact.get("sha256"), artifact.get("uri")),
+                  speedup=(fp.get("metrics") or {}).get("speedup"), traffic=fp.get("traffic"))
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def serving_pods(pods: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Pods that count for the rollout: bound to a node and not being deleted."""
+    return [p for p in pods if (p.get("spec") or {}).get("nodeName") and not p["metadata"].get("deletionTimestamp")]
+
+
+def requested(pod: Mapping[str, Any]) -> DesiredForwardPass:
+    """What the pod's annotations ask its engine to run."""
+    return DesiredForwardPass.from_annotations((pod["metadata"].get("annotations") or {}))
+
+
+def pod_views(pods: list[Mapping[str, Any]], reports: Mapping[str, PodReport],
+              state: RolloutState) -> list[PodView]:
+    """PodViews for the state machine. A refusal counts only when it happened in this phase and
+    the pod's annotations already ask for the rollout's target (not a leftover of an older one)."""
+    since = state.phase_since.timestamp() if state.phase_since else None
+    views = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        report = reports.get(name, PodReport())
+        refused = None
+        asked = requested(pod)
+        if (state.desired is not None and report.in_sync is False and report.last_reload_result in REFUSALS
+                and report.last_reload_at is not None and since is not None and report.last_reload_at >= since
+                and asked.name == state.desired.name and asked.sha256 == (state.desired.sha256 or "")):
+            refused = report.last_reload_result
+        views.append(PodView(name, _ready(pod), report.running, refused))
+    return views
+
+
+def annotation_patch(pod: Mapping[str, Any], wanted: ForwardPassIdentity | None) -> dict[str, str | None] | None:
+    """The merge patch of the pod's annotations that asks for ``wanted``; None when it already does."""
+    desired = pod_annotations(wanted)
+    current = pod["metadata"].get("annotations") or {}
+    if all((current.get(key) or None) == value for key, value in desired.items()):
+        return None
+    return desired
+
+
+def template_annotations_for(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus) -> dict[str, str]:
+    """Pod-template annotations of the engine Deployment: under Restart, the forward pass the
+    rollout wants every pod on; under HotReload none (pods are patched one by one)."""
+    if spec.rollout.strategy != "Restart":
+        return {}
+    state = state_from_status(status.rollout)
+    chosen = template_forward_pass(state, identity_of(status.active_forward_pass))
+    return {key: value for key, value in pod_annotations(chosen).items() if value is not None}
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return moment.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def rollout_wire(state: RolloutState, desired_speedup: float | None = None) -> dict[str, Any]:
+    wire = {
+        "phase": state.phase,
+        "desired": ref_of(state.desired, desired_speedup),
+        "previous": ref_of(state.previous),
+        "canaryPods": list(state.canary_pods) or None,
+        "startTime": _iso(state.started_at),
+        "phaseSince": _iso(state.phase_since),
+        "message": state.message[:4096] or None,
+    }
+    return {k: v for k, v in wire.items() if v is not None}
+
+
+def rollout_status_update(
+    *,
+    state: RolloutState,
+    previous_state: RolloutState,
+    status: InferenceDeploymentStatus,
+    target: Target,
+    views: list[PodView],
+    wanted: Mapping[str, ForwardPassIdentity | None],
+    prometheus_problem: str | None = None,
+) -> StatusUpdate:
+    """status.rollout, status.pods, and on completion status.activeForwardPass and compiledFor."""
+    fields: dict[str, Any] = {}
+    rollout = rollout_wire(state, target.speedup if target.identity and target.identity.matches(state.desired)
+                           else None)
+    stored = status.rollout.to_wire() if status.rollout else {}
+    # Merge-patch semantics: a key the new value lacks must be sent as null to disappear.
+    fields["rollout"] = {**{key: None for key in stored if key not in rollout}, **rollout}
+    fields["pods"] = [
+        {k: v for k, v in {
+            "name": view.name,
+            "forwardPass": view.running.name if view.running else None,
+            "sha256": view.running.sha256 if view.running else None,
+            "desired": (wanted.get(view.name).name if wanted.get(view.name) else STOCK_FORWARD_PASS),
+            "canary": view.name in state.canary_pods and state.phase in ("Canary", "Analyzing"),
+            "ready": view.ready,
+        }.items() if v is not None}
+        for view in sorted(views, key=lambda v: v.name)
+    ]
+    if state.phase == "Complete" and previous_state.phase != "Complete" and state.desired is not None:
+        speedup = target.speedup if target.identity and target.identity.matches(state.desired) else None
+        fields["activeForwardPass"] = ref_of(state.desired, speedup)
+        if target.traffic and target.identity and target.identity.matches(state.desired):
+            fields["compiledFor"] = target.traffic
+    conditions: list[tuple[str, Any, str, str]] = []
+    if prometheus_problem is not None:
+        conditions.append((CONDITION, "Unknown", "PrometheusUnavailable",
+                           f"rollout held in phase {state.phase}: {prometheus_problem}"))
+    elif target.problem is not None:
+        conditions.append((CONDITION, "False", "TargetRejected", target.problem))
+    elif state.phase == "Complete":
+        conditions.append((CONDITION, "True", "RolledOut", state.message))
+    elif state.phase == "Idle":
+        conditions.append((CONDITION, "True", "NothingToRollOut", "the pods run the active forward pass"))
+    else:
+        conditions.append((CONDITION, "False", EVENT_REASONS.get(state.phase, state.phase), state.message))
+    return StatusUpdate(fields=fields, conditions=conditions)
+
+
+# ---- the kopf timer --------------------------------------------------------------------------
+
+
+def _kube(memo: kopf.Memo) -> Kube:
+    kube = getattr(memo, "kube", None)
+    if kube is None:
+        kube = memo.kube = Kube(new_api_client())
+    return kube
+
+
+def _target_name(kube: Kube, namespace: str, name: str, spec: InferenceDeploymentSpec) -> str | None:
+    if spec.forward_pass:
+        return spec.forward_pass
+    runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    return champion_of(runs, name)
+
+
+def _reports(url: str | None, env: RolloutEnv, namespace: str, name: str,
+             spec: InferenceDeploymentSpec) -> tuple[RolloutQueries | None, dict[str, PodReport], str | None]:
+    if not url:
+        return None, {}, ("no Prometheus address: set the chart value prometheus.url "
+                          "(SHAPESHIFT_PROMETHEUS_URL) or spec.prometheusUrl")
+    selector = selector_for(namespace, name, spec, DriftSettings(
+        prometheus_url=url, namespace_label=env.namespace_label, deployment_label=env.deployment_label))
+    prometheus = PrometheusTraffic(url, timeout_seconds=env.query_timeout_seconds)
+    queries = RolloutQueries(prometheus, selector, env.pod_label)
+    try:
+        return queries, queries.reports(), None
+    except TrafficQueryError as err:
+        prometheus.close()
+        return None, {}, str(err)
+
+
+@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
+def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Advance the rollout of the deployment's desired ForwardPass by one observation."""
+    kube = _kube(memo)
+    # Read fresh: the timer's body can lag behind this timer's own last status write.
+    body = kube.get_custom(INFERENCE_DEPLOYMENT, namespace, name)
+    if body is None:
+        return
+    try:
+        spec = parse_spec(INFERENCE_DEPLOYMENT, body.get("spec"))
+    except ValidationError:
+        return  # the reconcile handler reports invalid specs
+    status: InferenceDeploymentStatus = parse_status(INFERENCE_DEPLOYMENT, body.get("status"))
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    env = RolloutEnv.from_env()
+    try:
+        target_name = _target_name(kube, namespace, name, spec)
+        forward_pass = kube.get_custom(FORWARD_PASS, namespace, target_name) if target_name else None
+        pods = serving_pods(kube.list("Pod", namespace, builders.engine_selector(name)))
+    except ApiException as err:
+        raise kopf.TemporaryError(f"reading the rollout's inputs failed ({err.status} {err.reason})", delay=10)
+    target = resolve_target(target_name, forward_pass, spec)
+    settings = settings_from_spec(spec)
+    state = state_from_status(status.rollout)
+    active = identity_of(status.active_forward_pass)
+
+    # Settled with nothing new to roll out: Prometheus is read only to show what pods run.
+    busy = state.phase not in SETTLED or step(settings=settings, state=state, target=target.identity,
+                                              active=active, pods=pod_views(pods, {}, state), analysis=None,
+                                              now=now) != state
+    queries, reports, problem = _reports(spec.prometheus_url or env.prometheus_url, env, namespace, name, spec)
+    try:
+        views = pod_views(pods, reports, state)
+        next_state = state
+        if problem is None:
+            analysis: CanaryAnalysis | None = None
+            if (state.phase == "Analyzing" and state.phase_since is not None
+                    and now - state.phase_since >= settings.analysis_window and queries is not None):
+                baseline = [v.name for v in views if v.ready and v.name not in state.canary_pods]
+                try:
+                    analysis = queries.analysis(state.canary_pods, baseline, settings.analysis_window,
+                                                min_requests=env.min_requests, at=now)
+                except TrafficQueryError as err:
+                    problem = str(err)
+            if problem is None:
+                next_state = step(settings=settings, state=state, target=target.identity, active=active,
+                                  pods=views, analysis=analysis, now=now)
+    finally:
+        if queries is not None:
+            queries.prometheus.close()
+
+    wanted = desired_per_pod(next_state, views, active)
+    parent = builders.Parent.from_body(body)
+    if settings.strategy == "HotReload":
+        for pod in pods:
+            patch = annotation_patch(pod, wanted.get(pod["metadata"]["name"]))
+            if patch is None:
+                continue
+            try:
+                kube.core.patch_namespaced_pod(pod["metadata"]["name"], namespace, {"metadata": {"annotations": patch}},
+                                               _content_type=MERGE_PATCH)
+                logger.info("pod %s asked for %s", pod["metadata"]["name"],
+                            patch.get("shapeshift.dev/forward-pass") or STOCK_FORWARD_PASS)
+            except ApiException as err:
+                if err.status != 404:  # a pod deleted meanwhile needs nothing
+                    raise kopf.TemporaryError(f"patching pod {pod['metadata']['name']} failed "
+                                              f"({err.status} {err.reason})", delay=5)
+    else:
+        chosen = template_forward_pass(next_state, active)
+        annotations = {k: v for k, v in pod_annotations(chosen).items() if v is not None}
+        action, _ = kube.ensure(builders.build_engine_deployment(parent, spec, annotations))
+        if action == "updated":
+            logger.info("engine pod template now asks for %s", chosen.name if chosen else STOCK_FORWARD_PASS)
+
+    update = rollout_status_update(state=next_state, previous_state=state, status=status, target=target,
+                                   views=views, wanted=wanted, prometheus_problem=problem if busy else None)
+    if problem is not None and not busy:
+        # Nothing to roll out and nothing known about the pods: record the phase, nothing else,
+        # so idle deployments without Prometheus are not rewritten on every tick.
+        update = StatusUpdate(fields={"rollout": update.fields["rollout"]},
+                              conditions=[c for c in update.conditions if c[2] == "TargetRejected"])
+    try:
+        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
+    except ApiException as err:
+        raise kopf.TemporaryError(f"writing rollout status failed ({err.status} {err.reason})", delay=5)
+
+    if next_state.phase != state.phase or (next_state.desired != state.desired and next_state.phase not in SETTLED):
+        reason = EVENT_REASONS.get(next_state.phase, next_state.phase)
+        if next_state.phase in ("RolledBack", "Failed"):
+            kopf.warn(body, reason=reason, message=next_state.message[:1000])
+        else:
+            kopf.info(body, reason=reason, message=next_state.message[:1000])
+        logger.info("rollout %s -> %s: %s", state.phase, next_state.phase, next_state.message)
