@@ -10,8 +10,10 @@ static input buffers sized for the largest bucket, captured from the largest to 
 smallest in one shared memory pool after a warm-up run; padded rows write their KV into
 the cache's null block. The KV width (blocks read per sequence) is fixed per graph
 because the torch attention reads a fixed-shape window; a few widths keep short
-contexts from paying for max_model_len. Prefill, mixed batches and batches above the
-largest bucket run eagerly; on the CPU everything runs eagerly.
+contexts from paying for max_model_len. Each graph also takes the greedy argmax of its
+logits into a static token buffer, so an all-greedy batch (no logprobs) copies only B token
+ids to the host (the step's one sync) and launches nothing outside the graph. Prefill, mixed
+batches and batches above the largest bucket run eagerly; on the CPU everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -137,7 +139,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         if batch.is_decode:
-            logits = self._run_decode(batch)
+            logits, greedy_tokens = self._run_decode(batch)
+            if greedy_tokens is not None and all(s.params.greedy and not s.params.logprobs for s in batch.seqs):
+                # The graph already took the argmax: one device->host copy of B token ids.
+                return RunnerOutput(token_ids=greedy_tokens.tolist(), logprobs=None)
             sampling_rows = list(range(len(batch.seqs)))
         else:
             input_ids, positions, ctx = self.prepare_prefill(batch)
@@ -159,15 +164,17 @@ class ModelRunner:
                     logprobs[row] = lp
         return RunnerOutput(token_ids=token_ids, logprobs=logprobs)
 
-    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits [n, V], and the greedy tokens [n] when a graph computed them."""
         n = len(batch.seqs)
         if self.graphs and n <= self.graph_batch_sizes[-1]:
             needed_width = max(len(s.block_table) for s in batch.seqs)
             graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
             width = next(w for w in self.graph_widths if w >= needed_width)
-            return self._replay(batch, self.graphs[(graph_bs, width)])
+            logits = self._replay(batch, self.graphs[(graph_bs, width)])
+            return logits, self._static["tokens"][:n]
         input_ids, positions, ctx = self.prepare_decode(batch)
-        return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+        return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache), None
 
     @torch.inference_mode()
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -239,6 +246,7 @@ class ModelRunner:
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "last_token_indices": torch.arange(max_bs, dtype=torch.int64, device=dev),
             "logits": torch.zeros(max_bs, vocab, dtype=torch.float32, device=dev),
+            "tokens": torch.zeros(max_bs, dtype=torch.int64, device=dev),  # greedy argmax of "logits"
         })
         self._static_host = {k: v.numpy() for k, v in views(self._packed64_host, self._packed32_host).items()}
         s = self._static
@@ -253,8 +261,10 @@ class ModelRunner:
                     last_token_indices=s["last_token_indices"][:bs])
 
                 def run_static(bs: int = bs, ctx: AttentionContext = ctx) -> None:
-                    s["logits"][:bs] = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx,
-                                                                 self.kv_cache)
+                    logits = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
+                    s["logits"][:bs] = logits
+                    # Greedy tokens inside the graph (first index of the max, as sampling's argmax).
+                    torch.argmax(logits, dim=-1, out=s["tokens"][:bs])
 
                 if not capture:
                     self.graphs[(bs, width)] = _Graph(run_static, bs, width)

@@ -127,6 +127,14 @@ def main() -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
+    out = Path(args.out) if args.out else (REPO / "bench" / "results" / "reload-{}-{}.json".format(
+        (result["gpu"] or "cpu").lower().replace(" ", "-"), dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # Written after every stage, so a run stopped by a time limit keeps what it measured.
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     if cuda:
@@ -161,8 +169,10 @@ def main() -> int:
     result["reload_best_s"] = min(r["total_s"] for r in reloads)
     result["reload_goal_s"] = 2.0
     print(f"on-path capture reload: {onpath}", flush=True)
+    result["replay"] = {}
+    save()
 
-    replays = {}
+    replays = result["replay"]
     eos = set(engine.model_config.eos_token_ids)
     for name, spec in load_plan(args.small).items():
         if name not in args.profiles.split(","):
@@ -178,12 +188,9 @@ def main() -> int:
         print(f"{name}: {s['output_tokens_per_s']:.1f} tok/s, per-user p50 {s['per_user_tokens_per_s_p50']:.1f} "
               f"p90 {s['per_user_tokens_per_s_p90']:.1f}, TTFT p50 {s['ttft_s_p50']:.3f} s p90 {s['ttft_s_p90']:.3f} s,"
               f" noise cv {s['noise_cv']:.3f}", flush=True)
-    result["replay"] = replays
+        save()
 
-    out = Path(args.out) if args.out else (REPO / "bench" / "results" / "reload-{}-{}.json".format(
-        (result["gpu"] or "cpu").lower().replace(" ", "-"), dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save()
     print(f"wrote {out}")
     return 0
 

@@ -2,7 +2,8 @@
 # One whole GPU measurement session on a CUDA machine that already has torch,
 # triton and transformers (no network): make the `shapeshift` namespace
 # importable without installing, run the CUDA tests, then the benchmarks.
-#   hack/gpu_run.sh [tests] [kernels] [decode] [reload] [parallel]  (default: all but parallel)
+#   hack/gpu_run.sh [tests] [kernels] [decode] [reload] [compile] [parallel]
+#   (default: tests kernels decode reload)
 # Results land in bench/results/; logs and a tarball of the results go to
 # $OUT when it is set.
 set -uo pipefail
@@ -34,8 +35,12 @@ for step in "${steps[@]}"; do
                 tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels)  timeout 330 python3 hack/bench_kernels.py --budget-s 300 2>&1 | tee "$OUT/kernels.log" ;;
     decode)   timeout 300 python3 hack/bench_decode.py 2>&1 | tee "$OUT/decode.log" ;;
-    reload)   timeout 240 python3 hack/bench_reload.py --model llama-3.2-1b-shape 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
+    reload)   timeout 270 python3 hack/bench_reload.py --model llama-3.2-1b-shape --repeats 2 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
     parallel) timeout 500 python3 hack/bench_parallel.py 2>&1 | tee "$OUT/parallel.log" ;;
+    compile)  # A time-boxed search on the 1B shape; a stop resumes from the board next time.
+              timeout "${COMPILE_TIMEOUT_S:-330}" python3 -c 'import sys; from shapeshift.engine.compile.cli import main; sys.exit(main())' \
+                --model llama-3.2-1b-shape --profile chat --agents sweep,evolve \
+                --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/compile-h200-chat" 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
   esac
 done
 tar czf "$OUT/results.tgz" -C "$REPO_ROOT/bench" results

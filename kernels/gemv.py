@@ -14,6 +14,13 @@ Split-K exists because at small N (e.g. 2048 outputs) there are too few row tile
 Variants: "dot" pads the rows of x to 16 and uses tensor-core dots (their operands go through
 shared memory with Triton's software pipelining, which keeps several weight tiles in flight);
 "fma" multiplies and reduces on CUDA cores with x held in registers (M <= 4).
+`out` may be float32 for bf16/fp16 inputs (the lm_head writes float32 logits directly instead
+of rounding them and launching a cast).
+
+`gemv_silu_and_mul` is the same stream over a fused [gate; up] weight [2I, K] with the SwiGLU
+gate in the epilogue: program n accumulates gate rows n*BLOCK_N.. and the matching up rows
+I + n*BLOCK_N.. and writes silu(gate) * up [M, I] (no split-K: the gate is non-linear), so the
+[M, 2I] intermediate and a separate activation launch disappear.
 """
 
 from __future__ import annotations
@@ -115,6 +122,66 @@ def _split_k_reduce_kernel(
     tl.store(y_ptr + m * stride_y_m + n, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gemv_silu_and_mul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [2I, K]: gate rows [0, I), up rows [I, 2I)
+    y_ptr,  # [M, I]
+    M,
+    INNER,
+    K,
+    stride_x_m,
+    stride_w_n,
+    stride_y_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < INNER
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    kk = tl.arange(0, BLOCK_K)
+    n_safe = tl.where(n_mask, n, 0).to(tl.int64)  # clamped rows: unmasked 16-byte weight loads
+    g_ptrs = w_ptr + n_safe[:, None] * stride_w_n + kk[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + INNER * stride_w_n
+    x_ptrs = x_ptr + m[:, None] * stride_x_m + kk[None, :]  # [BLOCK_M, BLOCK_K]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + kk) < K
+            wg = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc_g += dot(x, tl.trans(wg), UPCAST_DOT, DOT_PRECISION)
+            acc_u += dot(x, tl.trans(wu), UPCAST_DOT, DOT_PRECISION)
+        else:
+            xf = x.to(tl.float32)[:, None, :]
+            acc_g += tl.sum(xf * wg.to(tl.float32)[None, :, :], axis=2)
+            acc_u += tl.sum(xf * wu.to(tl.float32)[None, :, :], axis=2)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    # Rounding points of the unfused path: the projection output, then silu(gate), then the
+    # product, each rounded to the output dtype (kernels/activation.py).
+    gate = acc_g.to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + m[:, None] * stride_y_m + n[None, :], (activated * up).to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch reference in float32: x @ weight^T (+ bias), cast to x's dtype."""
     y = x.float() @ weight.float().t()
@@ -129,9 +196,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """y = x @ weight^T (+ bias) for x [M, K] with 1 <= M <= 16 and weight [N, K]."""
+    """y = x @ weight^T (+ bias) for x [M, K] with 1 <= M <= 16 and weight [N, K].
+
+    The output has x's dtype, or float32 when `out_dtype` (or a given `out`) says so.
+    """
     op = "gemv"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_runnable_device(op, x)
@@ -145,9 +216,10 @@ def gemv(
         check_tensor(op, "bias", bias, shape=(N,), device=x.device)
         check_same_dtype(op, "x", x, bias=bias)
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     check_tensor(op, "out", out, shape=(M, N), device=x.device)
-    check_same_dtype(op, "x", x, out=out)
+    if out.dtype != torch.float32:
+        check_same_dtype(op, "x", x, out=out)
     if config is None:
         config = GEMV_SPEC.default_config({"m": M, "n": N, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
     if N == 0:
@@ -175,6 +247,59 @@ def gemv(
             partial, bias_arg, out, M, N, out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
         )
+    return out
+
+
+def gemv_silu_and_mul_ref(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference: the projection rounded to x's dtype, then SiLU-and-mul with the
+    rounding points of kernels/activation.py."""
+    y = gemv_ref(x, gate_up)
+    inner = gate_up.shape[0] // 2
+    gate, up = y[:, :inner].float(), y[:, inner:].float()
+    return (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for x [M, K] (1 <= M <= 16) and gate_up = [gate; up] [2I, K].
+
+    `config` is a gemv config (for the problem n = I); SPLIT_K is forced to 1.
+    """
+    op = "gemv_silu_and_mul"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_runnable_device(op, x)
+    M, K = x.shape
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"{op}: x has {M} rows; this kernel serves 1..{MAX_M} rows (use a GEMM for larger batches)")
+    check_tensor(op, "gate_up", gate_up, shape=(None, K), device=x.device)
+    check_same_dtype(op, "x", x, gate_up=gate_up)
+    if gate_up.shape[0] % 2:
+        raise ValueError(f"{op}: gate_up must stack [gate; up] (an even number of rows), got {gate_up.shape[0]}")
+    inner = gate_up.shape[0] // 2
+    if out is None:
+        out = torch.empty((M, inner), dtype=x.dtype, device=x.device)
+    check_tensor(op, "out", out, shape=(M, inner), device=x.device)
+    check_same_dtype(op, "x", x, out=out)
+    if config is None:
+        config = GEMV_SPEC.default_config({"m": M, "n": inner, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
+    if inner == 0:
+        return out
+    use_dot = config.variant == "dot"
+    if not use_dot and M > 4:
+        raise ValueError(f"{op}: the 'fma' variant serves at most 4 rows, got {M}; use the 'dot' variant")
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    upcast_dot, dot_precision = dot_flags(x.dtype)
+    _gemv_silu_and_mul_kernel[(triton.cdiv(inner, block_n),)](
+        x, gate_up, out, M, inner, K, x.stride(0), gate_up.stride(0), out.stride(0),
+        BLOCK_M=16 if use_dot else next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
     return out
 
 

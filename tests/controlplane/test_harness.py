@@ -86,3 +86,54 @@ def test_local_pod_resolves_env_and_reports_a_stop_like_a_kubelet(cluster, names
     assert status.phase == "Failed"
     terminated = status.container_statuses[0].state.terminated
     assert (terminated.exit_code, terminated.reason) == (143, "Error")
+
+
+def test_local_pod_emulates_a_downward_api_volume_and_follows_annotation_changes(
+        cluster, namespace, run_pod_locally):
+    from shapeshift.engine.rollout_protocol import parse_downward_api_map
+
+    # The process prints the file at the path its command line names, whenever it changes,
+    # and the flag it was started with (overridden locally).
+    script = (
+        "import sys, time, json;"
+        "path = sys.argv[sys.argv.index('--info') + 1]; last = None;"
+        "print(json.dumps({'path': path, 'port': sys.argv[sys.argv.index('--port') + 1]}), flush=True);"
+        "exec('while True:\\n text = open(path).read()\\n if text != last:\\n  last = text; print(repr(text), flush=True)\\n time.sleep(0.1)')"
+    )
+    cluster.core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "follower", "labels": {"app": "demo"},
+                     "annotations": {"shapeshift.dev/forward-pass": "first", "note": 'has "quotes"\nand a newline'}},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {POOL_LABEL: "cpu"},
+            "containers": [{
+                "name": "main", "image": "registry.invalid/follower:1",
+                "command": [sys.executable, "-c", script],
+                "args": ["--info", "/etc/podinfo/annotations", "--port", "8000"],
+                "volumeMounts": [{"name": "podinfo", "mountPath": "/etc/podinfo", "readOnly": True}],
+            }],
+            "volumes": [{"name": "podinfo", "downwardAPI": {"items": [
+                {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                {"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}}],
+        },
+    })
+    pod = run_pod_locally(namespace, "follower", background=True, flag_overrides={"--port": "18123"})
+    header = wait_until(lambda: pod.output().splitlines()[0] if pod.output().strip() else None, 30,
+                        "the follower to start")
+    started = json.loads(header)
+    assert started["port"] == "18123"
+    local = Path(started["path"])
+    assert local != Path("/etc/podinfo/annotations") and local.name == "annotations" and local.is_file()
+    assert parse_downward_api_map(local.read_text()) == {
+        "shapeshift.dev/forward-pass": "first", "note": 'has "quotes"\nand a newline'}
+    assert parse_downward_api_map((local.parent / "labels").read_text()) == {"app": "demo"}
+    assert (local.parent / "name").read_text() == "follower"
+
+    cluster.core.patch_namespaced_pod("follower", namespace, {"metadata": {"annotations": {
+        "shapeshift.dev/forward-pass": "second", "note": None}}})
+    wait_until(lambda: parse_downward_api_map(local.read_text()) == {"shapeshift.dev/forward-pass": "second"}, 15,
+               "the annotations file to follow the patch")
+    # The running process saw the new content through the same path.
+    wait_until(lambda: "second" in pod.output(), 10, "the process to read the rewritten file")
+    assert pod.stop() == {"main": 143}

@@ -96,6 +96,11 @@ def launch_all() -> None:
     label("sample")
     sampling.sample(e(8, 128256), e(8), e(8, dtype=torch.int32), e(8), e(8, dtype=torch.int64),
                     config=sm90(sampling.SAMPLE_SPEC, {"batch": 8, "vocab": 128256}))
+    label("sample sort")  # the full-sort candidate path, for Triton builds without tl.topk
+    has_topk, sampling._TL_HAS_TOPK = sampling._TL_HAS_TOPK, False
+    sampling.sample(e(1, 128256), e(1), e(1, dtype=torch.int32), e(1), e(1, dtype=torch.int64),
+                    config=sm90(sampling.SAMPLE_SPEC, {"batch": 1, "vocab": 128256}))
+    sampling._TL_HAS_TOPK = has_topk
     for name, max_q in (("prefill_attention long", 2048), ("prefill_attention short", 8)):
         label(name)
         prefill_attention.prefill_attention(

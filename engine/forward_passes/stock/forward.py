@@ -18,6 +18,14 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   norm_backend: torch | triton        RMSNorm fused with the residual add (kernels.rmsnorm)
   rotary_backend: torch | triton      rotary fused with the KV-cache write (kernels.rotary)
   activation_backend: torch | triton  SiLU-and-mul (kernels.activation; needs fuse_gate_up)
+  linear_backend: torch | triton      projections and lm_head on <= 16 rows (decode) through the
+                                      weight-streaming GEMV (kernels.gemv); F.linear above that.
+                                      The lm_head then writes float32 logits directly (no
+                                      bf16 rounding of the logits, no cast launch)
+  gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
+                                      dicts) overriding the per-shape defaults, e.g. from tuning
+  fuse_gate_up_activation: bool       SiLU-and-mul in the gate/up GEMV's epilogue (needs
+                                      fuse_gate_up and linear_backend: triton; <= 16 rows)
   fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
   fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
   moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
@@ -200,7 +208,8 @@ class StockForwardPass:
         self.cfg = cfg
         self.recipe = dict(recipe)
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
-                 "fuse_gate_up", "moe_decode_gather_max_rows"}
+                 "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
+                 "fuse_gate_up_activation"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -235,6 +244,21 @@ class StockForwardPass:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true on a dense model")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
+        self._gemv = self._gemv_gated = None
+        self._gemv_max_rows = 0
+        self._gemv_overrides: dict[tuple[int, int], Any] = {}
+        self._gemv_config_cache: dict[tuple[int, int, int, bool], Any] = {}
+        if _choice(self.recipe, "linear_backend") == "triton":
+            self._gemv = _kernel("gemv", "gemv", "linear_backend")
+            self._gemv_max_rows = _kernel("gemv", "MAX_M", "linear_backend")
+            self._gemv_overrides = _gemv_overrides(self.recipe.get("gemv_configs") or {})
+        elif self.recipe.get("gemv_configs"):
+            raise ValueError("recipe gemv_configs needs linear_backend: triton")
+        if self.recipe.get("fuse_gate_up_activation", False):
+            if self._gemv is None or not self.fuse_gate_up or cfg.family == "moe":
+                raise ValueError("recipe fuse_gate_up_activation needs linear_backend: triton and fuse_gate_up: true "
+                                 "on a dense model")
+            self._gemv_gated = _kernel("gemv", "gemv_silu_and_mul", "fuse_gate_up_activation")
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -285,6 +309,36 @@ class StockForwardPass:
             return self._triton_rmsnorm(x.reshape(tokens * heads, dim), weight, self.cfg.rms_norm_eps).view(tokens, heads, dim)
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
+    def _gemv_config(self, rows: int, weight: torch.Tensor, gated: bool) -> Any:
+        """The GEMV config for this (rows, N, K): a recipe override for the shape, else the
+        kernel's per-shape default (cached: the lookup stays off the eager decode path)."""
+        n, k = weight.shape[0] // (2 if gated else 1), weight.shape[1]
+        key = (rows, n, k, gated)
+        config = self._gemv_config_cache.get(key)
+        if config is None:
+            config = self._gemv_overrides.get((n, k))
+            if config is None:
+                from shapeshift.kernels.checks import dtype_name
+                from shapeshift.kernels.gemv import GEMV_SPEC
+
+                config = GEMV_SPEC.default_config({"m": rows, "n": n, "k": k, "dtype": dtype_name(weight.dtype)},
+                                                  weight.device)
+            self._gemv_config_cache[key] = config
+        return config
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               float32_out: bool = False) -> torch.Tensor:
+        """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]; float32 when ``float32_out``.
+
+        With linear_backend: triton, T <= 16 rows stream the weight through the Triton GEMV
+        (cuBLAS reaches ~70% of bandwidth at batch 1); larger T stays on cuBLAS.
+        """
+        if self._gemv is not None and x.shape[0] <= self._gemv_max_rows and x.stride(-1) == 1:
+            return self._gemv(x, weight, bias, out_dtype=torch.float32 if float32_out else None,
+                              config=self._gemv_config(x.shape[0], weight, False))
+        y = F.linear(x, weight, bias)
+        return y.float() if float32_out else y
+
     # ------------------------------------------------------------------ blocks
     def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
@@ -292,12 +346,12 @@ class StockForwardPass:
         cfg = self.cfg
         tokens = x.shape[0]
         if layer.qkv_proj is not None:
-            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_dim + 2 kv_dim]
+            qkv = self.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_dim + 2 kv_dim]
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         else:
-            q = F.linear(x, layer.q_proj, layer.q_bias)
-            k = F.linear(x, layer.k_proj, layer.k_bias)
-            v = F.linear(x, layer.v_proj, layer.v_bias)
+            q = self.linear(x, layer.q_proj, layer.q_bias)
+            k = self.linear(x, layer.k_proj, layer.k_bias)
+            v = self.linear(x, layer.v_proj, layer.v_bias)
         q = q.view(tokens, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(tokens, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.view(tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -319,17 +373,25 @@ class StockForwardPass:
             o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
         else:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
-        return F.linear(o.reshape(tokens, -1), layer.o_proj)
+        return self.linear(o.reshape(tokens, -1), layer.o_proj)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if layer.router is None:
             if layer.gate_up_proj is None:
-                return dense_mlp(x, layer.gate_proj, layer.up_proj, layer.down_proj)
-            gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2I]
+                if self._gemv is None:
+                    return dense_mlp(x, layer.gate_proj, layer.up_proj, layer.down_proj)
+                gate, up = self.linear(x, layer.gate_proj), self.linear(x, layer.up_proj)
+                return self.linear(F.silu(gate) * up, layer.down_proj)
+            if self._gemv_gated is not None and x.shape[0] <= self._gemv_max_rows:
+                # [T, I] straight from the weight stream: no [T, 2I] intermediate, no extra launch.
+                activated = self._gemv_gated(x, layer.gate_up_proj,
+                                             config=self._gemv_config(x.shape[0], layer.gate_up_proj, True))
+                return self.linear(activated, layer.down_proj)
+            gate_up = self.linear(x, layer.gate_up_proj)  # [T, 2I]
             if self._silu_and_mul is not None:
-                return F.linear(self._silu_and_mul(gate_up), layer.down_proj)
+                return self.linear(self._silu_and_mul(gate_up), layer.down_proj)
             gate, up = gate_up.chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, layer.down_proj)
+            return self.linear(F.silu(gate) * up, layer.down_proj)
         weights, ids = route(x, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         if ctx.is_prefill:
             return moe_sparse(x, weights, ids, layer.experts_gate_up, layer.experts_down)
@@ -356,9 +418,27 @@ class StockForwardPass:
             h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache, attn_bias)
             x, residual = self.norm(h, layer.post_norm, residual)
             h = self.mlp(layer, x, ctx)
-        rows = ctx.last_token_indices  # [B]: only these rows need the head
-        x, _ = self.norm(h[rows], self.final_norm, residual[rows])
-        return F.linear(x, self.lm_head).float()
+        if ctx.is_prefill:
+            rows = ctx.last_token_indices  # [B]: only these rows need the head
+            h, residual = h[rows], residual[rows]
+        # Decode: one token per sequence, so every row is a last row (no gather launches).
+        x, _ = self.norm(h, self.final_norm, residual)
+        return self.linear(x, self.lm_head, float32_out=True)  # [B, V] float32
+
+
+def _gemv_overrides(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
+    """{"NxK": {"variant": "dot", "BLOCK_N": 32, ...}} -> {(N, K): KernelConfig}."""
+    from shapeshift.kernels.registry import KernelConfig
+
+    out = {}
+    for shape, config in table.items():
+        try:
+            n, k = (int(v) for v in str(shape).lower().split("x"))
+            out[(n, k)] = config if isinstance(config, KernelConfig) else KernelConfig.from_dict(config)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"recipe gemv_configs[{shape!r}] must map 'NxK' (e.g. '2048x8192') to a kernel config "
+                             f"dict with a 'variant' and its tile parameters ({exc})") from exc
+    return out
 
 
 def build(model_config: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> StockForwardPass:

@@ -1,0 +1,306 @@
+"""Rollout of a verified ForwardPass on the real control plane, with real engines and a real Prometheus.
+
+    InferenceDeployment (cpu pool, 2-3 replicas) --operator (in-process kopf)--> engine Deployment
+      --kube-controller-manager, kube-scheduler, kwok--> Running pods on kwok nodes
+      --harness.kubelet (run_pod_locally)--> one real `shapeshift serve --model tiny-llama` process per pod,
+         each on its own loopback port, its downwardAPI annotations file emulated and kept current
+      --Prometheus (static targets labelled pod/namespace/deployment)--> what each pod runs, latency
+    spec.forwardPass -> ForwardPass whose artifact is a real bundle (the stock source with fuse_qkv)
+      --rollout timer--> canary pod annotations --engine hot-reloads--> analysis --> all pods
+
+The first test follows a good candidate from the canary (while the other pods still run stock) to
+every pod; the second names a ForwardPass whose sha256 is not its artifact's: the canary engine
+refuses it and the operator rolls back, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.cluster import wait_until
+from harness.controlplane import free_port
+from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+NAME = "llama"
+MODEL = "tiny-llama"
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def bundle(tmp_path: Path, recipe: dict, name: str) -> tuple[Path, str]:
+    """A real bundle archive: the stock forward pass with a changed recipe."""
+    path = tmp_path / "bundles" / f"{name}.tar.gz"
+    create_bundle(stock_bundle_dir(), recipe, path, name=name)
+    return path, load_manifest(path).digest
+
+
+def forward_pass(cluster, namespace: str, name: str, uri: str, sha256: str) -> None:
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": name},
+        "spec": {
+            "model": {"name": MODEL, "dtype": "float32"},
+            "hardware": {"accelerator": "cpu"},
+            "artifact": {"uri": uri, "sha256": sha256},
+            "recipe": {"fuse_qkv": True},
+            "metrics": {"speedup": 1.1},
+            "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}]},
+        },
+    })
+
+
+def deployment(cluster, namespace: str, replicas: int) -> dict:
+    return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": NAME},
+        "spec": {
+            "model": {"preset": MODEL},
+            "hardware": {"accelerator": "cpu"},
+            "replicas": replicas,
+            "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": 8},
+            # Short windows so the test takes about a minute; allowedRegression 1.0: only a canary
+            # twice as slow as the stock pods is refused (two busy cores make timings noisy).
+            "rollout": {"canaryReplicas": 1, "analysisWindowSeconds": 12, "allowedRegression": 1.0,
+                        "loadTimeoutSeconds": 120},
+        },
+    })
+
+
+def status(cluster, namespace: str) -> dict:
+    return cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments",
+                                                       NAME).get("status") or {}
+
+
+def patch_spec(cluster, namespace: str, spec: dict) -> None:
+    cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", NAME,
+                                                  {"spec": spec})
+
+
+def forward_pass_info(base_url: str) -> dict[str, str]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "shapeshift_forward_pass_info":
+                return dict(sample.labels)
+    raise AssertionError(f"{base_url} exposes no shapeshift_forward_pass_info")
+
+
+def events(cluster, namespace: str) -> list[tuple[str, str, str]]:
+    return [(e.type, e.reason, e.message or "") for e in cluster.core.list_namespaced_event(namespace).items
+            if e.involved_object.kind == "InferenceDeployment"]
+
+
+class Load:
+    """One client per engine sending short greedy completions back to back."""
+
+    def __init__(self, base_urls: list[str]):
+        self.stop_event = threading.Event()
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self.client, args=(url,), daemon=True) for url in base_urls]
+
+    def client(self, base_url: str) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_event.is_set():
+                try:
+                    r = client.post(f"{base_url}/v1/completions", json={
+                        "model": MODEL, "prompt": f"request {n} asks", "max_tokens": 6, "temperature": 0})
+                    self.statuses.append(r.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(-1)
+                n += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(60)
+
+
+@pytest.fixture
+def engines(crds, namespace, operator, run_pod_locally, prometheus, tmp_path, monkeypatch):
+    """start(replicas) -> {pod name: base URL}: the deployment's pods running as real engines,
+    scraped by a Prometheus that the deployment's spec.prometheusUrl names."""
+    monkeypatch.setenv("SHAPESHIFT_ROLLOUT_MIN_REQUESTS", "5")
+
+    def start(replicas: int) -> dict[str, str]:
+        deployment(crds, namespace, replicas)
+        selector = f"shapeshift.dev/inference-deployment={NAME}"
+
+        def running_pods():
+            pods = crds.core.list_namespaced_pod(namespace, label_selector=selector).items
+            running = [p for p in pods if p.spec.node_name and p.status.phase == "Running"]
+            return sorted(p.metadata.name for p in running) if len(running) == replicas else None
+
+        names = wait_until(running_pods, 60, f"{replicas} engine pods Running on the cpu pool")
+        ports = {name: free_port() for name in names}
+        server = prometheus([{
+            "job_name": "engines", "scrape_interval": "1s", "scrape_timeout": "1s",
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
+                                "labels": {"pod": name, "namespace": namespace, "deployment": NAME}}
+                               for name, port in ports.items()],
+        }])
+        env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONSAFEPATH": "1",
+               "SHAPESHIFT_CACHE": str(tmp_path / "engine-cache")}
+        for name, port in ports.items():
+            run_pod_locally(namespace, name, background=True, extra_env=env, flag_overrides={
+                "--host": "127.0.0.1", "--port": str(port), "--num-kv-blocks": "64"})
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+
+        def healthy(url):
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        for url in urls.values():
+            wait_until(lambda url=url: healthy(url), 120, f"engine at {url} healthy", interval_s=0.5)
+        server.wait_for("count(shapeshift_forward_pass_info)", lambda v: v >= replicas, timeout_s=30)
+        patch_spec(crds, namespace, {"prometheusUrl": server.url})
+        return urls
+
+    return start
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespace, engines, tmp_path):
+    archive, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
+    urls = engines(3)
+    stock = forward_pass_info(next(iter(urls.values())))["sha256"]
+    assert stock != digest
+    forward_pass(crds, namespace, "tiny-fused-qkv", str(archive), digest)
+
+    with Load(list(urls.values())) as load:
+        patch_spec(crds, namespace, {"forwardPass": "tiny-fused-qkv"})
+        st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
+            status(crds, namespace)), 90, "the canary to report the candidate (phase Analyzing)", interval_s=0.5)
+        (canary,) = st["rollout"]["canaryPods"]
+        # While the canary is analysed, it alone runs the candidate.
+        running = {name: forward_pass_info(url) for name, url in urls.items()}
+        assert running[canary] == {"model": MODEL, "name": "tiny-fused-qkv", "sha256": digest}
+        for name, info in running.items():
+            if name != canary:
+                assert info == {"model": MODEL, "name": "stock", "sha256": stock}, name
+        pods = crds.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/inference-deployment={NAME}")
+        asked = {p.metadata.name: (p.metadata.annotations or {}).get("shapeshift.dev/forward-pass") for p in pods.items}
+        assert asked == {name: ("tiny-fused-qkv" if name == canary else None) for name in urls}
+        by_pod = {p["name"]: p for p in st["pods"]}
+        assert by_pod[canary]["canary"] is True and by_pod[canary]["forwardPass"] == "tiny-fused-qkv"
+
+        st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Complete" else None)(
+            status(crds, namespace)), 120, "promotion to every pod (phase Complete)", interval_s=0.5)
+    assert load.statuses.count(200) >= 15 and set(load.statuses) == {200}, sorted(set(load.statuses))
+
+    for name, url in urls.items():
+        assert forward_pass_info(url)["sha256"] == digest, name
+    assert st["activeForwardPass"]["name"] == "tiny-fused-qkv" and st["activeForwardPass"]["sha256"] == digest
+    assert st["activeForwardPass"]["speedup"] == 1.1
+    assert sorted(p["name"] for p in st["pods"]) == sorted(urls)
+    assert all(p["forwardPass"] == "tiny-fused-qkv" and p["sha256"] == digest and p["desired"] == "tiny-fused-qkv"
+               for p in st["pods"]), st["pods"]
+    condition = {c["type"]: c for c in st["conditions"]}["ForwardPassRolledOut"]
+    assert condition["status"] == "True" and condition["reason"] == "RolledOut"
+    reasons = {reason for _, reason, _ in events(crds, namespace)}
+    assert {"CanaryStarted", "CanaryInSync", "Promoting", "RolledOut"} <= reasons, reasons
+
+
+def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(crds, namespace, engines,
+                                                                                tmp_path):
+    archive, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
+    _, other_digest = bundle(tmp_path, {"fuse_qkv": True, "fuse_gate_up": True}, "other")
+    urls = engines(2)
+    stock = forward_pass_info(next(iter(urls.values())))["sha256"]
+    # The artifact is a real bundle, but the ForwardPass records another bundle's digest.
+    forward_pass(crds, namespace, "tiny-mislabelled", str(archive), other_digest)
+
+    patch_spec(crds, namespace, {"forwardPass": "tiny-mislabelled"})
+    st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "RolledBack" else None)(
+        status(crds, namespace)), 90, "the rollout to be rolled back", interval_s=0.5)
+    (canary,) = st["rollout"]["canaryPods"]
+    assert "refused tiny-mislabelled" in st["rollout"]["message"] and "digest_mismatch" in st["rollout"]["message"]
+    assert canary in st["rollout"]["message"]
+    condition = {c["type"]: c for c in st["conditions"]}["ForwardPassRolledOut"]
+    assert condition["status"] == "False" and condition["reason"] == "RolledBack"
+    assert "digest_mismatch" in condition["message"]
+    assert "activeForwardPass" not in st
+
+    # Every pod is (still) on stock and the canary's annotations ask for stock again.
+    def all_stock():
+        pods = crds.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/inference-deployment={NAME}")
+        return all("shapeshift.dev/forward-pass" not in (p.metadata.annotations or {}) for p in pods.items)
+
+    wait_until(all_stock, 15, "the canary's forward-pass annotations removed")
+    for name, url in urls.items():
+        assert forward_pass_info(url) == {"model": MODEL, "name": "stock", "sha256": stock}, name
+    warnings = [(kind, msg) for kind, reason, msg in events(crds, namespace) if reason == "RolledBack"]
+    assert warnings and warnings[0][0] == "Warning" and "digest_mismatch" in warnings[0][1]
+
+    # The refused target is not retried: a later tick leaves the rollout where it is.
+    time.sleep(5)
+    assert status(crds, namespace)["rollout"]["phase"] == "RolledBack"
+
+
+SLOW_FORWARD = '''"""Exact but slow: the stock forward pass plus a pause in every step (a latency regression)."""
+import time
+
+from shapeshift.engine.hot_reload import import_stock_module
+
+stock = import_stock_module()
+CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
+
+
+class SlowForwardPass(stock.StockForwardPass):
+    def forward(self, *args, **kwargs):
+        time.sleep(0.06)
+        return super().forward(*args, **kwargs)
+
+
+def build(model_config, weights, recipe):
+    return SlowForwardPass(model_config, weights, recipe)
+'''
+
+
+def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(crds, namespace, engines, tmp_path):
+    source = tmp_path / "slow-source"
+    source.mkdir()
+    (source / "forward.py").write_text(SLOW_FORWARD)
+    archive = tmp_path / "bundles" / "slow.tar.gz"
+    create_bundle(source, {}, archive, name="slow")
+    digest = load_manifest(archive).digest
+    urls = engines(2)
+    stock = forward_pass_info(next(iter(urls.values())))["sha256"]
+    forward_pass(crds, namespace, "tiny-slow", str(archive), digest)
+    patch_spec(crds, namespace, {"rollout": {"allowedRegression": 0.5}})
+
+    with Load(list(urls.values())):
+        patch_spec(crds, namespace, {"forwardPass": "tiny-slow"})
+        st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
+            status(crds, namespace)), 90, "the canary to report the slow candidate", interval_s=0.5)
+        (canary,) = st["rollout"]["canaryPods"]
+        assert forward_pass_info(urls[canary])["sha256"] == digest
+        st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "RolledBack" else None)(
+            status(crds, namespace)), 90, "the analysis to roll the slow candidate back", interval_s=0.5)
+    message = st["rollout"]["message"]
+    assert "canary regressed" in message and "p90 latency" in message, message
+    print(f"rollback reason: {message}")
+    # Back on stock: the engine re-activates the pass it still holds.
+    for name, url in urls.items():
+        wait_until(lambda url=url: forward_pass_info(url)["sha256"] == stock, 30, f"{name} back on stock")
+    assert "activeForwardPass" not in status(crds, namespace)
