@@ -69,11 +69,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "triton": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS},
     # Weight-streaming Triton GEMV for every projection at <= 16 rows, SiLU-and-mul in the
     # gate/up GEMV's epilogue (see docs/decode-performance.md).
-    "fast": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS, "linear_backend": "triton",
+    "gemv": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS, "linear_backend": "triton",
              "fuse_gate_up_activation": True},
+    # ... and every RMSNorm inside the GEMV that consumes it (6 launches per layer at decode).
+    "fast": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS, "linear_backend": "triton",
+             "fuse_gate_up_activation": True, "fuse_norm_into_linear": True},
 }
 BEST_RECIPE = "fast"
-NEEDS_TRITON = {"triton", "fast"}
+NEEDS_TRITON = {"triton", "gemv", "fast"}
 BASELINE_ORDER = ("hf-eager", "torch-compile", "hf-static")
 PROMPT_SEED = 100
 CURVE_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
@@ -600,8 +603,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--baseline-new-tokens", type=int, default=128,
                         help="tokens per request for the HF / torch.compile baselines (rates need fewer)")
     parser.add_argument("--recipes", default=None,
-                        help=f"comma list of {sorted(RECIPES)} (default stock,triton,{BEST_RECIPE}; --curve and "
-                             f"--profile: {BEST_RECIPE}); Triton recipes are skipped without CUDA")
+                        help=f"comma list of {sorted(RECIPES)} (default stock,triton,{BEST_RECIPE}; --curve: "
+                             f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}); Triton recipes are "
+                             "skipped without CUDA")
     parser.add_argument("--repeats", type=int, default=2, help="engine runs per point (best is reported)")
     parser.add_argument("--baselines", default=",".join(BASELINE_ORDER),
                         help=f"comma list of {list(BASELINE_ORDER)} or 'none'; each runs in its own process")
@@ -632,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [int(b) for b in (args.batch_sizes or (CURVE_BATCH_SIZES if mode == "curve" else "1,32")).split(",")]
     if mode == "profile":
         batch_sizes = [1]
-    default_recipes = f"stock,triton,{BEST_RECIPE}" if mode == "table" else BEST_RECIPE
+    default_recipes = {"table": f"stock,triton,{BEST_RECIPE}", "curve": BEST_RECIPE,
+                       "profile": f"stock,triton,gemv,{BEST_RECIPE}"}[mode]
     recipes = [r for r in (args.recipes or default_recipes).split(",") if r]
     for r in recipes:
         if r not in RECIPES:

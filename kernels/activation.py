@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dtype_name
+from .checks import FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dtype_name
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 
@@ -63,7 +63,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: Ke
     if T == 0 or inner == 0:
         return out
     block = config["BLOCK"]
-    grid = (T, triton.cdiv(inner, block))
+    grid = (T, cdiv(inner, block))
     _silu_and_mul_kernel[grid](
         x, out, inner, x.stride(0), out.stride(0),
         BLOCK=block, num_warps=config.num_warps, num_stages=config.num_stages,

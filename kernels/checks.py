@@ -15,9 +15,18 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+_INTERPRETER_ACTIVE: bool | None = None
+
+
 def interpreter_active() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1 set before importing triton)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1 set before importing triton).
+
+    Read once: Triton itself only honours the variable when kernels are first defined, and
+    launchers ask on every call (an environment lookup costs microseconds)."""
+    global _INTERPRETER_ACTIVE
+    if _INTERPRETER_ACTIVE is None:
+        _INTERPRETER_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETER_ACTIVE
 
 
 def _pretty_shape(shape: Sequence[int | None]) -> str:
@@ -41,9 +50,40 @@ def check_tensor(
     last_dim_contiguous: bool = True,
     contiguous: bool = False,
 ) -> torch.Tensor:
-    """Validate one tensor argument; `None` entries in `shape` accept any size."""
-    if not isinstance(tensor, torch.Tensor):
+    """Validate one tensor argument; `None` entries in `shape` accept any size.
+
+    Launchers call this for every argument of every launch, so the passing path reads each
+    piece of tensor metadata once and builds no message; failures are reported by
+    `_tensor_problem`, which re-derives what exactly is wrong."""
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    sizes = tensor.shape
+    ok = True
+    if shape is not None:
+        if len(sizes) != len(shape):
+            ok = False
+        else:
+            for got, want in zip(sizes, shape):
+                if want is not None and got != want:
+                    ok = False
+                    break
+    elif ndim is not None and len(sizes) != ndim:
+        ok = False
+    if ok and dtypes is not None and tensor.dtype not in dtypes:
+        ok = False
+    if ok and device is not None and tensor.device != device:
+        ok = False
+    if ok and contiguous and not tensor.is_contiguous():
+        ok = False
+    if ok and last_dim_contiguous and sizes and sizes[-1] > 1 and tensor.stride(-1) != 1:
+        ok = False
+    if not ok:
+        _tensor_problem(op, name, tensor, shape, ndim, dtypes, device, last_dim_contiguous, contiguous)
+    return tensor
+
+
+def _tensor_problem(op, name, tensor, shape, ndim, dtypes, device, last_dim_contiguous, contiguous) -> None:
+    """Raise the ValueError that says what is wrong with `tensor` (the slow, failing path)."""
     if shape is not None:
         ndim = len(shape)
     if ndim is not None and tensor.dim() != ndim:
@@ -71,7 +111,7 @@ def check_tensor(
             f"{op}: {name} must have a unit stride in its last dim (got strides {tensor.stride()}); "
             "call .contiguous() first"
         )
-    return tensor
+    raise AssertionError(f"{op}: {name} failed a check that _tensor_problem cannot name")  # unreachable
 
 
 def check_runnable_device(op: str, tensor: torch.Tensor) -> None:
@@ -96,6 +136,35 @@ def check_same_dtype(op: str, reference_name: str, reference: torch.Tensor, **ot
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def tensor_meta(tensor: torch.Tensor | None) -> tuple | None:
+    """(shape, strides, dtype, device): all the metadata the launch checks read; None for None.
+    Raises AttributeError for a non-tensor (the launcher's checks then say what is wrong)."""
+    return None if tensor is None else (tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+
+
+class LaunchPlans(dict):
+    """A launcher's memo: argument metadata (+ config) -> what it checked and derived once.
+
+    Checks read metadata only, never values, so a metadata combination that passed once
+    passes again; a repeat call (every decode step) skips the checks and the config lookup
+    and reads its strides from the key. Bounded: cleared when it reaches `limit` entries."""
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, key, plan):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints (triton.cdiv is a constexpr function: ~1 us per host call)."""
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, dot_flags, check_runnable_device, check_same_dtype, check_tensor, dtype_name, next_power_of_2
+from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
+                     dtype_name, next_power_of_2, tensor_meta)
 from .triton_helpers import dot
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
@@ -198,6 +199,58 @@ def decode_attention(
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, including
     the one just written). Returns out [B, Hq, D] (or writes `out`). No host syncs.
     """
+    try:
+        metas = (tensor_meta(q), tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(block_tables),
+                 tensor_meta(context_lens), tensor_meta(out))
+        plan = _PLANS.get((metas, config))
+    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
+        metas, plan = None, None
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, block_tables, context_lens, out, config)
+        if metas is not None:
+            _PLANS.remember((metas, config), plan)
+        metas = (tensor_meta(q), tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(block_tables),
+                 tensor_meta(context_lens), tensor_meta(out))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out_stride = out.stride()
+    else:
+        out_stride = metas[5][1]
+    B, num_q_heads, head_dim = q.shape
+    if B == 0:
+        return out
+    config, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = plan
+    q_stride, kc_stride, vc_stride = metas[0][1], metas[1][1], metas[2][1]
+    if num_splits > 1:
+        partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
+        float(scale) * LOG2E,
+        q_stride[0], q_stride[1],
+        kc_stride[0], kc_stride[1], kc_stride[2],
+        vc_stride[0], vc_stride[1], vc_stride[2],
+        metas[3][1][0],
+        out_stride[0], out_stride[1],
+        block_size, num_q_heads,
+        **constexprs,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _decode_attention_reduce_kernel[(B, num_q_heads)](
+            partial_out, partial_lse, out, out_stride[0], out_stride[1], num_q_heads, **reduce_constexprs,
+        )
+    return out
+
+
+# (argument metadata, config) -> launch plan, see checks.LaunchPlans.
+_PLANS = LaunchPlans()
+
+
+def _plan(q, k_cache, v_cache, block_tables, context_lens, out, config):
+    """All argument checks of decode_attention, the config, and the constexprs they imply."""
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_runnable_device(op, q)
@@ -211,49 +264,26 @@ def decode_attention(
         raise ValueError(f"{op}: q has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
     check_tensor(op, "block_tables", block_tables, shape=(B, None), dtypes=(torch.int32,), device=device)
     check_tensor(op, "context_lens", context_lens, shape=(B,), dtypes=(torch.int32,), device=device)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    check_tensor(op, "out", out, shape=(B, num_q_heads, head_dim), device=device)
-    check_same_dtype(op, "q", q, out=out)
+    if out is not None:
+        check_tensor(op, "out", out, shape=(B, num_q_heads, head_dim), device=device)
+        check_same_dtype(op, "q", q, out=out)
     max_context = block_tables.shape[1] * block_size
     if config is None:
         problem = {"batch": B, "q_heads": num_q_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
                    "max_context": max_context, "block_size": block_size, "dtype": dtype_name(q.dtype)}
         config = DECODE_ATTENTION_SPEC.default_config(problem, device)
-    if B == 0:
-        return out
     group = num_q_heads // num_kv_heads
     use_dot = config.variant == "dot"
     block_g = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
     block_d = max(16, next_power_of_2(head_dim))
     num_splits = config["NUM_SPLITS"]
     upcast_dot, dot_precision = dot_flags(q.dtype)
-    if num_splits > 1:
-        partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-        partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=device)
-    else:
-        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
-    _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        block_size, num_q_heads,
-        QUERY_GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=config["BLOCK_N"], NUM_SPLITS=num_splits, USE_DOT=use_dot,
-        UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if num_splits > 1:
-        _decode_attention_reduce_kernel[(B, num_q_heads)](
-            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_power_of_2(num_splits)),
-            num_warps=2 if head_dim <= 64 else 4,
-        )
-    return out
+    constexprs = {"QUERY_GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
+                  "BLOCK_N": config["BLOCK_N"], "NUM_SPLITS": num_splits, "USE_DOT": use_dot,
+                  "UPCAST_DOT": upcast_dot, "DOT_PRECISION": dot_precision}
+    reduce_constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "NUM_SPLITS": num_splits,
+                         "BLOCK_S": max(2, next_power_of_2(num_splits)), "num_warps": 2 if head_dim <= 64 else 4}
+    return config, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul
-from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
+from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
                      next_power_of_2)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 from .triton_helpers import dot
@@ -111,7 +111,7 @@ def topk_routing(
     if T == 0:
         return weights, ids
     block_t = config["BLOCK_T"]
-    _topk_routing_kernel[(triton.cdiv(T, block_t),)](
+    _topk_routing_kernel[(cdiv(T, block_t),)](
         router_logits, weights, ids, T, E, router_logits.stride(0),
         TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=next_power_of_2(E),
         BLOCK_TOPK=next_power_of_2(top_k),
@@ -187,7 +187,7 @@ def moe_align_sizes(num_entries: int, num_experts: int, block_m: int) -> tuple[i
     Only experts that receive an entry are padded (by at most block_m - 1 rows), and at most
     min(E, T*k) experts can: at decode sizes this keeps the grid to a few blocks, not E."""
     max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
-    return max_padded, triton.cdiv(max_padded, block_m)
+    return max_padded, cdiv(max_padded, block_m)
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -233,7 +233,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     # Keep the [entries, experts] one-hot tile of the count/scatter kernels near 32K elements.
     block = max(16, min(1024, 32768 // block_e))
     if num_entries:
-        _count_kernel[(triton.cdiv(num_entries, block),)](topk_ids, counts, num_entries, num_experts,
+        _count_kernel[(cdiv(num_entries, block),)](topk_ids, counts, num_entries, num_experts,
                                                           BLOCK=block, BLOCK_E=block_e, num_warps=8)
     _pad_offsets_kernel[(1,)](counts, cursor, expert_ids, num_padded, num_experts, max_blocks,
                               BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=64)
@@ -241,7 +241,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         # The scatter's cumulative sum over the one-hot tile needs scratch shared memory: a
         # smaller tile (16K elements, 64 KB) than the count kernel's.
         scatter_block = max(16, min(1024, 16384 // block_e))
-        _scatter_kernel[(triton.cdiv(num_entries, scatter_block),)](
+        _scatter_kernel[(cdiv(num_entries, scatter_block),)](
             topk_ids, cursor, sorted_ids, num_entries, num_experts, BLOCK=scatter_block, BLOCK_E=block_e, num_warps=8)
     return sorted_ids, expert_ids, num_padded
 
@@ -370,7 +370,7 @@ def moe_grouped_gemm(
         return out
     upcast_dot, dot_precision = dot_flags(a.dtype)
     block_n = config["BLOCK_N"]
-    _grouped_gemm_kernel[(max_blocks, triton.cdiv(N, block_n))](
+    _grouped_gemm_kernel[(max_blocks, cdiv(N, block_n))](
         a, w, out, sorted_ids, expert_ids, num_padded,
         routing_weights if routing_weights is not None else out,
         num_entries, N, K, a.stride(0), w.stride(0), w.stride(1), out.stride(0),

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
+from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
                      next_power_of_2)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 from .triton_helpers import dot
@@ -196,7 +196,7 @@ def prefill_attention(
     group = num_q_heads // num_kv_heads
     pack = config.variant == "gqa"
     heads_per_program = next_power_of_2(group) if pack else 1
-    grid = (triton.cdiv(max_query_len, block_m), B, num_kv_heads if pack else num_q_heads)
+    grid = (cdiv(max_query_len, block_m), B, num_kv_heads if pack else num_q_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         float(scale) * LOG2E,

@@ -167,7 +167,21 @@ class KernelSpec:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def default_config(self, problem: Mapping[str, Any], device: torch.device | str | None = None) -> KernelConfig:
-        return _cached_default(self.op, _freeze(problem), device_key(device))
+        # Launchers call this on every launch without a config: a dict lookup on the problem's
+        # items in the caller's order (no sorting, no device queries) serves repeats.
+        fast_key = (self.op, tuple(problem.items()), device)
+        try:
+            return _FAST_DEFAULTS[fast_key]
+        except (KeyError, TypeError):  # TypeError: an unhashable problem value
+            pass
+        config = _cached_default(self.op, _freeze(problem), device_key(device))
+        try:
+            if len(_FAST_DEFAULTS) >= 8192:
+                _FAST_DEFAULTS.clear()
+            _FAST_DEFAULTS[fast_key] = config
+        except TypeError:
+            pass
+        return config
 
     def is_valid(self, config: KernelConfig, problem: Mapping[str, Any]) -> bool:
         if not self.search_space.contains(config):
@@ -176,10 +190,14 @@ class KernelSpec:
 
 
 _REGISTRY: dict[str, KernelSpec] = {}
+# (op, problem items in the caller's order, device as given) -> default config.
+_FAST_DEFAULTS: dict[tuple, KernelConfig] = {}
 
 
 def register(spec: KernelSpec) -> KernelSpec:
     _REGISTRY[spec.op] = spec
+    _FAST_DEFAULTS.clear()
+    _cached_default.cache_clear()
     return spec
 
 

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dtype_name, next_power_of_2
+from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
+                     dtype_name, next_power_of_2, tensor_meta)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 MAX_HIDDEN = 65536
@@ -91,6 +92,44 @@ def rmsnorm(
     `residual` tensor itself (in-place update, as a decoder layer wants). For per-head norms
     (Qwen3 q/k norm) pass a [T * heads, head_dim] view.
     """
+    try:
+        metas = (tensor_meta(x), tensor_meta(weight), tensor_meta(residual), tensor_meta(out),
+                 tensor_meta(residual_out))
+        plan = _PLANS.get((metas, config))
+    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
+        metas, plan = None, None
+    if plan is None:
+        plan = _plan(x, weight, residual, out, residual_out, config)
+        if metas is not None:
+            _PLANS.remember((metas, config), plan)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    M, N = x.shape
+    if M == 0:
+        return out if residual is None else (out, residual_out)
+    config, constexprs = plan
+    res = residual if residual is not None else x
+    res_out = residual_out if residual_out is not None else out
+    _rmsnorm_kernel[(cdiv(M, constexprs["ROWS_PER_PROGRAM"]),)](
+        x, res, weight, out, res_out,
+        M, N,
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        float(eps),
+        **constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out if residual is None else (out, residual_out)
+
+
+# (argument metadata, config) -> (config, constexpr kwargs), see checks.LaunchPlans.
+_PLANS = LaunchPlans()
+
+
+def _plan(x, weight, residual, out, residual_out, config):
+    """All argument checks of rmsnorm, the config, and the constexprs they imply."""
     op = "rmsnorm"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_runnable_device(op, x)
@@ -101,35 +140,17 @@ def rmsnorm(
     if residual is not None:
         check_tensor(op, "residual", residual, shape=(M, N), device=x.device)
         check_same_dtype(op, "x", x, residual=residual)
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    check_tensor(op, "out", out, shape=(M, N), device=x.device)
-    check_same_dtype(op, "x", x, out=out)
-    if residual is not None:
-        if residual_out is None:
-            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out is not None:
+        check_tensor(op, "out", out, shape=(M, N), device=x.device)
+        check_same_dtype(op, "x", x, out=out)
+    if residual is not None and residual_out is not None:
         check_tensor(op, "residual_out", residual_out, shape=(M, N), device=x.device)
         check_same_dtype(op, "x", x, residual_out=residual_out)
     if config is None:
         config = RMSNORM_SPEC.default_config({"rows": M, "hidden": N, "dtype": dtype_name(x.dtype)}, x.device)
-    if M == 0:
-        return out if residual is None else (out, residual_out)
-    rows_per_program = config["ROWS_PER_PROGRAM"]
-    grid = (triton.cdiv(M, rows_per_program),)
-    res = residual if residual is not None else x
-    res_out = residual_out if residual_out is not None else out
-    _rmsnorm_kernel[grid](
-        x, res, weight, out, res_out,
-        M, N,
-        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        float(eps),
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_N=next_power_of_2(N),
-        ROWS_PER_PROGRAM=rows_per_program,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out if residual is None else (out, residual_out)
+    constexprs = {"HAS_RESIDUAL": residual is not None, "BLOCK_N": next_power_of_2(N),
+                  "ROWS_PER_PROGRAM": config["ROWS_PER_PROGRAM"]}
+    return config, constexprs
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dtype_name, next_power_of_2
+from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
+                     next_power_of_2, tensor_meta)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 
@@ -178,6 +179,50 @@ def rotary_kv_write(
     """Rotate q [T, Hq, D] and k [T, Hkv, D]; write rotated k and v into the paged caches at
     `slot_mapping` [T] (negative = skip); return rotated q (a new tensor, or `q_out`, which may
     be q itself). q/k/v may be strided views of a fused qkv projection (unit last stride)."""
+    try:
+        metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), tensor_meta(positions), tensor_meta(cos_sin_cache),
+                 tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(slot_mapping), tensor_meta(q_out))
+        plan = _PLANS.get((metas, config))
+    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
+        metas, plan = None, None
+    if plan is None:
+        plan = _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, config)
+        if metas is not None:
+            _PLANS.remember((metas, config), plan)
+        metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), tensor_meta(positions), tensor_meta(cos_sin_cache),
+                 tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(slot_mapping), tensor_meta(q_out))
+    T, num_q_heads, head_dim = q.shape
+    if q_out is None:
+        q_out = torch.empty((T, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+        q_out_stride = q_out.stride()
+    else:
+        q_out_stride = metas[8][1]
+    if T == 0:
+        return q_out
+    config, num_kv_heads, constexprs = plan
+    q_stride, k_stride, v_stride, cs_stride = metas[0][1], metas[1][1], metas[2][1], metas[4][1]
+    kc_stride, vc_stride = metas[5][1], metas[6][1]
+    _rope_kv_write_kernel[(T,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, q_out, k_cache, v_cache,
+        q_stride[0], q_stride[1], k_stride[0], k_stride[1], v_stride[0], v_stride[1],
+        q_out_stride[0], q_out_stride[1],
+        cs_stride[0],
+        kc_stride[0], kc_stride[1], kc_stride[2],
+        vc_stride[0], vc_stride[1], vc_stride[2],
+        num_q_heads, num_kv_heads, k_cache.shape[1],
+        **constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return q_out
+
+
+# (argument metadata, config) -> (config, num_kv_heads, constexpr kwargs), see checks.LaunchPlans.
+_PLANS = LaunchPlans()
+
+
+def _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, config):
+    """All argument checks of rotary_kv_write, and what the launch derives from the shapes."""
     op = "rotary_kv_write"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_runnable_device(op, q)
@@ -195,33 +240,17 @@ def rotary_kv_write(
     check_tensor(op, "v_cache", v_cache, shape=tuple(k_cache.shape), device=device)
     check_same_dtype(op, "q", q, k_cache=k_cache, v_cache=v_cache)
     check_tensor(op, "slot_mapping", slot_mapping, shape=(T,), dtypes=(torch.int64, torch.int32), device=device)
-    if q_out is None:
-        q_out = torch.empty((T, num_q_heads, head_dim), dtype=q.dtype, device=device)
-    check_tensor(op, "q_out", q_out, shape=(T, num_q_heads, head_dim), device=device)
-    check_same_dtype(op, "q", q, q_out=q_out)
+    if q_out is not None:
+        check_tensor(op, "q_out", q_out, shape=(T, num_q_heads, head_dim), device=device)
+        check_same_dtype(op, "q", q, q_out=q_out)
     if config is None:
         problem = {"tokens": T, "q_heads": num_q_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
                    "dtype": dtype_name(q.dtype)}
         config = ROTARY_SPEC.default_config(problem, device)
-    if T == 0:
-        return q_out
     half = head_dim // 2
-    _rope_kv_write_kernel[(T,)](
-        q, k, v, positions, cos_sin_cache, slot_mapping, q_out, k_cache, v_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1),
-        cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_q_heads, num_kv_heads, k_cache.shape[1],
-        HALF=half,
-        BLOCK_HALF=next_power_of_2(half),
-        BLOCK_HQ=next_power_of_2(num_q_heads),
-        BLOCK_HKV=next_power_of_2(num_kv_heads),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return q_out
+    constexprs = {"HALF": half, "BLOCK_HALF": next_power_of_2(half), "BLOCK_HQ": next_power_of_2(num_q_heads),
+                  "BLOCK_HKV": next_power_of_2(num_kv_heads)}
+    return config, num_kv_heads, constexprs
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

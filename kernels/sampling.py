@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_runnable_device, check_tensor, next_power_of_2
+from .checks import cdiv, check_runnable_device, check_tensor, next_power_of_2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -316,10 +316,10 @@ def _sample_chunk_kernel(
             tl.store(i_row + 2 * num_chunks + chunk, tl.where(n_tokens > NUM_CAND, floor, _INT32_MIN))
         else:
             seed = tl.load(seeds_ptr + row)
-            key = tl.where(in_row, _race_key(x, scale, seed, offs), float("-inf"))
-            best = tl.max(key, axis=0)
+            race = tl.where(in_row, _race_key(x, scale, seed, offs), float("-inf"))
+            best = tl.max(race, axis=0)
             tl.store(f_row + num_chunks + chunk, best)
-            tl.store(i_row + num_chunks + chunk, tl.min(tl.where(in_row & (key == best), offs, _INT32_MAX), axis=0))
+            tl.store(i_row + num_chunks + chunk, tl.min(tl.where(in_row & (race == best), offs, _INT32_MAX), axis=0))
 
 
 @triton.jit
@@ -585,7 +585,7 @@ def sample(
 
 def split_workspace_ints(vocab: int, config: KernelConfig) -> int:
     """int32 workspace entries per row of the "split" variant; the last one is the row's flag."""
-    num_chunks = triton.cdiv(vocab, config["BLOCK_V"])
+    num_chunks = cdiv(vocab, config["BLOCK_V"])
     return 3 * num_chunks + 2 * num_chunks * min(config["NUM_CAND"], config["BLOCK_V"]) + 1
 
 
@@ -605,7 +605,7 @@ def _sample_split(logits, temperature, top_k, top_p, seeds, out, config: KernelC
     """
     B, V = logits.shape
     chunk, num_cand = config["BLOCK_V"], config["NUM_CAND"]
-    num_chunks = triton.cdiv(V, chunk)
+    num_chunks = cdiv(V, chunk)
     num_cand = min(num_cand, chunk)
     n_cand = num_chunks * num_cand
     f_stride = 3 * num_chunks

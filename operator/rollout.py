@@ -129,6 +129,9 @@ class CanaryAnalysis:
     canary: ServingMetrics
     baseline: ServingMetrics  # the pods still on the previous forward pass
     min_requests: float = 20
+    # Latency differences smaller than this are noise, whatever their relative size: a p90
+    # interpolated inside millisecond-wide histogram buckets cannot resolve less.
+    latency_resolution_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ def judge(analysis: CanaryAnalysis, allowed_regression: float) -> Verdict:
     reasons: list[str] = []
     if base.p90_latency_seconds:
         change = canary.p90_latency_seconds / base.p90_latency_seconds - 1
-        if change > allowed_regression:
+        delta = canary.p90_latency_seconds - base.p90_latency_seconds
+        if change > allowed_regression and delta > analysis.latency_resolution_seconds:
             reasons.append(f"p90 latency {base.p90_latency_seconds * 1000:.1f} ms -> "
                            f"{canary.p90_latency_seconds * 1000:.1f} ms ({change:+.0%})")
     if canary.error_rate - base.error_rate > allowed_regression:

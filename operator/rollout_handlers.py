@@ -29,6 +29,7 @@ a rollout is never advanced, promoted or rolled back on missing data.
 Everything above the kopf timer is pure and tested without a cluster. Settings from the
 environment: SHAPESHIFT_ROLLOUT_TIMER_SECONDS (tick, default the resync interval),
 SHAPESHIFT_ROLLOUT_MIN_REQUESTS (canary requests needed to judge, default 20),
+SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS (p90 differences below it are noise, default 0.002),
 SHAPESHIFT_PROMETHEUS_POD_LABEL (pod target label, default `pod`), and the drift timer's
 Prometheus settings (address, namespace/deployment label names, timeout).
 """
@@ -114,6 +115,9 @@ class RolloutEnv:
     deployment_label: str = "deployment"
     pod_label: str = "pod"
     min_requests: float = 20
+    # The engine's inter-token histogram has 0.5-2 ms wide buckets below 10 ms; p90 differences
+    # smaller than that are interpolation noise.
+    latency_resolution_seconds: float = 0.002
     query_timeout_seconds: float = 5.0
 
     @classmethod
@@ -123,6 +127,8 @@ class RolloutEnv:
                    deployment_label=drift.deployment_label,
                    pod_label=env.get("SHAPESHIFT_PROMETHEUS_POD_LABEL") or "pod",
                    min_requests=float(env.get("SHAPESHIFT_ROLLOUT_MIN_REQUESTS") or 20),
+                   latency_resolution_seconds=float(
+                       env.get("SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS") or 0.002),
                    query_timeout_seconds=drift.query_timeout_seconds)
 
 
@@ -399,7 +405,8 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
                 baseline = [v.name for v in views if v.ready and v.name not in state.canary_pods]
                 try:
                     analysis = queries.analysis(state.canary_pods, baseline, settings.analysis_window,
-                                                min_requests=env.min_requests, at=now)
+                                                min_requests=env.min_requests,
+                                                latency_resolution_seconds=env.latency_resolution_seconds, at=now)
                 except TrafficQueryError as err:
                     problem = str(err)
             if problem is None:

@@ -118,9 +118,11 @@ class RolloutQueries:
         )
 
     def analysis(self, canary: Iterable[str], baseline: Iterable[str], window: timedelta, *,
-                 min_requests: float, at: datetime | None = None) -> CanaryAnalysis:
+                 min_requests: float, latency_resolution_seconds: float = 0.0,
+                 at: datetime | None = None) -> CanaryAnalysis:
         return CanaryAnalysis(canary=self.group_metrics(canary, window, at),
-                              baseline=self.group_metrics(baseline, window, at), min_requests=min_requests)
+                              baseline=self.group_metrics(baseline, window, at), min_requests=min_requests,
+                              latency_resolution_seconds=latency_resolution_seconds)
 
     def _scalar(self, promql: str, at: datetime | None) -> float | None:
         value = self.prometheus.scalar(promql, at)

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm-repeats", type=int, default=None, help="paired full-tier replays (default: 8 on CPU, 3 on GPU)")
     p.add_argument("--screen-requests", type=int, default=None)
     p.add_argument("--confirm-requests", type=int, default=None)
+    p.add_argument("--verify-prompts", type=int, default=None, help="fresh prompts per verification gate (default: 4)")
+    p.add_argument("--verify-steps", type=int, default=None, help="greedy decode steps compared per prompt (default: 16)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads when measuring on the CPU (default: 1, timed in thread CPU time)")
     p.add_argument("--timer", default=None, choices=("wall", "process", "thread"),
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm-key-file", default=None, help="file holding the API key (e.g. a mounted Secret)")
     p.add_argument("--compile-run", default=None, help="NAMESPACE/NAME of a CompileRun to read and report to")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig for --compile-run (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--artifact-dir", default=None,
+                   help="with --compile-run: folder on a volume the engine pods also mount, where the champion "
+                        "archive is stored as <sha256>.tar.gz (default: $SHAPESHIFT_ARTIFACT_DIR; without one the "
+                        "archive stays in the work folder, and the ForwardPass says it is not durable)")
     p.add_argument("--no-registry", action="store_true", help="neither seed from nor publish to the registry")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
@@ -147,7 +153,9 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
         screen_requests=args.screen_requests or (96 if cpu else 64),
         confirm_requests=args.confirm_requests or (192 if cpu else 256),
         length_scale=None, seed=args.seed, work_dir=str(out / "work"),
-        cpu_threads=args.cpu_threads if args.cpu_threads is not None else (1 if cpu else None), timer=args.timer)
+        cpu_threads=args.cpu_threads if args.cpu_threads is not None else (1 if cpu else None), timer=args.timer,
+        verify_prompts=args.verify_prompts or 4, verify_steps=args.verify_steps or 16,
+        engine_base=dict(getattr(args, "engine_base", None) or {}))
     evaluator = EngineEvaluator(profile, settings)
     space = evaluator.space()
     board = Board(out / "board.jsonl")

@@ -76,6 +76,10 @@ class EvaluatorSettings:
     fast_tier_memory: float = 0.25  # CUDA: share of GPU memory for the fast tier's engine
     full_tier_memory: float = 0.55  # CUDA: share for the full tier's engine
     cpu_threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
+    # EngineConfig fields the deployment serves with (its engine.yaml: max_num_seqs, block_size,
+    # max_num_batched_tokens, enable_prefix_caching). Both tiers start from them, and they are
+    # the defaults of the engine.* knobs, so the stock candidate is measured as it is deployed.
+    engine_base: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class EngineEvaluator:
         s = self.settings
         kwargs: dict[str, Any] = dict(model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
                                       seed=s.seed)
+        kwargs.update(s.engine_base)
         if tier == FAST:
             kwargs["num_layers_override"] = self.fast_layers()
         if str(s.device or "").startswith("cuda"):
@@ -289,7 +294,8 @@ class EngineEvaluator:
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
                                   stock_recipe=stock_recipe, stock_source=self.stock_source,
                                   concurrency=self.profile.concurrency,
-                                  max_model_len=self.settings.max_model_len)
+                                  max_model_len=self.settings.max_model_len,
+                                  engine_defaults=self.settings.engine_base)
 
     def materialize(self, cand: Candidate) -> Path:
         """The candidate as a bundle folder with a manifest (cached by digest)."""
@@ -445,7 +451,8 @@ class EngineEvaluator:
         return {"model": s.model, "device": str(eng.device) if eng is not None else s.device,
                 "dtype": str(eng.dtype) if eng is not None else s.dtype, "fast_layers": self.fast_layers(),
                 "profile": self.profile.name, "fitted_profile": self._profile().name, "timer": self.timer(),
-                "cpu_threads": s.cpu_threads,
+                "cpu_threads": s.cpu_threads, "engine_base": dict(s.engine_base),
+                "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats}}
 

@@ -223,7 +223,8 @@ class ClusterRegistry:
         self.api = api
         self.namespace = namespace
 
-    def to_object(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None) -> dict[str, Any]:
+    def to_object(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
+                  annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
         gates = [{"name": n, "passed": bool(ok)} for n, ok in (entry.verification.get("gates") or {}).items()]
         spec: dict[str, Any] = {
             "model": {"name": entry.model, "architecture": entry.family,
@@ -257,14 +258,16 @@ class ClusterRegistry:
             pass
         labels = {"shapeshift.dev/model-signature": entry.signature, "shapeshift.dev/hardware": _dns_name(entry.hardware),
                   "shapeshift.dev/regime": TrafficRegime(**entry.regime).key, "shapeshift.dev/family": entry.family}
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
-                "metadata": {"name": _dns_name(entry.name), "namespace": self.namespace, "labels": labels},
-                "spec": spec}
+        metadata: dict[str, Any] = {"name": _dns_name(entry.name), "namespace": self.namespace, "labels": labels}
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": metadata, "spec": spec}
 
-    def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None) -> dict[str, Any]:
+    def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
+                annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Create the ForwardPass. Its spec is immutable, so an existing object of the same name
         is kept when it pins the same bundle, and refused (ValueError) when it pins another."""
-        body = self.to_object(entry, artifact_uri, size_bytes)
+        body = self.to_object(entry, artifact_uri, size_bytes, annotations)
         try:
             return self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
         except Exception as exc:  # noqa: BLE001 - 409: look at what is there

@@ -231,6 +231,23 @@ def _constraint_kernels_need_edit(recipe: Mapping[str, Any]) -> str | None:
     return None
 
 
+# recipe knob -> what the stock forward pass requires for it (its build() refuses otherwise)
+GEMV_FUSION_NEEDS = {"fuse_gate_up_activation": ("fuse_gate_up",),
+                     "fuse_norm_into_linear": ("fuse_qkv", "fuse_gate_up")}
+
+
+def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
+    for knob, fused in GEMV_FUSION_NEEDS.items():
+        if not recipe.get(knob):
+            continue
+        missing = [f"{name}=true" for name in fused if not recipe.get(name)]
+        if recipe.get("linear_backend") != "triton":
+            missing.insert(0, "linear_backend=triton")
+        if missing:
+            return f"{knob}=true needs {', '.join(missing)} (the fusion lives in the Triton GEMV)"
+    return None
+
+
 def _constraint_activation_needs_fused(recipe: Mapping[str, Any]) -> str | None:
     if recipe.get("activation_backend") == "triton" and not recipe.get("fuse_gate_up"):
         return "activation_backend=triton needs fuse_gate_up=true (the kernel reads the fused [gate | up] rows)"
@@ -316,12 +333,15 @@ def build_search_space(
     max_model_len: int = 2048,
     include_kernels: bool | None = None,
     include_source_edits: bool = True,
+    engine_defaults: Mapping[str, Any] | None = None,
 ) -> SearchSpace:
     """The space for one model family on one device.
 
     ``concurrency`` (the traffic's requests in flight) bounds the batch sizes worth trying;
     ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml);
-    ``stock_source`` is the forward.py whose docstring declares them (default: the stock one).
+    ``stock_source`` is the forward.py whose docstring declares them (default: the stock one);
+    ``engine_defaults`` (EngineConfig field -> value, e.g. the deployment's engine.yaml) become
+    the defaults of the ``engine.*`` knobs, so the stock candidate runs as the deployment does.
     """
     stock_recipe = dict(stock_recipe or {})
     cuda = device.startswith("cuda")
@@ -347,16 +367,29 @@ def build_search_space(
         knobs.append(Knob(name, tuple(choices), default, f"stock recipe knob ({kind})"))
 
     # Engine knobs: batch size and chunk size (chunked-prefill token budget), prefix caching.
+    # Defaults: the deployment's settings where given (added to the grid when off it).
+    given = dict(engine_defaults or {})
     seq_choices = sorted({s for s in (4, 8, 16, 32, 64, 128, 256) if s <= max(64, 2 * concurrency)})
     default_seqs = min(64, seq_choices[-1]) if 64 not in seq_choices else 64
+    if given.get("max_num_seqs") is not None:
+        default_seqs = int(given["max_num_seqs"])
+        seq_choices = sorted(set(seq_choices) | {default_seqs})
     knobs.append(Knob("engine.max_num_seqs", tuple(seq_choices), default_seqs,
                       "max sequences per batch (continuous batching width)"))
     token_choices = tuple(t for t in (256, 512, 1024, 2048, 4096, 8192) if t <= max(2048, max_model_len * 4))
-    knobs.append(Knob("engine.max_num_batched_tokens", token_choices, 2048 if 2048 in token_choices else token_choices[-1],
+    default_tokens = 2048 if 2048 in token_choices else token_choices[-1]
+    if given.get("max_num_batched_tokens") is not None:
+        default_tokens = int(given["max_num_batched_tokens"])
+        token_choices = tuple(sorted(set(token_choices) | {default_tokens}))
+    knobs.append(Knob("engine.max_num_batched_tokens", token_choices, default_tokens,
                       "chunked-prefill token budget per scheduler step"))
-    knobs.append(Knob("engine.enable_prefix_caching", (True, False), True, "reuse KV blocks of shared prefixes"))
+    default_prefix = bool(given.get("enable_prefix_caching", True))
+    knobs.append(Knob("engine.enable_prefix_caching", (default_prefix, not default_prefix), default_prefix,
+                      "reuse KV blocks of shared prefixes"))
     if cuda:
-        knobs.append(Knob("engine.cuda_graph_max_batch", (0, 8, 16, 32, 64, 128, 256), 256 if 256 <= default_seqs else default_seqs,
+        graph_default = 256 if 256 <= default_seqs else default_seqs
+        knobs.append(Knob("engine.cuda_graph_max_batch", tuple(sorted({0, 8, 16, 32, 64, 128, 256, graph_default})),
+                          graph_default,
                           "largest decode batch captured as a CUDA graph (0 = eager); buckets are powers of two up to it"))
 
     # Source edits of forward.py (engine/compile/source_edits.py): placed right after the recipe
@@ -374,9 +407,20 @@ def build_search_space(
             knobs.append(Knob(f"edit.{edit.name}", (False, True), False, edit.doc))
     knobs.extend(engine_knobs)
 
+    # Recipe knobs that need the Triton GEMV (linear_backend: triton) and fused projections,
+    # on a dense model: dropped where they can never build (CPU, MoE), constrained elsewhere,
+    # so no trial is spent on a recipe the forward pass refuses at build time.
+    gemv = any(k.name == "linear_backend" and "triton" in k.values for k in knobs)
+    needs_gemv = [name for name in GEMV_FUSION_NEEDS if name in {k.name for k in knobs}]
+    if not gemv or model_family == "moe":
+        knobs = [k for k in knobs if k.name not in needs_gemv]
+        needs_gemv = []
+
     constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
     if any(k.name == "activation_backend" and "triton" in k.values for k in knobs):
         constraints.append(("activation", _constraint_activation_needs_fused))
+    if needs_gemv:
+        constraints.append(("gemv fusion", _constraint_gemv_fusion))
     if cuda:
         constraints.append(("graph buckets", _constraint_graph_buckets))
     if include_kernels is None:

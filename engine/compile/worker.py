@@ -7,8 +7,21 @@ Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
       --apply_to_args--> the CLI's settings (model, profile, budget, agents, tiers, baseline)
     loop status callbacks --patch_status--> CompileRun status: trials, bestSpeedup,
       leaderboard, message (throttled; the operator owns phase, job, pod and conditions)
-    champion --publish--> a ForwardPass object (the cluster registry)
+    champion --publish--> <sha256>.tar.gz in the artifact folder + a ForwardPass object (the
+      cluster registry) whose artifact URI names that file
     end --finish / fail--> final status: champion name, counts, message
+
+The engine config file gives the model, dtype and context, and the engine settings the
+deployment serves with (batch width, chunk budget, block size, prefix caching): the stock
+candidate is measured with them, so a speedup is one over what is deployed.
+
+Where the champion archive goes: engine pods fetch a ForwardPass's artifact from an http(s)
+URL or a path on a volume they mount. The work folder ($SHAPESHIFT_WORK_DIR) is the compile
+pod's own emptyDir and vanishes with the pod, so a durable artifact needs a folder on a shared
+volume: --artifact-dir or $SHAPESHIFT_ARTIFACT_DIR (e.g. a ReadWriteMany claim mounted into
+the compile pod and, read-only, into the engine pods at the same path). Without one the
+archive stays in the work folder and the ForwardPass carries the annotation
+shapeshift.dev/artifact-durable: "false", so nobody mistakes it for a rollout-ready pass.
 
 The worker's ServiceAccount may get its own CompileRun, patch its status, get its
 deployment and list/create ForwardPasses; nothing else is needed here.
@@ -19,7 +32,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +45,9 @@ log = logging.getLogger(__name__)
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 AGENT_KINDS = {"coordinate-sweep": "sweep", "evolutionary": "evolve", "model-based": "bayes", "llm": "llm"}
+# engine.yaml keys (EngineConfig fields) the measuring engines take over from the deployment
+DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size")
+ARTIFACT_DURABLE_ANNOTATION = f"{GROUP}/artifact-durable"
 
 
 def _load_client(kubeconfig: str | None) -> Any:
@@ -53,6 +71,9 @@ class CompileRunContext:
         self.obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name)
         self.spec: dict[str, Any] = self.obj.get("spec", {})
         self.champion_name: str | None = None
+        self.artifact_uri: str | None = None
+        self.artifact_durable = False
+        self.artifact_dir: str | None = None
         self.counts = {"total": 0, "improved": 0, "rejected": 0, "failed": 0}
 
     @classmethod
@@ -97,6 +118,12 @@ class CompileRunContext:
             import yaml
 
             engine_cfg = yaml.safe_load(Path(engine_file).read_text()) or {}
+        elif engine_file:
+            log.warning("$SHAPESHIFT_ENGINE_CONFIG names %s, which does not exist (in a pod it is the engine "
+                        "ConfigMap's volume); measuring with the InferenceDeployment's model and engine defaults",
+                        engine_file)
+        if getattr(args, "engine_base", None) is None:
+            args.engine_base = {k: engine_cfg[k] for k in DEPLOYED_ENGINE_FIELDS if engine_cfg.get(k) is not None}
         if args.model is None:
             args.model = engine_cfg.get("model") or ((deployment or {}).get("spec", {}).get("model", {}) or {}).get("preset")
         if args.model is None:
@@ -134,12 +161,18 @@ class CompileRunContext:
             args.confirm_requests = int(tiers["replayRequests"])
         if args.confirm_repeats is None and tiers.get("repeats"):
             args.confirm_repeats = int(tiers["repeats"])
+        verification = self.spec.get("verification") or {}
+        if args.verify_steps is None and verification.get("greedySteps"):
+            args.verify_steps = int(verification["greedySteps"])
+        if args.verify_prompts is None and verification.get("freshPrompts"):
+            args.verify_prompts = int(verification["freshPrompts"])
         baseline = self.spec.get("baseline") or {}
         if args.min_speedup is None and baseline.get("minSpeedup"):
             args.min_speedup = float(baseline["minSpeedup"])
         work = os.environ.get("SHAPESHIFT_WORK_DIR")
         if args.out_given is None and work:
             args.out = str(Path(work) / self.name)
+        self.artifact_dir = args.artifact_dir = args.artifact_dir or os.environ.get("SHAPESHIFT_ARTIFACT_DIR") or None
         args.compile_run = f"{self.namespace}/{self.name}"
 
     def _key_file(self, args: argparse.Namespace, key: str) -> Path:
@@ -181,14 +214,38 @@ class CompileRunContext:
         except Exception as exc:  # noqa: BLE001 - status is best effort while the search runs
             log.warning("patching CompileRun %s/%s status failed: %s", self.namespace, self.name, exc)
 
-    def publish(self, entry: Any, bundle_dir: Path) -> None:
+    def store_artifact(self, entry: Any, bundle_dir: Path) -> Path:
+        """The champion packed as <sha256>.tar.gz: in the artifact folder (shared, durable) when one
+        is set, else next to the bundle in the work folder. Written under a temporary name and
+        renamed, so a reader on the shared volume never sees half an archive."""
         from ..bundle import pack_bundle
+
+        folder = Path(self.artifact_dir) if self.artifact_dir else Path(bundle_dir).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"artifact folder {folder} cannot be created ({exc}); mount a writable volume there "
+                          "or unset $SHAPESHIFT_ARTIFACT_DIR / --artifact-dir") from exc
+        archive = folder / f"{entry.bundle_digest}.tar.gz"
+        with tempfile.TemporaryDirectory(prefix=".partial-", dir=folder) as tmp:
+            partial = Path(tmp) / archive.name
+            pack_bundle(bundle_dir, partial)
+            shutil.move(str(partial), str(archive))
+        self.artifact_durable = self.artifact_dir is not None
+        return archive
+
+    def publish(self, entry: Any, bundle_dir: Path) -> None:
         from .registry import ClusterRegistry
 
-        archive = Path(bundle_dir).parent / f"{entry.bundle_digest[:16]}.tar.gz"
-        pack_bundle(bundle_dir, archive)
-        obj = ClusterRegistry(self.custom, self.namespace).publish(entry, archive.resolve().as_uri(),
-                                                                   archive.stat().st_size)
+        archive = self.store_artifact(entry, bundle_dir)
+        self.artifact_uri = archive.resolve().as_uri()
+        annotations = {ARTIFACT_DURABLE_ANNOTATION: "true" if self.artifact_durable else "false"}
+        if not self.artifact_durable:
+            log.warning("champion archive %s lives in the compile pod's work folder and is lost when the pod ends; "
+                        "engines cannot fetch it. Set $SHAPESHIFT_ARTIFACT_DIR (or --artifact-dir) to a folder on a "
+                        "volume the engine pods mount", archive)
+        obj = ClusterRegistry(self.custom, self.namespace).publish(entry, self.artifact_uri, archive.stat().st_size,
+                                                                   annotations=annotations)
         self.champion_name = obj["metadata"]["name"]
 
     def finish(self, result: Any, exported: dict[str, Any] | None) -> None:
@@ -197,6 +254,9 @@ class CompileRunContext:
         else:
             message = (f"champion {self.champion_name or result.champion.digest[:12]}: {result.speedup:.3f}x the "
                        f"stock pass, verified ({result.stop_reason})")
+            if self.artifact_uri and not self.artifact_durable:
+                message += (f"; its bundle {self.artifact_uri} is in the compile pod's work folder and is lost with "
+                            "the pod (set SHAPESHIFT_ARTIFACT_DIR to a shared volume)")
         self._patch({"trials": self.counts | {"total": result.trials}, "bestSpeedup": result.speedup,
                      "champion": self.champion_name, "message": message})
 

@@ -1,4 +1,5 @@
-"""hack/bench_decode.py runs end to end on the CPU (tiny preset) and writes its JSON."""
+"""hack/bench_decode.py runs end to end on the CPU (tiny preset): engine rows, the float32
+agreement check, every baseline in its own process, the floor, and JSON + PNG on disk."""
 
 from __future__ import annotations
 
@@ -12,23 +13,53 @@ pytest.importorskip("transformers")
 BENCH = Path(__file__).resolve().parents[2] / "hack" / "bench_decode.py"
 
 
-@pytest.mark.slow
-def test_bench_decode_cpu_smoke(tmp_path, capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.slow
+def test_bench_decode_cpu_smoke(tmp_path, capsys):
+    bench = load_bench()
     assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--batch-sizes", "1,2", "--prompt-len", "8",
-                       "--new-tokens", "8", "--recipes", "stock,fused", "--repeats", "1",
-                       "--out-dir", str(tmp_path)]) == 0
+                       "--new-tokens", "8", "--baseline-new-tokens", "8", "--recipes", "stock,fused", "--repeats", "1",
+                       "--check-prompts", "2", "--check-tokens", "8", "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("decode-tiny-llama-*.json"))
     assert len(files) == 1
     result = json.loads(files[0].read_text())
-    assert {"git_commit", "gpu", "command", "results"} <= set(result)
+    assert {"git_commit", "gpu", "command", "results", "ceilings", "floor", "agreement"} <= set(result)
+    assert result["status"] == "complete"
     impls = {(r["impl"], r["batch"]) for r in result["results"]}
-    assert impls == {(i, b) for i in ("shapeshift[stock]", "shapeshift[fused]", "hf[eager]", "hf[static-cache]")
-                     for b in (1, 2)}
-    assert all(r["decode_tok_s"] and r["decode_tok_s"] > 0 for r in result["results"])
-    # Same weights, float32: HF's greedy tokens equal the engine's.
-    eager_b1 = next(r for r in result["results"] if r["impl"] == "hf[eager]" and r["batch"] == 1)
-    assert eager_b1["greedy_prefix_match"] == eager_b1["greedy_compared"] == 8
-    assert "shapeshift[stock]" in capsys.readouterr().out
+    assert impls == {(i, b) for i in ("shapeshift[stock]", "shapeshift[fused]", "hf[eager]", "hf[static-cache]",
+                                      "torch.compile[none]") for b in (1, 2)}
+    assert all(r["decode_tok_s"] > 0 and r["share_of_floor"] > 0 for r in result["results"])
+    # Same weights (redrawn and fingerprint-checked in each baseline process), float32: the
+    # baselines' greedy tokens equal the engine's.
+    for row in result["results"]:
+        if not row["impl"].startswith("shapeshift"):
+            assert row["greedy_prefix_match_vs_engine_stock"] == row["greedy_compared"] == 8, row["impl"]
+    check = result["agreement"]
+    assert check["passed"] and check["teacher_forced"]["positions"] == 16
+    assert (tmp_path / result["plot"]).is_file()
+    out = capsys.readouterr().out
+    assert "shapeshift[stock]" in out and "floor:" in out and "PASS" in out
+
+
+def test_curve_comparison_interpolates_and_bounds():
+    bench = load_bench()
+    theirs = [{"batch": 1, "p90_per_user_tok_s": 100.0, "decode_tok_s": 100.0},
+              {"batch": 4, "p90_per_user_tok_s": 50.0, "decode_tok_s": 200.0},
+              {"batch": 16, "p90_per_user_tok_s": 10.0, "decode_tok_s": 160.0}]
+    ours = [{"batch": 1, "p90_per_user_tok_s": 400.0, "decode_tok_s": 400.0},
+            {"batch": 8, "p90_per_user_tok_s": 50.0, "decode_tok_s": 400.0},
+            {"batch": 32, "p90_per_user_tok_s": 20.0, "decode_tok_s": 640.0}]
+    by_batch = {c["batch"]: c for c in bench.curve_comparison(ours, theirs)}
+    assert by_batch[1]["ratio"] is None and "never reaches" in by_batch[1]["note"]
+    assert by_batch[8]["hf_tok_s_at_same_per_user"] == pytest.approx(200.0) and by_batch[8]["ratio"] == pytest.approx(2.0)
+    # Between HF's points (50 -> 200 tok/s, 10 -> 160): log-log interpolation at 20.
+    assert 160.0 < by_batch[32]["hf_tok_s_at_same_per_user"] < 200.0
+    bounds = {c["hf_batch"]: c for c in bench.curve_dominance(ours, theirs)}
+    assert bounds[1]["ours_batch"] == 1 and bounds[1]["ratio_lower_bound"] == pytest.approx(4.0)
+    assert bounds[16]["ours_batch"] == 32 and bounds[16]["ratio_lower_bound"] == pytest.approx(4.0)

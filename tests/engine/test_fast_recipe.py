@@ -1,6 +1,6 @@
 """The batch-1 decode recipe ("fast" in hack/bench_decode.py: Triton GEMV projections with
-float32 lm_head output, SiLU-and-mul in the gate/up GEMV, the Triton norm/rotary/attention
-knobs) equals the plain-torch stock pass, through the static-buffer decode path whose greedy
+float32 lm_head output, SiLU-and-mul in the gate/up GEMV, RMSNorm in the GEMV prologues, the
+Triton norm/rotary/attention knobs; "gemv" is the same without the norm fusion) equals the plain-torch stock pass, through the static-buffer decode path whose greedy
 argmax runs inside the (emulated) graph.
 
 Runs in a subprocess: on the CPU, Triton's interpreter must be switched on before triton is
@@ -26,10 +26,10 @@ SCRIPT = textwrap.dedent('''
     from shapeshift.engine.llm_engine import LLMEngine
     from shapeshift.engine.sampling import SamplingParams
 
-    preset, device = sys.argv[1], sys.argv[2]
+    preset, device, fuse_norm = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     fast = {"fuse_qkv": True, "fuse_gate_up": True, "attention_backend": "triton", "norm_backend": "triton",
             "rotary_backend": "triton", "activation_backend": "triton", "linear_backend": "triton",
-            "fuse_gate_up_activation": True}
+            "fuse_gate_up_activation": True, "fuse_norm_into_linear": fuse_norm}
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
@@ -52,15 +52,16 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_fast_recipe_matches_stock(preset):
+@pytest.mark.parametrize("preset,fuse_norm", [("tiny-llama", True), ("tiny-qwen3", True), ("tiny-llama", False)])
+def test_fast_recipe_matches_stock(preset, fuse_norm):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0"],
+                          capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,5 +86,7 @@ def test_fast_recipe_knob_errors():
     weights = random_weights(cfg, seed=1, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="fuse_gate_up_activation needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"fuse_gate_up_activation": True, "fuse_gate_up": True}), cfg, weights)
+    with pytest.raises(ValueError, match="fuse_norm_into_linear needs linear_backend: triton"):
+        build_forward_pass(load_bundle(None, {"fuse_norm_into_linear": True}), cfg, weights)
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)

@@ -135,6 +135,21 @@ def test_rbac_covers_the_drift_timer():
         assert needed in application
 
 
+def test_rbac_covers_replacing_children_and_the_rollout():
+    """kube.Kube.ensure replaces (PUT) changed children; the rollout timer patches engine pods'
+    annotations and reads the ForwardPass it rolls out."""
+    application = rule_triples(one(render(), "ClusterRole", "-application")["rules"])
+    for group, resource in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
+                            ("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                            ("rbac.authorization.k8s.io", "rolebindings")]:
+        for verb in ("get", "create", "update"):
+            assert (group, resource, verb) in application, (group, resource, verb)
+    for needed in [("", "pods", "patch"), ("", "pods", "list"), ("", "pods", "watch"),
+                   ("shapeshift.dev", "forwardpasses", "get"), ("shapeshift.dev", "compileruns", "list")]:
+        assert needed in application, needed
+    assert ("", "pods", "create") not in application and ("", "pods", "delete") not in application
+
+
 @pytest.mark.parametrize("values, complaint", [
     ({"replicaCount": "2"}, "replicaCount"),  # two standalone operators would both act
     ({"watch.allNamespaces": "false"}, "namespaces"),  # and no namespaces named

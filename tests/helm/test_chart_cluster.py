@@ -86,7 +86,8 @@ def test_helm_install_and_the_service_account_is_enough_but_no_more(cluster, nam
         allowed = [("create", "compileruns.shapeshift.dev"), ("patch", "inferencedeployments.shapeshift.dev/status"),
                    ("watch", "inferencedeployments.shapeshift.dev"), ("create", "deployments.apps"),
                    ("create", "jobs.batch"), ("create", "roles.rbac.authorization.k8s.io"), ("list", "pods"),
-                   ("create", "events")]
+                   ("create", "events"), ("update", "deployments.apps"), ("update", "configmaps"),
+                   ("patch", "pods"), ("get", "forwardpasses.shapeshift.dev")]
         denied = [("get", "secrets"), ("list", "secrets"), ("delete", "deployments.apps"), ("create", "pods"),
                   ("delete", "inferencedeployments.shapeshift.dev"), ("create", "inferencedeployments.shapeshift.dev"),
                   ("escalate", "roles.rbac.authorization.k8s.io"), ("patch", "nodes")]

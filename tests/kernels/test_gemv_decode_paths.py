@@ -1,9 +1,11 @@
 """The decode-path GEMV additions: float32 output (lm_head logits without a cast) and the
 gate/up GEMV with SiLU-and-mul in its epilogue, against plain-torch references."""
 
+import os
+
 import pytest
 import torch
-from kernel_test_utils import DTYPES, assert_close_norm, poisoned
+from kernel_test_utils import DTYPES, assert_close_elementwise, assert_close_norm, poisoned
 
 from shapeshift.kernels.activation import silu_and_mul_ref
 from shapeshift.kernels.gemv import gemv, gemv_ref, gemv_silu_and_mul, gemv_silu_and_mul_ref
@@ -53,3 +55,52 @@ def test_gemv_silu_and_mul_default_config_and_errors(device):
         gemv_silu_and_mul(x, torch.randn(47, 64, device=device))
     with pytest.raises(ValueError, match="x has 17 rows"):
         gemv_silu_and_mul(torch.randn(17, 64, device=device), gate_up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("gated,config", [
+    (False, KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+    (False, KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3)),  # every split normalises
+    (False, KernelConfig.make("fma", BLOCK_N=8, BLOCK_K=32, SPLIT_K=1)),
+    (True, KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)),
+])
+def test_gemv_rmsnorm_prologue_matches_separate_norm(dtype, with_residual, gated, config, device):
+    from shapeshift.kernels.rmsnorm import rmsnorm_ref
+
+    m, k, n = 3, 100, 40  # K tail: the prologue and the tiles both mask
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    residual = torch.randn(m, k, dtype=dtype, device=device) if with_residual else None
+    norm_w = 1 + 0.1 * torch.randn(k, dtype=dtype, device=device)
+    w = torch.randn(2 * n if gated else n, k, dtype=dtype, device=device) / k ** 0.5
+    ref_in = rmsnorm_ref(x, norm_w, 1e-5, residual)
+    normed, ref_h = ref_in if with_residual else (ref_in, None)
+    launcher, ref = (gemv_silu_and_mul, gemv_silu_and_mul_ref) if gated else (gemv, gemv_ref)
+    out = poisoned((m, n), dtype, device)
+    residual_out = poisoned((m, k), dtype, device) if with_residual else None
+    result = launcher(x, w, out=out, norm_weight=norm_w, eps=1e-5, residual=residual, residual_out=residual_out,
+                      config=config)
+    expected = ref(normed, w)
+    if gated and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        # Five bfloat16 roundings in a row, each toward zero under the CPU interpreter (biased,
+        # unlike the GPU's round-to-nearest): allow twice the usual bfloat16 norm error.
+        rel = ((out.double() - expected.double()).norm() / expected.double().norm()).item()
+        assert rel < 4e-2, rel
+    else:
+        assert_close_norm(out, expected, dtype)
+    if with_residual:
+        assert result[1] is residual_out
+        # Exact up to the last rounding (Triton's CPU interpreter rounds float32 -> bfloat16 toward zero).
+        assert_close_elementwise(residual_out, ref_h, dtype, "residual_out")
+    else:
+        assert result is out
+
+
+def test_gemv_rmsnorm_prologue_errors(device):
+    x = torch.randn(2, 32, device=device)
+    w = torch.randn(8, 32, device=device)
+    with pytest.raises(ValueError, match="need norm_weight"):
+        gemv(x, w, residual=torch.randn(2, 32, device=device))
+    res = torch.randn(2, 32, device=device)
+    with pytest.raises(ValueError, match="must not alias"):
+        gemv(x, w, norm_weight=torch.ones(32, device=device), residual=res, residual_out=res)

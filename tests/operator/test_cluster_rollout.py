@@ -9,22 +9,29 @@
       --rollout timer--> canary pod annotations --engine hot-reloads--> analysis --> all pods
 
 The first test follows a good candidate from the canary (while the other pods still run stock) to
-every pod; the second names a ForwardPass whose sha256 is not its artifact's: the canary engine
-refuses it and the operator rolls back, saying why.
+every pod, once with the operator as an admin and once with only the Helm chart's ServiceAccount
+token (its RBAC must be enough); the second names a ForwardPass whose sha256 is not its
+artifact's: the canary engine refuses it and the operator rolls back, saying why; the third rolls
+back a candidate that makes latency worse, on the analysis; the last checks the Restart strategy.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import tools
 from harness.cluster import wait_until
 from harness.controlplane import free_port
 from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
@@ -35,6 +42,7 @@ GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 NAME = "llama"
 MODEL = "tiny-llama"
 VENV_BIN = str(Path(sys.executable).parent)
+CHART = Path(__file__).resolve().parents[2] / "charts" / "shapeshift"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -132,8 +140,53 @@ class Load:
             t.join(60)
 
 
+def service_account_kubeconfig(cluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates only with the ServiceAccount's token (TokenRequest API)."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=30m").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    cluster_entry = admin["clusters"][0]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": [cluster_entry],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": cluster_entry["name"], "user": account,
+                                                   "namespace": namespace}}],
+        "current-context": account}))
+    return path
+
+
+@pytest.fixture(params=["admin", "chart-service-account"])
+def rollout_operator(request, crds, namespace, monkeypatch, tmp_path):
+    """The operator in-process (kopf, --standalone) watching the test's namespace, either with the
+    admin kubeconfig or with nothing but the token of the ServiceAccount `helm install` created."""
+    from kopf.testing import KopfRunner
+
+    import shapeshift.operator.handlers  # noqa: F401  (registers the handlers once per process)
+
+    release = None
+    kubeconfig = Path(crds.kubeconfig)
+    if request.param == "chart-service-account":
+        release = f"ss-{uuid.uuid4().hex[:6]}"
+        subprocess.run([str(tools.helm()), "install", release, str(CHART), "--namespace", namespace,
+                        "--set-json", "watch.allNamespaces=false", "--set-json",
+                        f"watch.namespaces={json.dumps([namespace])}", f"--kubeconfig={crds.kubeconfig}"],
+                       check=True, capture_output=True, text=True, timeout=180)
+        kubeconfig = service_account_kubeconfig(crds, namespace, f"{release}-shapeshift", tmp_path / "sa.kubeconfig")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    try:
+        with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"],
+                        timeout=60) as runner:
+            yield request.param
+        assert runner.exception is None, runner.output[-4000:]
+        forbidden = [line for line in runner.output.splitlines() if "forbidden" in line.lower()]
+        assert not forbidden, "the operator was refused something:\n" + "\n".join(forbidden[:10])
+    finally:
+        if release is not None:
+            subprocess.run([str(tools.helm()), "uninstall", release, "--namespace", namespace,
+                            f"--kubeconfig={crds.kubeconfig}"], capture_output=True, timeout=180)
+
+
 @pytest.fixture
-def engines(crds, namespace, operator, run_pod_locally, prometheus, tmp_path, monkeypatch):
+def engines(crds, namespace, run_pod_locally, prometheus, tmp_path, monkeypatch):
     """start(replicas) -> {pod name: base URL}: the deployment's pods running as real engines,
     scraped by a Prometheus that the deployment's spec.prometheusUrl names."""
     monkeypatch.setenv("SHAPESHIFT_ROLLOUT_MIN_REQUESTS", "5")
@@ -180,7 +233,8 @@ def engines(crds, namespace, operator, run_pod_locally, prometheus, tmp_path, mo
 # ---- tests -----------------------------------------------------------------------------------
 
 
-def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespace, engines, tmp_path):
+def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespace, rollout_operator, engines,
+                                                                    tmp_path):
     archive, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
     urls = engines(3)
     stock = forward_pass_info(next(iter(urls.values())))["sha256"]
@@ -221,8 +275,8 @@ def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespa
     assert {"CanaryStarted", "CanaryInSync", "Promoting", "RolledOut"} <= reasons, reasons
 
 
-def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(crds, namespace, engines,
-                                                                                tmp_path):
+def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(crds, namespace, operator,
+                                                                                engines, tmp_path):
     archive, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
     _, other_digest = bundle(tmp_path, {"fuse_qkv": True, "fuse_gate_up": True}, "other")
     urls = engines(2)
@@ -277,7 +331,8 @@ def build(model_config, weights, recipe):
 '''
 
 
-def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(crds, namespace, engines, tmp_path):
+def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(crds, namespace, operator, engines,
+                                                                              tmp_path):
     source = tmp_path / "slow-source"
     source.mkdir()
     (source / "forward.py").write_text(SLOW_FORWARD)
@@ -304,3 +359,41 @@ def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(cr
     for name, url in urls.items():
         wait_until(lambda url=url: forward_pass_info(url)["sha256"] == stock, 30, f"{name} back on stock")
     assert "activeForwardPass" not in status(crds, namespace)
+
+
+def test_restart_strategy_rolls_the_pod_template_and_the_resync_keeps_it(crds, namespace, operator, prometheus,
+                                                                         tmp_path):
+    """Restart: no canary; the engine Deployment's pod template names the pass and the real
+    Deployment controller replaces the pods (kwok runs them; no engines, so no pod reports it
+    and the rollout stays Promoting). The resync must not undo the template."""
+    archive, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
+    forward_pass(crds, namespace, "tiny-fused-qkv", str(archive), digest)
+    server = prometheus([])  # reachable, and no pod reports anything
+    deployment(crds, namespace, 2)
+    patch_spec(crds, namespace, {"rollout": {"strategy": "Restart"}, "prometheusUrl": server.url})
+    selector = f"shapeshift.dev/inference-deployment={NAME}"
+
+    def pods_running():
+        pods = crds.core.list_namespaced_pod(namespace, label_selector=selector).items
+        return pods if len(pods) == 2 and all(p.status.phase == "Running" for p in pods) else None
+
+    before = {p.metadata.name for p in wait_until(pods_running, 60, "2 engine pods Running")}
+    patch_spec(crds, namespace, {"forwardPass": "tiny-fused-qkv"})
+    wanted = {"shapeshift.dev/forward-pass": "tiny-fused-qkv", "shapeshift.dev/forward-pass-sha256": digest,
+              "shapeshift.dev/forward-pass-artifact": str(archive)}
+
+    def rolled():
+        pods = pods_running()
+        if not pods or {p.metadata.name for p in pods} & before:
+            return None
+        return pods if all(wanted.items() <= (p.metadata.annotations or {}).items() for p in pods) else None
+
+    wait_until(rolled, 90, "every engine pod replaced by one whose annotations name the pass", interval_s=0.5)
+    st = status(crds, namespace)
+    assert st["rollout"]["phase"] == "Promoting" and "Restart" in st["rollout"]["message"]
+    assert "canaryPods" not in st["rollout"]
+    engine = crds.apps.read_namespaced_deployment(f"{NAME}-engine", namespace)
+    assert wanted.items() <= engine.spec.template.metadata.annotations.items()
+    generation = engine.metadata.generation
+    time.sleep(6)  # three resyncs and rollout ticks: nobody rolls the template back
+    assert crds.apps.read_namespaced_deployment(f"{NAME}-engine", namespace).metadata.generation == generation

@@ -162,3 +162,42 @@ def test_compile_rbac_is_least_privilege():
     assert not any("*" in r["verbs"] or "secrets" in r["resources"] for r in role["rules"])
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "prod"}]
+
+
+def test_engine_follows_its_pod_annotations_through_a_downward_api_volume():
+    from shapeshift.engine.rollout_protocol import DEFAULT_ANNOTATIONS_FILE, DOWNWARD_API_MOUNT_PATH
+
+    pod = builders.build_engine_deployment(IDEP, spec())["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    volume = next(v for v in pod["spec"]["volumes"] if "downwardAPI" in v)
+    assert volume["downwardAPI"]["items"] == [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["mountPath"] == DOWNWARD_API_MOUNT_PATH and mount["readOnly"] is True
+    args = c["args"]
+    assert args[args.index("--desired-forward-pass-file") + 1] == DEFAULT_ANNOTATIONS_FILE
+    assert DEFAULT_ANNOTATIONS_FILE.startswith(DOWNWARD_API_MOUNT_PATH + "/")
+    # No mount point inside another (read-only) mount: the runtime could not create it.
+    paths = [m["mountPath"].rstrip("/") for m in c["volumeMounts"]]
+    assert not [(a, b) for a in paths for b in paths if a != b and b.startswith(a + "/")], paths
+    assert "--admin-token-file" not in args and not any("secret" in v for v in pod["spec"]["volumes"])
+
+
+def test_admin_token_secret_is_mounted_and_named_on_the_command_line():
+    pod = builders.build_engine_deployment(IDEP, spec(engine={"adminTokenSecret": {"name": "engine-admin"}}))
+    pod = pod["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    volume = next(v for v in pod["spec"]["volumes"] if "secret" in v)
+    assert volume["secret"]["secretName"] == "engine-admin"
+    assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+    token_file = c["args"][c["args"].index("--admin-token-file") + 1]
+    assert token_file == f"{mount['mountPath']}/token" and mount["readOnly"] is True
+
+
+def test_template_annotations_change_the_spec_hash_and_only_the_template():
+    plain = builders.build_engine_deployment(IDEP, spec())
+    pinned = builders.build_engine_deployment(IDEP, spec(), {"shapeshift.dev/forward-pass": "fp-2"})
+    assert pinned["spec"]["template"]["metadata"]["annotations"]["shapeshift.dev/forward-pass"] == "fp-2"
+    assert "shapeshift.dev/forward-pass" not in plain["spec"]["template"]["metadata"]["annotations"]
+    assert plain["metadata"]["annotations"][builders.SPEC_HASH] != pinned["metadata"]["annotations"][builders.SPEC_HASH]
+    assert builders.build_engine_deployment(IDEP, spec(), {}) == plain

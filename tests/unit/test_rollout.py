@@ -163,3 +163,28 @@ def test_pod_annotations_follow_the_engine_rollout_protocol():
     assert set(pod_annotations(None).values()) == {None}
     with pytest.raises(ValueError, match="llama-fp-2"):
         pod_annotations(ForwardPassIdentity("llama-fp-2", "not-a-digest", artifact="/x.tar.gz"))
+
+
+def test_a_canary_that_refuses_the_target_is_rolled_back_at_once():
+    state = advance(RolloutState(), now=T0, running={"e-0": STOCK, "e-1": STOCK})
+    refused = [PodView("e-0", True, STOCK, load_refused="digest_mismatch"), PodView("e-1", True, STOCK)]
+    after = step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=refused, analysis=None,
+                 now=T0 + timedelta(seconds=5))
+    assert after.phase == "RolledBack" and after.phase_since == T0 + timedelta(seconds=5)
+    assert "canary e-0 (digest_mismatch) refused llama-fp-2" in after.message
+    # A refusal reported by a pod outside the canary, or by a canary already on the target, is not one.
+    outside = [PodView("e-0", True, STOCK), PodView("e-1", True, STOCK, load_refused="refused")]
+    assert step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=outside, analysis=None,
+                now=T0 + timedelta(seconds=5)) == state
+    loaded = [PodView("e-0", True, FAST, load_refused="digest_mismatch"), PodView("e-1", True, STOCK)]
+    assert step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=loaded, analysis=None,
+                now=T0 + timedelta(seconds=5)).phase == "Analyzing"
+
+
+def test_latency_differences_below_the_resolution_are_not_regressions():
+    # 0.9 ms -> 1.9 ms is +111 %, but within the millisecond buckets the p90 is interpolated from.
+    noisy = CanaryAnalysis(canary=metrics(p90=0.0019), baseline=metrics(p90=0.0009), latency_resolution_seconds=0.002)
+    assert judge(noisy, allowed_regression=1.0).promote is True
+    real = CanaryAnalysis(canary=metrics(p90=0.0735), baseline=metrics(p90=0.001), latency_resolution_seconds=0.002)
+    verdict = judge(real, allowed_regression=0.5)
+    assert verdict.promote is False and "p90 latency 1.0 ms -> 73.5 ms" in verdict.reasons[0]

@@ -26,6 +26,9 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       dicts) overriding the per-shape defaults, e.g. from tuning
   fuse_gate_up_activation: bool       SiLU-and-mul in the gate/up GEMV's epilogue (needs
                                       fuse_gate_up and linear_backend: triton; <= 16 rows)
+  fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv,
+                                      gate/up and lm_head GEMVs (<= 16 rows; needs
+                                      linear_backend: triton, fuse_qkv, fuse_gate_up)
   fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
   fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
   moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
@@ -209,7 +212,7 @@ class StockForwardPass:
         self.recipe = dict(recipe)
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
-                 "fuse_gate_up_activation"}
+                 "fuse_gate_up_activation", "fuse_norm_into_linear"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -259,6 +262,11 @@ class StockForwardPass:
                 raise ValueError("recipe fuse_gate_up_activation needs linear_backend: triton and fuse_gate_up: true "
                                  "on a dense model")
             self._gemv_gated = _kernel("gemv", "gemv_silu_and_mul", "fuse_gate_up_activation")
+        self.fuse_norm = bool(self.recipe.get("fuse_norm_into_linear", False))
+        if self.fuse_norm and (self._gemv is None or not self.fuse_qkv or not self.fuse_gate_up
+                               or cfg.family == "moe"):
+            raise ValueError("recipe fuse_norm_into_linear needs linear_backend: triton, fuse_qkv: true and "
+                             "fuse_gate_up: true on a dense model")
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -339,14 +347,31 @@ class StockForwardPass:
         y = F.linear(x, weight, bias)
         return y.float() if float32_out else y
 
+    def norm_linear(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, float32_out: bool = False,
+                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(h + residual)), h + residual) in one GEMV launch (<= 16 rows).
+
+        ``gated``: weight is [gate; up] and the result is silu(gate) * up.
+        """
+        kwargs: dict[str, Any] = dict(norm_weight=norm_weight, eps=self.cfg.rms_norm_eps, residual=residual,
+                                      config=self._gemv_config(h.shape[0], weight, gated))
+        if gated:
+            y = self._gemv_gated(h, weight, **kwargs)
+        else:
+            y = self._gemv(h, weight, bias, out_dtype=torch.float32 if float32_out else None, **kwargs)
+        return y if residual is not None else (y, h)
+
     # ------------------------------------------------------------------ blocks
-    def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+    def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor | None, positions: torch.Tensor,
                   cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
-                  attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  attn_bias: torch.Tensor | None = None, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """Self-attention of normed hidden states x [T, H] (or of a precomputed fused ``qkv``)."""
         cfg = self.cfg
-        tokens = x.shape[0]
-        if layer.qkv_proj is not None:
-            qkv = self.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_dim + 2 kv_dim]
+        tokens = x.shape[0] if x is not None else qkv.shape[0]
+        if qkv is not None or layer.qkv_proj is not None:
+            if qkv is None:
+                qkv = self.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_dim + 2 kv_dim]
             q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         else:
             q = self.linear(x, layer.q_proj, layer.q_bias)
@@ -413,6 +438,20 @@ class StockForwardPass:
             width = ctx.block_tables.shape[1] * kv_cache.block_size
             attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S], all layers
         residual = None
+        if self.fuse_norm and h.shape[0] <= self._gemv_max_rows and not ctx.is_prefill:
+            # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
+            for i, layer in enumerate(self.layers):
+                qkv, residual = self.norm_linear(h, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias)
+                h = self.attention(i, layer, None, positions, cos, sin, ctx, kv_cache, attn_bias, qkv=qkv)
+                if self._gemv_gated is not None:
+                    activated, residual = self.norm_linear(h, residual, layer.post_norm, layer.gate_up_proj,
+                                                           gated=True)
+                else:
+                    gate_up, residual = self.norm_linear(h, residual, layer.post_norm, layer.gate_up_proj)
+                    activated = (self._silu_and_mul(gate_up) if self._silu_and_mul is not None
+                                 else F.silu(gate_up[:, :gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:])
+                h = self.linear(activated, layer.down_proj)
+            return self.norm_linear(h, residual, self.final_norm, self.lm_head, float32_out=True)[0]
         for i, layer in enumerate(self.layers):
             x, residual = self.norm(h, layer.input_norm, residual)
             h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache, attn_bias)

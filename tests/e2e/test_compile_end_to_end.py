@@ -1,0 +1,319 @@
+"""A CompileRun from spec to verified result: operator, Job, scheduler, the real worker, the real loop.
+
+Data flow under test:
+    test: InferenceDeployment (tiny-llama, CPU pool, small engine) + CompileRun (tiny budget)
+      -> `shapeshift operator` (a separate process, admin kubeconfig) -> ServiceAccount, Role,
+         RoleBinding, Job <run>-compile
+      -> Job controller -> pod -> kube-scheduler binds it to a kwok CPU node
+      -> harness.kubelet runs the pod's own command line (`shapeshift compile --compile-run ns/run`,
+         the venv's `shapeshift` on PATH) with the pod's env; its volumes are emulated as local
+         folders (configMap: the engine ConfigMap's keys as files; emptyDir: a fresh folder) and
+         its ServiceAccount token is minted through the TokenRequest API, bound to the pod, and
+         handed over in a kubeconfig (the local kubelet cannot project token files into a
+         process, and in-cluster config reads fixed paths) -- so every API call the worker makes
+         is checked against the Role the operator wrote, nothing more
+      -> the worker reads its run and deployment, runs the compile loop on tiny-llama on this CPU,
+         patches the run's status (trials, leaderboard, bestSpeedup, champion) and publishes a
+         ForwardPass when a candidate beat the stock pass beyond the noise and passed verification
+      -> the process exits; its exit reaches the pod status; the Job controller completes the Job
+      -> the operator moves the CompileRun to Succeeded with conditions.
+
+Either search outcome is accepted (on two shared cores a tiny budget may find nothing that
+clears the noise), but the status must agree with the ForwardPass objects either way.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from harness.cluster import wait_until
+from harness.controlplane import POOL_LABEL
+from harness.kubelet import rewrite_paths
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+RUN, DEPLOYMENT = "tiny-run", "tiny"
+TRIALS = 10
+# A deployment that batches narrowly for its chat traffic (32 requests in flight): the search
+# has a real gain to find in engine.max_num_seqs, and the stock candidate must be measured at 4.
+DEPLOYED_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def crds(cluster):
+    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
+        cluster.apply(path)
+    return cluster
+
+
+# ---- the operator as its own process ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def operator_process(crds, namespace, tmp_path):
+    """`shapeshift operator` watching the test's namespace; its log is checked for tracebacks."""
+    log = tmp_path / "operator.log"
+    port = _free_port()
+    env = {**os.environ, "KUBECONFIG": str(crds.kubeconfig), "PYTHONSAFEPATH": "1"}
+    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
+           "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: _healthy(port) or process.poll() is not None, 60, "the operator's health endpoint")
+        assert process.poll() is None, log.read_text(errors="replace")[-4000:]
+        yield log
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+# ---- what the kubelet would give the worker --------------------------------------------------
+
+
+def pod_token_kubeconfig(cluster, pod: dict, path: Path) -> Path:
+    """A kubeconfig holding a token of the pod's ServiceAccount, bound to the pod (as the kubelet
+    requests it for the projected token volume), for the cluster the admin kubeconfig names."""
+    import kubernetes
+
+    account, namespace = pod["spec"]["serviceAccountName"], pod["metadata"]["namespace"]
+    request = kubernetes.client.AuthenticationV1TokenRequest(spec=kubernetes.client.V1TokenRequestSpec(
+        audiences=[], expiration_seconds=3600,
+        bound_object_ref=kubernetes.client.V1BoundObjectReference(
+            api_version="v1", kind="Pod", name=pod["metadata"]["name"], uid=pod["metadata"]["uid"])))
+    token = cluster.core.create_namespaced_service_account_token(account, namespace, request).status.token
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": [server],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": server["name"], "user": account, "namespace": namespace}}],
+        "current-context": account}))
+    return path
+
+
+def _config_map(cluster, namespace: str, name: str):
+    import kubernetes
+
+    try:
+        return cluster.core.read_namespaced_config_map(name, namespace)
+    except kubernetes.client.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def emulate_volumes(cluster, pod: dict, root: Path) -> tuple[dict[str, str], dict[str, Path]]:
+    """The pod's configMap and emptyDir volumes as local folders.
+
+    Returns (env overrides, {mountPath: folder}): every literal env value of the container that
+    names a path under a mount is rewritten to the folder standing in for it, the same rule
+    harness.kubelet applies to downwardAPI volumes."""
+    (container,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    mounts: dict[str, Path] = {}
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes[mount["name"]]
+        folder = root / mount["name"]
+        if "configMap" in volume:
+            # The kubelet keeps a pod in ContainerCreating until a (non-optional) ConfigMap it
+            # mounts exists; the operator may bind the compile pod before the deployment's
+            # engine ConfigMap is written, so wait for it the same way.
+            cm = wait_until(lambda: _config_map(cluster, pod["metadata"]["namespace"], volume["configMap"]["name"]),
+                            30, f"ConfigMap {volume['configMap']['name']} for the pod's volume {mount['name']}")
+            folder.mkdir(parents=True)
+            for key, value in (cm.data or {}).items():
+                (folder / key).write_text(value)
+            for key, value in (cm.binary_data or {}).items():
+                (folder / key).write_bytes(base64.b64decode(value))
+        elif "emptyDir" in volume:
+            folder.mkdir(parents=True)
+        else:
+            continue  # the projected ServiceAccount token: handed over as a kubeconfig instead
+        mounts[mount["mountPath"]] = folder
+    env = {}
+    for variable in container.get("env") or []:
+        if "value" in variable and rewrite_paths(variable["value"], mounts) != variable["value"]:
+            env[variable["name"]] = rewrite_paths(variable["value"], mounts)
+    return env, mounts
+
+
+# ---- reading the cluster ---------------------------------------------------------------------
+
+
+def run_status(cluster, namespace) -> dict:
+    obj = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", RUN)
+    return obj.get("status") or {}
+
+
+def conditions(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def bound_pod(cluster, namespace) -> dict | None:
+    pods = cluster.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/compile-run={RUN}").items
+    bound = [p for p in pods if p.spec.node_name]
+    return cluster.api_client.sanitize_for_serialization(bound[0]) if bound else None
+
+
+def forward_passes(cluster, namespace) -> list[dict]:
+    return cluster.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses")["items"]
+
+
+def bundle_digest_of_archive(archive: Path) -> str:
+    """The digest a packed bundle's files hash to (checked against its manifest)."""
+    from shapeshift.engine.bundle import verify_bundle
+
+    target = archive.parent / (archive.name + ".unpacked")
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    roots = [p for p in target.rglob("manifest.json")]
+    assert len(roots) == 1, f"{archive}: expected one manifest.json, found {roots}"
+    return verify_bundle(roots[0].parent).digest
+
+
+# ---- the test --------------------------------------------------------------------------------
+
+
+def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_process, run_pod_locally, tmp_path):
+    cluster = crds
+    started = time.monotonic()
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": DEPLOYMENT},
+        "spec": {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0,
+                 "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16}}})
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": RUN},
+        "spec": {"deploymentRef": {"name": DEPLOYMENT}, "traffic": {"builtin": "chat"},
+                 "budget": {"trials": TRIALS, "wallClockSeconds": 150, "deadlineGraceSeconds": 120},
+                 "agents": [{"kind": "coordinate-sweep"}, {"kind": "model-based"}],
+                 "tiers": {"fastLayers": 1, "replayRequests": 32, "repeats": 3},
+                 "verification": {"greedySteps": 8, "freshPrompts": 2},
+                 "baseline": {"minSpeedup": 1.0}, "backoffLimit": 0}})
+
+    # operator -> Job -> scheduler: the pod lands on the CPU pool, as the run's ServiceAccount
+    pod = wait_until(lambda: bound_pod(cluster, namespace), 45, "the compile pod to be bound to a node")
+    node = cluster.core.read_node(pod["spec"]["nodeName"])
+    assert node.metadata.labels[POOL_LABEL] == "cpu", node.metadata.labels
+    assert pod["spec"]["serviceAccountName"] == f"{RUN}-compile"
+    (container,) = pod["spec"]["containers"]
+    assert [*container["command"], *container["args"]] == ["shapeshift", "compile", "--compile-run", f"{namespace}/{RUN}"]
+    wait_until(lambda: run_status(cluster, namespace).get("phase") in ("Scheduled", "Running"), 30, "phase Scheduled")
+
+    env, mounts = emulate_volumes(cluster, pod, tmp_path / "volumes")
+    work_dir = Path(env["SHAPESHIFT_WORK_DIR"])  # the emptyDir
+    assert Path(env["SHAPESHIFT_ENGINE_CONFIG"]).is_file(), env
+    kubeconfig = pod_token_kubeconfig(cluster, pod, tmp_path / "pod-token-kubeconfig")
+    env.update(PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", KUBECONFIG=str(kubeconfig),
+               PYTHONSAFEPATH="1")
+
+    # The worker, as the pod runs it. Its exit becomes the pod's status; the Job controller acts on it.
+    local = run_pod_locally(namespace, pod["metadata"]["name"], timeout_s=170, extra_env=env)
+    output = local.output()
+    assert local.exit_codes == {"compile": 0}, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+
+    status = wait_until(lambda: (lambda s: s if s.get("phase") in ("Succeeded", "Failed") else None)(
+        run_status(cluster, namespace)), 60, "the run to finish")
+    assert status["phase"] == "Succeeded", status
+    conds = conditions(status)
+    assert conds["Complete"]["status"] == "True" and conds["Complete"]["reason"] == "CompletionsReached", conds
+    assert conds["Failed"]["status"] == "False" and conds["Scheduled"]["status"] == "True", conds
+    assert status["completionTime"] and status["nodeName"] == pod["spec"]["nodeName"]
+
+    # What the worker wrote: the run's own settings took effect (engine config from the mounted
+    # ConfigMap, agents, tiers, trial budget), and the leaderboard is the run's.
+    out_dir = work_dir / RUN
+    import json
+
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["model"] == "tiny-llama" and report["profile"] == "chat" and report["device"] == "cpu"
+    assert report["evaluator"]["dtype"] == "torch.float32" and report["evaluator"]["fast_layers"] == 1, report["evaluator"]
+    assert report["evaluator"]["confirm"] == {"requests": 32, "repeats": 3}, report["evaluator"]
+    assert report["evaluator"]["verify"] == {"prompts": 2, "steps": 8}, report["evaluator"]
+    assert report["evaluator"]["engine_base"] == {"max_num_seqs": DEPLOYED_BATCH, "block_size": 16,
+                                                  "enable_prefix_caching": True}, report["evaluator"]
+    assert report["trials"] == TRIALS, report
+    assert status["trials"]["total"] == TRIALS, status["trials"]
+    # Every candidate the space offers on this CPU builds: no trial is spent on a recipe the
+    # forward pass refuses (Triton-only fusions are not in a CPU search space).
+    assert status["trials"]["failed"] == 0, (status["trials"], output[-3000:])
+    board = status["leaderboard"]
+    assert board and all(row["candidate"] and row.get("tokensPerSecond", 0) > 0 for row in board), board
+    assert {row["agent"] for row in board} <= {"baseline", "sweep", "bayes"}, board
+
+    fps = forward_passes(cluster, namespace)
+    if status.get("champion"):
+        # A champion named in the status is a ForwardPass pinning the exported bundle's digest.
+        (fp,) = fps
+        assert fp["metadata"]["name"] == status["champion"]
+        spec = fp["spec"]
+        champion_manifest = json.loads((out_dir / "champion" / "manifest.json").read_text())
+        assert spec["artifact"]["sha256"] == champion_manifest["digest"] == report["champion_bundle"]["digest"]
+        assert spec["verification"]["passed"] is True and spec["compileRun"] == f"{namespace}/{RUN}"
+        assert spec["metrics"]["speedup"] == pytest.approx(status["bestSpeedup"]) and status["bestSpeedup"] > 1.0
+        assert status["champion"] in status["message"]
+        # The artifact: the Job gives the worker no shared volume, so the archive is in its work
+        # folder (the pod's emptyDir, gone with the pod) and the ForwardPass says so. Its content
+        # is the bundle the ForwardPass pins.
+        artifact = urllib.parse.urlparse(spec["artifact"]["uri"])
+        local_path = Path(urllib.parse.unquote(artifact.path))
+        assert artifact.scheme == "file" and local_path.is_file(), spec["artifact"]
+        assert local_path.is_relative_to(work_dir), (local_path, work_dir)
+        assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "false"
+        assert bundle_digest_of_archive(local_path) == spec["artifact"]["sha256"]
+        assert spec["artifact"]["sizeBytes"] == local_path.stat().st_size
+    else:
+        assert fps == [], [f["metadata"]["name"] for f in fps]
+        assert report["champion_recipe"] is None and status.get("bestSpeedup") in (None, 1.0), status
+
+    # The worker acted only through its own token: that token is the pod's ServiceAccount and
+    # cannot reach beyond the Role (no Secrets, no other run).
+    import kubernetes
+
+    worker_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    review = kubernetes.client.AuthenticationV1Api(worker_api).create_self_subject_review(
+        kubernetes.client.V1SelfSubjectReview())
+    assert review.status.user_info.username == f"system:serviceaccount:{namespace}:{RUN}-compile"
+    with pytest.raises(kubernetes.client.ApiException) as denied:
+        kubernetes.client.CoreV1Api(worker_api).list_namespaced_secret(namespace)
+    assert denied.value.status == 403
+
+    assert "Traceback" not in operator_process.read_text(errors="replace")
+    assert time.monotonic() - started < 180, f"took {time.monotonic() - started:.0f}s"
