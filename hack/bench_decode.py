@@ -78,6 +78,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 BEST_RECIPE = "fast"
 NEEDS_TRITON = {"triton", "gemv", "fast"}
 BASELINE_ORDER = ("hf-eager", "torch-compile", "hf-static")
+BASELINE_WEIGHT = {"hf-eager": 1.0, "torch-compile": 2.0, "hf-static": 3.0}  # time-budget shares
 PROMPT_SEED = 100
 CURVE_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 
@@ -397,6 +398,23 @@ def baseline_spec(args, device: torch.device, engine: LLMEngine, batch_sizes: li
 
 
 # ----------------------------------------------------------------------------- curve
+def spread_order(values: list[int]) -> list[int]:
+    """[1, 2, 4, ..., 256] -> [1, 256, 16, 2, 4, ...]: ends first, then repeated midpoints."""
+    ordered = sorted(values)
+    if len(ordered) <= 2:
+        return ordered
+    out = [ordered[0], ordered[-1]]
+    spans = [(0, len(ordered) - 1)]
+    while spans:
+        lo, hi = spans.pop(0)
+        if hi - lo < 2:
+            continue
+        mid = (lo + hi) // 2
+        out.append(ordered[mid])
+        spans += [(lo, mid), (mid, hi)]
+    return out + [v for v in ordered if v not in out]
+
+
 def curve_comparison(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """At each of our points, our throughput over HF's at the same p90 per-user tokens/s
     (HF's curve interpolated log-log between its measured points; no extrapolation)."""
@@ -739,14 +757,21 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
 
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:
-        for name in [b for b in BASELINE_ORDER if b in wanted_baselines]:
-            left = args.time_budget - (time.perf_counter() - t_begin)
+        todo = [b for b in BASELINE_ORDER if b in wanted_baselines]
+        for index, name in enumerate(todo):
+            # Each baseline gets its weighted share of the time left (compiles cost the most);
+            # whatever one leaves unused passes to the next.
+            left = args.time_budget - (time.perf_counter() - t_begin) - 5
+            share = BASELINE_WEIGHT[name] / sum(BASELINE_WEIGHT[b] for b in todo[index:])
+            left = left * share
             if left < 20:
                 log(f"baseline {name}: skipped, time budget spent ({args.time_budget:.0f}s)")
                 rec.add({"impl": name, "error": "skipped: time budget spent"})
                 continue
             new_tokens = args.new_tokens if mode == "curve" else args.baseline_new_tokens
-            spec = baseline_spec(args, device, _EngineInfo(rec.doc["dtype"]), batch_sizes, new_tokens, fingerprint)
+            # Curve: extremes first, then midpoints, so a timeout still leaves a spread of points.
+            order = spread_order(batch_sizes) if mode == "curve" else batch_sizes
+            spec = baseline_spec(args, device, _EngineInfo(rec.doc["dtype"]), order, new_tokens, fingerprint)
             for row in run_baseline(name, spec, Path(tmp), timeout=left):
                 if "error" not in row:
                     add_floor_share(row, traffic, ceilings, mean_context)

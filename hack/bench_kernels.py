@@ -925,13 +925,18 @@ def run_worker(group, quick, tune, tune_budget_s, result_path):
         rows.append({"op": group, "group": group, "label": "setup", "error": f"{type(error).__name__}: {error}",
                      "traceback": traceback.format_exc()[-3000:]})
         cases = []
+
     def save():  # after every case, so a timed-out worker still leaves its rows
         tmp = pathlib.Path(str(result_path) + ".tmp")
         tmp.write_text(json.dumps({"rows": rows, "tuning": tuning, "seconds": time.time() - started}, default=str))
         os.replace(tmp, result_path)
 
     if group == "host":
-        rows.extend(measure_host_overhead(quick))
+        try:
+            rows.extend(measure_host_overhead(quick))
+        except Exception as error:
+            rows.append({"op": "host_overhead", "group": group, "label": "host",
+                         "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]})
         cases = []
     for case in cases:
         rows.append(_measure_case(case, quick))
@@ -1074,8 +1079,8 @@ def main(argv=None):
     if args.tune_budget_s is not None:
         tune_budget = args.tune_budget_s
     else:
-        # Whatever the plain measurements (~20 s per group) leave of the budget, shared out.
-        tune_budget = max(10.0, (args.budget_s - 20.0 * (len(groups) + 1)) / max(1, len(groups)))
+        # Whatever the plain measurements (<= ~40 s per group) leave of the budget, shared out.
+        tune_budget = max(10.0, (args.budget_s - 40.0 * (len(groups) + 1)) / max(1, len(groups)))
 
     if args.worker:
         run_worker(args.worker, args.quick, args.tune, tune_budget, args.result_path)

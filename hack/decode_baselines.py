@@ -215,6 +215,11 @@ class PlainLlama(torch.nn.Module):
         self.register_buffer("cos", torch.cat([angles.cos(), angles.cos()], -1).to(dtype))  # [S, D]
         self.register_buffer("sin", torch.cat([angles.sin(), angles.sin()], -1).to(dtype))
         self.max_len = max_len
+        mark_static = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
+        if mark_static is not None:
+            # Fixed addresses for the CUDA graphs: the caches are mutated in place every step.
+            for t in (self.k_cache, self.v_cache, self.cos, self.sin, *self.w.values()):
+                mark_static(t)
 
     def p(self, name: str) -> torch.Tensor:
         return self.w[name.replace(".", "__")]

@@ -27,7 +27,7 @@ x is then the un-normalised hidden state h (+ residual); every program first rea
 row (K elements, L2 resident) to get 1/rms, and normalises each x tile as it streams the
 weight, with the rounding points of kernels/rmsnorm.py. Program (0, 0) writes h + residual to
 `residual_out` (which must not alias x or residual: other programs still read them). This
-removes the separate RMSNorm launch in front of the qkv, gate/up and lm_head projections.
+removes the separate RMSNorm launch in front of the qkv and gate/up projections.
 """
 
 from __future__ import annotations
@@ -47,15 +47,19 @@ MAX_M = 16
 @triton.jit
 def _norm_prologue(
     x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
-    WRITE_RESIDUAL, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_RESIDUAL, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, PRO_M: tl.constexpr, PRO_K: tl.constexpr,
 ):
     """1 / rms of each row of h = x (+ residual, rounded to x's dtype) -> [BLOCK_M] float32;
-    writes h to res_out when WRITE_RESIDUAL (one program of the grid)."""
-    m = tl.arange(0, BLOCK_M)
+    writes h to res_out when WRITE_RESIDUAL (one program of the grid).
+
+    Reads PRO_M (= next power of two >= M, not the dot's padded BLOCK_M) rows in PRO_K-wide
+    chunks, so at M = 1 the whole hidden row is one load: one L2 round trip per program
+    before its weight stream starts."""
+    m = tl.arange(0, PRO_M)
     m_mask = m < M
-    kk = tl.arange(0, BLOCK_K)
-    sum_sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    kk = tl.arange(0, PRO_K)
+    sum_sq = tl.zeros([PRO_M, PRO_K], tl.float32)
+    for k0 in range(0, K, PRO_K):
         mask = m_mask[:, None] & ((k0 + kk) < K)[None, :]
         h = tl.load(x_ptr + m[:, None] * stride_x_m + (k0 + kk)[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
@@ -64,7 +68,10 @@ def _norm_prologue(
             tl.store(res_out_ptr + m[:, None] * stride_ro_m + (k0 + kk)[None, :], h, mask=mask & WRITE_RESIDUAL)
         hf = h.to(tl.float32)
         sum_sq += hf * hf
-    return 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps)  # [PRO_M]
+    # Spread to the [BLOCK_M] row vector of the main loop (rows >= PRO_M are padding).
+    rows = tl.arange(0, BLOCK_M)
+    return tl.sum(tl.where(rows[:, None] == m[None, :], inv_rms[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -109,6 +116,8 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     NORM: tl.constexpr = False,
     HAS_RESIDUAL: tl.constexpr = False,
+    PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
+    PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -127,7 +136,7 @@ def _gemv_kernel(
     x_ptrs = x_ptr + m[:, None] * stride_x_m + (k_start + kk)[None, :]  # [BLOCK_M, BLOCK_K]
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
-                                 (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+                                 (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
         r_ptrs = res_ptr + m[:, None] * stride_r_m + (k_start + kk)[None, :]
         nw_ptrs = norm_w_ptr + k_start + kk
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -208,6 +217,8 @@ def _gemv_silu_and_mul_kernel(
     DOT_PRECISION: tl.constexpr,
     NORM: tl.constexpr = False,
     HAS_RESIDUAL: tl.constexpr = False,
+    PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
+    PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
 ):
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,7 +232,7 @@ def _gemv_silu_and_mul_kernel(
     x_ptrs = x_ptr + m[:, None] * stride_x_m + kk[None, :]  # [BLOCK_M, BLOCK_K]
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
-                                 pid_n == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+                                 pid_n == 0, HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
         r_ptrs = res_ptr + m[:, None] * stride_r_m + kk[None, :]
         nw_ptrs = norm_w_ptr + kk
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -266,6 +277,13 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def _prologue_shape(M: int, K: int) -> dict[str, int]:
+    """Norm-prologue tile: all rows at once, up to 8192 elements per chunk (the whole 2048-wide
+    row of a 1B model at M = 1: 16 values per thread at 4 warps)."""
+    pro_m = next_power_of_2(M)
+    return {"PRO_M": pro_m, "PRO_K": max(16, min(next_power_of_2(K), 8192 // pro_m))}
 
 
 def _norm_args(op: str, x: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
@@ -350,7 +368,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=K % (split_k * block_k) == 0, USE_DOT=use_dot, HAS_BIAS=bias is not None,
         UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split_k > 1:
@@ -417,7 +435,7 @@ def gemv_silu_and_mul(
         res_arg, res_out_arg, norm_arg, res_arg.stride(0), res_out_arg.stride(0), float(eps),
         BLOCK_M=16 if use_dot else next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out if res_ret is None else (out, res_ret)

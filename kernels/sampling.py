@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import cdiv, check_runnable_device, check_tensor, next_power_of_2
+from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2, tensor_meta
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -558,19 +558,20 @@ def sample(
     temperature [B] float32 (<= 0: greedy), top_k [B] int32 (0 or >= V: off), top_p [B]
     float32 in (0, 1] (1: off), seeds [B] int64 (Philox key of the row's draw).
     """
-    op = "sample"
-    _check_logits(op, logits)
+    try:
+        metas = (tensor_meta(logits), tensor_meta(temperature), tensor_meta(top_k), tensor_meta(top_p),
+                 tensor_meta(seeds), tensor_meta(out))
+        checked = _SAMPLE_PLANS.get((metas, config))
+    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
+        metas, checked = None, None
+    if checked is None:
+        checked = _sample_checks(logits, temperature, top_k, top_p, seeds, out, config)
+        if metas is not None:
+            _SAMPLE_PLANS.remember((metas, config), checked)
+    config = checked
     B, V = logits.shape
-    device = logits.device
-    check_tensor(op, "temperature", temperature, shape=(B,), dtypes=(torch.float32,), device=device)
-    check_tensor(op, "top_k", top_k, shape=(B,), dtypes=(torch.int32,), device=device)
-    check_tensor(op, "top_p", top_p, shape=(B,), dtypes=(torch.float32,), device=device)
-    check_tensor(op, "seeds", seeds, shape=(B,), dtypes=(torch.int64,), device=device)
     if out is None:
-        out = torch.empty(B, dtype=torch.int64, device=device)
-    check_tensor(op, "out", out, shape=(B,), dtypes=(torch.int64,), device=device)
-    if config is None:
-        config = SAMPLE_SPEC.default_config({"batch": B, "vocab": V}, device)
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
     if config.variant == "split":
@@ -581,6 +582,25 @@ def sample(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+# (argument metadata, config) -> the config to run, see checks.LaunchPlans.
+_SAMPLE_PLANS = LaunchPlans()
+
+
+def _sample_checks(logits, temperature, top_k, top_p, seeds, out, config) -> KernelConfig:
+    """All argument checks of sample(); returns the config to run (the default when None)."""
+    op = "sample"
+    _check_logits(op, logits)
+    B, V = logits.shape
+    device = logits.device
+    check_tensor(op, "temperature", temperature, shape=(B,), dtypes=(torch.float32,), device=device)
+    check_tensor(op, "top_k", top_k, shape=(B,), dtypes=(torch.int32,), device=device)
+    check_tensor(op, "top_p", top_p, shape=(B,), dtypes=(torch.float32,), device=device)
+    check_tensor(op, "seeds", seeds, shape=(B,), dtypes=(torch.int64,), device=device)
+    if out is not None:
+        check_tensor(op, "out", out, shape=(B,), dtypes=(torch.int64,), device=device)
+    return config if config is not None else SAMPLE_SPEC.default_config({"batch": B, "vocab": V}, device)
 
 
 def split_workspace_ints(vocab: int, config: KernelConfig) -> int:

@@ -186,8 +186,10 @@ class CompileRunContext:
         return path
 
     # ------------------------------------------------------------------ status
-    def _patch(self, status: dict[str, Any]) -> None:
-        body = {"status": {k: v for k, v in status.items() if v is not None}}
+    def _patch(self, status: dict[str, Any], clear: tuple[str, ...] = ()) -> None:
+        """Merge-patch the status; None values are left out, except the fields in `clear`,
+        which are removed (a JSON merge patch deletes a key given as null)."""
+        body = {"status": {k: v for k, v in status.items() if v is not None or k in clear}}
         self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, self.namespace, "compileruns", self.name, body)
 
     def status_body(self, st: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +259,12 @@ class CompileRunContext:
             if self.artifact_uri and not self.artifact_durable:
                 message += (f"; its bundle {self.artifact_uri} is in the compile pod's work folder and is lost with "
                             "the pod (set SHAPESHIFT_ARTIFACT_DIR to a shared volume)")
-        self._patch({"trials": self.counts | {"total": result.trials}, "bestSpeedup": result.speedup,
-                     "champion": self.champion_name, "message": message})
+        # Without a champion there is no best verified speedup, even if an incumbent reported
+        # one while the search ran and then lost the final comparison with the stock pass.
+        champion = self.champion_name if result.champion is not None else None
+        speedup = result.speedup if result.champion is not None else None
+        self._patch({"trials": self.counts | {"total": result.trials}, "bestSpeedup": speedup,
+                     "champion": champion, "message": message}, clear=("bestSpeedup", "champion"))
 
     def fail(self, message: str) -> None:
         try:

@@ -20,12 +20,16 @@ Data flow under test:
 
 Either search outcome is accepted (on two shared cores a tiny budget may find nothing that
 clears the noise), but the status must agree with the ForwardPass objects either way.
+
+The Job mounts no shared volume for artifacts, so a published champion's archive lies in the
+pod's emptyDir: the test checks that the ForwardPass says so (shapeshift.dev/artifact-durable:
+"false") rather than pointing engines at a file that disappears with the pod.
 """
 
 from __future__ import annotations
 
 import base64
-import io
+import json
 import os
 import signal
 import socket
@@ -236,7 +240,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert [*container["command"], *container["args"]] == ["shapeshift", "compile", "--compile-run", f"{namespace}/{RUN}"]
     wait_until(lambda: run_status(cluster, namespace).get("phase") in ("Scheduled", "Running"), 30, "phase Scheduled")
 
-    env, mounts = emulate_volumes(cluster, pod, tmp_path / "volumes")
+    env, _mounts = emulate_volumes(cluster, pod, tmp_path / "volumes")
     work_dir = Path(env["SHAPESHIFT_WORK_DIR"])  # the emptyDir
     assert Path(env["SHAPESHIFT_ENGINE_CONFIG"]).is_file(), env
     kubeconfig = pod_token_kubeconfig(cluster, pod, tmp_path / "pod-token-kubeconfig")
@@ -260,8 +264,6 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     # What the worker wrote: the run's own settings took effect (engine config from the mounted
     # ConfigMap, agents, tiers, trial budget), and the leaderboard is the run's.
     out_dir = work_dir / RUN
-    import json
-
     report = json.loads((out_dir / "report.json").read_text())
     assert report["model"] == "tiny-llama" and report["profile"] == "chat" and report["device"] == "cpu"
     assert report["evaluator"]["dtype"] == "torch.float32" and report["evaluator"]["fast_layers"] == 1, report["evaluator"]
@@ -301,7 +303,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
         assert spec["artifact"]["sizeBytes"] == local_path.stat().st_size
     else:
         assert fps == [], [f["metadata"]["name"] for f in fps]
-        assert report["champion_recipe"] is None and status.get("bestSpeedup") in (None, 1.0), status
+        assert report["champion_recipe"] is None and "bestSpeedup" not in status, status
 
     # The worker acted only through its own token: that token is the pod's ServiceAccount and
     # cannot reach beyond the Role (no Secrets, no other run).

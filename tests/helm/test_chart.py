@@ -54,6 +54,7 @@ def test_defaults_render_a_standalone_cluster_wide_operator():
     assert env["SHAPESHIFT_PROMETHEUS_URL"] == "http://prometheus-operated.monitoring.svc:9090"
     assert env["SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL"] == "deployment"
     assert env["SHAPESHIFT_DRIFT_MIN_REQUESTS"] == "20"
+    assert env["SHAPESHIFT_PROMETHEUS_POD_LABEL"] == "pod" and env["SHAPESHIFT_ROLLOUT_MIN_REQUESTS"] == "20"
     assert pod["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"] == "ss-shapeshift"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -158,6 +159,8 @@ def test_rbac_covers_replacing_children_and_the_rollout():
     ({"image.pullPolicy": "Sometimes"}, "pullPolicy"),
     ({"operator.logLevel": "loud"}, "logLevel"),
     ({"drift.minRequests": "0"}, "minRequests"),
+    ({"rollout.minRequests": "0"}, "minRequests"),
+    ({"prometheus.podLabel": "pod-name"}, "podLabel"),  # not a Prometheus label name
     ({"prometheus.deploymentLabel": "inference-deployment"}, "deploymentLabel"),  # not a Prometheus label name
     ({"serviceAccount.create": "false"}, "name"),
     ({"serviceMonitor.interval": "fast"}, "interval"),

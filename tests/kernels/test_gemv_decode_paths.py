@@ -104,3 +104,31 @@ def test_gemv_rmsnorm_prologue_errors(device):
     res = torch.randn(2, 32, device=device)
     with pytest.raises(ValueError, match="must not alias"):
         gemv(x, w, norm_weight=torch.ones(32, device=device), residual=res, residual_out=res)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run these kernels")
+def test_decode_path_kernels_compile_for_sm90_without_spills():
+    """Compile-only failures (layouts, types, shared memory) that the interpreter cannot see."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    here = pathlib.Path(__file__).resolve().parent
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton's bundled ptxas not found")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(here) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, str(here / "sm90_compile_decode_paths.py")], capture_output=True,
+                            text=True, env=env, cwd=here, timeout=600)
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, "\n".join(f"{r['label']} {r['kernel']}: {r['error']}" for r in failed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {r["kernel"] for r in rows} == {"_gemv_kernel", "_gemv_silu_and_mul_kernel"}
+    assert len(rows) >= 6
+    assert all(r["shared_bytes"] <= 227 * 1024 for r in rows), rows
+    spilled = [r for r in rows if r["spill_store_bytes"]]
+    assert not spilled, f"register spills: {spilled}"

@@ -26,8 +26,8 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       dicts) overriding the per-shape defaults, e.g. from tuning
   fuse_gate_up_activation: bool       SiLU-and-mul in the gate/up GEMV's epilogue (needs
                                       fuse_gate_up and linear_backend: triton; <= 16 rows)
-  fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv,
-                                      gate/up and lm_head GEMVs (<= 16 rows; needs
+  fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv and
+                                      gate/up GEMVs (decode, <= 16 rows; needs
                                       linear_backend: triton, fuse_qkv, fuse_gate_up)
   fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
   fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
@@ -38,6 +38,7 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -247,6 +248,9 @@ class StockForwardPass:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true on a dense model")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
+        # Per-call state of forward() read by attention(); thread-local because the hot-reload
+        # smoke test runs the serving pass off the serving thread at the same time.
+        self._call = threading.local()
         self._gemv = self._gemv_gated = None
         self._gemv_max_rows = 0
         self._gemv_overrides: dict[tuple[int, int], Any] = {}
@@ -366,8 +370,14 @@ class StockForwardPass:
     def attention(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor | None, positions: torch.Tensor,
                   cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
                   attn_bias: torch.Tensor | None = None, qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """Self-attention of normed hidden states x [T, H] (or of a precomputed fused ``qkv``)."""
+        """Self-attention of normed hidden states x [T, H] (or of a precomputed fused ``qkv``).
+
+        ``attn_bias`` defaults to the decode mask the current forward built once for all layers
+        (so subclasses overriding this method with the 8-argument signature keep working).
+        """
         cfg = self.cfg
+        if attn_bias is None:
+            attn_bias = getattr(self._call, "attn_bias", None)
         tokens = x.shape[0] if x is not None else qkv.shape[0]
         if qkv is not None or layer.qkv_proj is not None:
             if qkv is None:
@@ -433,16 +443,16 @@ class StockForwardPass:
         cos = sin = None
         if self._rotary_kv_write is None:
             cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
-        attn_bias = None
+        self._call.attn_bias = None  # read by attention(): one mask per forward, shared by every layer
         if not ctx.is_prefill and self._decode_attention is None:
             width = ctx.block_tables.shape[1] * kv_cache.block_size
-            attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S], all layers
+            self._call.attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S]
         residual = None
         if self.fuse_norm and h.shape[0] <= self._gemv_max_rows and not ctx.is_prefill:
             # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
             for i, layer in enumerate(self.layers):
                 qkv, residual = self.norm_linear(h, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias)
-                h = self.attention(i, layer, None, positions, cos, sin, ctx, kv_cache, attn_bias, qkv=qkv)
+                h = self.attention(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
                 if self._gemv_gated is not None:
                     activated, residual = self.norm_linear(h, residual, layer.post_norm, layer.gate_up_proj,
                                                            gated=True)
@@ -451,10 +461,13 @@ class StockForwardPass:
                     activated = (self._silu_and_mul(gate_up) if self._silu_and_mul is not None
                                  else F.silu(gate_up[:, :gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:])
                 h = self.linear(activated, layer.down_proj)
-            return self.norm_linear(h, residual, self.final_norm, self.lm_head, float32_out=True)[0]
+            # The final norm stays a launch of its own: the lm_head's ~2000 programs would each
+            # pay the prologue's L2 round trip, ~8 waves of it, for one saved launch.
+            x, _ = self.norm(h, self.final_norm, residual)
+            return self.linear(x, self.lm_head, float32_out=True)
         for i, layer in enumerate(self.layers):
             x, residual = self.norm(h, layer.input_norm, residual)
-            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache, attn_bias)
+            h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
             x, residual = self.norm(h, layer.post_norm, residual)
             h = self.mlp(layer, x, ctx)
         if ctx.is_prefill:

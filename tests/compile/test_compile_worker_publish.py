@@ -1,0 +1,159 @@
+"""The compile worker's cluster side, piece by piece, on the real API server with the worker's own token.
+
+    CompileRun spec + engine.yaml --apply_to_args--> settings (engine fields, verification, artifact folder)
+    champion bundle --publish--> <sha256>.tar.gz (shared artifact folder, or the work folder)
+      + ForwardPass (artifact URI, size, shapeshift.dev/artifact-durable annotation)
+    CompileResult without a champion --finish--> status without bestSpeedup / champion
+
+Plus the search space the worker builds: no recipe the stock forward pass refuses at build time.
+"""
+
+from __future__ import annotations
+
+import tarfile
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from shapeshift.engine.bundle import stock_bundle_dir, verify_bundle
+from shapeshift.engine.compile.cli import build_parser
+from shapeshift.engine.compile.measure import Measurement
+from shapeshift.engine.compile.registry import ChampionEntry, TrafficRegime
+from shapeshift.engine.compile.search_space import build_search_space
+from shapeshift.engine.traffic import builtin_profile
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- the search space (no cluster) ------------------------------------------------------------
+
+
+def test_cpu_space_offers_no_triton_only_fusions_and_cuda_space_constrains_them() -> None:
+    source = (stock_bundle_dir() / "forward.py").read_text()
+    cpu = build_search_space(device="cpu", stock_source=source, concurrency=32)
+    assert "fuse_gate_up_activation" not in cpu.names and "fuse_norm_into_linear" not in cpu.names
+    cuda = build_search_space(device="cuda", stock_source=source, concurrency=32)
+    base = cuda.default()
+    assert not cuda.is_valid({**base, "fuse_gate_up_activation": True})
+    assert any("linear_backend=triton" in p for p in cuda.validate({**base, "fuse_norm_into_linear": True}))
+    assert cuda.is_valid({**base, "linear_backend": "triton", "fuse_gate_up": True, "fuse_gate_up_activation": True})
+    assert not cuda.is_valid({**base, "linear_backend": "triton", "fuse_qkv": True, "fuse_norm_into_linear": True})
+    # a sweep around the default never proposes a fusion the forward pass would refuse
+    assert not cuda.neighbors(base, "fuse_gate_up_activation")
+
+
+def test_engine_defaults_make_the_stock_candidate_the_deployed_engine() -> None:
+    space = build_search_space(device="cpu", concurrency=32,
+                               engine_defaults={"max_num_seqs": 12, "enable_prefix_caching": False,
+                                                "max_num_batched_tokens": 3000})
+    default = space.default()
+    assert default["engine.max_num_seqs"] == 12 and 12 in space.knob("engine.max_num_seqs").values
+    assert default["engine.enable_prefix_caching"] is False
+    assert default["engine.max_num_batched_tokens"] == 3000 and space.is_valid(default)
+
+
+# ---- on the API server, as the worker ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crds(cluster):
+    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
+        cluster.apply(path)
+    return cluster
+
+
+@pytest.fixture
+def worker(crds, namespace, tmp_path, monkeypatch):
+    """A CompileRunContext for run-1, connected with the run's ServiceAccount token."""
+    from test_compile_cluster import worker_kubeconfig
+
+    from shapeshift.engine.compile.worker import CompileRunContext
+
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
+        "spec": {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0}})
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-1"},
+        "spec": {"deploymentRef": {"name": "llama"}, "budget": {"trials": 4},
+                 "verification": {"greedySteps": 8, "freshPrompts": 2}}})
+    kubeconfig = worker_kubeconfig(crds, namespace, "run-1", tmp_path)
+    for name in ("SHAPESHIFT_ENGINE_CONFIG", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    return CompileRunContext.connect(f"{namespace}/run-1", str(kubeconfig))
+
+
+def _entry(digest: str) -> ChampionEntry:
+    profile = builtin_profile("chat")
+    return ChampionEntry(name=f"tiny-llama-chat-{digest[:10]}", signature="0" * 16, model="tiny-llama", family="llama",
+                         hardware="cpu", regime=TrafficRegime.of(profile).to_dict(), bundle_digest=digest,
+                         recipe={"fuse_qkv": False}, speedup=1.25, metrics={"dtype": "float32"},
+                         verification={"passed": True, "gates": {"smoke": True}}, profile=profile.to_dict())
+
+
+def _archive_digest(archive: Path, into: Path) -> str:
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return verify_bundle(into).digest
+
+
+@pytest.mark.cluster
+def test_worker_takes_engine_fields_verification_and_artifact_folder(worker, tmp_path, monkeypatch) -> None:
+    engine_yaml = tmp_path / "engine.yaml"
+    engine_yaml.write_text("model: tiny-llama\ndtype: float32\nmax_model_len: 256\nmax_num_seqs: 8\n"
+                           "block_size: 16\nenable_prefix_caching: false\ngpu_memory_utilization: 0.9\n")
+    monkeypatch.setenv("SHAPESHIFT_ENGINE_CONFIG", str(engine_yaml))
+    monkeypatch.setenv("SHAPESHIFT_ARTIFACT_DIR", str(tmp_path / "shared"))
+    args = build_parser().parse_args(["--compile-run", f"{worker.namespace}/run-1"])
+    args.profile_given, args.agents_given, args.out_given = args.profile, args.agents, args.out
+    worker.apply_to_args(args)
+    assert args.model == "tiny-llama" and args.dtype == "float32" and args.max_model_len == 256
+    assert args.engine_base == {"max_num_seqs": 8, "block_size": 16, "enable_prefix_caching": False}
+    assert (args.verify_steps, args.verify_prompts) == (8, 2)
+    assert args.artifact_dir == str(tmp_path / "shared")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("shared", [True, False])
+def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds, namespace, tmp_path, shared) -> None:
+    import shutil
+
+    from shapeshift.engine.bundle import create_bundle
+
+    # A bundle of the stock source, built here (the shipped stock manifest may lag an edit of forward.py).
+    source = tmp_path / "src"
+    shutil.copytree(stock_bundle_dir(), source, ignore=shutil.ignore_patterns("__pycache__", "manifest.json"))
+    bundle = tmp_path / "work" / "run-1" / "champion"
+    create_bundle(source, {}, bundle, name="champion")
+    digest = verify_bundle(bundle).digest
+    worker.artifact_dir = str(tmp_path / "shared") if shared else None
+    worker.publish(_entry(digest), bundle)
+
+    fp = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", worker.champion_name)
+    uri = urllib.parse.urlparse(fp["spec"]["artifact"]["uri"])
+    path = Path(urllib.parse.unquote(uri.path))
+    assert uri.scheme == "file" and path.name == f"{digest}.tar.gz"
+    assert path.parent == ((tmp_path / "shared") if shared else bundle.parent).resolve()
+    assert fp["spec"]["artifact"]["sha256"] == digest and fp["spec"]["artifact"]["sizeBytes"] == path.stat().st_size
+    assert _archive_digest(path, tmp_path / "unpacked") == digest
+    assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == ("true" if shared else "false")
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".partial-")]
+
+
+@pytest.mark.cluster
+def test_finish_without_champion_clears_a_best_speedup_reported_during_the_search(worker, crds, namespace) -> None:
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.loop import CompileResult, Incumbent
+
+    worker.patch_status({"trials": 3, "best_speedup": 1.24, "leaderboard": [], "phase": "Succeeded"})
+    run = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")
+    assert run["status"]["bestSpeedup"] == 1.24
+    baseline = Measurement(samples=[100.0, 101.0])
+    result = CompileResult(baseline_fast=baseline, baseline_full=baseline, incumbent=Incumbent(Candidate({}), baseline, baseline),
+                           champion=None, speedup=None, trials=4, confirms=2, verifications=1, elapsed_s=3.0,
+                           stop_reason="final comparison with the stock pass within noise")
+    worker.finish(result, None)
+    status = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")["status"]
+    assert "bestSpeedup" not in status and "champion" not in status, status
+    assert status["trials"]["total"] == 4 and "no verified improvement" in status["message"]

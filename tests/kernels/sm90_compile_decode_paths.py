@@ -1,0 +1,50 @@
+"""Compile the decode-path GEMV variants (RMSNorm prologue, float32 logits, SiLU-and-mul
+epilogue) for sm_90 without a GPU, at the H200 default configs of the Llama-3.2-1B shapes.
+
+Data flow: reuses sm90_compile_check's recording launcher and compiler (imported, so its
+JITFunction patch is active), swaps in this file's launches, and runs its main(): one JSON
+line per compiled kernel, non-zero exit on any failure.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import sm90_compile_check as check  # noqa: E402  (patches JITFunction.run to record launches)
+from shapeshift.kernels import gemv  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def launch_decode_paths() -> None:
+    e = torch.empty
+
+    def cfg(n, k):
+        return gemv.GEMV_SPEC.choose_default({"m": 1, "n": n, "k": k, "dtype": "bfloat16"}, "sm90")
+
+    for m in (1, 16):
+        check._CURRENT["label"] = f"gemv+norm qkv M={m}"
+        gemv.gemv(e(m, 2048, dtype=BF16), e(3072, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16), eps=1e-5,
+                  residual=e(m, 2048, dtype=BF16), config=cfg(3072, 2048))
+        check._CURRENT["label"] = f"gemv+norm lm_head float32 M={m}"
+        gemv.gemv(e(m, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32,
+                  norm_weight=e(2048, dtype=BF16), eps=1e-5, residual=e(m, 2048, dtype=BF16),
+                  config=cfg(128256, 2048))
+        check._CURRENT["label"] = f"gemv_silu_and_mul+norm M={m}"
+        gemv.gemv_silu_and_mul(e(m, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16),
+                               eps=1e-5, residual=e(m, 2048, dtype=BF16), config=cfg(8192, 2048))
+    check._CURRENT["label"] = "gemv+norm first layer (no residual)"
+    gemv.gemv(e(1, 2048, dtype=BF16), e(3072, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16), eps=1e-5,
+              config=cfg(3072, 2048))
+    check._CURRENT["label"] = "gemv_silu_and_mul"
+    gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), config=cfg(8192, 2048))
+    check._CURRENT["label"] = "gemv float32 out"
+    gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
+
+
+check.launch_all = launch_decode_paths
+
+if __name__ == "__main__":
+    sys.exit(check.main())
