@@ -655,6 +655,35 @@ def cases_sampling(quick):
                         check=check_sample, nbytes=B * vocab * 4, problem={"batch": B, "vocab": vocab},
                         tolerance=0.0, extra={"check_metric": "fraction of rows that drew a token outside the kept set"},
                         tune=B == 64))
+        if B == _cap(1, 3):
+            # The other two paths of the split kernel at batch 1: no filter (the race winners
+            # of the chunks are merged) and top-p alone, whose nucleus may be wider than the
+            # per-chunk candidates (then the exact one-program-per-row search decides the row).
+            for name, k_value, p_value in (("temperature only", 0, 1.0), ("top_p=0.9 only", 0, 0.9)):
+                k_only = torch.full((B,), k_value, dtype=torch.int32, device=DEVICE)
+                k_torch = torch.full((B,), vocab, dtype=torch.int32, device=DEVICE)  # _torch_sample: all ranks
+                p_only = torch.full((B,), p_value, device=DEVICE)
+
+                def run_variant(config=None, logits=logits, k_only=k_only, p_only=p_only, tokens=tokens,
+                                temperature=temperature, seeds=seeds):
+                    return sample(logits, temperature, k_only, p_only, seeds, out=tokens, config=config)
+
+                def check_variant(logits=logits, k_only=k_only, p_only=p_only, run=run_variant, temperature=temperature):
+                    probs = sampling_probs_ref(logits[:1], temperature[:1], k_only[:1], p_only[:1])
+                    return float(probs[0, run()[0]] == 0)
+
+                def rotate_variant(logits=logits, k_only=k_only, k_torch=k_torch, p_only=p_only, B=B,
+                                   temperature=temperature, seeds=seeds):
+                    logits2, tokens2 = logits.clone(), torch.empty(B, dtype=torch.int64, device=DEVICE)
+                    return (lambda config=None: sample(logits2, temperature, k_only, p_only, seeds, out=tokens2,
+                                                       config=config),
+                            lambda: _torch_sample(logits2, temperature, k_torch, p_only))
+
+                out.append(Case("sample", "sampling", "decode", f"B={B} V={vocab} {name}", run_variant,
+                                torch_fn=lambda logits=logits, k_torch=k_torch, p_only=p_only, temperature=temperature:
+                                _torch_sample(logits, temperature, k_torch, p_only),
+                                check=check_variant, nbytes=B * vocab * 4, rotate=rotate_variant, tolerance=0.0,
+                                extra={"check_metric": "drew a token outside the kept set (1) or not (0)"}))
     return out
 
 

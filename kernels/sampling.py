@@ -1,5 +1,5 @@
 """Token sampling from logits: greedy argmax, and temperature / top-k / top-p sampling with
-per-row parameters, without sorting the vocabulary.
+per-row parameters, without sorting the vocabulary (only chunk-local top-k candidates).
 
 Math, per row with logits x [V], temperature T, top_k k (0 = off), top_p p (1 = off):
     w_i = exp((x_i - max x) / T)                              (unnormalised probabilities, max 1)
@@ -13,12 +13,21 @@ The last line is the exponential race (Gumbel-max in another form): it draws i w
 probability w_i / sum(kept w), and needs one pass instead of a cumulative sum.
 Rows with T <= 0 are greedy: token = first index of max x.
 
-Data flow, one program per row (grid (B,)):
-  pass 1: max and first argmax of x;  pass 2: Z = sum w (skipped for greedy rows);
-  threshold search: t_k and t_p are found by bisection on the IEEE-754 bit patterns of
-    positive floats (monotone in the value), NUM_PIVOTS pivots per pass over the row, until
-    the bracket is one float wide: the result is exact, not approximate;
-  last pass: exponential race over the kept tokens with Philox uniforms from (seeds[row], i).
+Data flow of the default "split" variant (thresholds and race keys in the order-preserving
+int32 image of the float32 logits, so every comparison is exact):
+  stage 1, grid (B, cdiv(V, BLOCK_V)): each program reads one chunk of the row once: its max
+    and first argmax; for a filtered row its NUM_CAND largest logits (candidates), its
+    "floor" (smallest candidate, when the chunk holds more tokens than that) and its mass;
+    for an unfiltered row the chunk's exponential-race winner.
+  stage 2, grid (B,): greedy rows take the first argmax, unfiltered rows the best race key;
+    filtered rows find t_k and t_p by bisection over the candidates (NUM_PIVOTS pivots per
+    pass) and race over the candidates above the threshold. All tokens above the highest
+    chunk floor are candidates, so a threshold above it is exact; otherwise the row is flagged.
+  stage 3, grid (B,): flagged rows redo the search over the whole row, one program per row.
+  Race key: x_i / T * log2(e) - log2(E_i), i.e. log2(w_i / E_i) up to a per-row constant,
+  with Philox uniforms from (seeds[row], i): both paths draw the same token for a seed.
+The "row" variant is one program per row doing all of it by full passes over the row (a
+bisection on the bit patterns of w): simple, and slow at small batches.
 Randomness depends only on the row's seed and the token index, never on batch mates, so a
 request's draws are reproducible whatever it is batched with; the engine passes a fresh seed
 per request per step (drawn from the request's own torch.Generator).
@@ -635,12 +644,26 @@ def _sample_split(logits, temperature, top_k, top_p, seeds, out, config: KernelC
     if ws_i32 is None:
         ws_i32 = torch.empty((B, i_stride), dtype=torch.int32, device=logits.device)
     i_stride = ws_i32.stride(0)
-    _sample_chunk_kernel[(B, num_chunks)](
-        logits, temperature, top_k, top_p, seeds, ws_f32, ws_i32,
-        V, logits.stride(0), num_chunks, f_stride, i_stride,
-        CHUNK=chunk, NUM_CAND=num_cand, USE_TOPK=_TL_HAS_TOPK and num_cand > 1,  # tl.topk rejects k=1
-        num_warps=config.num_warps, num_stages=1,
-    )
+    global _TL_HAS_TOPK
+    use_topk = _TL_HAS_TOPK and num_cand > 1  # tl.topk rejects k=1
+    try:
+        _sample_chunk_kernel[(B, num_chunks)](
+            logits, temperature, top_k, top_p, seeds, ws_f32, ws_i32,
+            V, logits.stride(0), num_chunks, f_stride, i_stride,
+            CHUNK=chunk, NUM_CAND=num_cand, USE_TOPK=use_topk,
+            num_warps=config.num_warps, num_stages=1,
+        )
+    except triton.CompilationError:
+        if not use_topk:
+            raise
+        # A Triton whose tl.topk cannot compile this (int64 keys): use the full sort from now on.
+        _TL_HAS_TOPK = False
+        _sample_chunk_kernel[(B, num_chunks)](
+            logits, temperature, top_k, top_p, seeds, ws_f32, ws_i32,
+            V, logits.stride(0), num_chunks, f_stride, i_stride,
+            CHUNK=chunk, NUM_CAND=num_cand, USE_TOPK=False,
+            num_warps=config.num_warps, num_stages=1,
+        )
     _sample_merge_kernel[(B,)](
         temperature, top_k, top_p, seeds, ws_f32, ws_i32, out,
         V, num_chunks, f_stride, i_stride,

@@ -245,7 +245,7 @@ def step(
 
 def _rolled_back(state: RolloutState, now: datetime, why: str) -> RolloutState:
     return replace(state, phase="RolledBack", phase_since=now,
-                   message=f"rolled back to {state.previous.name if state.previous else 'the previous forward pass'}: "
+                   message=f"rolled back to {state.previous.name if state.previous else 'stock'}: "
                            f"{why}")
 
 

@@ -435,7 +435,11 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
     else:
         chosen = template_forward_pass(next_state, active)
         annotations = {k: v for k, v in pod_annotations(chosen).items() if v is not None}
-        action, _ = kube.ensure(builders.build_engine_deployment(parent, spec, annotations))
+        try:
+            action, _ = kube.ensure(builders.build_engine_deployment(parent, spec, annotations))
+        except ApiException as err:
+            raise kopf.TemporaryError(f"updating the engine pod template failed ({err.status} {err.reason})",
+                                      delay=5)
         if action == "updated":
             logger.info("engine pod template now asks for %s", chosen.name if chosen else STOCK_FORWARD_PASS)
 

@@ -25,7 +25,8 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     bench = load_bench()
     assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--batch-sizes", "1,2", "--prompt-len", "8",
                        "--new-tokens", "8", "--baseline-new-tokens", "8", "--recipes", "stock,fused", "--repeats", "1",
-                       "--check-prompts", "2", "--check-tokens", "8", "--out-dir", str(tmp_path)]) == 0
+                       "--check-prompts", "2", "--check-tokens", "8", "--compile-batch-sizes", "1,2",
+                       "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("decode-tiny-llama-*.json"))
     assert len(files) == 1
     result = json.loads(files[0].read_text())

@@ -106,3 +106,18 @@ def test_sampled_configs_compute_the_reference(op, device):
         out, ref = run(config, device)
         rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert rel < 2e-3, f"{op} {config}: relative error {rel:.2e}"
+
+
+def test_gemv_h200_table_entries_are_valid_defaults():
+    from shapeshift.kernels.gemv import GEMV_SPEC, SM90_GEMV_TABLE
+
+    assert {(3072, 2048), (2048, 8192), (8192, 2048), (128256, 2048)} <= set(SM90_GEMV_TABLE)
+    for (n, k), config in SM90_GEMV_TABLE.items():
+        for m in (1, 16):
+            problem = {"m": m, "n": n, "k": k, "dtype": "bfloat16"}
+            assert GEMV_SPEC.is_valid(config, problem), f"({n}, {k}) M={m}: {config} is outside the space"
+            assert GEMV_SPEC.choose_default(problem, "sm90") == config
+    # Other devices and untabled shapes keep the heuristic.
+    assert GEMV_SPEC.choose_default({"m": 1, "n": 3072, "k": 2048, "dtype": "bfloat16"}, "sm80").num_stages == 3
+    untabled = {"m": 1, "n": 3000, "k": 2048, "dtype": "bfloat16"}
+    assert GEMV_SPEC.is_valid(GEMV_SPEC.choose_default(untabled, "sm90"), untabled)

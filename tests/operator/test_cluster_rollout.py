@@ -274,6 +274,19 @@ def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespa
     reasons = {reason for _, reason, _ in events(crds, namespace)}
     assert {"CanaryStarted", "CanaryInSync", "Promoting", "RolledOut"} <= reasons, reasons
 
+    # A pod created later (scale-up) is asked for the promoted pass by the next tick.
+    patch_spec(crds, namespace, {"replicas": 4})
+
+    def newcomer():
+        pods = crds.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/inference-deployment={NAME}")
+        new = [p for p in pods.items if p.metadata.name not in urls]
+        return new[0] if new and (new[0].metadata.annotations or {}).get("shapeshift.dev/forward-pass-sha256") \
+            == digest else None
+
+    pod = wait_until(newcomer, 60, "the scaled-up pod annotated with the promoted pass", interval_s=0.5)
+    assert pod.metadata.annotations["shapeshift.dev/forward-pass"] == "tiny-fused-qkv"
+    assert status(crds, namespace)["rollout"]["phase"] == "Complete"
+
 
 def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(crds, namespace, operator,
                                                                                 engines, tmp_path):

@@ -410,7 +410,12 @@ class StockForwardPass:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
         return self.linear(o.reshape(tokens, -1), layer.o_proj)
 
-    def mlp(self, layer: LayerWeights, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def mlp(self, layer: LayerWeights, x: torch.Tensor | None, ctx: AttentionContext,
+            activated: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP of normed hidden states x [T, H]; ``activated`` [T, I]: gate/up and the SiLU
+        already ran (the fused decode path), only the down projection is left."""
+        if activated is not None:
+            return self.linear(activated, layer.down_proj)
         if layer.router is None:
             if layer.gate_up_proj is None:
                 if self._gemv is None:
@@ -460,7 +465,7 @@ class StockForwardPass:
                     gate_up, residual = self.norm_linear(h, residual, layer.post_norm, layer.gate_up_proj)
                     activated = (self._silu_and_mul(gate_up) if self._silu_and_mul is not None
                                  else F.silu(gate_up[:, :gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:])
-                h = self.linear(activated, layer.down_proj)
+                h = self.mlp(layer, None, ctx, activated=activated)  # through mlp(): subclasses add collectives
             # The final norm stays a launch of its own: the lm_head's ~2000 programs would each
             # pay the prologue's L2 round trip, ~8 waves of it, for one saved launch.
             x, _ = self.norm(h, self.final_norm, residual)
