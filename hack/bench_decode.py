@@ -254,9 +254,11 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
             if o.finished:
                 outputs[o.request_id] = o.output_token_ids
     elapsed = sum(step_times)
+    if not step_times or elapsed <= 0:
+        raise ValueError(f"no decode steps were timed (new tokens {new_tokens}); use --new-tokens >= 2")
     full = [t for t, b in zip(step_times, batch_sizes) if b == len(prompts)] or step_times
     itl_p50, itl_p90 = baselines.percentile(full, 50), baselines.percentile(full, 90)
-    return {"decode_tok_s": decoded / elapsed if elapsed > 0 else None, "ms_per_step": 1e3 * elapsed / len(step_times),
+    return {"decode_tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / len(step_times),
             "itl_p50_ms": 1e3 * itl_p50, "itl_p90_ms": 1e3 * itl_p90, "p90_per_user_tok_s": 1.0 / itl_p90,
             "steps": len(step_times), "outputs": [outputs[rid] for rid in ids]}
 

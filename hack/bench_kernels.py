@@ -386,7 +386,8 @@ def cases_rmsnorm(quick):
         def rotate(x=x, r=r, w=w):
             x2, r2 = x.clone(), r.clone()
             y2, h2 = torch.empty_like(x2), torch.empty_like(x2)
-            return lambda config=None: rmsnorm(x2, w, 1e-5, r2, out=y2, residual_out=h2, config=config)[0]
+            return (lambda config=None: rmsnorm(x2, w, 1e-5, r2, out=y2, residual_out=h2, config=config)[0],
+                    lambda: F.rms_norm(x2 + r2, (hidden,), w, 1e-5))
 
         out.append(Case("rmsnorm", "rmsnorm", label, f"{rows}x{hidden} +residual", run, rotate=rotate,
                         torch_fn=lambda x=x, r=r, w=w: F.rms_norm(x + r, (hidden,), w, 1e-5), check=check,
@@ -417,7 +418,8 @@ def cases_silu_and_mul(quick):
         def rotate(x=x, rows=rows):
             x2 = x.clone()
             y2 = torch.empty(rows, inner, dtype=torch.bfloat16, device=DEVICE)
-            return lambda config=None: silu_and_mul(x2, out=y2, config=config)
+            return (lambda config=None: silu_and_mul(x2, out=y2, config=config),
+                    lambda: F.silu(x2[:, :inner]) * x2[:, inner:])
 
         out.append(Case("silu_and_mul", "silu_and_mul", label, f"{rows}x{2 * inner}", run, rotate=rotate,
                         torch_fn=lambda x=x: F.silu(x[:, :inner]) * x[:, inner:],
@@ -479,8 +481,9 @@ def cases_rotary(quick):
             k2 = qkv2[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
             v2 = qkv2[:, (hq + hkv) * d :].view(tokens, hkv, d)
             q_out2 = torch.empty_like(q_out)
-            return lambda config=None: rotary_kv_write(q2, k2, v2, positions, cos_sin, kc, vc, slots, q_out=q_out2,
-                                                       config=config)
+            return (lambda config=None: rotary_kv_write(q2, k2, v2, positions, cos_sin, kc, vc, slots, q_out=q_out2,
+                                                        config=config),
+                    lambda: torch_fn(q2, k2, v2, positions, slots, kc, vc))
 
         nbytes = tokens * ((hq + 2 * hkv) * d * 2 * 2 + d * 4 + 16)
         out.append(Case("rotary_kv_write", "rotary", label, f"T={tokens} Hq={hq} Hkv={hkv} D={d}", run, rotate=rotate,

@@ -291,6 +291,7 @@ def run_torch_compile(spec: dict[str, Any], emit) -> None:
     new_tokens, prompt_len = spec["new_tokens"], spec["prompt_len"]
     max_len = prompt_len + new_tokens + 1
     mode = spec.get("compile_mode", "reduce-overhead")
+    mark_step = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None) if mode != "none" else None
     for batch in spec["batch_sizes"]:
         model = PlainLlama(cfg, weights, batch, max_len)
         step = torch.compile(model.decode, mode=mode, fullgraph=True, dynamic=False) if mode != "none" else model.decode
@@ -306,6 +307,8 @@ def run_torch_compile(spec: dict[str, Any], emit) -> None:
                 stamps = [time.perf_counter()]
                 for i in range(new_tokens - 1):
                     pos = torch.tensor(prompt_len + i, device=device)
+                    if mark_step is not None:
+                        mark_step()  # a new iteration for CUDA graph trees (inference loop, no backward)
                     tok = step(tok, pos).clone()  # clone: the graph's output buffer is reused next replay
                     generated.append(tok.tolist())  # host readback each step, as a serving loop does
                     stamps.append(time.perf_counter())

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dtype_name
+from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
+                     tensor_meta)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 
@@ -47,6 +48,35 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I] -> [T, I]."""
+    try:
+        key = (tensor_meta(x), tensor_meta(out), config)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
+        key, plan = None, None
+    if plan is None:
+        plan = _plan(x, out, config)
+        if key is not None:
+            _PLANS.remember(key, plan)
+    config, grid_n = plan
+    T, width = x.shape
+    inner = width // 2
+    if out is None:
+        out = torch.empty((T, inner), dtype=x.dtype, device=x.device)
+    if T == 0 or inner == 0:
+        return out
+    _silu_and_mul_kernel[(T, grid_n)](
+        x, out, inner, x.stride(0), out.stride(0),
+        BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+# (argument metadata, config) -> (config, column programs), see checks.LaunchPlans.
+_PLANS = LaunchPlans()
+
+
+def _plan(x, out, config):
+    """All argument checks of silu_and_mul, the config, and the grid's column count."""
     op = "silu_and_mul"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_runnable_device(op, x)
@@ -54,21 +84,12 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: Ke
     if width % 2 != 0:
         raise ValueError(f"{op}: x must be [T, 2*I] (gate then up), but its last dim {width} is odd")
     inner = width // 2
-    if out is None:
-        out = torch.empty((T, inner), dtype=x.dtype, device=x.device)
-    check_tensor(op, "out", out, shape=(T, inner), device=x.device)
-    check_same_dtype(op, "x", x, out=out)
+    if out is not None:
+        check_tensor(op, "out", out, shape=(T, inner), device=x.device)
+        check_same_dtype(op, "x", x, out=out)
     if config is None:
         config = SILU_AND_MUL_SPEC.default_config({"rows": T, "inner": inner, "dtype": dtype_name(x.dtype)}, x.device)
-    if T == 0 or inner == 0:
-        return out
-    block = config["BLOCK"]
-    grid = (T, cdiv(inner, block))
-    _silu_and_mul_kernel[grid](
-        x, out, inner, x.stride(0), out.stride(0),
-        BLOCK=block, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return out
+    return config, cdiv(inner, config["BLOCK"])
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

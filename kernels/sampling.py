@@ -348,10 +348,13 @@ def _sample_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NUM_PIVOTS: tl.constexpr,
+    SORTED: tl.constexpr,  # all candidates fit one BLOCK_C tile: sort them instead of bisecting
 ):
     """Stage 2, grid (B,): merges a row's chunks. Greedy rows take the first argmax, unfiltered
     rows the race winner; filtered rows find the top-k / top-p thresholds on the candidates and
-    race over them, or raise the row's needs-exact flag when the candidates cannot decide."""
+    race over them, or raise the row's needs-exact flag when the candidates cannot decide.
+    SORTED: one descending sort of the candidates' values gives t_k as the k-th value and t_p
+    as the value where the cumulative mass first reaches the target (one pass, no bisection)."""
     row = tl.program_id(0).to(tl.int64)
     f_row = ws_f32_ptr + row * f_stride
     i_row = ws_i32_ptr + row * i_stride
@@ -375,23 +378,45 @@ def _sample_merge_kernel(
             c = tl.arange(0, BLOCK_C)
             lo = tl.full([], _INT32_MIN, tl.int64)  # keeps every token
             top = _ordered_int(row_max).to(tl.int64) + 1  # no token reaches it
-            if use_top_k:
-                lo = _largest_threshold(cand_o_ptr, n_cand, row_max, scale, lo, top, top_k.to(tl.float32),
-                                        False, False, BLOCK_C, NUM_PIVOTS)
-            if top_p < 1.0:
+            if SORTED:
+                ranked = tl.sort(_ordered_tile(cand_o_ptr, c, n_cand, False), descending=True)  # [BLOCK_C]
                 if use_top_k:
-                    lane_mass = tl.zeros([BLOCK_C], tl.float32)
-                    for start in range(0, n_cand, BLOCK_C):
-                        o = _ordered_tile(cand_o_ptr, start + c, n_cand, False)
-                        kept = (o > _INT32_MIN) & (o.to(tl.int64) >= lo)
-                        lane_mass += tl.where(kept, tl.exp2((_float_of_ordered(o) - row_max) * scale), 0.0)
-                    kept_mass = tl.sum(lane_mass, axis=0)
-                else:
-                    chunk_mass = tl.load(f_row + 2 * num_chunks + s, mask=s_mask, other=0.0)
-                    shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
-                    kept_mass = tl.sum(tl.where(s_mask, chunk_mass * tl.exp2((shift - row_max) * scale), 0.0), axis=0)
-                lo = _largest_threshold(cand_o_ptr, n_cand, row_max, scale, lo, top, top_p * kept_mass,
-                                        True, False, BLOCK_C, NUM_PIVOTS)
+                    # The k-th largest value: count{o >= it} >= k, and any larger value has < k.
+                    lo = tl.max(tl.where(c == top_k - 1, ranked, _INT32_MIN), axis=0).to(tl.int64)
+                if top_p < 1.0:
+                    w = tl.where((ranked > _INT32_MIN) & (ranked.to(tl.int64) >= lo),
+                                 tl.exp2((_float_of_ordered(ranked) - row_max) * scale), 0.0)
+                    if use_top_k:
+                        kept_mass = tl.sum(w, axis=0)
+                    else:
+                        chunk_mass = tl.load(f_row + 2 * num_chunks + s, mask=s_mask, other=0.0)
+                        shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
+                        kept_mass = tl.sum(tl.where(s_mask, chunk_mass * tl.exp2((shift - row_max) * scale), 0.0),
+                                           axis=0)
+                    # First rank whose cumulative mass reaches the target; its value is t_p (ties
+                    # with it only add mass, and any larger value's prefix falls short).
+                    reached = tl.cumsum(w, axis=0) >= top_p * kept_mass
+                    first_rank = tl.min(tl.where(reached, c, BLOCK_C), axis=0)
+                    t_p = tl.max(tl.where(c == first_rank, ranked, _INT32_MIN), axis=0).to(tl.int64)
+                    lo = tl.maximum(lo, t_p)
+            else:
+                if use_top_k:
+                    lo = _largest_threshold(cand_o_ptr, n_cand, row_max, scale, lo, top, top_k.to(tl.float32),
+                                            False, False, BLOCK_C, NUM_PIVOTS)
+                if top_p < 1.0:
+                    if use_top_k:
+                        lane_mass = tl.zeros([BLOCK_C], tl.float32)
+                        for start in range(0, n_cand, BLOCK_C):
+                            o = _ordered_tile(cand_o_ptr, start + c, n_cand, False)
+                            kept = (o > _INT32_MIN) & (o.to(tl.int64) >= lo)
+                            lane_mass += tl.where(kept, tl.exp2((_float_of_ordered(o) - row_max) * scale), 0.0)
+                        kept_mass = tl.sum(lane_mass, axis=0)
+                    else:
+                        chunk_mass = tl.load(f_row + 2 * num_chunks + s, mask=s_mask, other=0.0)
+                        shift = tl.where(chunk_max > float("-inf"), chunk_max, 0.0)
+                        kept_mass = tl.sum(tl.where(s_mask, chunk_mass * tl.exp2((shift - row_max) * scale), 0.0), axis=0)
+                    lo = _largest_threshold(cand_o_ptr, n_cand, row_max, scale, lo, top, top_p * kept_mass,
+                                            True, False, BLOCK_C, NUM_PIVOTS)
             # Every token strictly above the highest chunk floor is a candidate, so a threshold
             # above it was decided on complete data (counts and masses above it are exact).
             floors = tl.load(i_row + 2 * num_chunks + s, mask=s_mask, other=_INT32_MIN)
@@ -618,6 +643,10 @@ def split_workspace_ints(vocab: int, config: KernelConfig) -> int:
     return 3 * num_chunks + 2 * num_chunks * min(config["NUM_CAND"], config["BLOCK_V"]) + 1
 
 
+# Stage 2 sorts a row's candidates in one program when they are at most this many (4032 at the
+# H200 default: V = 128256 in 1024-token chunks x 32), else it bisects over them in tiles.
+MERGE_SORT_MAX_CANDIDATES = 4096
+
 # tl.topk (Triton >= 3.4) selects a chunk's candidates in fewer steps than a full sort.
 _TL_HAS_TOPK = hasattr(tl, "topk")
 
@@ -646,6 +675,7 @@ def _sample_split(logits, temperature, top_k, top_p, seeds, out, config: KernelC
     i_stride = ws_i32.stride(0)
     global _TL_HAS_TOPK
     use_topk = _TL_HAS_TOPK and num_cand > 1  # tl.topk rejects k=1
+    sort_merge = next_power_of_2(n_cand) <= MERGE_SORT_MAX_CANDIDATES
     try:
         _sample_chunk_kernel[(B, num_chunks)](
             logits, temperature, top_k, top_p, seeds, ws_f32, ws_i32,
@@ -668,7 +698,8 @@ def _sample_split(logits, temperature, top_k, top_p, seeds, out, config: KernelC
         temperature, top_k, top_p, seeds, ws_f32, ws_i32, out,
         V, num_chunks, f_stride, i_stride,
         NUM_CAND=num_cand, BLOCK_S=max(2, next_power_of_2(num_chunks)),
-        BLOCK_C=max(16, min(1024, next_power_of_2(n_cand))), NUM_PIVOTS=config["NUM_PIVOTS"],
+        BLOCK_C=max(16, next_power_of_2(n_cand) if sort_merge else min(1024, next_power_of_2(n_cand))),
+        NUM_PIVOTS=config["NUM_PIVOTS"], SORTED=sort_merge,
         num_warps=config.num_warps, num_stages=1,
     )
     _sample_exact_row_kernel[(B,)](

@@ -5,11 +5,18 @@
         -> build_engine_deployment Deployment <name>-engine     engine server pods on the pool; each
                                    engine follows its pod's forward-pass annotations through a
                                    downwardAPI volume (engine/rollout_protocol.py); under the
-                                   Restart strategy the rollout passes the template's annotations
+                                   Restart strategy the rollout passes the template's annotations;
+                                   spec.artifacts.pvc mounted read-only at ARTIFACT_MOUNT
         -> build_engine_service    Service    <name>            port http -> the pods
     CompileRun (Parent + CompileRunSpec) + its deployment's spec
         -> build_compile_rbac      ServiceAccount, Role, RoleBinding  <run>-compile
-        -> build_compile_job       Job        <run>-compile     `shapeshift compile --compile-run ns/run`
+        -> build_compile_job       Job        <run>-compile     `shapeshift compile --compile-run ns/run`;
+                                   the deployment's spec.artifacts.pvc mounted read-write at
+                                   ARTIFACT_MOUNT, named by $SHAPESHIFT_ARTIFACT_DIR, where the
+                                   worker writes the champion as <sha256>.tar.gz
+
+The artifact store sits at the same path in compile and engine pods, so the file path the
+worker records in the ForwardPass is the path the engine's rollout agent opens.
 
 Every child carries a controller owner reference to its parent (so the
 garbage collector deletes it with the parent), the parent's labels, and a
@@ -37,6 +44,7 @@ from shapeshift.engine.rollout_protocol import (
 from shapeshift.operator.hardware import accelerator, placement
 from shapeshift.operator.models import (
     API_VERSION,
+    ARTIFACT_MOUNT,
     GROUP,
     CompileRunSpec,
     HardwareSpec,
@@ -239,6 +247,22 @@ def _model_volumes(spec: InferenceDeploymentSpec) -> tuple[list[dict[str, Any]],
     return [volume], [mount]
 
 
+def _artifact_volumes(spec: InferenceDeploymentSpec, *, writable: bool
+                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The deployment's artifact store: read-write for the compile worker, read-only for engines."""
+    store = spec.artifacts.pvc if spec.artifacts is not None else None
+    if store is None:
+        return [], []
+    claim: dict[str, Any] = {"claimName": store.claim_name}
+    mount: dict[str, Any] = {"name": "artifacts", "mountPath": ARTIFACT_MOUNT}
+    if not writable:
+        claim["readOnly"] = True
+        mount["readOnly"] = True
+    if store.sub_path:
+        mount["subPath"] = store.sub_path
+    return [{"name": "artifacts", "persistentVolumeClaim": claim}], [mount]
+
+
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": timeout,
             "failureThreshold": failures}
@@ -265,6 +289,7 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
     configmap = build_engine_configmap(parent, spec)
     model_volumes, model_mounts = _model_volumes(spec)
     engine_volumes, engine_mounts = _engine_volumes(spec)
+    artifact_volumes, artifact_mounts = _artifact_volumes(spec, writable=False)
     port = spec.engine.port
     pod_labels = engine_labels(parent.name)
     pod_annotations = {
@@ -295,7 +320,7 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "volumeMounts": [{"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True}, *model_mounts,
-                         *engine_mounts],
+                         *engine_mounts, *artifact_mounts],
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
@@ -303,6 +328,7 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
             {"name": "engine-config", "configMap": {"name": engine_configmap_name(parent.name)}},
             *model_volumes,
             *engine_volumes,
+            *artifact_volumes,
         ],
         "terminationGracePeriodSeconds": 60,
     }
@@ -394,6 +420,7 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
     place = _placement(hw)
     labels = compile_labels(parent.name, run.deployment_ref.name)
     model_volumes, model_mounts = _model_volumes(deployment)
+    artifact_volumes, artifact_mounts = _artifact_volumes(deployment, writable=True)
     env: list[dict[str, Any]] = [
         {"name": "SHAPESHIFT_NAMESPACE", "value": parent.namespace},
         {"name": "SHAPESHIFT_COMPILE_RUN", "value": parent.name},
@@ -405,6 +432,10 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
         {"name": "SHAPESHIFT_WORK_DIR", "value": WORK_MOUNT},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
+    if artifact_mounts:
+        # The worker writes <sha256>.tar.gz here and records its path in the ForwardPass; without
+        # it the archive stays in the pod's emptyDir and the ForwardPass is marked not durable.
+        env.append({"name": "SHAPESHIFT_ARTIFACT_DIR", "value": ARTIFACT_MOUNT})
     for index, agent in enumerate(run.agents):
         if agent.llm is not None and agent.llm.api_key_secret_ref is not None:
             ref = agent.llm.api_key_secret_ref
@@ -422,6 +453,7 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
             {"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "work", "mountPath": WORK_MOUNT},
             *model_mounts,
+            *artifact_mounts,
         ],
     }
     pod_spec: dict[str, Any] = {
@@ -432,6 +464,7 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
             {"name": "engine-config", "configMap": {"name": engine_configmap_name(run.deployment_ref.name)}},
             {"name": "work", "emptyDir": {}},
             *model_volumes,
+            *artifact_volumes,
         ],
     }
     if place.node_selector:

@@ -13,14 +13,15 @@ template is immutable) never updates.
 `write_status` reads the object, merges the owned fields and conditions, and
 patches only when something changed, with the read resourceVersion as a
 precondition so concurrent writers (the compile worker, other timers) are
-not overwritten: a conflict re-reads and retries.
+not overwritten: a conflict re-reads and retries. `update_status` does the same
+for fields computed from the stored status (a ForwardPass's list of deployments).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import kubernetes
 from kubernetes.client import ApiException
@@ -165,6 +166,35 @@ class Kube:
                     continue  # someone else wrote in between: re-read and merge again
                 if error.status == 404:
                     return False, {}
+                raise
+        raise kubernetes.client.ApiException(status=409, reason=f"status of {kind.kind} {namespace}/{name} kept changing")
+
+
+    def update_status(self, kind: Kind, namespace: str, name: str,
+                      compute: Callable[[dict[str, Any]], dict[str, Any] | None],
+                      attempts: int = 5) -> bool:
+        """Read-compute-patch for status shared by several writers (a ForwardPass that many
+        deployments run): ``compute`` gets the stored status and returns the fields to merge
+        (None: nothing to change); on a conflict it runs again on the fresh status."""
+        for _ in range(attempts):
+            obj = self.get_custom(kind, namespace, name)
+            if obj is None:
+                return False
+            fields = compute(obj.get("status") or {})
+            if fields is None:
+                return False
+            _check_against_model(kind, StatusUpdate(fields))
+            body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": fields}
+            try:
+                self.custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, kind.plural, name, body,
+                    _content_type=MERGE_PATCH, _preload_content=False)
+                return True
+            except ApiException as error:
+                if error.status == 409:
+                    continue
+                if error.status == 404:
+                    return False
                 raise
         raise kubernetes.client.ApiException(status=409, reason=f"status of {kind.kind} {namespace}/{name} kept changing")
 

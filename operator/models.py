@@ -330,6 +330,48 @@ class RolloutSpec(WireModel):
     )
 
 
+ARTIFACT_MOUNT = "/var/lib/shapeshift-artifacts"
+_SUB_PATH = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
+
+
+class ArtifactPVC(WireModel):
+    """A PersistentVolumeClaim holding champion archives (<sha256>.tar.gz)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.subPath) || !self.subPath.matches('(^|/)[.][.](/|$)')",
+                    "spec.artifacts.pvc.subPath must stay inside the claim (no '..' segments)"),
+            ]
+        }
+    )
+    claim_name: str = Field(
+        max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="Name of the claim (same namespace). Compile pods and engine pods may run on different "
+                    "nodes, so in a real cluster it must be ReadWriteMany (e.g. NFS, EFS, Filestore, CephFS).",
+    )
+    sub_path: str | None = Field(
+        default=None, max_length=1024, pattern=_SUB_PATH,
+        description="Folder inside the claim to use (relative, e.g. 'shapeshift/llama'); default the claim's root.",
+    )
+
+    @model_validator(mode="after")
+    def _inside_claim(self) -> "ArtifactPVC":
+        if self.sub_path is not None and ".." in self.sub_path.split("/"):
+            raise ValueError("spec.artifacts.pvc.subPath must stay inside the claim (no '..' segments)")
+        return self
+
+
+class ArtifactStore(WireModel):
+    """Where compiled forward passes are kept so that engine pods can load them.
+
+    The compile Job mounts the store read-write at /var/lib/shapeshift-artifacts and writes
+    the champion there as <sha256>.tar.gz; the engine pods mount it read-only at the same
+    path, so the ForwardPass's artifact path is valid in both."""
+
+    pvc: ArtifactPVC | None = Field(default=None, description="A shared PersistentVolumeClaim.")
+
+
 class InferenceDeploymentSpec(WireModel):
     """What to serve and how to keep it fast."""
 
@@ -359,6 +401,12 @@ class InferenceDeploymentSpec(WireModel):
     prometheus_url: str | None = Field(
         default=None, max_length=1024, pattern=r"^https?://",
         description="Prometheus that scrapes this deployment (default: the operator's).",
+    )
+    artifacts: ArtifactStore | None = Field(
+        default=None,
+        description="Shared store for compiled forward passes, mounted read-write by compile Jobs and read-only "
+                    f"by engine pods at {ARTIFACT_MOUNT}. Without it a compiled forward pass lives only in its "
+                    "compile pod and is not rolled out.",
     )
 
     @model_validator(mode="after")
@@ -695,9 +743,28 @@ class ForwardPassSpec(WireModel):
     compile_run: str | None = Field(default=None, max_length=253, description="CompileRun that produced it.")
 
 
+class ForwardPassRefusal(StatusModel):
+    """One InferenceDeployment that would not or could not run this forward pass."""
+
+    deployment: str = Field(max_length=253, description="The InferenceDeployment.")
+    reason: str = Field(max_length=128, description="RolledBack, RolloutFailed, ArtifactNotDurable or TargetRejected.")
+    message: str = Field(default="", max_length=4096, description="Why (the rollout's message).")
+    time: datetime | None = Field(default=None, description="When the refusal was first recorded.")
+
+
+ForwardPassPhase = Literal["Available", "Active", "Refused"]
+
+
 class ForwardPassStatus(StatusModel):
-    phase: Literal["Available", "Active", "Retired"] | None = Field(default=None, description="Available, Active (served somewhere) or Retired.")
+    """Written by the operator's rollout from each InferenceDeployment's outcome."""
+
+    phase: ForwardPassPhase | None = Field(
+        default=None,
+        description="Active: at least one InferenceDeployment runs it. Refused: none runs it and at least one "
+                    "refused it (rolled back, or not rollable). Available: neither.")
     deployments: list[str] | None = Field(default=None, max_length=256, description="InferenceDeployments that run it.")
+    refusals: list[ForwardPassRefusal] | None = Field(
+        default=None, max_length=256, description="InferenceDeployments that refused it, and why.")
     conditions: list[Condition] | None = Field(default=None, max_length=32, description="Conditions.")
 
 
@@ -796,8 +863,9 @@ FORWARD_PASS = Kind(
         _col("Accelerator", ".spec.hardware.accelerator"),
         _col("Speedup", ".spec.metrics.speedup", "number"),
         _col("Verified", ".spec.verification.passed", "boolean"),
-        _col("Phase", ".status.phase"),
+        _col("Phase", ".status.phase", description="Available, Active or Refused."),
         _col("SHA256", ".spec.artifact.sha256", priority=1),
+        _col("Deployments", ".status.deployments", priority=1, description="InferenceDeployments that run it."),
         _col("Parent", ".spec.parent", priority=1),
         _AGE,
     ],

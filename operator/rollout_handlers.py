@@ -16,7 +16,16 @@ Data flow of one tick of one InferenceDeployment:
                    annotations (kube.ensure replaces it; Kubernetes rolls the pods)
         --rollout_status_update--> status.rollout, status.pods, status.activeForwardPass and
                    status.compiledFor once complete, condition ForwardPassRolledOut; an event
-                   for every phase transition
+                   for every phase transition and for a target it refuses
+        --forward_pass_relations + status.forward_pass_usage--> each concerned ForwardPass's
+                   status: phase (Available / Active / Refused), deployments that run it,
+                   refusals (which deployment, why)
+
+A ForwardPass is refused before any pod is asked for it when it did not pass verification,
+was compiled for another accelerator, or carries shapeshift.dev/artifact-durable: "false"
+(its archive was written to its compile pod's emptyDir and is gone: the deployment needs
+spec.artifacts.pvc). The condition ForwardPassRolledOut says why and a Warning event is posted
+once per refusal.
 
 Under HotReload the pod template is left alone: changing it would restart every pod, the
 very thing hot reloading avoids. Pods created later (a rescheduled pod, a scale-up) are
@@ -46,6 +55,7 @@ import kopf
 from kubernetes.client import ApiException
 from pydantic import ValidationError
 
+from shapeshift.engine.compile.worker import ARTIFACT_DURABLE_ANNOTATION
 from shapeshift.engine.rollout_protocol import (
     RESULT_DIGEST_MISMATCH,
     RESULT_REFUSED,
@@ -62,6 +72,7 @@ from shapeshift.operator.models import (
     INFERENCE_DEPLOYMENT,
     VERSION,
     ForwardPassRef,
+    ForwardPassStatus,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     RolloutStatus,
@@ -82,13 +93,14 @@ from shapeshift.operator.rollout import (
     template_forward_pass,
 )
 from shapeshift.operator.rollout_metrics import PodReport, RolloutQueries
-from shapeshift.operator.status import StatusUpdate
+from shapeshift.operator.status import Relation, StatusUpdate, forward_pass_usage
 
 __all__ = [
     "RolloutEnv",
     "Target",
     "annotation_patch",
     "champion_of",
+    "forward_pass_relations",
     "pod_views",
     "resolve_target",
     "rollout_status_update",
@@ -132,6 +144,11 @@ class RolloutEnv:
                    query_timeout_seconds=drift.query_timeout_seconds)
 
 
+REJECTED = "TargetRejected"  # not verified, wrong accelerator, or not found
+NOT_DURABLE = "ArtifactNotDurable"  # its archive lived in its compile pod only
+REJECTION_REASONS = (REJECTED, NOT_DURABLE)
+
+
 @dataclass(frozen=True)
 class Target:
     """What the deployment should run, or why nothing can be rolled out."""
@@ -140,6 +157,8 @@ class Target:
     speedup: float | None = None
     traffic: dict[str, Any] | None = None  # the ForwardPass's spec.traffic (what it was compiled for)
     problem: str | None = None  # why the named forward pass cannot be rolled out
+    reason: str = REJECTED  # condition and event reason of the problem
+    refused: str | None = None  # the existing ForwardPass the problem refuses (None: not found)
 
 
 # ---- pure pieces -----------------------------------------------------------------------------
@@ -199,13 +218,21 @@ def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
                                     "spec.forwardPass")
     fp = forward_pass.get("spec") or {}
     if not (fp.get("verification") or {}).get("passed"):
-        return Target(None, problem=f"ForwardPass {name} did not pass verification; only verified forward "
-                                    "passes are rolled out")
+        return Target(None, refused=name, problem=f"ForwardPass {name} did not pass verification; only verified "
+                                                  "forward passes are rolled out")
     accelerator = (fp.get("hardware") or {}).get("accelerator")
     if accelerator != spec.hardware.accelerator:
-        return Target(None, problem=f"ForwardPass {name} is for accelerator {accelerator}, the deployment runs "
-                                    f"on {spec.hardware.accelerator}")
+        return Target(None, refused=name, problem=f"ForwardPass {name} is for accelerator {accelerator}, the "
+                                                  f"deployment runs on {spec.hardware.accelerator}")
     artifact = fp.get("artifact") or {}
+    annotations = (forward_pass.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(ARTIFACT_DURABLE_ANNOTATION) == "false":
+        # Asking pods to fetch it would only produce fetch errors until the load timeout.
+        return Target(None, refused=name, reason=NOT_DURABLE, problem=(
+            f"ForwardPass {name} is not rolled out: its artifact {artifact.get('uri') or '(none)'} was written "
+            f"to its compile pod's own emptyDir ({ARTIFACT_DURABLE_ANNOTATION}: \"false\") and no engine pod can "
+            "fetch it. Set spec.artifacts.pvc to a ReadWriteMany PersistentVolumeClaim, so compile Jobs write "
+            "forward passes where engine pods read them, and compile again"))
     return Target(ForwardPassIdentity(name, artifact.get("sha256"), artifact.get("uri")),
                   speedup=(fp.get("metrics") or {}).get("speedup"), traffic=fp.get("traffic"))
 
@@ -321,7 +348,7 @@ def rollout_status_update(
         conditions.append((CONDITION, "Unknown", "PrometheusUnavailable",
                            f"rollout held in phase {state.phase}: {prometheus_problem}"))
     elif target.problem is not None:
-        conditions.append((CONDITION, "False", "TargetRejected", target.problem))
+        conditions.append((CONDITION, "False", target.reason, target.problem))
     elif state.phase == "Complete":
         conditions.append((CONDITION, "True", "RolledOut", state.message))
     elif state.phase == "Idle":
@@ -329,6 +356,30 @@ def rollout_status_update(
     else:
         conditions.append((CONDITION, "False", EVENT_REASONS.get(state.phase, state.phase), state.message))
     return StatusUpdate(fields=fields, conditions=conditions)
+
+
+def forward_pass_relations(*, active_before: ForwardPassIdentity | None, state: RolloutState,
+                           target: Target) -> dict[str, tuple[Relation, str, str]]:
+    """{ForwardPass name: (relation, reason, message)} of this deployment after a tick, for the
+    ForwardPasses whose status it concerns (status.forward_pass_usage applies them). The stock
+    forward pass has no ForwardPass object and is left out."""
+    active_after = state.desired if state.phase == "Complete" and state.desired is not None else active_before
+    out: dict[str, tuple[Relation, str, str]] = {}
+
+    def put(name: str | None, relation: Relation, reason: str = "", message: str = "") -> None:
+        if name and name != STOCK_FORWARD_PASS and name not in out:
+            out[name] = (relation, reason, message)
+
+    put(active_after.name if active_after else None, "runs")
+    if active_before is not None and (active_after is None or active_before.name != active_after.name):
+        put(active_before.name, "left")
+    if state.phase in ("RolledBack", "Failed") and state.desired is not None:
+        put(state.desired.name, "refused", EVENT_REASONS[state.phase], state.message)
+    elif state.phase not in SETTLED and state.desired is not None:
+        put(state.desired.name, "seen")
+    if target.problem is not None and target.refused:
+        put(target.refused, "refused", target.reason, target.problem)
+    return out
 
 
 # ---- the kopf timer --------------------------------------------------------------------------
@@ -449,11 +500,20 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
         # Nothing to roll out and nothing known about the pods: record the phase, nothing else,
         # so idle deployments without Prometheus are not rewritten on every tick.
         update = StatusUpdate(fields={"rollout": update.fields["rollout"]},
-                              conditions=[c for c in update.conditions if c[2] == "TargetRejected"])
+                              conditions=[c for c in update.conditions if c[2] in REJECTION_REASONS])
     try:
         kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
     except ApiException as err:
         raise kopf.TemporaryError(f"writing rollout status failed ({err.status} {err.reason})", delay=5)
+    if target.problem is not None:
+        prior = next((c for c in status.conditions or [] if c.type == CONDITION), None)
+        if prior is None or (prior.reason, prior.message) != (target.reason, target.problem):
+            kopf.warn(body, reason=target.reason, message=target.problem[:1000])
+            logger.warning("not rolling out: %s", target.problem)
+
+    relations = forward_pass_relations(active_before=active, state=next_state, target=target)
+    _record_forward_pass_usage(kube, namespace, name, relations, {target_name: forward_pass} if target_name else {},
+                               now, logger)
 
     if next_state.phase != state.phase or (next_state.desired != state.desired and next_state.phase not in SETTLED):
         reason = EVENT_REASONS.get(next_state.phase, next_state.phase)
@@ -462,3 +522,43 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
         else:
             kopf.info(body, reason=reason, message=next_state.message[:1000])
         logger.info("rollout %s -> %s: %s", state.phase, next_state.phase, next_state.message)
+
+
+def _record_forward_pass_usage(kube: Kube, namespace: str, deployment: str,
+                               relations: Mapping[str, tuple[Relation, str, str]],
+                               already_read: Mapping[str, Mapping[str, Any] | None], now: datetime,
+                               logger: logging.Logger) -> None:
+    """Apply the deployment's relations to each ForwardPass's status; read-compute-patch, so
+    deployments sharing a ForwardPass do not overwrite each other. A ForwardPass read this tick
+    whose status already says so costs no request."""
+    for fp_name, (relation, reason, message) in sorted(relations.items()):
+        def compute(stored: Mapping[str, Any], relation=relation, reason=reason, message=message):
+            return forward_pass_usage(ForwardPassStatus.model_validate(dict(stored)), deployment, relation,
+                                      reason=reason, message=message, now=_iso(now))
+
+        known = already_read.get(fp_name)
+        if known is not None and compute(known.get("status") or {}) is None:
+            continue
+        try:
+            if kube.update_status(FORWARD_PASS, namespace, fp_name, compute):
+                logger.info("ForwardPass %s: %s by %s", fp_name, relation, deployment)
+        except ApiException as err:
+            raise kopf.TemporaryError(f"writing the status of ForwardPass {fp_name} failed "
+                                      f"({err.status} {err.reason})", delay=5)
+
+
+@kopf.on.delete(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, optional=True)
+def forget_deleted_deployment(name: str, namespace: str, status: kopf.Status, memo: kopf.Memo,
+                              logger: logging.Logger, **_: Any) -> None:
+    """A deleted deployment runs nothing: take it off the ForwardPasses that list it. Best effort
+    (optional: no finalizer of its own, and a failure never blocks the deletion)."""
+    parsed: InferenceDeploymentStatus = parse_status(INFERENCE_DEPLOYMENT, status)
+    names = {parsed.active_forward_pass.name if parsed.active_forward_pass else None,
+             parsed.rollout.desired.name if parsed.rollout and parsed.rollout.desired else None}
+    relations: dict[str, tuple[Relation, str, str]] = {
+        fp: ("gone", "", "") for fp in names if fp and fp != STOCK_FORWARD_PASS}
+    try:
+        _record_forward_pass_usage(_kube(memo), namespace, name, relations, {},
+                                   datetime.now(timezone.utc).replace(microsecond=0), logger)
+    except kopf.TemporaryError as err:
+        logger.warning("InferenceDeployment %s deleted; %s", name, err)

@@ -2,6 +2,8 @@
 
     Deployment + engine pods   --inference_deployment_status()--> StatusUpdate
     Job + compile pods + status --compile_run_status()----------> StatusUpdate
+    ForwardPass status + one deployment's relation to it (from the rollout)
+                               --forward_pass_usage()-----------> phase, deployments, refusals
 
 A `StatusUpdate` names only the status fields the operator owns (other
 writers, the compile worker and the rollout, own the rest) plus the
@@ -19,6 +21,7 @@ from typing import Any, Literal
 from shapeshift.operator.models import (
     Condition,
     CompileRunStatus,
+    ForwardPassStatus,
     TERMINAL_PHASES,
     get_condition,
 )
@@ -125,6 +128,21 @@ def _job_condition(job: dict[str, Any], type: str) -> dict[str, Any] | None:
     return None
 
 
+# The compile worker reports into status.message while it runs (progress, then its final word:
+# "champion ...: 1.23x ..." or "no verified improvement ... (reason)"), and writes status.trials
+# with every report; a worker that crashed writes a message starting with this prefix.
+WORKER_FAILED_PREFIX = "compile worker failed"
+
+
+def worker_message(current: CompileRunStatus) -> str | None:
+    """The message the compile worker last wrote, or None when the worker has not reported."""
+    if not current.message:
+        return None
+    if current.trials is not None or current.message.startswith(WORKER_FAILED_PREFIX):
+        return current.message
+    return None
+
+
 def compile_run_status(
     *,
     current: CompileRunStatus,
@@ -135,8 +153,12 @@ def compile_run_status(
     """The run's phase from its Job (the Job's fate is final) and its newest pod.
 
     Phases only move forward: a worker-reported `Verifying` is not turned
-    back into `Running`, and a terminal phase is never changed.
+    back into `Running`, and a terminal phase is never changed. Once the worker
+    has reported, status.message is its own: the final phase keeps it (and the
+    Complete or Failed condition quotes it), so "no verified improvement (...)"
+    or the champion's speedup is what a user reads, not just "Job completed".
     """
+    reported = worker_message(current)
     if current.phase in TERMINAL_PHASES:
         return StatusUpdate(fields={})
     if job is None:
@@ -162,17 +184,23 @@ def compile_run_status(
 
     if complete is not None:
         done = job_status.get("completionTime") or complete.get("lastTransitionTime")
-        champion = f"; champion {current.champion}" if current.champion else ""
-        msg = f"Job {job_name} completed{champion}"
-        fields.update(phase="Succeeded", completionTime=done, message=msg)
-        return StatusUpdate(fields, [("Complete", "True", complete.get("reason") or "Completed", msg),
+        fields.update(phase="Succeeded", completionTime=done)
+        if reported is not None:
+            msg = f"Job {job_name} completed: {reported}"  # status.message stays the worker's
+        else:
+            champion = f"; champion {current.champion}" if current.champion else ""
+            msg = f"Job {job_name} completed{champion}"
+            fields["message"] = msg
+        return StatusUpdate(fields, [("Complete", "True", complete.get("reason") or "Completed", msg[:4096]),
                                      ("Failed", "False", "Completed", "")])
     if failed is not None:
         reason = failed.get("reason") or "JobFailed"
         detail = failed.get("message") or "the compile Job failed"
         msg = f"Job {job_name} failed ({reason}): {detail}"
-        fields.update(phase="Failed", completionTime=failed.get("lastTransitionTime"), message=msg)
-        return StatusUpdate(fields, [("Failed", "True", reason, msg), ("Complete", "False", reason, "")])
+        if reported is not None:
+            msg += f"; last report of the worker: {reported}"
+        fields.update(phase="Failed", completionTime=failed.get("lastTransitionTime"), message=msg[:4096])
+        return StatusUpdate(fields, [("Failed", "True", reason, msg[:4096]), ("Complete", "False", reason, "")])
 
     unschedulable = unschedulable_message(pods)
     if unschedulable:
@@ -193,10 +221,62 @@ def compile_run_status(
         message = f"pod {pod['metadata']['name']} bound to node {node}; starting"
     fields["phase"] = phase
     # While the worker runs it owns the message (progress); the operator writes one only
-    # when it moves the phase, so the two never overwrite each other on every resync.
-    if phase != current.phase:
+    # when it moves the phase and the worker has not reported yet (a late resync must not
+    # replace a short run's final word with "compiling on node ...").
+    if phase != current.phase and reported is None:
         fields["message"] = message
     return StatusUpdate(fields, [bound])
+
+
+# ---- ForwardPass ---------------------------------------------------------------------------
+
+# How one InferenceDeployment stands to a ForwardPass after a rollout tick:
+#   runs     it is the deployment's active forward pass
+#   refused  the deployment rolled it back, or cannot roll it out (not verified, wrong
+#            accelerator, artifact not durable)
+#   left     the deployment ran it and now runs another one
+#   seen     it is being rolled out (canary, analysis): no list changes, the phase gets set
+#   gone     the deployment was deleted
+Relation = Literal["runs", "refused", "left", "seen", "gone"]
+
+
+def forward_pass_phase(deployments: list[str], refusals: list[Any]) -> str:
+    """Active while any deployment runs it; Refused when none does and some refused it."""
+    if deployments:
+        return "Active"
+    return "Refused" if refusals else "Available"
+
+
+def forward_pass_usage(current: ForwardPassStatus, deployment: str, relation: Relation, *, reason: str = "",
+                       message: str = "", now: str | None = None) -> dict[str, Any] | None:
+    """The ForwardPass status fields (phase, deployments, refusals) after recording one
+    deployment's relation to it; None when that changes nothing. Lists are kept sorted by
+    deployment, so the result does not depend on which deployment wrote first."""
+    running = sorted(set(current.deployments or []))
+    refusals = [r.to_wire() for r in current.refusals or []]
+    others = [r for r in refusals if r["deployment"] != deployment]
+    mine = next((r for r in refusals if r["deployment"] == deployment), None)
+    if relation == "runs":
+        running = sorted({*running, deployment})
+        refusals = others
+    elif relation == "refused":
+        running = [d for d in running if d != deployment]
+        if mine is None or (mine.get("reason"), mine.get("message", "")) != (reason, message[:4096]):
+            mine = {k: v for k, v in {"deployment": deployment, "reason": reason, "message": message[:4096],
+                                      "time": now}.items() if v is not None}
+        refusals = sorted([*others, mine], key=lambda r: r["deployment"])
+    elif relation in ("left", "gone"):
+        running = [d for d in running if d != deployment]
+        if relation == "gone":
+            refusals = others
+    phase = forward_pass_phase(running, refusals)
+    before = ForwardPassStatus.model_validate({k: v for k, v in current.to_wire().items()
+                                               if k in ("phase", "deployments", "refusals")})
+    after = ForwardPassStatus.model_validate({"phase": phase, "deployments": running or None,
+                                              "refusals": refusals or None})
+    if before.to_wire() == after.to_wire():
+        return None
+    return {"phase": phase, "deployments": running or None, "refusals": refusals or None}
 
 
 def merged_conditions(existing: list[Condition], update: StatusUpdate, generation: int | None) -> list[Condition]:

@@ -13,7 +13,8 @@ Cluster fixtures (tests marked `cluster`):
                    runs a scheduled pod's containers as local processes and reports their
                    exit to the API (see harness.kubelet). background=True returns the
                    running LocalPod; it is stopped at teardown. flag_overrides={"--port": "18001"}
-                   replaces a flag's value in the command line (or appends the flag).
+                   replaces a flag's value in the command line (or appends the flag);
+                   pvc_dirs={"claim": folder} mounts a claim as that local folder.
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
 
@@ -75,9 +76,9 @@ def run_pod_locally(cluster, tmp_path):
     started: list[LocalPod] = []
 
     def run(namespace: str, pod_name: str, *, background: bool = False, timeout_s: float = 120.0, extra_env=None,
-            flag_overrides=None):
+            flag_overrides=None, pvc_dirs=None):
         pod = LocalPod(cluster.api_client, namespace, pod_name, tmp_path / "pods", extra_env=extra_env,
-                       flag_overrides=flag_overrides)
+                       flag_overrides=flag_overrides, pvc_dirs=pvc_dirs)
         started.append(pod)
         pod.start(timeout_s=timeout_s)
         if not background:

@@ -19,11 +19,16 @@ Data flow under test:
       -> the operator moves the CompileRun to Succeeded with conditions.
 
 Either search outcome is accepted (on two shared cores a tiny budget may find nothing that
-clears the noise), but the status must agree with the ForwardPass objects either way.
+clears the noise), but the status must agree with the ForwardPass objects either way, and the
+run's final message is the worker's own ("champion ..." or "no verified improvement (...)"),
+quoted by the Complete condition.
 
-The Job mounts no shared volume for artifacts, so a published champion's archive lies in the
-pod's emptyDir: the test checks that the ForwardPass says so (shapeshift.dev/artifact-durable:
-"false") rather than pointing engines at a file that disappears with the pod.
+The deployment names an artifact store (spec.artifacts.pvc): a claim bound to a PersistentVolume
+whose hostPath is a local folder. The Job mounts it read-write at /var/lib/shapeshift-artifacts;
+the local kubelet maps the claim to that folder (pvc_dirs), so a published champion's archive
+lands there, outside the pod's emptyDir, and the ForwardPass says it is durable. (Without a
+store the archive stays in the emptyDir and the ForwardPass says "false": see
+tests/compile/test_compile_worker_publish.py; the rollout refuses such a pass.)
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import pytest
 import yaml
 from harness.cluster import wait_until
 from harness.controlplane import POOL_LABEL
-from harness.kubelet import rewrite_paths
+from harness.kubelet import local_claim, rewrite_paths
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -53,6 +58,7 @@ GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUN, DEPLOYMENT = "tiny-run", "tiny"
+CLAIM, SUB_PATH, ARTIFACT_MOUNT = "artifacts", "tiny", "/var/lib/shapeshift-artifacts"
 TRIALS = 10
 # A deployment that batches narrowly for its chat traffic (32 requests in flight): the search
 # has a real gain to find in engine.max_num_seqs, and the stock candidate must be measured at 4.
@@ -215,13 +221,24 @@ def bundle_digest_of_archive(archive: Path) -> str:
 # ---- the test --------------------------------------------------------------------------------
 
 
-def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_process, run_pod_locally, tmp_path):
+@pytest.fixture
+def artifact_store(crds, namespace, tmp_path):
+    """A ReadWriteMany claim backed by a local folder (deleted with the test's volume)."""
+    folder = tmp_path / "artifact-store"
+    volume = local_claim(crds.api_client, namespace, CLAIM, folder)
+    yield folder
+    crds.core.delete_persistent_volume(volume)
+
+
+def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_process, run_pod_locally, artifact_store,
+                                               tmp_path):
     cluster = crds
     started = time.monotonic()
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": DEPLOYMENT},
         "spec": {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0,
-                 "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16}}})
+                 "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16},
+                 "artifacts": {"pvc": {"claimName": CLAIM, "subPath": SUB_PATH}}}})
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": RUN},
         "spec": {"deploymentRef": {"name": DEPLOYMENT}, "traffic": {"builtin": "chat"},
@@ -238,6 +255,10 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert pod["spec"]["serviceAccountName"] == f"{RUN}-compile"
     (container,) = pod["spec"]["containers"]
     assert [*container["command"], *container["args"]] == ["shapeshift", "compile", "--compile-run", f"{namespace}/{RUN}"]
+    # The artifact store: the claim, read-write at the path the worker is told to write to.
+    assert {"name": "artifacts", "persistentVolumeClaim": {"claimName": CLAIM}} in pod["spec"]["volumes"]
+    assert {"name": "artifacts", "mountPath": ARTIFACT_MOUNT, "subPath": SUB_PATH} in container["volumeMounts"]
+    assert {"name": "SHAPESHIFT_ARTIFACT_DIR", "value": ARTIFACT_MOUNT} in container["env"]
     wait_until(lambda: run_status(cluster, namespace).get("phase") in ("Scheduled", "Running"), 30, "phase Scheduled")
 
     env, _mounts = emulate_volumes(cluster, pod, tmp_path / "volumes")
@@ -248,7 +269,8 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
                PYTHONSAFEPATH="1")
 
     # The worker, as the pod runs it. Its exit becomes the pod's status; the Job controller acts on it.
-    local = run_pod_locally(namespace, pod["metadata"]["name"], timeout_s=170, extra_env=env)
+    local = run_pod_locally(namespace, pod["metadata"]["name"], timeout_s=170, extra_env=env,
+                            pvc_dirs={CLAIM: artifact_store})
     output = local.output()
     assert local.exit_codes == {"compile": 0}, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
@@ -260,6 +282,10 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert conds["Complete"]["status"] == "True" and conds["Complete"]["reason"] == "CompletionsReached", conds
     assert conds["Failed"]["status"] == "False" and conds["Scheduled"]["status"] == "True", conds
     assert status["completionTime"] and status["nodeName"] == pod["spec"]["nodeName"]
+    # The worker's final word survives the Job's completion, and the condition quotes it.
+    final_word = "champion " if status.get("champion") else "no verified improvement over the stock forward pass ("
+    assert status["message"].startswith(final_word), status["message"]
+    assert status["message"] in conds["Complete"]["message"], conds["Complete"]
 
     # What the worker wrote: the run's own settings took effect (engine config from the mounted
     # ConfigMap, agents, tiers, trial budget), and the leaderboard is the run's.
@@ -291,14 +317,17 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
         assert spec["verification"]["passed"] is True and spec["compileRun"] == f"{namespace}/{RUN}"
         assert spec["metrics"]["speedup"] == pytest.approx(status["bestSpeedup"]) and status["bestSpeedup"] > 1.0
         assert status["champion"] in status["message"]
-        # The artifact: the Job gives the worker no shared volume, so the archive is in its work
-        # folder (the pod's emptyDir, gone with the pod) and the ForwardPass says so. Its content
-        # is the bundle the ForwardPass pins.
+        # The artifact: in the shared store (the claim's folder, under its subPath), not in the
+        # pod's emptyDir, and the ForwardPass says it is durable. Its content is the bundle the
+        # ForwardPass pins. (The local kubelet stands the folder in for the mount path, so the
+        # recorded path is the folder; in a pod it is /var/lib/shapeshift-artifacts/<sha256>.tar.gz,
+        # where engine pods mount the same claim.)
         artifact = urllib.parse.urlparse(spec["artifact"]["uri"])
         local_path = Path(urllib.parse.unquote(artifact.path))
         assert artifact.scheme == "file" and local_path.is_file(), spec["artifact"]
-        assert local_path.is_relative_to(work_dir), (local_path, work_dir)
-        assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "false"
+        assert local_path == (artifact_store / SUB_PATH / f"{spec['artifact']['sha256']}.tar.gz").resolve()
+        assert not local_path.is_relative_to(work_dir), (local_path, work_dir)
+        assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "true"
         assert bundle_digest_of_archive(local_path) == spec["artifact"]["sha256"]
         assert spec["artifact"]["sizeBytes"] == local_path.stat().st_size
     else:

@@ -25,6 +25,17 @@ downwardAPI volumes are emulated for the containers that mount them:
       -> a watch on the pod rewrites the files when its labels or annotations change, while the
          containers run (the kubelet refreshes these volumes on its sync loop the same way)
 
+persistentVolumeClaim volumes are mapped to local folders the caller names:
+
+    pvc_dirs {claimName: local folder} + pod volume {persistentVolumeClaim: {claimName}}
+      + container volumeMount(mountPath, subPath?)
+      -> <folder>/<subPath>   (created if missing), and every argv part and env value naming a
+         path under mountPath is rewritten to it, as for downwardAPI volumes
+    Several pods given the same folder share it, as pods share a ReadWriteMany claim. readOnly
+    is not enforced (the processes run as this user); a claim not in pvc_dirs is not mounted.
+    `local_claim` creates a PersistentVolume (hostPath: the folder) and a claim bound to it, so
+    the scheduler places pods that mount the claim.
+
 `flag_overrides` ({"--port": "18001"}) replaces the value after a flag in the command line, or
 appends the flag: several pods of one Deployment, each given its own loopback port.
 
@@ -304,6 +315,54 @@ class DownwardAPIVolumes:
                 watcher.stop()
 
 
+# ---- persistentVolumeClaim volumes --------------------------------------------------------
+
+
+def pvc_mounts(pod: V1Pod, container, pvc_dirs: dict[str, Path]) -> dict[str, Path]:
+    """{mountPath: local folder} of the container's mounts of claims that `pvc_dirs` maps."""
+    claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.spec.volumes or []
+              if v.persistent_volume_claim is not None}
+    mounts: dict[str, Path] = {}
+    for mount in container.volume_mounts or []:
+        claim = claims.get(mount.name)
+        if claim is None or claim not in pvc_dirs:
+            continue
+        folder = Path(pvc_dirs[claim])
+        if mount.sub_path:
+            if mount.sub_path.startswith("/") or ".." in mount.sub_path.split("/"):
+                raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: volumeMount {mount.name!r} "
+                                   f"subPath {mount.sub_path!r} leaves the volume")
+            folder = folder / mount.sub_path
+        folder.mkdir(parents=True, exist_ok=True)
+        mounts[mount.mount_path] = folder
+    return mounts
+
+
+def local_claim(api_client: kubernetes.client.ApiClient, namespace: str, claim: str, folder: Path,
+                access_mode: str = "ReadWriteMany") -> str:
+    """A PersistentVolume backed by `folder` (hostPath) and the claim `claim` bound to it.
+    Returns the volume's name (cluster-scoped: the caller deletes it after the namespace)."""
+    core = CoreV1Api(api_client)
+    folder.mkdir(parents=True, exist_ok=True)
+    volume = f"{namespace}-{claim}"[:253]
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [access_mode], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder)},
+                 "claimRef": {"namespace": namespace, "name": claim}}})
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": [access_mode], "storageClassName": "", "volumeName": volume,
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    deadline = time.monotonic() + 30
+    while core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase != "Bound":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"claim {namespace}/{claim} not bound to PersistentVolume {volume} after 30s "
+                               "(is the controller-manager's persistentvolume-binder running?)")
+        time.sleep(0.2)
+    return volume
+
+
 @dataclass
 class ContainerRun:
     name: str
@@ -341,12 +400,14 @@ class LocalPod:
         *,
         extra_env: dict[str, str] | None = None,
         flag_overrides: dict[str, str] | None = None,
+        pvc_dirs: dict[str, Path] | None = None,
     ):
         self.core = CoreV1Api(api_client)
         self.namespace, self.name = namespace, name
         self.workdir = Path(workdir)
         self.extra_env = dict(extra_env or {})
         self.flag_overrides = dict(flag_overrides or {})
+        self.pvc_dirs = {claim: Path(folder) for claim, folder in (pvc_dirs or {}).items()}
         self.containers: list[ContainerRun] = []
         self.reported = False
         self.downward_api: DownwardAPIVolumes | None = None
@@ -365,7 +426,7 @@ class LocalPod:
                     f"pod {self.namespace}/{self.name} container {container.name!r} has no `command`; "
                     "without an image there is no entrypoint to run locally, so set command (and args)"
                 )
-            mounts = self.downward_api.mounts_of(container)
+            mounts = {**self.downward_api.mounts_of(container), **pvc_mounts(pod, container, self.pvc_dirs)}
             env = {**base, **resolve_env(self.core, pod, container), **self.extra_env}
             env = {key: rewrite_paths(value, mounts) for key, value in env.items()}
             argv = [rewrite_paths(expand(part, env), mounts) for part in [*container.command, *(container.args or [])]]
@@ -504,9 +565,10 @@ def run_pod_locally(
     timeout_s: float = 120.0,
     extra_env: dict[str, str] | None = None,
     flag_overrides: dict[str, str] | None = None,
+    pvc_dirs: dict[str, Path] | None = None,
 ) -> LocalPod:
     """Run the pod's containers to completion and report; returns the finished LocalPod."""
-    pod = LocalPod(api_client, namespace, name, workdir, extra_env=extra_env,
-                   flag_overrides=flag_overrides).start(timeout_s=timeout_s)
+    pod = LocalPod(api_client, namespace, name, workdir, extra_env=extra_env, flag_overrides=flag_overrides,
+                   pvc_dirs=pvc_dirs).start(timeout_s=timeout_s)
     pod.wait(timeout_s=timeout_s)
     return pod

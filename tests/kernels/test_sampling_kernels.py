@@ -162,7 +162,17 @@ def test_split_greedy_rows_and_mixed_params(device):
         assert (probs[torch.arange(B), out] > 0).all(), f"{config}: sampled a token outside the kept set"
 
 
-def test_split_candidate_and_exact_paths_draw_the_same_tokens(device):
+@pytest.fixture(params=["sort", "bisect"])
+def merge(request, monkeypatch):
+    """Stage 2's two ways to find the thresholds on the candidates: one sort, or bisection."""
+    from shapeshift.kernels import sampling
+
+    if request.param == "bisect":
+        monkeypatch.setattr(sampling, "MERGE_SORT_MAX_CANDIDATES", 0)
+    return request.param
+
+
+def test_split_candidate_and_exact_paths_draw_the_same_tokens(device, merge):
     """Both paths are exact and share the race's uniforms, so a seed draws the same token."""
     B, V = 16 if ON_CPU else 256, 61
     logits = torch.randn(B, V, device=device) * 2
@@ -206,7 +216,7 @@ def test_split_distribution_matches_reference(top_k, top_p, config, draws, devic
     assert (freq - probs).abs().max() < bound, (freq.tolist(), probs.tolist())
 
 
-def test_split_ties_at_the_top_k_threshold_are_all_kept(device):
+def test_split_ties_at_the_top_k_threshold_are_all_kept(device, merge):
     """Six tokens tie at the 2nd-largest value: top_k=2 keeps all seven (Hugging Face's rule),
     which the one-candidate config can only get right through the exact search."""
     # Each tied token has probability ~0.13: 60 draws miss one with probability ~1e-3.
