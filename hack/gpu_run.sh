@@ -32,8 +32,8 @@ for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     tests)    timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
-                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    kernels)  timeout 330 python3 hack/bench_kernels.py --budget-s 300 2>&1 | tee "$OUT/kernels.log" ;;
+                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    kernels)  timeout 270 python3 hack/bench_kernels.py --budget-s 240 2>&1 | tee "$OUT/kernels.log" ;;
     decode)   timeout 300 python3 hack/bench_decode.py 2>&1 | tee "$OUT/decode.log" ;;
     reload)   timeout 270 python3 hack/bench_reload.py --model llama-3.2-1b-shape --repeats 2 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
     parallel) timeout 500 python3 hack/bench_parallel.py 2>&1 | tee "$OUT/parallel.log" ;;

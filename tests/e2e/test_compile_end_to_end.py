@@ -332,6 +332,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
         assert spec["artifact"]["sizeBytes"] == local_path.stat().st_size
     else:
         assert fps == [], [f["metadata"]["name"] for f in fps]
+        assert not list(artifact_store.rglob("*.tar.gz"))
         assert report["champion_recipe"] is None and "bestSpeedup" not in status, status
 
     # The worker acted only through its own token: that token is the pod's ServiceAccount and

@@ -138,7 +138,7 @@ def test_rbac_covers_the_drift_timer():
 
 def test_rbac_covers_replacing_children_and_the_rollout():
     """kube.Kube.ensure replaces (PUT) changed children; the rollout timer patches engine pods'
-    annotations and reads the ForwardPass it rolls out."""
+    annotations, reads the ForwardPass it rolls out and writes its status."""
     application = rule_triples(one(render(), "ClusterRole", "-application")["rules"])
     for group, resource in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
                             ("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
@@ -146,7 +146,8 @@ def test_rbac_covers_replacing_children_and_the_rollout():
         for verb in ("get", "create", "update"):
             assert (group, resource, verb) in application, (group, resource, verb)
     for needed in [("", "pods", "patch"), ("", "pods", "list"), ("", "pods", "watch"),
-                   ("shapeshift.dev", "forwardpasses", "get"), ("shapeshift.dev", "compileruns", "list")]:
+                   ("shapeshift.dev", "forwardpasses", "get"), ("shapeshift.dev", "compileruns", "list"),
+                   ("shapeshift.dev", "forwardpasses/status", "patch")]:
         assert needed in application, needed
     assert ("", "pods", "create") not in application and ("", "pods", "delete") not in application
 

@@ -78,3 +78,70 @@ def test_scrape_config_is_a_valid_prometheus_config(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- docs/operations.md --------------------------------------------------------------------
+
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def _table_rows(heading_text: str) -> dict[str, str]:
+    """{field: default} of the first markdown table after the line containing heading_text."""
+    text = OPERATIONS.read_text()
+    after = text[text.index(heading_text):]
+    rows = {}
+    for line in after.splitlines()[1:]:
+        if rows and not line.startswith("|"):
+            break
+        match = re.match(r"\| `([^`]+)` \| `([^`]+)` \|", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    assert rows, f"no table after {heading_text!r}"
+    return rows
+
+
+def _wire_default(wire: dict, dotted: str):
+    value = wire
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def test_operations_tables_state_the_model_defaults():
+    from shapeshift.operator.models import CompilationPolicy, DriftThresholds, RolloutSpec
+
+    compilation = _table_rows("`spec.compilation` of the InferenceDeployment")
+    # drift has no default object (it is required by OnDrift only): its fields' defaults
+    wire = {**CompilationPolicy().to_wire(), "drift": DriftThresholds().to_wire()}
+    for field, default in compilation.items():
+        assert str(_wire_default(wire, field)) == default, (field, default)
+    rollout = _table_rows("`spec.rollout`:")
+    for field, default in rollout.items():
+        assert str(_wire_default(RolloutSpec().to_wire(), field)) == default, (field, default)
+    assert set(rollout) == set(RolloutSpec().to_wire()), "every rollout field is documented"
+
+
+def test_operations_artifact_store_example_is_a_valid_spec_and_mounts_where_it_says():
+    from shapeshift.operator import builders
+    from shapeshift.operator.models import ARTIFACT_MOUNT, InferenceDeploymentSpec
+
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", OPERATIONS.read_text(), re.S)]
+    fragment = next(b["spec"] for b in blocks if "artifacts" in (b or {}).get("spec", {}))
+    spec = InferenceDeploymentSpec.model_validate({"model": {"preset": "tiny-llama"},
+                                                   "hardware": {"accelerator": "cpu"}, **fragment})
+    assert f"`{ARTIFACT_MOUNT}`" in OPERATIONS.read_text()
+    engine = builders.build_engine_deployment(builders.Parent("InferenceDeployment", "chat", "ns", "uid"), spec)
+    mounts = engine["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "artifacts", "mountPath": ARTIFACT_MOUNT, "subPath": "chat", "readOnly": True} in mounts
+
+
+def test_operations_names_only_reasons_the_operator_writes():
+    """Every CamelCase reason in the conditions table is a string the operator's code writes."""
+    source = "\n".join(p.read_text() for p in (REPO / "operator").glob("*.py"))
+    text = OPERATIONS.read_text()
+    table = text[text.index("| condition | reasons |"):].split("\n\n")[0]
+    reasons = set(re.findall(r"`([A-Z][A-Za-z]+)`", table)) - {"Unknown", "Ready", "Scheduled", "TrafficObserved",
+                                                                  "Drifted", "ForwardPassRolledOut"}
+    assert len(reasons) > 15, reasons
+    missing = sorted(r for r in reasons if f'"{r}"' not in source)
+    assert not missing, f"docs/operations.md names reasons the operator never writes: {missing}"

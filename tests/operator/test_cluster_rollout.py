@@ -12,7 +12,11 @@ The first test follows a good candidate from the canary (while the other pods st
 every pod, once with the operator as an admin and once with only the Helm chart's ServiceAccount
 token (its RBAC must be enough); the second names a ForwardPass whose sha256 is not its
 artifact's: the canary engine refuses it and the operator rolls back, saying why; the third rolls
-back a candidate that makes latency worse, on the analysis; the last checks the Restart strategy.
+back a candidate that makes latency worse, on the analysis; the fourth checks the Restart strategy;
+the last gives the deployment an artifact store (a claim the local kubelet maps to one folder for
+every engine pod), refuses a ForwardPass whose archive stayed in its compile pod, and rolls out one
+stored there. Each ForwardPass's status follows: Active with the deployments that run it, or
+Refused with the reason.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness import tools
 from harness.cluster import wait_until
 from harness.controlplane import free_port
+from harness.kubelet import local_claim
 from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -55,9 +60,10 @@ def bundle(tmp_path: Path, recipe: dict, name: str) -> tuple[Path, str]:
     return path, load_manifest(path).digest
 
 
-def forward_pass(cluster, namespace: str, name: str, uri: str, sha256: str) -> None:
+def forward_pass(cluster, namespace: str, name: str, uri: str, sha256: str, annotations: dict | None = None) -> None:
     cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": name},
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
+        "metadata": {"name": name, "annotations": annotations or {}},
         "spec": {
             "model": {"name": MODEL, "dtype": "float32"},
             "hardware": {"accelerator": "cpu"},
@@ -69,10 +75,11 @@ def forward_pass(cluster, namespace: str, name: str, uri: str, sha256: str) -> N
     })
 
 
-def deployment(cluster, namespace: str, replicas: int) -> dict:
+def deployment(cluster, namespace: str, replicas: int, **extra_spec) -> dict:
     return cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": NAME},
         "spec": {
+            **extra_spec,
             "model": {"preset": MODEL},
             "hardware": {"accelerator": "cpu"},
             "replicas": replicas,
@@ -83,6 +90,11 @@ def deployment(cluster, namespace: str, replicas: int) -> dict:
                         "loadTimeoutSeconds": 120},
         },
     })
+
+
+def forward_pass_status(cluster, namespace: str, name: str) -> dict:
+    return cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses",
+                                                       name).get("status") or {}
 
 
 def status(cluster, namespace: str) -> dict:
@@ -191,8 +203,8 @@ def engines(crds, namespace, run_pod_locally, prometheus, tmp_path, monkeypatch)
     scraped by a Prometheus that the deployment's spec.prometheusUrl names."""
     monkeypatch.setenv("SHAPESHIFT_ROLLOUT_MIN_REQUESTS", "5")
 
-    def start(replicas: int) -> dict[str, str]:
-        deployment(crds, namespace, replicas)
+    def start(replicas: int, pvc_dirs: dict[str, Path] | None = None, **extra_spec) -> dict[str, str]:
+        deployment(crds, namespace, replicas, **extra_spec)
         selector = f"shapeshift.dev/inference-deployment={NAME}"
 
         def running_pods():
@@ -211,7 +223,7 @@ def engines(crds, namespace, run_pod_locally, prometheus, tmp_path, monkeypatch)
         env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONSAFEPATH": "1",
                "SHAPESHIFT_CACHE": str(tmp_path / "engine-cache")}
         for name, port in ports.items():
-            run_pod_locally(namespace, name, background=True, extra_env=env, flag_overrides={
+            run_pod_locally(namespace, name, background=True, extra_env=env, pvc_dirs=pvc_dirs, flag_overrides={
                 "--host": "127.0.0.1", "--port": str(port), "--num-kv-blocks": "64"})
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
 
@@ -273,6 +285,9 @@ def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespa
     assert condition["status"] == "True" and condition["reason"] == "RolledOut"
     reasons = {reason for _, reason, _ in events(crds, namespace)}
     assert {"CanaryStarted", "CanaryInSync", "Promoting", "RolledOut"} <= reasons, reasons
+    fp_status = wait_until(lambda: (lambda s: s if s.get("phase") == "Active" else None)(
+        forward_pass_status(crds, namespace, "tiny-fused-qkv")), 15, "the ForwardPass to be Active")
+    assert fp_status["deployments"] == [NAME] and "refusals" not in fp_status, fp_status
 
     # A pod created later (scale-up) is asked for the promoted pass by the next tick.
     patch_spec(crds, namespace, {"replicas": 4})
@@ -318,6 +333,12 @@ def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(
         assert forward_pass_info(url) == {"model": MODEL, "name": "stock", "sha256": stock}, name
     warnings = [(kind, msg) for kind, reason, msg in events(crds, namespace) if reason == "RolledBack"]
     assert warnings and warnings[0][0] == "Warning" and "digest_mismatch" in warnings[0][1]
+
+    fp_status = wait_until(lambda: (lambda s: s if s.get("phase") == "Refused" else None)(
+        forward_pass_status(crds, namespace, "tiny-mislabelled")), 15, "the ForwardPass to be Refused")
+    (refusal,) = fp_status["refusals"]
+    assert refusal["deployment"] == NAME and refusal["reason"] == "RolledBack" and "digest_mismatch" in refusal["message"]
+    assert "deployments" not in fp_status
 
     # The refused target is not retried: a later tick leaves the rollout where it is.
     time.sleep(5)
@@ -410,3 +431,69 @@ def test_restart_strategy_rolls_the_pod_template_and_the_resync_keeps_it(crds, n
     generation = engine.metadata.generation
     time.sleep(6)  # three resyncs and rollout ticks: nobody rolls the template back
     assert crds.apps.read_namespaced_deployment(f"{NAME}-engine", namespace).metadata.generation == generation
+
+
+@pytest.fixture
+def artifact_store(crds, namespace, tmp_path):
+    """A ReadWriteMany claim `artifacts` backed by one local folder (the volume is deleted after)."""
+    folder = tmp_path / "artifact-store"
+    volume = local_claim(crds.api_client, namespace, "artifacts", folder)
+    yield folder
+    crds.core.delete_persistent_volume(volume)
+
+
+def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_compile_pod(
+        crds, namespace, operator, engines, artifact_store, tmp_path):
+    # Two archives as the compile worker writes them: <sha256>.tar.gz in the store (durable),
+    # and one left in a compile pod's work folder (annotated "false": gone with that pod).
+    staged, digest = bundle(tmp_path, {"fuse_qkv": True}, "fused-qkv")
+    stored = artifact_store / f"{digest}.tar.gz"
+    staged.rename(stored)
+    lost, lost_digest = bundle(tmp_path / "compile-pod-emptydir", {"fuse_gate_up": True}, "fused-gate-up")
+    forward_pass(crds, namespace, "tiny-stored", str(stored), digest, {"shapeshift.dev/artifact-durable": "true"})
+    forward_pass(crds, namespace, "tiny-lost", str(lost), lost_digest, {"shapeshift.dev/artifact-durable": "false"})
+
+    urls = engines(2, pvc_dirs={"artifacts": artifact_store}, artifacts={"pvc": {"claimName": "artifacts"}})
+    template = crds.apps.read_namespaced_deployment(f"{NAME}-engine", namespace).spec.template.spec
+    (volume,) = [v for v in template.volumes if v.name == "artifacts"]
+    assert volume.persistent_volume_claim.claim_name == "artifacts" and volume.persistent_volume_claim.read_only
+    (mount,) = [m for m in template.containers[0].volume_mounts if m.name == "artifacts"]
+    assert mount.mount_path == "/var/lib/shapeshift-artifacts" and mount.read_only
+    stock = forward_pass_info(next(iter(urls.values())))["sha256"]
+
+    # Not durable: refused before any pod is asked for it, with a condition and a Warning event.
+    patch_spec(crds, namespace, {"forwardPass": "tiny-lost"})
+
+    def refused():
+        conds = {c["type"]: c for c in status(crds, namespace).get("conditions") or []}
+        cond = conds.get("ForwardPassRolledOut")
+        return cond if cond and cond["reason"] == "ArtifactNotDurable" else None
+
+    condition = wait_until(refused, 30, "the non-durable ForwardPass to be refused", interval_s=0.5)
+    assert condition["status"] == "False" and "spec.artifacts.pvc" in condition["message"], condition
+    assert str(lost) in condition["message"]
+    warnings = [(kind, msg) for kind, reason, msg in events(crds, namespace) if reason == "ArtifactNotDurable"]
+    assert len(warnings) == 1 and warnings[0][0] == "Warning" and "tiny-lost" in warnings[0][1], warnings
+    fp_status = wait_until(lambda: (lambda s: s if s.get("phase") == "Refused" else None)(
+        forward_pass_status(crds, namespace, "tiny-lost")), 15, "tiny-lost to be Refused")
+    assert [(r["deployment"], r["reason"]) for r in fp_status["refusals"]] == [(NAME, "ArtifactNotDurable")]
+    assert status(crds, namespace)["rollout"]["phase"] == "Idle"
+    pods = crds.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/inference-deployment={NAME}")
+    assert all("shapeshift.dev/forward-pass" not in (p.metadata.annotations or {}) for p in pods.items)
+    for name, url in urls.items():
+        assert forward_pass_info(url)["sha256"] == stock, name
+    time.sleep(4)  # later ticks post no second event for the same refusal
+    assert len([1 for _, reason, _ in events(crds, namespace) if reason == "ArtifactNotDurable"]) == 1
+
+    # Stored in the shared store: every engine pod loads it from there.
+    with Load(list(urls.values())):
+        patch_spec(crds, namespace, {"forwardPass": "tiny-stored"})
+        st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Complete" else None)(
+            status(crds, namespace)), 150, "the stored pass on every pod (phase Complete)", interval_s=0.5)
+    assert st["activeForwardPass"]["name"] == "tiny-stored" and st["activeForwardPass"]["artifact"] == str(stored)
+    for name, url in urls.items():
+        assert forward_pass_info(url) == {"model": MODEL, "name": "tiny-stored", "sha256": digest}, name
+    fp_status = wait_until(lambda: (lambda s: s if s.get("phase") == "Active" else None)(
+        forward_pass_status(crds, namespace, "tiny-stored")), 15, "tiny-stored to be Active")
+    assert fp_status["deployments"] == [NAME]
+    assert forward_pass_status(crds, namespace, "tiny-lost")["phase"] == "Refused"
