@@ -88,6 +88,8 @@ def log(msg: str) -> None:
 
 
 def git_commit() -> tuple[str, bool]:
+    if os.environ.get("SHAPESHIFT_GIT_COMMIT"):  # set by hack/gpu_run.sh where git is absent
+        return os.environ["SHAPESHIFT_GIT_COMMIT"], False
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()

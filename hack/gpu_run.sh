@@ -11,6 +11,9 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$REPO_ROOT/bench/out}"
 mkdir -p "$OUT" "$REPO_ROOT/bench/results"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+# Machines without git metadata get the commit from the caller:
+#   SHAPESHIFT_GIT_COMMIT=$(git rev-parse HEAD) bash hack/gpu_run.sh ...
+export SHAPESHIFT_GIT_COMMIT="${SHAPESHIFT_GIT_COMMIT:-$(git -C "$REPO_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # Namespace package over the repository's code folders (pyproject maps them the same way).

@@ -212,8 +212,14 @@ class EngineEvaluator:
         if tier == FAST:
             kwargs["num_layers_override"] = self.fast_layers()
         if str(s.device or "").startswith("cuda"):
-            # Both tiers live on one GPU: each sizes its KV cache from its own share of memory.
-            kwargs["gpu_memory_utilization"] = s.fast_tier_memory if tier == FAST else s.full_tier_memory
+            # Both tiers live on one GPU. The engine reads gpu_memory_utilization as the share
+            # of the whole device this process may fill, so a tier built second must count
+            # what the first already holds on top of its own share.
+            import torch
+
+            free, total = torch.cuda.mem_get_info(torch.device(s.device))
+            share = s.fast_tier_memory if tier == FAST else s.full_tier_memory
+            kwargs["gpu_memory_utilization"] = min(0.95, (total - free) / total + share)
         kwargs.update(overrides)
         if kwargs.get("max_num_batched_tokens", 2048) < kwargs.get("max_num_seqs", 64):
             kwargs["max_num_batched_tokens"] = kwargs.get("max_num_seqs", 64)

@@ -18,8 +18,9 @@ candidate is measured with them, so a speedup is one over what is deployed.
 Where the champion archive goes: engine pods fetch a ForwardPass's artifact from an http(s)
 URL or a path on a volume they mount. The work folder ($SHAPESHIFT_WORK_DIR) is the compile
 pod's own emptyDir and vanishes with the pod, so a durable artifact needs a folder on a shared
-volume: --artifact-dir or $SHAPESHIFT_ARTIFACT_DIR (e.g. a ReadWriteMany claim mounted into
-the compile pod and, read-only, into the engine pods at the same path). Without one the
+volume: --artifact-dir or $SHAPESHIFT_ARTIFACT_DIR (the operator sets it when the deployment has
+spec.artifacts.pvc: a ReadWriteMany claim mounted into the compile pod at
+/var/lib/shapeshift-artifacts and, read-only, into the engine pods at the same path). Without one the
 archive stays in the work folder and the ForwardPass carries the annotation
 shapeshift.dev/artifact-durable: "false", so nobody mistakes it for a rollout-ready pass.
 
@@ -258,7 +259,8 @@ class CompileRunContext:
                        f"stock pass, verified ({result.stop_reason})")
             if self.artifact_uri and not self.artifact_durable:
                 message += (f"; its bundle {self.artifact_uri} is in the compile pod's work folder and is lost with "
-                            "the pod (set SHAPESHIFT_ARTIFACT_DIR to a shared volume)")
+                            "the pod, so it is not rolled out (give the InferenceDeployment spec.artifacts.pvc, a "
+                            "shared claim, or set SHAPESHIFT_ARTIFACT_DIR to a shared volume)")
         # Without a champion there is no best verified speedup, even if an incumbent reported
         # one while the search ran and then lost the final comparison with the stock pass.
         champion = self.champion_name if result.champion is not None else None
