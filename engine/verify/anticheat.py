@@ -25,6 +25,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# torch._dynamo rebinds torch.manual_seed (and friends) the first time it is imported,
+# which can happen lazily in the middle of a candidate's run (torch.compile, some
+# Triton paths). Import it before the references are captured so that torch's own
+# rebinding is never mistaken for a candidate patching the harness.
+try:
+    import torch._dynamo  # noqa: F401
+except Exception:  # pragma: no cover - builds without dynamo
+    pass
+
 # ------------------------------------------------------------------ captured references
 perf_counter = time.perf_counter  # the harness clock
 _cuda_synchronize = torch.cuda.synchronize
