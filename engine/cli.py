@@ -71,6 +71,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
+    p.add_argument("--recipe", default="auto", choices=("auto", "torch", "triton"),
+                   help="named knob set of the stock forward pass (engine/recipes.py); auto: triton on CUDA, "
+                        "torch elsewhere; ignored with --forward-pass")
     p.add_argument("--seed", type=int, default=None, help="engine seed")
     p.add_argument("--max-waiting", type=_nonnegative_int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs before new ones get HTTP 429 "
@@ -152,6 +155,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from shapeshift.engine.server import DEFAULT_MAX_WAITING, serve
 
     kwargs = engine_config_kwargs(args)
+    if not args.forward_pass:
+        from shapeshift.engine.recipes import resolve_recipe
+
+        device = args.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        kwargs["forward_pass_recipe"] = resolve_recipe(args.recipe, device) or None
     try:
         config = EngineConfig(**kwargs)
     except ValueError as exc:

@@ -1,0 +1,36 @@
+"""Named recipes of the stock forward pass, for `shapeshift serve --recipe`.
+
+A recipe is a set of knob values (see the stock forward.py docstring). The names here
+are the ones measured on an H200 by hack/bench_decode.py
+(bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json): `torch` is plain PyTorch
+(462.9 tok/s at batch 1 on llama-3.2-1b-shape), `triton` fuses the q/k/v and gate/up
+projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s).
+`auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a GPU, or
+the slow interpreter on a CPU). Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMED_RECIPES: dict[str, dict[str, Any]] = {
+    "torch": {},
+    "triton": {
+        "fuse_qkv": True,
+        "fuse_gate_up": True,
+        "attention_backend": "triton",
+        "norm_backend": "triton",
+        "rotary_backend": "triton",
+        "activation_backend": "triton",
+    },
+}
+RECIPE_CHOICES = ("auto", *NAMED_RECIPES)
+
+
+def resolve_recipe(name: str, device: str) -> dict[str, Any]:
+    """Knob overrides for recipe `name` on `device` ("cpu", "cuda", "cuda:1", ...)."""
+    if name == "auto":
+        name = "triton" if device.startswith("cuda") else "torch"
+    if name not in NAMED_RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_CHOICES)}")
+    return dict(NAMED_RECIPES[name])
