@@ -7,13 +7,18 @@ Data flow:
       caching, CUDA-graph buckets)                                      |     .default()
     kernels/registry.py (tile config per op, CUDA only)                --+     .sample(rng)
     source edits (engine/compile/source_edits.py: batched decode rows  --+     .enumerate()
-      in mixed batches, index_select gather, kernel tiles)                    .validate(recipe)
+      in mixed batches, index_select gather)                                  .validate(recipe)
                                                                               .neighbors(recipe, knob)
+
+    candidate recipe --split_recipe--> (recipe.yaml knobs, EngineConfig overrides, edits)
 
 Knob names carry their target: ``engine.<field>`` becomes an EngineConfig field,
 ``edit.<name>`` switches a source edit of forward.py on or off, ``kernel.<op>`` picks a
-kernel configuration (read by the kernel source edit), and any other name is a recipe
-knob written to the bundle's recipe.yaml. A recipe (a candidate's knob -> value mapping)
+tile configuration for one Triton op, and any other name is a recipe knob written to the
+bundle's recipe.yaml. ``split_recipe`` folds the ``kernel.<op>`` knobs that differ from
+"default" into the forward pass's one ``kernel_configs: {op: config}`` recipe knob, so the
+recipe the forward pass sees holds only knobs it declares (the all-default point, the
+baseline, carries no kernel_configs at all). A recipe (a candidate's knob -> value mapping)
 is always complete: `complete(recipe)` fills missing knobs with their defaults.
 
 The space depends on the device: Triton kernels run on the CPU only through the
@@ -218,13 +223,13 @@ def _constraint_graph_buckets(recipe: Mapping[str, Any]) -> str | None:
 # kernel.<op> knob -> the stock recipe knob that switches that op to its Triton kernel
 KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attention": "attention_backend",
                        "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
+# the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
+KERNEL_CONFIGS_KNOB = "kernel_configs"
 INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256)}
 
 
-def _constraint_kernels_need_edit(recipe: Mapping[str, Any]) -> str | None:
+def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
     tuned = sorted(k for k, v in recipe.items() if k.startswith("kernel.") and v != "default")
-    if tuned and not recipe.get("edit.kernel_tiles"):
-        return f"{', '.join(tuned)} set without edit.kernel_tiles (the stock pass takes no tile configs)"
     off = [k for k in tuned if recipe.get(KERNEL_BACKEND_KNOB.get(k, ""), "torch") != "triton"]
     if off:
         return f"{', '.join(off)} tuned while its backend knob is not triton (the config would never run)"
@@ -278,7 +283,9 @@ def stock_recipe_knobs(source: str) -> dict[str, tuple[str, tuple[Any, ...]]]:
                 break  # the section ended
             continue
         name, spec = m.group(1), m.group(2).strip()
-        if spec == "bool":
+        if spec.startswith("{"):
+            knobs[name] = ("table", ())  # a mapping (gemv_configs, kernel_configs): no grid of its own
+        elif spec == "bool":
             knobs[name] = ("bool", (False, True))
         elif spec == "int":
             knobs[name] = ("int", INT_KNOB_VALUES.get(name, ()))
@@ -425,25 +432,31 @@ def build_search_space(
         constraints.append(("graph buckets", _constraint_graph_buckets))
     if include_kernels is None:
         include_kernels = cuda
-    if include_kernels and include_source_edits:
+    if include_kernels and KERNEL_CONFIGS_KNOB not in declared:
+        # A forward pass without the kernel_configs knob cannot take tile configs: no kernel knobs.
+        log.info("search space: the forward pass declares no %s knob; kernel tile configs are not searched",
+                 KERNEL_CONFIGS_KNOB)
+        include_kernels = False
+    if include_kernels:
         switched = [knob.split(".", 1)[1] for knob, backend in KERNEL_BACKEND_KNOB.items()
                     if any(k.name == backend and "triton" in k.values for k in knobs)]
         kknobs = kernel_knobs(tuple(switched))
         if kknobs:
             knobs.extend(kknobs)
-            constraints.append(("kernels", _constraint_kernels_need_edit))
-    # Drop kernel knobs when their edit is absent (e.g. on CPU), so the constraint cannot dangle.
-    if not any(k.name == "edit.kernel_tiles" for k in knobs):
-        knobs = [k for k in knobs if k.target != "kernel"]
-        constraints = [c for c in constraints if c[0] != "kernels"]
+            constraints.append(("kernels", _constraint_kernels_need_backend))
     return SearchSpace(knobs=knobs, constraints=constraints, device=device)
 
 
 def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(recipe.yaml knobs incl. kernel.*, EngineConfig overrides, enabled source edits)."""
+    """(recipe.yaml knobs, EngineConfig overrides, enabled source edits).
+
+    ``kernel.<op>`` knobs other than "default" become entries of the recipe.yaml knob
+    ``kernel_configs: {op: config}``; with none set, kernel_configs is left out entirely.
+    """
     bundle_recipe: dict[str, Any] = {}
     engine: dict[str, Any] = {}
     edits: list[str] = []
+    kernel_configs: dict[str, Any] = {}
     for name, value in recipe.items():
         prefix, _, rest = name.partition(".")
         if prefix == "engine" and rest:
@@ -451,8 +464,13 @@ def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
         elif prefix == "edit" and rest:
             if value:
                 edits.append(rest)
+        elif prefix == "kernel" and rest:
+            if value not in (None, "default"):
+                kernel_configs[rest] = dict(value)
         else:
             bundle_recipe[name] = value
+    if kernel_configs:
+        bundle_recipe[KERNEL_CONFIGS_KNOB] = {**dict(bundle_recipe.get(KERNEL_CONFIGS_KNOB) or {}), **kernel_configs}
     return bundle_recipe, engine, sorted(edits)
 
 

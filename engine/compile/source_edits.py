@@ -14,11 +14,9 @@ Edits:
                  call instead of one call per sequence (the stock loop is kept for prefill rows)
   index_select_gather  decode attention gathers the cache blocks with one index_select over the
                  flattened block table instead of advanced indexing
-  kernel_tiles   the Triton launchers the recipe switched on (``*_backend: triton``) get the tile
-                 configuration named by ``kernel.<op>`` instead of the registry's default (CUDA)
 
 Switches that the stock module already offers (fused q/k/v and gate/up projections, a
-Triton kernel per op) are recipe knobs, not edits.
+Triton kernel per op and its tile configs) are recipe knobs, not edits.
 '''
 
 from __future__ import annotations
@@ -125,31 +123,6 @@ def paged_attention(q, k_cache, v_cache, ctx, scale, attn_bias=None):  # noqa: F
     return _decode_attention_index_select(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, attn_bias)
 '''
 
-_KERNEL_TILES = '''
-# ---- source edit: kernel_tiles (tile configs of the Triton kernels from the recipe) ----
-import functools as _functools
-
-_BaseBeforeKernelTiles = StockForwardPass
-# recipe knob -> attribute holding the launcher the stock pass picked for that op
-_TILED_LAUNCHERS = {"kernel.rmsnorm": "_triton_rmsnorm", "kernel.decode_attention": "_decode_attention",
-                    "kernel.rotary_kv_write": "_rotary_kv_write", "kernel.silu_and_mul": "_silu_and_mul"}
-
-
-class StockForwardPass(_BaseBeforeKernelTiles):  # noqa: F811 - the edit rebinds the name on purpose
-    def __init__(self, cfg, weights, recipe):
-        from shapeshift.kernels.registry import KernelConfig
-
-        tiles = {k: recipe[k] for k in _TILED_LAUNCHERS if k in recipe}
-        super().__init__(cfg, weights, {k: v for k, v in recipe.items() if k not in tiles})
-        self.recipe = dict(recipe)
-        for knob, value in tiles.items():
-            launcher = getattr(self, _TILED_LAUNCHERS[knob], None)
-            if value in (None, "default") or launcher is None:
-                continue
-            # The registry's per-GPU default is replaced by the searched configuration.
-            setattr(self, _TILED_LAUNCHERS[knob], _functools.partial(launcher, config=KernelConfig.from_dict(value)))
-'''
-
 EDITS: dict[str, SourceEdit] = {
     e.name: e
     for e in (
@@ -158,8 +131,6 @@ EDITS: dict[str, SourceEdit] = {
                    requires="paged_attention("),
         SourceEdit("index_select_gather", "decode attention gathers the cache blocks with one index_select "
                    "instead of 2-D advanced indexing", _INDEX_SELECT_GATHER, requires="paged_attention("),
-        SourceEdit("kernel_tiles", "Triton kernels launched with the recipe's kernel.<op> tile configs",
-                   _KERNEL_TILES, cuda_only=True),
     )
 }
 ORDER = tuple(EDITS)  # application order: later edits build on earlier ones

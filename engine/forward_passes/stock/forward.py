@@ -24,6 +24,10 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       bf16 rounding of the logits, no cast launch)
   gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
                                       dicts) overriding the per-shape defaults, e.g. from tuning
+  kernel_configs: {"op": config}      tile config (KernelConfig dict) per Triton op the backend
+                                      knobs switched on (rmsnorm, decode_attention,
+                                      rotary_kv_write, silu_and_mul), replacing the registry's
+                                      per-GPU default; an op whose backend is torch is refused
   fuse_gate_up_activation: bool       SiLU-and-mul in the gate/up GEMV's epilogue (needs
                                       fuse_gate_up and linear_backend: triton; <= 16 rows)
   fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv and
@@ -37,6 +41,7 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -213,7 +218,7 @@ class StockForwardPass:
         self.recipe = dict(recipe)
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
-                 "fuse_gate_up_activation", "fuse_norm_into_linear"}
+                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -247,6 +252,7 @@ class StockForwardPass:
             if not self.fuse_gate_up or cfg.family == "moe":
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true on a dense model")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
+        self._apply_kernel_configs(self.recipe.get("kernel_configs") or {})
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
         # Per-call state of forward() read by attention(); thread-local because the hot-reload
         # smoke test runs the serving pass off the serving thread at the same time.
@@ -271,6 +277,25 @@ class StockForwardPass:
                                or cfg.family == "moe"):
             raise ValueError("recipe fuse_norm_into_linear needs linear_backend: triton, fuse_qkv: true and "
                              "fuse_gate_up: true on a dense model")
+
+    def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
+        """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
+        if not isinstance(table, dict):
+            raise ValueError(f"recipe kernel_configs must map an op name to a kernel config dict, got {table!r}")
+        for op, config in table.items():
+            if op not in KERNEL_CONFIG_OPS:
+                raise ValueError(f"recipe kernel_configs names unknown op {op!r}; known: {sorted(KERNEL_CONFIG_OPS)}")
+            attribute, backend_knob = KERNEL_CONFIG_OPS[op]
+            launcher = getattr(self, attribute)
+            if launcher is None:
+                raise ValueError(f"recipe kernel_configs[{op!r}] needs {backend_knob}: triton (the torch path "
+                                 "takes no tile config); drop the entry or switch the backend")
+            try:
+                kernel_config = _kernel_config(config)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"recipe kernel_configs[{op!r}] must be a kernel config dict with a 'variant' and "
+                                 f"its tile parameters ({exc})") from exc
+            setattr(self, attribute, functools.partial(launcher, config=kernel_config))
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -481,6 +506,20 @@ class StockForwardPass:
         # Decode: one token per sequence, so every row is a last row (no gather launches).
         x, _ = self.norm(h, self.final_norm, residual)
         return self.linear(x, self.lm_head, float32_out=True)  # [B, V] float32
+
+
+# kernel_configs op -> (attribute holding its launcher, the recipe knob that switches it on)
+KERNEL_CONFIG_OPS = {"rmsnorm": ("_triton_rmsnorm", "norm_backend"),
+                     "decode_attention": ("_decode_attention", "attention_backend"),
+                     "rotary_kv_write": ("_rotary_kv_write", "rotary_backend"),
+                     "silu_and_mul": ("_silu_and_mul", "activation_backend")}
+
+
+def _kernel_config(config: Any) -> Any:
+    """A KernelConfig from a recipe dict (or an existing KernelConfig)."""
+    from shapeshift.kernels.registry import KernelConfig
+
+    return config if isinstance(config, KernelConfig) else KernelConfig.from_dict(config)
 
 
 def _gemv_overrides(table: dict[str, Any]) -> dict[tuple[int, int], Any]:

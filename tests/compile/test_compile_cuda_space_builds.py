@@ -1,0 +1,120 @@
+"""The CUDA search space's recipes build the stock forward pass (checked on the CPU).
+
+Data flow: build_search_space(device="cuda") (Triton backends, kernel.<op> tile knobs) ->
+baseline + sampled + hand-picked candidates -> EngineEvaluator.materialize (split_recipe,
+source edits, bundle with recipe.yaml) -> load_bundle_isolated -> module.build() on the
+weights of a tiny CPU engine. Only build() runs (no forward), so Triton is imported but no
+kernel is launched; this is the stage where a recipe knob the pass does not declare, or a
+tile config that never reaches a launcher, shows up.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+pytest.importorskip("triton")
+
+from shapeshift.engine.bundle import load_recipe  # noqa: E402
+from shapeshift.engine.compile.candidate import Candidate  # noqa: E402
+from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings  # noqa: E402
+from shapeshift.engine.compile.search_space import (KERNEL_BACKEND_KNOB, build_search_space,  # noqa: E402
+                                                    split_recipe, stock_recipe_knobs)
+from shapeshift.engine.config import EngineConfig  # noqa: E402
+from shapeshift.engine.hot_reload import load_bundle_isolated  # noqa: E402
+from shapeshift.engine.llm_engine import LLMEngine  # noqa: E402
+from shapeshift.engine.traffic import builtin_profile  # noqa: E402
+from shapeshift.kernels.registry import KernelConfig  # noqa: E402
+
+# kernel.<op> knob -> attribute of the stock pass holding that op's launcher
+LAUNCHER_ATTRIBUTE = {"kernel.rmsnorm": "_triton_rmsnorm", "kernel.decode_attention": "_decode_attention",
+                      "kernel.rotary_kv_write": "_rotary_kv_write", "kernel.silu_and_mul": "_silu_and_mul"}
+
+
+@pytest.fixture(scope="module")
+def evaluator(tmp_path_factory):
+    ev = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(work_dir=str(tmp_path_factory.mktemp("work"))))
+    yield ev
+    ev.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_space(evaluator):
+    """The space the compile loop builds on an H200, built here without a GPU (device string only)."""
+    return build_search_space(device="cuda:0", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
+                              stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return LLMEngine(EngineConfig(model="tiny-llama", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_model_len=64, block_size=4, max_num_batched_tokens=16))
+
+
+def _build(evaluator, engine, cand: Candidate):
+    loaded = load_bundle_isolated(evaluator.materialize(cand))
+    try:
+        return dict(loaded.recipe), loaded.module.build(engine.model_config, engine.weights, dict(loaded.recipe))
+    finally:
+        loaded.unload()
+
+
+def _all_kernels_tuned(space) -> dict:
+    """Every Triton backend on (with what it needs) and every kernel.<op> at a non-default config."""
+    recipe = space.default()
+    recipe.update({backend: "triton" for backend in KERNEL_BACKEND_KNOB.values() if backend in space.names})
+    recipe["fuse_gate_up"] = True
+    for name in space.names:
+        if name.startswith("kernel."):
+            recipe[name] = space.knob(name).values[-1]
+    assert space.validate(recipe) == []
+    return recipe
+
+
+def test_cuda_space_has_kernel_knobs_and_declared_recipe_knobs_only(evaluator, cuda_space) -> None:
+    kernel_names = sorted(n for n in cuda_space.names if n.startswith("kernel."))
+    assert kernel_names == sorted(KERNEL_BACKEND_KNOB), kernel_names
+    declared = set(stock_recipe_knobs(evaluator.stock_source))
+    assert "kernel_configs" in declared
+    for cand_recipe in (cuda_space.default(), _all_kernels_tuned(cuda_space)):
+        bundle_recipe, _, _ = split_recipe(cand_recipe)
+        assert set(bundle_recipe) <= declared, sorted(set(bundle_recipe) - declared)
+    # The baseline is the stock recipe with no overrides: no kernel_configs at all.
+    assert "kernel_configs" not in split_recipe(cuda_space.default())[0]
+
+
+def test_cuda_baseline_and_candidates_build_the_stock_pass(evaluator, cuda_space, tiny_engine) -> None:
+    rng = random.Random(0)
+    candidates = [Candidate(cuda_space.default(), None, "baseline", "stock")]
+    candidates += [Candidate(cuda_space.sample(rng), None, "sample") for _ in range(4)]
+    tuned = _all_kernels_tuned(cuda_space)
+    candidates.append(Candidate(tuned, None, "kernels"))
+    for cand in candidates:
+        recipe, fp = _build(evaluator, tiny_engine, cand)
+        assert fp.recipe == recipe
+        for knob, attribute in LAUNCHER_ATTRIBUTE.items():
+            value = cand.recipe.get(knob, "default")
+            launcher = getattr(fp, attribute)
+            if value == "default":
+                # The registry's per-GPU default: the plain launcher (or torch when the backend is off).
+                assert not isinstance(launcher, functools.partial), (knob, cand.recipe)
+            else:
+                # The searched tile config reaches the launcher as its config= argument.
+                assert isinstance(launcher, functools.partial), (knob, cand.recipe)
+                assert launcher.keywords["config"] == KernelConfig.from_dict(value)
+    # The hand-picked candidate really tuned every op (so the loop above checked each launcher).
+    recipe, fp = _build(evaluator, tiny_engine, candidates[-1])
+    assert sorted(recipe["kernel_configs"]) == sorted(k.split(".", 1)[1] for k in LAUNCHER_ATTRIBUTE)
+    assert all(isinstance(getattr(fp, a), functools.partial) for a in LAUNCHER_ATTRIBUTE.values())
+
+
+def test_stock_pass_refuses_kernel_configs_without_their_backend(evaluator, cuda_space, tiny_engine) -> None:
+    from shapeshift.engine.forward_passes.stock import forward
+
+    config = cuda_space.knob("kernel.rmsnorm").values[-1]
+    with pytest.raises(ValueError, match="norm_backend: triton"):
+        forward.build(tiny_engine.model_config, tiny_engine.weights, {"kernel_configs": {"rmsnorm": config}})
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        forward.build(tiny_engine.model_config, tiny_engine.weights, {"kernel_configs": {"nope": config}})
