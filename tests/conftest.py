@@ -25,6 +25,15 @@ unless SHAPESHIFT_SKIP_CLUSTER=1 is set, which turns that one case into a skip.
 from __future__ import annotations
 
 import os
+
+# Triton reads TRITON_INTERPRET once, when it is first imported. Without a GPU the
+# kernels run in its CPU interpreter, so the variable must be set before any test
+# module (engine, compile, kernels alike) imports triton: this file loads first.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 import re
 import uuid
 
