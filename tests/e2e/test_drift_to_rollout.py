@@ -1,0 +1,342 @@
+"""Drift to rollout in one chain: traffic drifts, the operator compiles, verifies and rolls the winner out.
+
+Data flow under test:
+    test: InferenceDeployment (tiny-llama, CPU pool, 2 replicas, policy OnDrift, artifact store,
+          HotReload canary 1) -> the operator (in-process kopf, admin kubeconfig) -> engine Deployment
+      -> kube-controller-manager, kube-scheduler, kwok -> 2 Running pods
+      -> harness.kubelet (run_pod_locally, background) -> one real `shapeshift serve` per pod on its own
+         loopback port, the artifact claim mapped to one shared folder
+      -> Prometheus (static targets labelled pod/namespace/deployment) scrapes their /metrics
+    short-prompt requests -> the drift timer observes them (no baseline yet: NoBaseline) -> the test
+         records that observation as what the running pass was compiled for (status.compiledFor, as a
+         finished rollout writes it) -> the next checks are Stable
+    long-prompt requests -> the drift timer: Drifting, then Compile -> exactly one CompileRun, owned by
+         the deployment, carrying the long-prompt snapshot -> Job -> pod bound on the CPU pool
+      -> harness.kubelet runs the pod's own `shapeshift compile --compile-run ns/run` with a token of the
+         pod's ServiceAccount; ConfigMap/emptyDir volumes as folders, the artifact claim as the shared folder
+      -> the worker searches (the deployment's batch of 2 is deliberately narrow for 64 replayed requests:
+         a wider batch is a measurable, legitimate gain) and publishes a verified ForwardPass into the store
+      -> the run Succeeds; the rollout timer takes its champion: canary pod annotated -> that engine
+         hot-reloads (sha256 checked) -> Prometheus analysis under load -> promoted to every pod,
+         each pod's /metrics reporting the new sha256.
+
+If the worker honestly finds no champion, the chain is asserted up to the run's Succeeded status and the
+agreement of its status with the (absent) ForwardPass objects, and the rollout part is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.cluster import wait_until
+from harness.controlplane import POOL_LABEL, free_port
+from harness.kubelet import local_claim
+from test_compile_end_to_end import bundle_digest_of_archive, emulate_volumes, pod_token_kubeconfig
+
+# Fast timers, read when the operator modules are first imported (this test imports them).
+os.environ.setdefault("SHAPESHIFT_RESYNC_SECONDS", "2")
+os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+NAME, MODEL, CLAIM, SUB_PATH = "llama", "tiny-llama", "artifacts", "llama"
+REPLICAS = 2
+DEPLOYED_BATCH = 2  # narrow on purpose: the search has a real gain to find in max_num_seqs
+CHECK_INTERVAL = 10  # the smallest check interval the CRD allows
+SHORT_PROMPT, LONG_PROMPT, OUTPUT = (12, 24), (140, 200), 8
+TRIALS = 16  # the sweep reaches the engine knobs (after recipe knobs and source edits) within it
+
+
+@pytest.fixture
+def crds(cluster):
+    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
+        cluster.apply(path)
+    for name in ("inferencedeployments", "compileruns", "forwardpasses"):
+        cluster.wait_for_crd(f"{name}.{GROUP}")
+    return cluster
+
+
+@pytest.fixture
+def artifact_store(crds, namespace, tmp_path):
+    folder = tmp_path / "artifact-store"
+    volume = local_claim(crds.api_client, namespace, CLAIM, folder)
+    yield folder
+    crds.core.delete_persistent_volume(volume)
+
+
+# ---- reading the cluster and the engines -----------------------------------------------------
+
+
+def get(cluster, namespace, plural, name) -> dict:
+    return cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+
+
+def listed(cluster, namespace, plural) -> list[dict]:
+    return cluster.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)["items"]
+
+
+def idep_status(cluster, namespace) -> dict:
+    return get(cluster, namespace, "inferencedeployments", NAME).get("status") or {}
+
+
+def conditions(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def forward_pass_info(base_url: str) -> dict[str, str]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "shapeshift_forward_pass_info":
+                return dict(sample.labels)
+    raise AssertionError(f"{base_url} exposes no shapeshift_forward_pass_info")
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    """A prompt of exactly `length` token ids (no tokenizer in between, so lengths are exact)."""
+    return [5 + (seed * 31 + j * 7) % 200 for j in range(length)]
+
+
+def send(urls: list[str], count: int, lengths: tuple[int, int], concurrency: int = 1) -> None:
+    """`count` completions spread over the engines, `concurrency` in flight at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    low, high = lengths
+
+    def one(i: int) -> None:
+        r = httpx.post(f"{urls[i % len(urls)]}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": token_prompt(low + (i * 13) % (high - low + 1), i),
+            "max_tokens": OUTPUT, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(count)))
+
+
+class Load:
+    """One client per engine sending short greedy completions back to back (the analysis needs traffic)."""
+
+    def __init__(self, base_urls: list[str]):
+        self.stop_event = threading.Event()
+        self.statuses: list[int] = []
+        self.threads = [threading.Thread(target=self.client, args=(url,), daemon=True) for url in base_urls]
+
+    def client(self, base_url: str) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_event.is_set():
+                try:
+                    r = client.post(f"{base_url}/v1/completions", json={
+                        "model": MODEL, "prompt": token_prompt(LONG_PROMPT[0], n), "max_tokens": 4,
+                        "temperature": 0})
+                    self.statuses.append(r.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(-1)
+                n += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(60)
+
+
+class DriftDecisions(logging.Handler):
+    """The drift timer's decisions, in order, as the operator logs them ("drift check: <Decision> ...")."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.decisions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("drift check: "):
+            self.decisions.append(message.split("drift check: ", 1)[1].split()[0].rstrip(","))
+
+
+# ---- the test --------------------------------------------------------------------------------
+
+
+def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, run_pod_locally, prometheus,
+                                                               artifact_store, tmp_path, monkeypatch):
+    from kopf.testing import KopfRunner
+
+    cluster = crds
+    started = time.monotonic()
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    monkeypatch.setenv("SHAPESHIFT_ROLLOUT_MIN_REQUESTS", "5")
+    import shapeshift.operator.handlers  # noqa: F401  (registers the handlers, the drift timer included)
+
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": NAME},
+        "spec": {
+            "model": {"preset": MODEL}, "hardware": {"accelerator": "cpu"}, "replicas": REPLICAS,
+            "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16},
+            "artifacts": {"pvc": {"claimName": CLAIM, "subPath": SUB_PATH}},
+            "compilation": {"policy": "OnDrift", "cooldownSeconds": 3600,
+                            "budget": {"trials": TRIALS, "wallClockSeconds": 150, "deadlineGraceSeconds": 120},
+                            "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": CHECK_INTERVAL,
+                                      "windowSeconds": 60, "promptLengthRelativeChange": 0.3,
+                                      "prefixHitRateAbsoluteChange": 0.5}},
+            "rollout": {"strategy": "HotReload", "canaryReplicas": 1, "analysisWindowSeconds": 12,
+                        "allowedRegression": 1.0, "loadTimeoutSeconds": 120},
+        }})
+    selector = f"shapeshift.dev/inference-deployment={NAME}"
+    drift_log = DriftDecisions()
+    operator_logger = logging.getLogger("kopf.objects")
+    operator_logger.addHandler(drift_log)
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        # ---- engine pods as real servers, scraped by Prometheus -----------------------------
+        def running_pods():
+            pods = cluster.core.list_namespaced_pod(namespace, label_selector=selector).items
+            running = [p for p in pods if p.spec.node_name and p.status.phase == "Running"]
+            return sorted(p.metadata.name for p in running) if len(running) == REPLICAS else None
+
+        names = wait_until(running_pods, 60, f"{REPLICAS} engine pods Running on the cpu pool")
+        ports = {name: free_port() for name in names}
+        server = prometheus([{
+            "job_name": "engines", "scrape_interval": "1s", "scrape_timeout": "1s",
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
+                                "labels": {"pod": name, "namespace": namespace, "deployment": NAME}}
+                               for name, port in ports.items()]}])
+        env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONSAFEPATH": "1",
+               "SHAPESHIFT_CACHE": str(tmp_path / "engine-cache")}
+        for name, port in ports.items():
+            run_pod_locally(namespace, name, background=True, extra_env=env, pvc_dirs={CLAIM: artifact_store},
+                            flag_overrides={"--host": "127.0.0.1", "--port": str(port), "--num-kv-blocks": "64"})
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+
+        def healthy(url):
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        for url in urls.values():
+            wait_until(lambda url=url: healthy(url), 120, f"engine at {url} healthy", interval_s=0.5)
+        server.wait_for("count(shapeshift_forward_pass_info)", lambda v: v >= REPLICAS, timeout_s=30)
+        stock = forward_pass_info(next(iter(urls.values())))["sha256"]
+        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", NAME,
+                                                      {"spec": {"prometheusUrl": server.url}})
+
+        # ---- short prompts: observed, adopted as the baseline, then stable -------------------
+        send(list(urls.values()), 30, SHORT_PROMPT)
+        short = wait_until(lambda: idep_status(cluster, namespace).get("observedTraffic"), 2 * CHECK_INTERVAL + 20,
+                           "the short-prompt traffic observed")
+        assert short["promptLength"]["p50"] <= 32, short
+        assert conditions(idep_status(cluster, namespace))["Drifted"]["reason"] == "NoBaseline"
+        # What the running pass is taken to be compiled for: the traffic it serves now.
+        cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "inferencedeployments",
+                                                             NAME, {"status": {"compiledFor": short}})
+        wait_until(lambda: conditions(idep_status(cluster, namespace))["Drifted"]["reason"] == "WithinThresholds",
+                   2 * CHECK_INTERVAL + 10, "a Stable check against the short-prompt baseline")
+        assert listed(cluster, namespace, "compileruns") == []
+
+        # ---- long prompts: drift within two checks, one CompileRun ----------------------------
+        # A burst of them, 8 in flight: more than the deployment's batch of 2 can take at once.
+        send(list(urls.values()), 120, LONG_PROMPT, concurrency=8)
+        (run,) = wait_until(lambda: listed(cluster, namespace, "compileruns"), 3 * CHECK_INTERVAL + 20,
+                            "a drift-triggered CompileRun")
+        run_name = run["metadata"]["name"]
+        assert run["metadata"]["ownerReferences"][0]["name"] == NAME
+        assert run["spec"]["trigger"]["reason"] == "Drift"
+        assert run["spec"]["budget"] == {"trials": TRIALS, "wallClockSeconds": 150, "deadlineGraceSeconds": 120}
+        assert LONG_PROMPT[0] * 0.7 <= run["spec"]["traffic"]["inline"]["promptLength"]["p50"] <= 256, run["spec"]
+        # The run is created first, the deployment's status follows in the same check.
+        st = wait_until(lambda: (lambda s: s if s.get("lastCompileRun") else None)(idep_status(cluster, namespace)),
+                        10, "status.lastCompileRun")
+        assert st["lastCompileRun"] == run_name
+        assert conditions(st)["Drifted"]["reason"] in ("CompileRunCreated", "CompileInProgress")
+        decisions = list(drift_log.decisions)
+        after_stable = decisions[len(decisions) - decisions[::-1].index("Stable"):]
+        assert after_stable[:2] == ["Drifting", "Compile"], decisions
+
+        # ---- the Job's pod runs the real compile worker --------------------------------------
+        def bound_pod():
+            pods = cluster.core.list_namespaced_pod(
+                namespace, label_selector=f"shapeshift.dev/compile-run={run_name}").items
+            bound = [p for p in pods if p.spec.node_name]
+            return cluster.api_client.sanitize_for_serialization(bound[0]) if bound else None
+
+        pod = wait_until(bound_pod, 45, "the compile pod to be bound to a node")
+        assert cluster.core.read_node(pod["spec"]["nodeName"]).metadata.labels[POOL_LABEL] == "cpu"
+        (container,) = pod["spec"]["containers"]
+        assert [*container["command"], *container["args"]] == ["shapeshift", "compile", "--compile-run",
+                                                               f"{namespace}/{run_name}"]
+        worker_env, _ = emulate_volumes(cluster, pod, tmp_path / "volumes")
+        kubeconfig = pod_token_kubeconfig(cluster, pod, tmp_path / "pod-token-kubeconfig")
+        worker_env.update(PATH=env["PATH"], KUBECONFIG=str(kubeconfig), PYTHONSAFEPATH="1")
+        compile_started = time.monotonic()
+        local = run_pod_locally(namespace, pod["metadata"]["name"], timeout_s=240, extra_env=worker_env,
+                                pvc_dirs={CLAIM: artifact_store})
+        output = local.output()
+        print(f"compile worker took {time.monotonic() - compile_started:.0f}s")
+        assert local.exit_codes == {"compile": 0}, output[-6000:]
+        assert "Traceback" not in output, output[-6000:]
+
+        run_st = wait_until(lambda: (lambda s: s if s.get("phase") in ("Succeeded", "Failed") else None)(
+            get(cluster, namespace, "compileruns", run_name).get("status") or {}), 60, "the run to finish")
+        assert run_st["phase"] == "Succeeded", run_st
+        assert conditions(run_st)["Complete"]["status"] == "True"
+        assert run_st["trials"]["total"] >= 1 and run_st["trials"]["failed"] == 0, run_st["trials"]
+        print(f"run {run_name}: {run_st['message']}; leaderboard {run_st.get('leaderboard')}")
+        fps = listed(cluster, namespace, "forwardpasses")
+        assert len(listed(cluster, namespace, "compileruns")) == 1  # cooldown and in-progress: no second run
+        if not run_st.get("champion"):
+            assert fps == [] and "bestSpeedup" not in run_st, (fps, run_st)
+            assert run_st["message"].startswith("no verified improvement"), run_st["message"]
+            assert not list(artifact_store.rglob("*.tar.gz"))
+            pytest.skip(f"the compile worker published no champion ({run_st['message']}); rollout not exercised")
+
+        (fp,) = fps
+        assert fp["metadata"]["name"] == run_st["champion"]
+        spec = fp["spec"]
+        digest = spec["artifact"]["sha256"]
+        assert digest != stock
+        assert spec["verification"]["passed"] is True and spec["compileRun"] == f"{namespace}/{run_name}"
+        assert spec["metrics"]["speedup"] == pytest.approx(run_st["bestSpeedup"]) and run_st["bestSpeedup"] > 1.0
+        archive = Path(urllib.parse.unquote(urllib.parse.urlparse(spec["artifact"]["uri"]).path))
+        assert archive.is_relative_to(artifact_store.resolve()) and archive.is_file(), spec["artifact"]
+        assert bundle_digest_of_archive(archive) == digest
+        assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "true"
+
+        # ---- rollout: canary first, then every pod --------------------------------------------
+        with Load(list(urls.values())) as load:
+            st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
+                idep_status(cluster, namespace)), 120, "the canary to report the champion (Analyzing)",
+                interval_s=0.5)
+            (canary,) = st["rollout"]["canaryPods"]
+            running = {name: forward_pass_info(url)["sha256"] for name, url in urls.items()}
+            assert running[canary] == digest
+            assert all(sha == stock for name, sha in running.items() if name != canary), running
+            st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Complete" else None)(
+                idep_status(cluster, namespace)), 120, "promotion to every pod (Complete)", interval_s=0.5)
+        assert load.statuses.count(200) >= 5 and set(load.statuses) == {200}, sorted(set(load.statuses))
+        for name, url in urls.items():
+            assert forward_pass_info(url)["sha256"] == digest, name
+        assert st["activeForwardPass"]["name"] == fp["metadata"]["name"] and st["activeForwardPass"]["sha256"] == digest
+        assert all(p["sha256"] == digest for p in st["pods"]) and sorted(p["name"] for p in st["pods"]) == sorted(urls)
+        assert conditions(st)["ForwardPassRolledOut"]["reason"] == "RolledOut"
+        assert st["compiledFor"]["promptLength"]["p50"] >= LONG_PROMPT[0] * 0.7, st["compiledFor"]
+    assert runner.exception is None, runner.output[-4000:]
+    operator_logger.removeHandler(drift_log)
+    assert drift_log.decisions.count("Compile") == 1, drift_log.decisions
+    print(f"drift to rollout took {time.monotonic() - started:.0f}s")
