@@ -20,6 +20,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NS=/tmp/shapeshift-ns
 mkdir -p "$NS/shapeshift"
 for d in engine kernels operator; do ln -sfn "$REPO_ROOT/$d" "$NS/shapeshift/$d"; done
+# Packages the GPU machine lacks (pydantic for traffic profiles and the compile loop)
+# travel as wheels in .whl/ (ignored by git), fetched beforehand on a networked machine:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated-types \
+#     typing-inspection typing_extensions
 SITE=/tmp/shapeshift-site
 if compgen -G "$REPO_ROOT/.whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
