@@ -23,7 +23,7 @@ for d in engine kernels operator; do ln -sfn "$REPO_ROOT/$d" "$NS/shapeshift/$d"
 # Packages the GPU machine lacks (pydantic for traffic profiles and the compile loop)
 # travel as wheels in .whl/ (ignored by git), fetched beforehand on a networked machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --platform manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated-types \
+#     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types \
 #     typing-inspection typing_extensions
 SITE=/tmp/shapeshift-site
 if compgen -G "$REPO_ROOT/.whl/*.whl" >/dev/null; then
