@@ -115,7 +115,10 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
                              what="a drift-triggered CompileRun")
         assert len(created) == 1
         run = created[0]
-        status = idep()["status"]
+        # The CompileRun is created before the deployment's status names it (two API
+        # writes), so wait for the status patch instead of reading it once.
+        status = wait_until(lambda: (idep().get("status") or {}).get("lastCompileRun") and idep()["status"],
+                            timeout_s=30, what="status.lastCompileRun")
         assert status["lastCompileRun"] == run["metadata"]["name"]
         assert run["metadata"]["ownerReferences"][0]["name"] == "llama"
         assert run["spec"]["trigger"]["reason"] == "Drift"
