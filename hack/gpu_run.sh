@@ -5,7 +5,8 @@
 #   hack/gpu_run.sh [tests] [kernels] [decode] [reload] [compile] [parallel]
 #   (default: tests kernels decode reload)
 # Results land in bench/results/; logs and a tarball of the results go to
-# $OUT when it is set.
+# $OUT when it is set. Every step runs even when an earlier one fails; the exit
+# status is non-zero when any did, and the last line names them.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$REPO_ROOT/bench/out}"
@@ -36,6 +37,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
 steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests kernels decode reload)
 cd "$REPO_ROOT"
+failed=()
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
@@ -49,6 +51,13 @@ for step in "${steps[@]}"; do
               timeout "${COMPILE_TIMEOUT_S:-330}" python3 -c 'import sys; from shapeshift.engine.compile.cli import main; sys.exit(main())' \
                 --model llama-3.2-1b-shape --profile chat --agents sweep,evolve \
                 --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/compile-h200-chat" 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
+    *)        echo "unknown step $step (tests kernels decode reload compile parallel)" >&2; false ;;
   esac
+  # pipefail: the status of the step's command, not of tee or tail.
+  (( $? == 0 )) || failed+=("$step")
 done
 tar czf "$OUT/results.tgz" -C "$REPO_ROOT/bench" results
+if (( ${#failed[@]} )); then
+  echo "=== failed steps: ${failed[*]}"
+  exit 1
+fi

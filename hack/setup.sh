@@ -26,8 +26,9 @@ else
 fi
 # The environment is shared by every checkout that uses this cache; the editable
 # install must point at this one (a CI clone, a second worktree), not the last
-# checkout that installed it.
-installed="$(cd / && "$VENV/bin/python" -c 'import os, shapeshift.engine as e; print(os.path.dirname(os.path.dirname(os.path.realpath(e.__file__))))' 2>/dev/null || true)"
+# checkout that installed it. find_spec locates the package without running it
+# (milliseconds, and a broken engine/__init__.py cannot make this check fail).
+installed="$(cd / && "$VENV/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(os.path.realpath(u.find_spec("shapeshift.engine").origin))))' 2>/dev/null || true)"
 if [[ "$installed" != "$(realpath "$REPO_ROOT")" ]]; then
   log "pointing the editable install at $REPO_ROOT (was: ${installed:-none})"
   "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO_ROOT"

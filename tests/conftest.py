@@ -29,11 +29,25 @@ import os
 # Triton reads TRITON_INTERPRET once, when it is first imported. Without a GPU the
 # kernels run in its CPU interpreter, so the variable must be set before any test
 # module (engine, compile, kernels alike) imports triton: this file loads first.
-if "TRITON_INTERPRET" not in os.environ:
+# Asking torch costs about 1.5 s of import per pytest run, and most test folders never
+# import torch, so machines without the NVIDIA driver's libcuda are answered first.
+
+
+def _cuda_available() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")  # only loads the library; CUDA is not initialised
+    except OSError:
+        return False  # no NVIDIA driver: torch.cuda would find no GPU either
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+    return torch.cuda.is_available()
+
+
+if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import re
 import uuid
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,23 @@ def test_failed_startup_stops_every_process_it_started(cluster, tmp_path):
     with pytest.raises(ControlPlaneError, match="timed out waiting for kube-apiserver"):
         plane.start(timeout_s=0.5)
     assert (tmp_path / "doomed" / "logs" / "etcd.log").exists()  # it did get as far as etcd
+    assert processes_in(plane.workdir) == []
+
+
+def test_a_part_exiting_during_startup_fails_it_at_once_with_that_parts_log(cluster, tmp_path):
+    if not cluster.local:
+        pytest.skip("checks the local control plane; this run uses $SHAPESHIFT_TEST_KUBECONFIG")
+
+    class BrokenEtcd(ControlPlane):
+        def _start_etcd(self) -> None:
+            self._spawn("etcd", ["--no-such-flag"])
+
+    plane = BrokenEtcd(tmp_path / "broken")
+    started = time.monotonic()
+    with pytest.raises(ControlPlaneError, match=r"etcd exited with code \d+ while waiting for etcd") as failed:
+        plane.start(timeout_s=60)
+    assert time.monotonic() - started < 20  # the exit was noticed; the 60 s deadline was not waited out
+    assert "no-such-flag" in str(failed.value)  # etcd's own complaint, from its log
     assert processes_in(plane.workdir) == []
 
 

@@ -44,6 +44,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 if __name__ == "__main__" and not __package__:
     # Run as a script: make `harness` importable (tests/ is its parent folder).
@@ -497,6 +498,59 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+def spawn(argv: list[str], log_path: Path, *, cwd: Path, env: dict[str, str] | None = None,
+          detach: bool = False) -> subprocess.Popen:
+    """Start `argv` with stdin closed and stdout+stderr appended to `log_path`.
+
+    `env` is added to this process's environment. detach=False: the child gets SIGTERM when
+    this process dies, so a crashed test run leaves nothing behind; detach=True: it runs in
+    its own session and outlives this process (`hack/cluster.sh up`).
+    """
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=None if env is None else {**os.environ, **env},
+            start_new_session=detach,
+            preexec_fn=None if detach else _die_with_parent,
+        )
+
+
+def wait_ready(
+    probe: Callable[[], bool],
+    deadline: float,
+    what: str,
+    processes: dict[str, tuple[subprocess.Popen, Path]],
+    log: Path,
+    error: type[Exception] = RuntimeError,
+) -> None:
+    """Poll `probe` every 0.1 s until it returns True.
+
+    Raises `error` at once when one of `processes` ({name: (process, its log)}) exits, or when
+    time.monotonic() passes `deadline`; the message ends with the tail of the log that explains
+    it (`log` for a timeout). A probe raising OSError (refused connection, an HTTP error status,
+    TLS not up yet: URLError and SSLError are OSErrors) counts as not ready.
+    """
+    while True:
+        for name, (process, process_log) in processes.items():
+            if process.poll() is not None:
+                raise error(
+                    f"{name} exited with code {process.returncode} while waiting for {what}; "
+                    f"last lines of {process_log}:\n{_tail(process_log)}"
+                )
+        try:
+            if probe():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise error(f"timed out waiting for {what}; last lines of {log}:\n{_tail(log)}")
+        time.sleep(0.1)
+
+
 # --------------------------------------------------------------------------- control plane
 
 
@@ -607,21 +661,12 @@ class ControlPlane:
         (self.workdir / "kwok-home").mkdir(exist_ok=True)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        binary = str(tools.require(name))
-        log = open(self.logs / f"{name}.log", "ab")
-        child = subprocess.Popen(
-            [binary, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.workdir,
-            env={**os.environ, **(env or {})},
-            start_new_session=self.detach,
-            preexec_fn=None if self.detach else _die_with_parent,
-        )
-        log.close()
+        child = spawn([str(tools.require(name)), *args], self._log(name), cwd=self.workdir, env=env, detach=self.detach)
         self._children[name] = child
         self.pids[name] = child.pid
+
+    def _log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
 
     def _start_etcd(self) -> None:
         client = f"http://127.0.0.1:{self.ports['etcd']}"
@@ -669,16 +714,24 @@ class ControlPlane:
             ],
         )
 
+    def _component_flags(self, name: str) -> list[str]:
+        """What controller-manager and scheduler share: their own kubeconfig (for the API and
+        for delegated authentication/authorization) and a loopback-only secure port."""
+        kubeconfig = self.workdir / f"{name.removeprefix('kube-')}.kubeconfig"
+        return [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.ports[name]}",
+            "--profiling=false",
+        ]
+
     def _start_controller_manager(self) -> None:
-        kubeconfig = self.workdir / "controller-manager.kubeconfig"
         self._spawn(
             "kube-controller-manager",
             [
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports['kube-controller-manager']}",
+                *self._component_flags("kube-controller-manager"),
                 # Token controller: signs legacy SA token secrets and puts the CA in them.
                 f"--service-account-private-key-file={self.pki / 'sa.key'}",
                 f"--root-ca-file={self.pki / 'ca.crt'}",
@@ -691,24 +744,11 @@ class ControlPlane:
                 "--leader-elect=false",  # one instance; skips waiting for a lease
                 "--kube-api-qps=500",
                 "--kube-api-burst=1000",
-                "--profiling=false",
             ],
         )
 
     def _start_scheduler(self) -> None:
-        kubeconfig = self.workdir / "scheduler.kubeconfig"
-        self._spawn(
-            "kube-scheduler",
-            [
-                f"--kubeconfig={kubeconfig}",
-                f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={self.ports['kube-scheduler']}",
-                "--leader-elect=false",
-                "--profiling=false",
-            ],
-        )
+        self._spawn("kube-scheduler", [*self._component_flags("kube-scheduler"), "--leader-elect=false"])
 
     def _start_kwok(self) -> None:
         key, value = KWOK_NODE_ANNOTATION
@@ -763,32 +803,18 @@ class ControlPlane:
                     ready.add(node.metadata.name)
             return expected <= ready
 
-        self._wait(deadline, "kube-controller-manager (default ServiceAccount)", default_service_account)
+        self._wait(deadline, "kube-controller-manager", default_service_account, "default ServiceAccount")
         self._wait(deadline, "kube-scheduler", lambda: self._get_component("kube-scheduler", "/healthz") == 200)
-        self._wait(deadline, "kwok (pool nodes Ready and untainted)", nodes_schedulable)
+        self._wait(deadline, "kwok", nodes_schedulable, "pool nodes Ready and untainted")
 
     # ---- probes
 
-    def _wait(self, deadline: float, what: str, probe) -> None:
-        while True:
-            for name, child in self._children.items():
-                if child.poll() is not None:
-                    raise ControlPlaneError(
-                        f"{name} exited with code {child.returncode} while waiting for {what}; "
-                        f"last lines of {self.logs / (name + '.log')}:\n{_tail(self.logs / (name + '.log'))}"
-                    )
-            try:
-                if probe():
-                    return
-            except (OSError, urllib.error.URLError, ssl.SSLError):
-                pass
-            if time.monotonic() > deadline:
-                component = what.split()[0]
-                raise ControlPlaneError(
-                    f"timed out waiting for {what}; logs are in {self.logs}; "
-                    f"last lines of {component}.log:\n{_tail(self.logs / (component + '.log'))}"
-                )
-            time.sleep(0.1)
+    def _wait(self, deadline: float, component: str, probe: Callable[[], bool], detail: str = "") -> None:
+        """Wait for `component` to pass `probe`; fail early if any part exits, at `deadline`
+        with the tail of `component`'s log."""
+        children = {name: (child, self._log(name)) for name, child in self._children.items()}
+        what = f"{component} ({detail})" if detail else component
+        wait_ready(probe, deadline, what, children, self._log(component), error=ControlPlaneError)
 
     def _etcd_healthy(self) -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['etcd']}/health", timeout=2) as response:

@@ -45,6 +45,7 @@ Not modelled: images (the process runs from the local PATH, so a container must 
 
 from __future__ import annotations
 
+import base64
 import datetime
 import math
 import os
@@ -59,6 +60,7 @@ from pathlib import Path
 import kubernetes
 from kubernetes.client import ApiException, CoreV1Api, V1Pod
 
+from harness.cluster import wait_until
 from shapeshift.engine.rollout_protocol import format_downward_api_map
 
 # The process environment a workload starts from, before the pod's own env. A real
@@ -130,32 +132,21 @@ def resolve_env(core: CoreV1Api, pod: V1Pod, container) -> dict[str, str]:
     namespace = pod.metadata.namespace
     env: dict[str, str] = {}
 
-    def config_map(name: str, optional: bool | None) -> dict[str, str]:
+    def read_data(kind: str, name: str, optional: bool | None) -> dict[str, str]:
+        """The key/value data of ConfigMap or Secret `name` (a missing optional one reads as empty)."""
         try:
-            return core.read_namespaced_config_map(name, namespace).data or {}
-        except ApiException as error:
-            if error.status == 404 and optional:
-                return {}
-            raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: ConfigMap {name!r}: {error.reason}") from error
-
-    def secret(name: str, optional: bool | None) -> dict[str, str]:
-        import base64
-
-        try:
+            if kind == "ConfigMap":
+                return core.read_namespaced_config_map(name, namespace).data or {}
             data = core.read_namespaced_secret(name, namespace).data or {}
         except ApiException as error:
             if error.status == 404 and optional:
                 return {}
-            raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: Secret {name!r}: {error.reason}") from error
+            raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: {kind} {name!r}: {error.reason}") from error
         return {key: base64.b64decode(value).decode() for key, value in data.items()}
 
     for source in container.env_from or []:
-        prefix = source.prefix or ""
-        if source.config_map_ref:
-            values = config_map(source.config_map_ref.name, source.config_map_ref.optional)
-        else:
-            values = secret(source.secret_ref.name, source.secret_ref.optional)
-        env.update({prefix + key: value for key, value in values.items()})
+        kind, ref = ("ConfigMap", source.config_map_ref) if source.config_map_ref else ("Secret", source.secret_ref)
+        env.update({(source.prefix or "") + key: value for key, value in read_data(kind, ref.name, ref.optional).items()})
 
     for variable in container.env or []:
         source = variable.value_from
@@ -163,20 +154,14 @@ def resolve_env(core: CoreV1Api, pod: V1Pod, container) -> dict[str, str]:
             env[variable.name] = expand(variable.value or "", env)
         elif source.field_ref:
             env[variable.name] = _field_value(pod, source.field_ref.field_path)
-        elif source.config_map_key_ref:
-            ref = source.config_map_key_ref
-            values = config_map(ref.name, ref.optional)
+        elif source.config_map_key_ref or source.secret_key_ref:
+            kind, ref = (("ConfigMap", source.config_map_key_ref) if source.config_map_key_ref
+                         else ("Secret", source.secret_key_ref))
+            values = read_data(kind, ref.name, ref.optional)
             if ref.key in values:
                 env[variable.name] = values[ref.key]
             elif not ref.optional:
-                raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: key {ref.key!r} missing from ConfigMap {ref.name!r}")
-        elif source.secret_key_ref:
-            ref = source.secret_key_ref
-            values = secret(ref.name, ref.optional)
-            if ref.key in values:
-                env[variable.name] = values[ref.key]
-            elif not ref.optional:
-                raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: key {ref.key!r} missing from Secret {ref.name!r}")
+                raise PodSpecError(f"pod {namespace}/{pod.metadata.name}: key {ref.key!r} missing from {kind} {ref.name!r}")
         elif source.resource_field_ref:
             env[variable.name] = _resource_value(core, pod, container, source.resource_field_ref)
         else:
@@ -354,12 +339,9 @@ def local_claim(api_client: kubernetes.client.ApiClient, namespace: str, claim: 
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
         "spec": {"accessModes": [access_mode], "storageClassName": "", "volumeName": volume,
                  "resources": {"requests": {"storage": "1Gi"}}}})
-    deadline = time.monotonic() + 30
-    while core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase != "Bound":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"claim {namespace}/{claim} not bound to PersistentVolume {volume} after 30s "
-                               "(is the controller-manager's persistentvolume-binder running?)")
-        time.sleep(0.2)
+    wait_until(lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound", 30,
+               f"claim {namespace}/{claim} to bind to PersistentVolume {volume} "
+               "(is the controller-manager's persistentvolume-binder running?)", interval_s=0.2)
     return volume
 
 
@@ -555,20 +537,3 @@ class LocalPod:
                 raise
         raise RuntimeError(f"could not update the status of pod {self.namespace}/{self.name}: conflicts kept coming")
 
-
-def run_pod_locally(
-    api_client: kubernetes.client.ApiClient,
-    namespace: str,
-    name: str,
-    workdir: Path,
-    *,
-    timeout_s: float = 120.0,
-    extra_env: dict[str, str] | None = None,
-    flag_overrides: dict[str, str] | None = None,
-    pvc_dirs: dict[str, Path] | None = None,
-) -> LocalPod:
-    """Run the pod's containers to completion and report; returns the finished LocalPod."""
-    pod = LocalPod(api_client, namespace, name, workdir, extra_env=extra_env, flag_overrides=flag_overrides,
-                   pvc_dirs=pvc_dirs).start(timeout_s=timeout_s)
-    pod.wait(timeout_s=timeout_s)
-    return pod

@@ -26,7 +26,7 @@ from typing import Callable
 import yaml
 
 from harness import tools
-from harness.controlplane import _die_with_parent, _tail, free_port
+from harness.controlplane import free_port, spawn, wait_ready
 
 
 class PrometheusError(RuntimeError):
@@ -78,38 +78,27 @@ class Prometheus:
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.port = free_port()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    str(tools.prometheus()),
-                    f"--config.file={config_path}",
-                    f"--storage.tsdb.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--web.enable-lifecycle",  # lets a test POST /-/reload after editing the config
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                preexec_fn=_die_with_parent,
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise PrometheusError(
-                    f"prometheus exited with code {self.process.returncode}; last lines of {self.log_path}:\n"
-                    f"{_tail(self.log_path)}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise PrometheusError(f"prometheus not ready after {timeout_s}s; log:\n{_tail(self.log_path)}")
-            time.sleep(0.05)
+        argv = [
+            str(tools.prometheus()),
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--web.enable-lifecycle",  # lets a test POST /-/reload after editing the config
+        ]
+        self.process = spawn(argv, self.log_path, cwd=self.workdir)
+
+        def ready() -> bool:
+            # 503 while starting raises HTTPError, which wait_ready counts as not ready.
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
+                return response.status == 200
+
+        try:
+            wait_ready(ready, time.monotonic() + timeout_s, "prometheus /-/ready",
+                       {"prometheus": (self.process, self.log_path)}, self.log_path, error=PrometheusError)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
