@@ -7,6 +7,8 @@ Data flow:
         (import in isolation, build, smoke check vs the stock pass)--> replay of a small
         request set drawn from the profile, `screen_repeats` times
     full tier:  LLMEngine(all layers) --reload--> replay of the traffic profile, `confirm_repeats` times
+        (each replay: the engine's closed-loop driver, shapeshift.engine.replay.run_once, timed
+        with the evaluator's clock: wall on GPUs, thread or process CPU time on the CPU)
     verify:     the verification gates (shapeshift.engine.verify) on the full model against
         the stock pass: greedy agreement, logprob tolerance, KV contamination, coverage, anti-cheat
     export:     the bundle copied to the output folder, re-verified against its manifest; it
@@ -27,16 +29,17 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import shutil
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from ..replay import ReplayRequest, ReplayRun, run_once
 from ..traffic import TrafficProfile
 from .candidate import Candidate
 from .measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
@@ -82,24 +85,6 @@ class EvaluatorSettings:
     engine_base: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class ReplayRun:
-    """One run of a request set through an engine."""
-
-    output_tokens: int
-    seconds: float
-    per_user_tps: list[float] = field(default_factory=list)  # decode tokens/s of each request
-    ttft_s: list[float] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
-
-
 def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None = None) -> TrafficProfile:
     """The profile scaled so its longest prompt plus output fits `max_model_len` (never scaled up)."""
     if scale is None:
@@ -110,10 +95,11 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
     return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
 
 
-def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request, deterministic in `seed`.
+def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) -> list[ReplayRequest]:
+    """The replayed requests (prompt token ids, output length), deterministic in `seed`.
 
     Requests that share the prefix share its exact tokens; everything else is drawn fresh.
+    Lengths are the profile's own (fit_profile scales it into max_model_len beforehand).
     """
     shapes = profile.sample_requests(n, seed)
     rng = np.random.default_rng(seed + 7919)
@@ -121,71 +107,45 @@ def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) ->
     out = []
     for s in shapes:
         own = rng.integers(0, vocab_size, size=s.prompt_len - s.shared_prefix_len).tolist()
-        out.append((prefix[: s.shared_prefix_len] + own, max(1, s.output_len)))
+        out.append(ReplayRequest(prefix[: s.shared_prefix_len] + own, max(1, s.output_len),
+                                 shared_prefix_len=s.shared_prefix_len))
     return out
 
 
-def replay(engine: Any, requests: list[tuple[list[int], int]], concurrency: int, tag: str = "r",
-           clock: Any = time.perf_counter) -> ReplayRun:
-    """Closed-loop replay: keep `concurrency` requests in flight until all finish (greedy, fixed lengths).
-
-    `clock` times everything (throughput, per-user speed, TTFT): wall or process CPU time.
+def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
+           clock: Callable[[], float] = time.perf_counter) -> ReplayRun:
+    """One closed-loop run (`concurrency` requests in flight, greedy, fixed lengths) through the
+    engine's replay driver, shapeshift.engine.replay.run_once. `clock` times everything
+    (throughput, per-user speed, TTFT): wall, process or thread CPU time.
     """
-    from ..sampling import SamplingParams
-
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection pause inside one repeat would read as noise of the candidate
     try:
-        return _replay(engine, requests, concurrency, tag, clock, SamplingParams)
+        return run_once(engine, requests, concurrency, clock)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _replay(engine: Any, requests: list[tuple[list[int], int]], concurrency: int, tag: str, clock: Any,
-            SamplingParams: Any) -> ReplayRun:
-    todo = list(enumerate(requests))
-    todo.reverse()
-    in_flight: dict[str, dict[str, float]] = {}
-    per_user: list[float] = []
-    ttft: list[float] = []
-    tokens = 0
-    start = clock()
-
-    def admit() -> None:
-        while todo and len(in_flight) < concurrency:
-            i, (prompt, out_len) = todo.pop()
-            rid = f"{tag}-{i}"
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
-            in_flight[rid] = {"t0": clock(), "first": 0.0, "n": 0}
-
-    admit()
-    while in_flight:
-        outputs = engine.step()
-        now = clock()
-        for o in outputs:
-            st = in_flight.get(o.request_id)
-            if st is None:
-                continue
-            if o.new_token_ids:
-                if st["n"] == 0:
-                    st["first"] = now
-                    ttft.append(now - st["t0"])
-                st["n"] += len(o.new_token_ids)
-                tokens += len(o.new_token_ids)
-            if o.finished:
-                if st["n"] > 1 and now > st["first"]:
-                    per_user.append((st["n"] - 1) / (now - st["first"]))
-                del in_flight[o.request_id]
-        admit()
-    return ReplayRun(tokens, clock() - start, per_user, ttft)
+def _zero_if_nan(value: float) -> float:
+    """run_once reports a percentile of no values (every request one token long) as NaN; the
+    board and the per-user veto read it as 0 (no per-user data)."""
+    return 0.0 if math.isnan(value) else value
 
 
 class EngineEvaluator:
     """`Evaluator` over the engine: persistent fast and full tiers, hot reload, replay, gates."""
 
     def __init__(self, profile: TrafficProfile, settings: EvaluatorSettings | None = None):
-        self.settings = settings or EvaluatorSettings()
+        from ..config import EngineConfig
+
+        settings = settings or EvaluatorSettings()
+        if settings.device is None:
+            # Resolved once, by the engine's own rule, so the timer, the warm-up and the GPU
+            # memory split follow the device the tiers' engines really run on.
+            settings = dataclasses.replace(settings, device=EngineConfig().resolved_device())
+        self.settings = settings
+        self.on_cuda = settings.device.startswith("cuda")
         self.profile = profile
         self.noise_floor = self.settings.noise_floor
         self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="shapeshift-compile-"))
@@ -202,7 +162,7 @@ class EngineEvaluator:
         self.fitted = None
 
     # ------------------------------------------------------------------ engines
-    def _base_config(self, tier: str, overrides: dict[str, Any]):
+    def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
         from ..config import EngineConfig
 
         s = self.settings
@@ -211,15 +171,8 @@ class EngineEvaluator:
         kwargs.update(s.engine_base)
         if tier == FAST:
             kwargs["num_layers_override"] = self.fast_layers()
-        if str(s.device or "").startswith("cuda"):
-            # Both tiers live on one GPU. The engine reads gpu_memory_utilization as the share
-            # of the whole device this process may fill, so a tier built second must count
-            # what the first already holds on top of its own share.
-            import torch
-
-            free, total = torch.cuda.mem_get_info(torch.device(s.device))
-            share = s.fast_tier_memory if tier == FAST else s.full_tier_memory
-            kwargs["gpu_memory_utilization"] = min(0.95, (total - free) / total + share)
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(overrides)
         if kwargs.get("max_num_batched_tokens", 2048) < kwargs.get("max_num_seqs", 64):
             kwargs["max_num_batched_tokens"] = kwargs.get("max_num_seqs", 64)
@@ -240,8 +193,6 @@ class EngineEvaluator:
         if hasattr(resolved, "hf_config") and resolved.hf_config:
             layers = resolved.hf_config.get("num_hidden_layers")
         else:
-            import json
-
             cfg = Path(resolved if not hasattr(resolved, "folder") else resolved.folder()) / "config.json"
             if cfg.is_file():
                 layers = json.loads(cfg.read_text()).get("num_hidden_layers")
@@ -253,7 +204,8 @@ class EngineEvaluator:
 
         eng = self._engines.get(tier)
         if eng is None:
-            eng = LLMEngine(self._base_config(tier, overrides))
+            memory = self._gpu_memory_utilization(tier) if self.on_cuda else None
+            eng = LLMEngine(self._base_config(tier, overrides, memory))
             self._engines[tier] = eng
             self._managers[tier] = ForwardPassManager(eng, build_timeout_s=self.settings.reload_timeout_s,
                                                       smoke_timeout_s=self.settings.reload_timeout_s)
@@ -263,10 +215,25 @@ class EngineEvaluator:
             self._reconfigure(tier, overrides)
         return self._engines[tier]
 
+    def _gpu_memory_utilization(self, tier: str) -> float:
+        """gpu_memory_utilization for a tier's engine about to be built on the GPU.
+
+        Both tiers live on one GPU. The engine reads gpu_memory_utilization as the share of
+        the whole device this process may fill, so a tier built second must count what the
+        first already holds on top of its own share. Read only when an engine is built:
+        a reconfigured engine keeps its KV cache and the figure it was built with.
+        """
+        import torch
+
+        s = self.settings
+        free, total = torch.cuda.mem_get_info(torch.device(s.device))
+        share = s.fast_tier_memory if tier == FAST else s.full_tier_memory
+        return min(0.95, (total - free) / total + share)
+
     def _reconfigure(self, tier: str, overrides: dict[str, Any]) -> None:
         """Apply engine knobs to the idle engine: new scheduler + block manager, graphs re-captured."""
         eng = self._engines[tier]
-        new_config = self._base_config(tier, overrides)
+        new_config = self._base_config(tier, overrides, eng.config.gpu_memory_utilization)
         new_config = dataclasses.replace(new_config, num_kv_blocks=eng.block_manager.num_blocks)
         eng.config = new_config
         eng.runner.config = new_config
@@ -348,7 +315,7 @@ class EngineEvaluator:
     def timer(self) -> str:
         timer = self.settings.timer
         if timer is None:
-            if str(self.settings.device or "cpu").startswith("cuda"):
+            if self.on_cuda:
                 timer = "wall"
             else:
                 timer = "thread" if self.settings.cpu_threads == 1 else "process"
@@ -362,7 +329,7 @@ class EngineEvaluator:
     def _interleaved(self, tier: str, cands: list[Candidate], requests: int, repeats: int) -> list[Measurement]:
         """Measure candidates in alternation (A B A B ...), so a change in machine load between
         repeats hits all of them alike. A candidate that fails is marked failed; the others go on."""
-        if self.settings.cpu_threads is not None and not str(self.settings.device or "cpu").startswith("cuda"):
+        if self.settings.cpu_threads is not None and not self.on_cuda:
             import torch
 
             torch.set_num_threads(self.settings.cpu_threads)
@@ -371,7 +338,8 @@ class EngineEvaluator:
         out = [Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
                                                                   "profile": profile.name}) for _ in cands]
         spent = [0.0] * len(cands)
-        prompts = None
+        prompts: list[ReplayRequest] | None = None
+        warm_up: list[ReplayRequest] = []
         for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
             for i, cand in enumerate(cands):
                 m = out[i]
@@ -388,23 +356,22 @@ class EngineEvaluator:
                     continue
                 if prompts is None:
                     prompts = make_prompts(profile, requests, self.settings.seed, eng.model_config.vocab_size)
+                    # On CUDA the warm-up replays every prompt: the first H200 run showed a
+                    # quarter-length warm-up leaves the first measured repeat 12x slower
+                    # (505 vs 6272 tok/s: graph buckets and Triton compiles still cold).
+                    warm_up = prompts if self.on_cuda else prompts[: max(2, len(prompts) // 4)]
                 try:
                     self._fresh_cache(eng)
                     if rep < 0:
-                        # On CUDA the warm-up replays every prompt: the first H200 run showed a
-                        # quarter-length warm-up leaves the first measured repeat 12x slower
-                        # (505 vs 6272 tok/s: graph buckets and Triton compiles still cold).
-                        on_cuda = str(self.settings.device or "").startswith("cuda")
-                        warm = prompts if on_cuda else prompts[: max(2, len(prompts) // 4)]
-                        replay(eng, warm, profile.concurrency, f"{tier}-warm", clock)
+                        replay(eng, warm_up, profile.concurrency, clock)
                     else:
-                        run = replay(eng, prompts, profile.concurrency, f"{tier}-{rep}", clock)
-                        m.samples.append(run.throughput)
-                        m.per_user_p50.append(_percentile(run.per_user_tps, 50))
+                        run = replay(eng, prompts, profile.concurrency, clock)
+                        m.samples.append(run.output_tokens_per_s)
+                        m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))
                         # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
-                        m.per_user_p90.append(_percentile(run.per_user_tps, 10))
-                        m.ttft_p50.append(_percentile(run.ttft_s, 50))
-                        m.ttft_p90.append(_percentile(run.ttft_s, 90))
+                        m.per_user_p90.append(_zero_if_nan(run.per_user_tokens_per_s_p90))
+                        m.ttft_p50.append(_zero_if_nan(run.ttft_s_p50))
+                        m.ttft_p90.append(_zero_if_nan(run.ttft_s_p90))
                 except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial
                     log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
                     self._recover(tier)
@@ -479,10 +446,3 @@ class EngineEvaluator:
     def close(self) -> None:
         self._engines.clear()
         self._managers.clear()
-
-
-def summarize(m: Measurement) -> str:
-    if not m.ok:
-        return f"failed ({m.error})"
-    return f"{m.mean:.1f} tok/s [{m.low:.1f}, {m.high:.1f}] cv {m.cv:.3f} over {len(m.samples)}" + (
-        f", per-user p90 {statistics.fmean(m.per_user_p90):.1f}" if m.per_user_p90 else "")

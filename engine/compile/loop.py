@@ -139,7 +139,9 @@ class CompileLoop:
         self.baseline_fast: Measurement | None = None
         self.baseline_full: Measurement | None = None
         self.incumbent: Incumbent | None = None
+        self.incumbent_speedup = 1.0  # the incumbent over the stock pass, chained through paired comparisons
         self.best_fast_speedup = 1.0
+        self.final: tuple[Measurement, Measurement] | None = None  # (champion, stock) of the final comparison
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -239,23 +241,20 @@ class CompileLoop:
         if self.board.candidate(base.digest) is None:
             self.board.append("candidate", **base.to_entry())
         if self.baseline_fast is None:
-            tid = f"t00000-{base.digest[:10]}"
-            self.board.append("trial", trial_id=tid, digest=base.digest, tier=FAST, role="baseline")
-            m = self.evaluator.screen(base)
-            self._record(base, tid, FAST, m, m, role="baseline")
-            if not m.ok:
-                raise RuntimeError(f"the stock forward pass failed on the fast tier: {m.error}; nothing to compare against")
-            self.baseline_fast = m
+            self.baseline_fast = self._measure_stock(base, FAST, f"t00000-{base.digest[:10]}")
         if self.baseline_full is None:
-            tid = f"t00000-{base.digest[:10]}-full"
-            self.board.append("trial", trial_id=tid, digest=base.digest, tier=FULL, role="baseline")
-            m = self.evaluator.confirm(base)
-            self._record(base, tid, FULL, m, m, role="baseline")
-            if not m.ok:
-                raise RuntimeError(f"the stock forward pass failed on the full tier: {m.error}")
-            self.baseline_full = m
+            self.baseline_full = self._measure_stock(base, FULL, f"t00000-{base.digest[:10]}-full")
         if self.incumbent is None:
             self.incumbent = Incumbent(base, self.baseline_fast, self.baseline_full)
+
+    def _measure_stock(self, base: Candidate, tier: str, trial_id: str) -> Measurement:
+        """The stock pass on one tier (screen or confirm), recorded as the baseline; it must run."""
+        self.board.append("trial", trial_id=trial_id, digest=base.digest, tier=tier, role="baseline")
+        m = self.evaluator.screen(base) if tier == FAST else self.evaluator.confirm(base)
+        self._record(base, trial_id, tier, m, m, role="baseline")
+        if not m.ok:
+            raise RuntimeError(f"the stock forward pass failed on the {tier} tier: {m.error}; nothing to compare against")
+        return m
 
     def _screen(self, cand: Candidate, trial_id: str | None) -> Measurement:
         trial_id = trial_id or self._trial_id(cand)
@@ -355,15 +354,11 @@ class CompileLoop:
                             digest=cand.digest)
             return
         gain = paired_gain(full, inc_full)[0] if paired else full.mean / inc_full.mean
-        speedup = gain * self._incumbent_speedup()
+        speedup = gain * self.incumbent_speedup
         self.incumbent = Incumbent(cand, fast, full, verdict)
         self.incumbent_speedup = speedup
         self.board.append("incumbent", digest=cand.digest, speedup=speedup, agent=cand.agent)
         log.info("new incumbent %s by %s: %.3fx the stock pass on the full tier", cand.short, cand.agent, speedup or 0)
-
-    def _incumbent_speedup(self) -> float:
-        """The incumbent's speedup over the stock pass (chained through paired comparisons)."""
-        return getattr(self, "incumbent_speedup", 1.0) or 1.0
 
     def _final_comparison(self, champion: Candidate) -> float | None:
         """Champion against the stock pass, alternated in one window: the speedup we report."""
@@ -402,11 +397,18 @@ class CompileLoop:
     def _measured(self, digest: str) -> bool:
         return any(r["digest"] == digest and r.get("tier") == FAST for r in self.board.entries("result"))
 
-    def _next_candidate(self) -> tuple[Candidate, str | None] | None:
+    def _next_pending(self) -> tuple[Candidate, str | None] | None:
+        """The first pending candidate not yet screened (the ones screened meanwhile are dropped)."""
         while self.pending:
             cand, tid = self.pending.popleft()
             if not self._measured(cand.digest):
                 return cand, tid
+        return None
+
+    def _next_candidate(self) -> tuple[Candidate, str | None] | None:
+        nxt = self._next_pending()
+        if nxt is not None:
+            return nxt
         if self.config.deterministic:
             # Rounds: every agent proposes against the same board, then the round is measured
             # in agent order. Round one sees only the baseline, so it is a function of the seed.
@@ -420,10 +422,9 @@ class CompileLoop:
                         continue
                     for cand in submit(agent, self.board, self.space, proposals):
                         self.pending.append((cand, None))
-                while self.pending:
-                    cand, tid = self.pending.popleft()
-                    if not self._measured(cand.digest):
-                        return cand, tid
+                nxt = self._next_pending()
+                if nxt is not None:
+                    return nxt
             return None
         deadline = time.monotonic() + self.config.candidate_wait_s
         while time.monotonic() < deadline and not self._budget_left():
@@ -443,7 +444,7 @@ class CompileLoop:
         inc = self.incumbent
         best_full = None
         if inc is not None and inc.candidate.agent != "baseline":
-            best_full = round(self._incumbent_speedup(), 4)
+            best_full = round(self.incumbent_speedup, 4)
         results = self.board.entries("result")
         verified = {v["digest"] for v in self.board.entries("verification") if v.get("passed")}
         return {
@@ -524,7 +525,6 @@ class CompileLoop:
         assert self.incumbent is not None and self.baseline_fast is not None
         champion = None if self.incumbent.candidate.agent == "baseline" else self.incumbent.candidate
         speedup = None
-        self.final = None
         if champion is not None:
             speedup = self._final_comparison(champion)
             if self.final is not None and not beats_paired(*self.final):

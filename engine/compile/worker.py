@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from ..traffic import TrafficProfile, builtin_profile
+from .registry import GROUP, VERSION, ClusterRegistry
 
 log = logging.getLogger(__name__)
 
-GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 AGENT_KINDS = {"coordinate-sweep": "sweep", "evolutionary": "evolve", "model-based": "bayes", "llm": "llm"}
 # engine.yaml keys (EngineConfig fields) the measuring engines take over from the deployment
 DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size")
@@ -238,8 +238,6 @@ class CompileRunContext:
         return archive
 
     def publish(self, entry: Any, bundle_dir: Path) -> None:
-        from .registry import ClusterRegistry
-
         archive = self.store_artifact(entry, bundle_dir)
         self.artifact_uri = archive.resolve().as_uri()
         annotations = {ARTIFACT_DURABLE_ANNOTATION: "true" if self.artifact_durable else "false"}
@@ -275,8 +273,6 @@ class CompileRunContext:
             log.warning("could not report the failure to the CompileRun: %s", exc)
 
     def nearest_champions(self, signature: str, hardware: str, profile: TrafficProfile, family: str, k: int = 3):
-        from .registry import ClusterRegistry
-
         try:
             return ClusterRegistry(self.custom, self.namespace).nearest_champions(signature, hardware, profile, k, family)
         except Exception as exc:  # noqa: BLE001 - seeding is optional

@@ -170,6 +170,9 @@ def test_llm_module_is_measured_by_the_real_evaluator(tmp_path: Path, space) -> 
                        "    raise RuntimeError('forgot the weights')\n", "llm")
     m = ev.screen(good)
     assert m.ok and m.samples[0] > 0, m.error
+    # One repeat of the replay: per-user speed (p90 = the slow tail, at most the median) and TTFT.
+    assert len(m.samples) == len(m.per_user_p50) == len(m.per_user_p90) == len(m.ttft_p50) == len(m.ttft_p90) == 1
+    assert 0 < m.per_user_p90[0] <= m.per_user_p50[0] and 0 < m.ttft_p50[0] <= m.ttft_p90[0]
     bad = ev.screen(broken)
     assert not bad.ok and "forgot the weights" in bad.error
 

@@ -15,7 +15,7 @@ import logging
 import optuna
 
 from ..candidate import Candidate
-from .base import Agent, scored
+from .base import Agent, proposed_digests, scored
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class BayesAgent(Agent):
 
     def propose(self, n: int = 1) -> list[Candidate]:
         self._learn()
-        seen = {c["digest"] for c in self.board.entries("candidate")}
+        seen = proposed_digests(self.board)
         out: list[Candidate] = []
         for _ in range(10 * n):
             if len(out) >= n:

@@ -9,7 +9,7 @@ With fewer than two results it explores with random valid points.
 from __future__ import annotations
 
 from ..candidate import Candidate
-from .base import Agent, scored
+from .base import Agent, proposed_digests, scored
 
 
 class EvolveAgent(Agent):
@@ -26,7 +26,7 @@ class EvolveAgent(Agent):
 
     def propose(self, n: int = 1) -> list[Candidate]:
         pool = [s for s in scored(self.board, self.space) if not s.failed][: self.population]
-        seen = {c["digest"] for c in self.board.entries("candidate")}
+        seen = proposed_digests(self.board)
         out: list[Candidate] = []
         for _ in range(20 * n):
             if len(out) >= n:

@@ -9,7 +9,7 @@ up again when another agent posts a better point).
 from __future__ import annotations
 
 from ..candidate import Candidate
-from .base import Agent, scored
+from .base import Agent, proposed_digests, scored
 
 
 class SweepAgent(Agent):
@@ -23,7 +23,7 @@ class SweepAgent(Agent):
         results = [s for s in scored(self.board, self.space) if s.source is None and not s.failed]
         base = results[0].recipe if results else self.space.default()
         parent = results[0].digest if results else None
-        seen = {c["digest"] for c in self.board.entries("candidate")}
+        seen = proposed_digests(self.board)
         for _ in range(len(self.space.knobs)):
             knob = self.space.knobs[self.cursor % len(self.space.knobs)]
             self.cursor += 1
