@@ -17,6 +17,11 @@ Cluster fixtures (tests marked `cluster`):
                    pvc_dirs={"claim": folder} mounts a claim as that local folder.
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
+  crds             session: crds/shapeshift.dev_*.yaml applied and served by discovery;
+                   yields the cluster.
+  artifact_store   per test: a ReadWriteMany claim `artifacts` in the test's namespace bound to
+                   a local folder (harness.kubelet.local_claim); yields the folder, which
+                   run_pod_locally(..., pvc_dirs={"artifacts": folder}) mounts.
 
 Missing control-plane binaries fail the cluster tests (so CI cannot pass by skipping),
 unless SHAPESHIFT_SKIP_CLUSTER=1 is set, which turns that one case into a skip.
@@ -127,3 +132,22 @@ def prometheus(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def crds(cluster):
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "crds").glob("shapeshift.dev_*.yaml")):
+        cluster.apply(path)  # waits until discovery serves each kind
+    return cluster
+
+
+@pytest.fixture
+def artifact_store(crds, namespace, tmp_path):
+    from harness.kubelet import local_claim
+
+    folder = tmp_path / "artifact-store"
+    volume = local_claim(crds.api_client, namespace, "artifacts", folder)
+    yield folder
+    crds.core.delete_persistent_volume(volume)

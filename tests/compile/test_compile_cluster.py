@@ -16,14 +16,6 @@ from shapeshift.engine.traffic import builtin_profile
 pytestmark = pytest.mark.cluster
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    return cluster
 
 
 def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) -> None:

@@ -24,7 +24,6 @@ from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.traffic import builtin_profile
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
-REPO = Path(__file__).resolve().parents[2]
 
 
 # ---- the search space (no cluster) ------------------------------------------------------------
@@ -55,13 +54,6 @@ def test_engine_defaults_make_the_stock_candidate_the_deployed_engine() -> None:
 
 
 # ---- on the API server, as the worker ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    return cluster
 
 
 @pytest.fixture
