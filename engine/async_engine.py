@@ -47,8 +47,7 @@ logger = logging.getLogger("shapeshift.engine.async_engine")
 # After this many consecutive failing steps the engine counts as unhealthy
 # (so a liveness probe can restart a wedged server); one good step resets it.
 UNHEALTHY_AFTER_STEP_FAILURES = 5
-# How long the idle loop blocks on the command queue before re-checking the
-# stop flag and refreshing its heartbeat.
+# How long the idle loop blocks on the command queue before re-checking the stop flag.
 IDLE_POLL_SECONDS = 0.2
 
 
@@ -130,13 +129,12 @@ class RequestStream:
 class AsyncEngine:
     """Runs `engine.step()` on one background thread and streams outputs to asyncio callers."""
 
-    def __init__(self, engine: Any, *, max_waiting: int, metrics: Any = None,
-                 max_num_seqs: int | None = None) -> None:
+    def __init__(self, engine: Any, *, max_waiting: int, metrics: Any = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
         self.metrics = metrics
-        self.max_num_seqs = int(max_num_seqs if max_num_seqs is not None else engine.config.max_num_seqs)
+        self.max_num_seqs = int(engine.config.max_num_seqs)
         self.max_waiting = max_waiting
         self.capacity = self.max_num_seqs + max_waiting
 
@@ -149,7 +147,6 @@ class AsyncEngine:
         self._fatal: BaseException | None = None
         self._closed = False  # set (under _lock) once the loop stops taking requests
         self._consecutive_step_failures = 0
-        self.last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="shapeshift-engine-loop", daemon=True)
 
     # ----------------------------------------------------------- lifecycle
@@ -248,7 +245,6 @@ class AsyncEngine:
         try:
             self._publish_stats()
             while not self._stop.is_set():
-                self.last_heartbeat = time.monotonic()
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break

@@ -212,7 +212,8 @@ def write_manifest(bundle_dir: str | Path, *, name: str | None = None, cache_for
     if len(files) > MAX_BUNDLE_FILES:
         raise BundleError(f"{bundle_dir}: {len(files)} files, more than the limit {MAX_BUNDLE_FILES}")
     manifest = Manifest(name=name or bundle_dir.name, files=files, digest=compute_digest(files),
-                        cache_format=cache_format or declared_cache_format(bundle_dir), parent=parent, description=description)
+                        cache_format=cache_format or declared_cache_format(bundle_dir), parent=parent,
+                        description=description, created_unix=created_unix)
     (bundle_dir / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
 

@@ -170,11 +170,6 @@ class EngineMetrics:
             self._last_reload_status.labels(self.model_name, other).set(1 if other == result else 0)
         self.last_reload_timestamp.set(timestamp)
 
-    def reloads_counter_value(self, result: str) -> float:
-        value = self.registry.get_sample_value("shapeshift_forward_pass_reloads_total",
-                                               {"model": self.model_name, "result": result})
-        return 0.0 if value is None else value
-
     def update_from_stats(self, stats: Any, pending_admissions: int = 0) -> None:
         """Copy an `EngineStats` snapshot into gauges and advance the cache counters.
 

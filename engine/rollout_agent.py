@@ -10,8 +10,9 @@ Data flow (one daemon thread, one tick every ``poll_interval_s``):
           stock                               -> the engine's own stock bundle
           otherwise: ArtifactFetcher.fetch    -> local folder / .tar.gz, or a download into
                                                  the cache dir (size bound, timeouts)
-                     verify_bundle(sha256)    -> digest checked BEFORE anything is imported
-                     ForwardPassManager.prepare (this thread: import, build, smoke)
+                     ForwardPassManager.prepare (this thread: open_bundle checks every file and
+                                                 the sha256 on a private copy BEFORE anything is
+                                                 imported; then import, build, smoke)
                      ForwardPassManager.commit  (engine thread, between two steps)
       --> metrics: reloads_total{result}, last_reload_status{result}, in_sync, and the
           forward-pass info label set by the swap; status() for /admin/forward-passes
@@ -34,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .bundle import (MAX_BUNDLE_BYTES, BundleError, BundleTamperedError, load_manifest, stock_bundle_dir,
-                     verify_bundle)
+from .bundle import MAX_BUNDLE_BYTES, BundleError, BundleTamperedError, load_manifest, stock_bundle_dir
 from .hot_reload import ForwardPassManager, ReloadError
 from .rollout_protocol import (RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_SUCCESS,
                                DesiredForwardPass, DownwardAPIFormatError, parse_downward_api_map)
@@ -220,7 +220,8 @@ class RolloutAgent:
         self._thread = threading.Thread(target=self._run, name="shapeshift-rollout", daemon=True)
         self._state_lock = threading.Lock()  # guards the fields status() reads
         self._desired: DesiredForwardPass | None = None
-        self._file_text: str | None = None
+        self._file_text: str | None = None  # the annotations file's text at the last poll
+        self._file_desired: DesiredForwardPass | None = None  # what that text asks for, once parsed
         self._file_error: str | None = None
         self._last: Attempt | None = None
         self._failures = 0
@@ -278,8 +279,11 @@ class RolloutAgent:
         except OSError as exc:
             logger.warning("forward-pass rollout: cannot read %s: %s", path, exc)
             return None
-        if text == self._file_text and self._file_error is not None:
-            return None  # the same malformed content: reported once already
+        if text == self._file_text:
+            # Unchanged since the last poll: the same answer without parsing again (a pod's
+            # annotations file can hold large values, e.g. kubectl's last-applied-configuration).
+            # Malformed content was reported once already.
+            return None if self._file_error is not None else self._file_desired
         self._file_text = text
         try:
             annotations = parse_downward_api_map(text, str(path))
@@ -292,7 +296,8 @@ class RolloutAgent:
                          count=True, retry=False)
             return None
         self._file_error = None
-        return DesiredForwardPass.from_annotations(annotations)
+        self._file_desired = DesiredForwardPass.from_annotations(annotations)
+        return self._file_desired
 
     def _target_digest(self, desired: DesiredForwardPass) -> str:
         return self.stock_digest if desired.is_stock else desired.sha256
@@ -352,22 +357,22 @@ class RolloutAgent:
         reactivated = self._on_engine_thread(lambda: self._activate_held(digest, resource))
         if reactivated is not None:
             return reactivated
-        if desired.is_stock or digest == self.stock_digest:  # stock, possibly pinned by its digest
-            path, source = stock_bundle_dir(), "the engine's stock bundle"
-        else:
+        fetched = not (desired.is_stock or digest == self.stock_digest)  # stock, possibly pinned by its digest
+        if fetched:
             path = self.fetcher.fetch(desired.artifact, digest)
             source = desired.artifact
-            try:  # the digest is checked before any of the bundle's code is imported
-                verify_bundle(path, digest)
-            except BundleTamperedError as exc:
-                if path == self.fetcher.cached_path(digest):
-                    self.fetcher.discard(digest)  # fetch again next time
-                raise AttemptFailed(RESULT_DIGEST_MISMATCH, str(exc)) from exc
-            except BundleError as exc:
-                raise AttemptFailed(RESULT_REFUSED, f"artifact {source}: {exc}") from exc
-        try:
+        else:
+            path, source = stock_bundle_dir(), "the engine's stock bundle"
+        try:  # opening verifies every file and the digest before any of the bundle's code is imported
             prepared = self.manager.prepare(path, digest)
         except ReloadError as exc:
+            bundle_error = exc.__cause__ if exc.stage == "open" else None
+            if fetched and isinstance(bundle_error, BundleTamperedError):
+                if path == self.fetcher.cached_path(digest):
+                    self.fetcher.discard(digest)  # fetch again next time
+                raise AttemptFailed(RESULT_DIGEST_MISMATCH, f"artifact {source}: {bundle_error}") from exc
+            if fetched and isinstance(bundle_error, BundleError):
+                raise AttemptFailed(RESULT_REFUSED, f"artifact {source}: {bundle_error}") from exc
             raise AttemptFailed(RESULT_REFUSED, f"{source}: {exc}") from exc
         prepared.record.resource = resource
         result = self._on_engine_thread(lambda: self.manager.commit(prepared))

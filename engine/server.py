@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import traceback
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -254,6 +254,36 @@ class _Handlers:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
+    async def sse_events(self, first: Any, stream: RequestStream, prompt_len: int, include_usage: bool,
+                         envelope: Callable[..., Any], choice: Callable[[Any], Any],
+                         head: Any = None) -> AsyncIterator[str]:
+        """The SSE body of one streaming request (completions and chat alike).
+
+        ``envelope(choices, usage=None)`` wraps choices in the endpoint's chunk model and
+        ``choice(out)`` makes one output's choice. Frames: ``head`` (a first choice, if
+        given), one per output that carries text, tokens or the finish, the usage chunk
+        when the client asked for it, an error body if the request fails midway, and
+        always ``[DONE]`` last. The request is aborted in the engine when the client
+        goes away (the generator is closed) or once it ends.
+        """
+        last = None
+        try:
+            if head is not None:
+                yield _sse(envelope([head]).model_dump(exclude_none=True))
+            async for out in _prepend(first, stream):
+                last = out
+                if not out.text_delta and not out.finished and not out.new_token_ids:
+                    continue
+                yield _sse(envelope([choice(out)]).model_dump(exclude_none=True))
+            if include_usage and last is not None:
+                usage = UsageInfo.of(prompt_len, len(last.output_token_ids))
+                yield _sse(envelope([], usage).model_dump(exclude_none=True))
+        except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+            yield _sse(self.stream_error(exc).body())
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
     # ------------------------------------------------------------ handlers
 
     async def completions(self, request: Request) -> Response:
@@ -294,33 +324,21 @@ class _Handlers:
                 usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
             return JSONResponse(body.model_dump(exclude_none=True))
 
-        async def events() -> AsyncIterator[str]:
-            offset = 0
-            last = None
-            try:
-                async for out in _prepend(first, stream):
-                    last = out
-                    text, token_ids, lp = choice_parts([out], offset)
-                    offset += len(text)
-                    if not text and not out.finished and not token_ids:
-                        continue
-                    chunk = CompletionResponse(
-                        id=request_id, created=created, model=self.served_model_name,
-                        choices=[CompletionChoice(text=text, finish_reason=_finish_reason(out), logprobs=lp,
-                                                  token_ids=token_ids if req.return_token_ids else None)])
-                    yield _sse(chunk.model_dump(exclude_none=True))
-                if req.include_usage_in_stream() and last is not None:
-                    usage = CompletionResponse(id=request_id, created=created, model=self.served_model_name,
-                                               choices=[], usage=UsageInfo.of(len(prompt_ids),
-                                                                              len(last.output_token_ids)))
-                    yield _sse(usage.model_dump(exclude_none=True))
-            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
-                yield _sse(self.stream_error(exc).body())
-            finally:
-                stream.abort()
-            yield "data: [DONE]\n\n"
+        offset = 0  # characters streamed so far (logprobs' text_offset)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def choice(out: Any) -> CompletionChoice:
+            nonlocal offset
+            text, token_ids, lp = choice_parts([out], offset)
+            offset += len(text)
+            return CompletionChoice(text=text, finish_reason=_finish_reason(out), logprobs=lp,
+                                    token_ids=token_ids if req.return_token_ids else None)
+
+        def envelope(choices: list[Any], usage: UsageInfo | None = None) -> CompletionResponse:
+            return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                      choices=choices, usage=usage)
+
+        return StreamingResponse(self.sse_events(first, stream, len(prompt_ids), req.include_usage_in_stream(),
+                                                 envelope, choice), media_type="text/event-stream")
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -357,35 +375,18 @@ class _Handlers:
                 usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
             return JSONResponse(body.model_dump(exclude_none=True))
 
-        async def events() -> AsyncIterator[str]:
-            last = None
-            try:
-                head = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
-                                           choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-                yield _sse(head.model_dump(exclude_none=True))
-                async for out in _prepend(first, stream):
-                    last = out
-                    if not out.text_delta and not out.finished and not out.new_token_ids:
-                        continue
-                    chunk = ChatCompletionChunk(
-                        id=request_id, created=created, model=self.served_model_name,
-                        choices=[ChatChunkChoice(
-                            delta=ChatDelta(content=out.text_delta), finish_reason=_finish_reason(out),
-                            logprobs=logprobs_of([out]),
-                            token_ids=list(out.new_token_ids) if req.return_token_ids else None)])
-                    yield _sse(chunk.model_dump(exclude_none=True))
-                if req.include_usage_in_stream() and last is not None:
-                    usage = ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
-                                                choices=[], usage=UsageInfo.of(len(prompt_ids),
-                                                                               len(last.output_token_ids)))
-                    yield _sse(usage.model_dump(exclude_none=True))
-            except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
-                yield _sse(self.stream_error(exc).body())
-            finally:
-                stream.abort()
-            yield "data: [DONE]\n\n"
+        def choice(out: Any) -> ChatChunkChoice:
+            return ChatChunkChoice(delta=ChatDelta(content=out.text_delta), finish_reason=_finish_reason(out),
+                                   logprobs=logprobs_of([out]),
+                                   token_ids=list(out.new_token_ids) if req.return_token_ids else None)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def envelope(choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                       choices=choices, usage=usage)
+
+        head = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        return StreamingResponse(self.sse_events(first, stream, len(prompt_ids), req.include_usage_in_stream(),
+                                                 envelope, choice, head=head), media_type="text/event-stream")
 
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
@@ -420,9 +421,9 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str,
-              *, stop_engine_on_shutdown: bool = True) -> FastAPI:
-    """The FastAPI app over a started (or to-be-started) `AsyncEngine`."""
+def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str) -> FastAPI:
+    """The FastAPI app over a started (or to-be-started) `AsyncEngine`; its lifespan starts
+    and stops the engine loop."""
     handlers = _Handlers(async_engine, metrics, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -436,8 +437,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
         finally:
             for service in reversed(services):
                 await asyncio.to_thread(service.stop)
-            if stop_engine_on_shutdown:
-                await asyncio.to_thread(async_engine.stop)
+            await asyncio.to_thread(async_engine.stop)
 
     app = FastAPI(title="Shapeshift engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.handlers = handlers

@@ -542,6 +542,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     reports: list[GateReport] = []
     want = set(only or GATE_NAMES)
 
+    stock: LoadedBundle | None = None  # the reference's bundle when loaded here (unloaded at the end)
     if reference is None:
         from ..hot_reload import load_stock_isolated
 
@@ -603,5 +604,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
             smoke_failed = True  # a hung candidate's thread is still blocked; stop using it
     if loaded is not None and not isinstance(candidate, LoadedBundle):
         loaded.unload()
+    if stock is not None:
+        stock.unload()
     return VerificationReport(candidate=label, digest=loaded.manifest.digest if loaded else None, seed=seed,
                               gates=reports)

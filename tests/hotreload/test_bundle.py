@@ -36,6 +36,7 @@ def test_create_and_verify_roundtrip(tmp_path, archive):
     assert written.cache_format == "kv-format-7"  # read from forward.py without importing it
     loaded = load_manifest(out)
     assert loaded.digest == written.digest and loaded.name == "cand-1"
+    assert written.created_unix is not None and loaded.created_unix == written.created_unix  # stamped, and kept
     assert verify_bundle(out, expected_digest=written.digest).digest == written.digest
     opened = open_bundle(out)
     try:

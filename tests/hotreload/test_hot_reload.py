@@ -4,7 +4,6 @@ KV flush on a cache-format change, and module isolation between loads."""
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -14,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
+from harness.engine_server import Load, complete, free_port, wait_for
 from shapeshift.engine.admin import mount_admin
 from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
 from shapeshift.engine.config import EngineConfig
@@ -22,12 +22,8 @@ from shapeshift.engine.server import build_server
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
 TOKEN = "s3cret-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Seconds of load before and after each reload, so the swap happens with requests in flight.
+LOAD_SETTLE_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +41,14 @@ def server(tmp_path_factory):
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+            return httpx.get(base + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.1)
+            return False
+
+    wait_for(healthy, 30, "/health 200 from the in-process server", interval_s=0.1)
     yield base, manager, async_engine.engine, tmp
     srv.should_exit = True
     thread.join(10)
@@ -59,42 +56,6 @@ def server(tmp_path_factory):
 
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
-
-
-def complete(base: str, prompt: str) -> httpx.Response:
-    return httpx.post(base + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 8,
-                                                      "temperature": 0}, timeout=60)
-
-
-class Load:
-    """Client threads sending completions back to back until stopped; records every status."""
-
-    def __init__(self, base: str, clients: int = 4) -> None:
-        self.base, self.statuses, self.errors = base, [], []
-        self._stop = threading.Event()
-        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
-
-    def _client(self, i: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            try:
-                r = complete(self.base, f"client {i} request {n} says hello")
-                self.statuses.append(r.status_code)
-            except Exception as exc:  # a dropped connection counts as a failure
-                self.errors.append(repr(exc))
-            n += 1
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        time.sleep(0.3)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.3)
-        self._stop.set()
-        for t in self.threads:
-            t.join(60)
 
 
 def test_admin_requires_token(server):
@@ -115,7 +76,7 @@ def test_hot_reload_under_load_without_failed_requests(server, tmp_path):
     before = complete(base, "the same prompt every time").json()["choices"][0]["text"]
     archive = tmp_path / "fused-mlp.tar.gz"
     manifest = create_bundle(CANDIDATES / "good_fused_mlp", {}, archive, name="fused-mlp")
-    with Load(base) as load:
+    with Load(base, clients=4, settle_s=LOAD_SETTLE_S) as load:
         r1 = httpx.post(base + "/admin/forward-passes", content=archive.read_bytes(),
                         headers={**auth(), "Content-Type": "application/gzip", "X-Bundle-Digest": manifest.digest},
                         timeout=120)
@@ -169,7 +130,7 @@ def test_broken_bundle_refused_and_old_keeps_serving(server, tmp_path, bundle, s
     else:
         create_bundle(CANDIDATES / bundle, {}, tmp_path / "b")
         body = {"path": str(tmp_path / "b")}
-    with Load(base, clients=2) as load:
+    with Load(base, clients=2, settle_s=LOAD_SETTLE_S) as load:
         r = httpx.post(base + "/admin/forward-passes", json=body, headers=headers, timeout=120)
     assert r.status_code == 422, r.text
     assert r.json()["error"]["stage"] == stage

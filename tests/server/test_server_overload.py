@@ -7,9 +7,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import MODEL, ServerProcess
+from server_harness import MODEL, ServerProcess, scrape, value
 
 BURST = 8
 # Long enough that the burst overlaps the first requests on any CPU.
@@ -36,16 +35,6 @@ async def _burst(base_url: str) -> list[tuple[int, dict, float]]:
         return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(BURST))), BURST_DEADLINE_S)
 
 
-def _rejected_count(base_url: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        if family.name == "shapeshift_requests":
-            for s in family.samples:
-                if s.name == "shapeshift_requests_total" and s.labels["status"] == "rejected":
-                    return s.value
-    raise AssertionError("shapeshift_requests_total{status=rejected} missing")
-
-
 def test_burst_gets_429_without_hanging(small_server):
     results = asyncio.run(_burst(small_server.base_url))
     statuses = [status for status, _, _ in results]
@@ -62,7 +51,7 @@ def test_burst_gets_429_without_hanging(small_server):
         assert body["error"]["type"] == "rate_limit_exceeded"
         assert body["error"]["code"] == "server_overloaded"
         assert elapsed < slowest_ok, "a 429 waited as long as a served request"
-    assert _rejected_count(small_server.base_url) == len(rejected)
+    assert value(scrape(small_server.base_url), "shapeshift_requests_total", status="rejected") == len(rejected)
     # Slots are released: the next request is served.
     again = httpx.post(f"{small_server.base_url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "after the burst", "max_tokens": 2})
