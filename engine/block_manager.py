@@ -58,10 +58,12 @@ class BlockManager:
     def block_hash(self, parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
         return hash((parent_hash, token_ids, self.tag))
 
-    def _lookup(self, seq: Sequence) -> list[int]:
+    def lookup(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``'s full blocks.
 
-        At least one token is left uncached so the step computes logits for it.
+        At least one token is left uncached so the step computes logits for it. The result
+        stays valid until blocks are allocated or freed: the scheduler looks up once and
+        passes it to ``can_allocate`` and ``allocate`` (hashing a long prompt is not free).
         """
         if not self.enable_prefix_caching:
             return []
@@ -80,21 +82,25 @@ class BlockManager:
         return hits
 
     def num_cached_tokens(self, seq: Sequence) -> int:
-        return len(self._lookup(seq)) * self.block_size
+        return len(self.lookup(seq)) * self.block_size
 
     # ------------------------------------------------------------------ admission
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Can ``seq`` be admitted with its cached prefix plus ``num_new_tokens`` computed?"""
-        hits = self._lookup(seq)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:
+        """Can ``seq`` be admitted with its cached prefix (``hits``: from ``lookup``, else looked
+        up here) plus ``num_new_tokens`` computed?"""
+        if hits is None:
+            hits = self.lookup(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # leave the free list
         fresh = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return fresh + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Attach cached prefix blocks, then fresh blocks for ``num_new_tokens``; returns
-        the number of cached tokens (the sequence's ``num_computed_tokens`` is set to it)."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> int:
+        """Attach cached prefix blocks (``hits`` as for ``can_allocate``), then fresh blocks for
+        ``num_new_tokens``; returns the number of cached tokens (the sequence's
+        ``num_computed_tokens`` is set to it)."""
         assert not seq.block_table, f"sequence {seq.request_id} already holds blocks"
-        hits = self._lookup(seq)
+        if hits is None:
+            hits = self.lookup(seq)
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

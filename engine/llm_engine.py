@@ -21,7 +21,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, ModelConfig
 from .forward_pass import Bundle, build_forward_pass, load_bundle
 from .kv_cache import KVCache, choose_num_blocks
-from .loader import TORCH_DTYPES, load_model
+from .loader import TORCH_DTYPES, LoadedModel, load_model
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import RequestOutput, ScheduledBatch, Scheduler
@@ -57,12 +57,15 @@ class EngineStats:
 
 
 class LLMEngine:
+    # Bundle folder served when EngineConfig.forward_pass is unset (None: the stock pass).
+    default_bundle_dir: Path | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.dtype = TORCH_DTYPES[config.resolved_dtype()]
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global generator
-        loaded = load_model(config)
+        loaded = self._load_model(config)
         self.model_name = loaded.name
         self.model_config: ModelConfig = loaded.model_config
         self.weights = loaded.weights
@@ -71,10 +74,11 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.model_config.max_position_embeddings}; lower max_model_len")
-        self.bundle: Bundle = load_bundle(config.forward_pass, config.forward_pass_recipe)
+        self.bundle: Bundle = load_bundle(config.forward_pass or self.default_bundle_dir, config.forward_pass_recipe)
         self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
-        num_blocks = choose_num_blocks(self.model_config, config, self.dtype, self.device)
-        self.kv_cache = KVCache.allocate(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        kv_config = self._kv_cache_model_config()
+        num_blocks = self._agree_on_num_blocks(choose_num_blocks(kv_config, config, self.dtype, self.device))
+        self.kv_cache = KVCache.allocate(kv_config, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           tag=self.bundle.cache_tag)
         eos = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
@@ -85,6 +89,18 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._abort_outputs: list[RequestOutput] = []
         self._batch_size_last_step = 0
+
+    # ------------------------------------------------------------------ construction hooks
+    # (ParallelLLMEngine shards the weights and sizes a per-rank KV cache through these.)
+    def _load_model(self, config: EngineConfig) -> LoadedModel:
+        return load_model(config)
+
+    def _kv_cache_model_config(self) -> ModelConfig:
+        """The config whose KV heads and layers the cache holds."""
+        return self.model_config
+
+    def _agree_on_num_blocks(self, num_blocks: int) -> int:
+        return num_blocks
 
     @property
     def forward_pass_name(self) -> str:

@@ -82,11 +82,41 @@ _TINY_COMMON = {
     "initializer_range": 0.1,
 }
 
+# Qwen3-MoE style, big enough that expert and tensor parallelism matter on H200s, small
+# enough for one GPU: about 5.8 B parameters (11.6 GB in bfloat16), about 1.5 B active per
+# token (64 experts top-8 of intermediate 768).
+_MOE_MEDIUM = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "eos_token_id": RANDOM_PRESET_EOS,
+}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("llama-3.2-1b-shape", "Llama-3.2-1B shape with random weights (speed work)",
                hf_config=_LLAMA_3_2_1B, weight_seed=1234),
+        Preset("moe-medium-shape", "Qwen3-MoE-style 64 experts top-8, ~5.8B params, random weights "
+               "(parallel benchmarks)", hf_config=_MOE_MEDIUM, weight_seed=4321),
         Preset("tiny-llama", "tiny random Llama (CPU tests)",
                hf_config={**_TINY_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
                           "intermediate_size": 128, "head_dim": 16, "tie_word_embeddings": False},

@@ -1,28 +1,34 @@
-"""Named recipes of the stock forward pass, for `shapeshift serve --recipe`.
+"""Named recipes of the stock forward pass, for `shapeshift serve --recipe` and the
+decode benchmark.
 
 A recipe is a set of knob values (see the stock forward.py docstring). The names here
-are the ones measured on an H200 by hack/bench_decode.py
-(bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json): `torch` is plain PyTorch
+are the ones hack/bench_decode.py measures (it calls `torch` "stock"); H200 figures in
+bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json: `torch` is plain PyTorch
 (462.9 tok/s at batch 1 on llama-3.2-1b-shape), `triton` fuses the q/k/v and gate/up
-projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s).
-`auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a GPU, or
-the slow interpreter on a CPU). Imports nothing heavy.
+projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s),
+`fast` adds the weight-streaming GEMV with the norms and SwiGLU fused into it (best at
+batch 32). `auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a
+GPU, or the slow interpreter on a CPU). Imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+_FUSED = {"fuse_qkv": True, "fuse_gate_up": True}
+_TRITON = {**_FUSED, "attention_backend": "triton", "norm_backend": "triton", "rotary_backend": "triton",
+           "activation_backend": "triton"}
+# Weight-streaming Triton GEMV for every projection at <= 16 rows, SiLU-and-mul in the
+# gate/up GEMV's epilogue (see docs/decode-performance.md).
+_GEMV = {**_TRITON, "linear_backend": "triton", "fuse_gate_up_activation": True}
+
 NAMED_RECIPES: dict[str, dict[str, Any]] = {
     "torch": {},
-    "triton": {
-        "fuse_qkv": True,
-        "fuse_gate_up": True,
-        "attention_backend": "triton",
-        "norm_backend": "triton",
-        "rotary_backend": "triton",
-        "activation_backend": "triton",
-    },
+    "fused": _FUSED,
+    "triton": _TRITON,
+    "gemv": _GEMV,
+    # ... and every RMSNorm inside the GEMV that consumes it (6 launches per layer at decode).
+    "fast": {**_GEMV, "fuse_norm_into_linear": True},
 }
 RECIPE_CHOICES = ("auto", *NAMED_RECIPES)
 

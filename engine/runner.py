@@ -76,8 +76,8 @@ class ModelRunner:
         """
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         query_start = [0]
         context_lens: list[int] = []
         width = max(len(seq.block_table) for seq in batch.seqs)
@@ -85,16 +85,18 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            block_tables[i, :len(table)] = table
+            # Whole prompt chunks at once (numpy), not a Python loop per token.
+            pos = np.arange(start, start + n)  # [n]
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
             query_start.append(query_start[-1] + n)
             context_lens.append(start + n)
-            block_tables[i, :len(table)] = table
         last = list(range(query_start[-1])) if all_logits else [q - 1 for q in query_start[1:]]
         ctx = AttentionContext(
             is_prefill=True,
-            slot_mapping=self._to_device(slots, torch.int64),
+            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
             block_tables=self._to_device(block_tables, torch.int32),
             context_lens=self._to_device(context_lens, torch.int32),
             query_start_loc=self._to_device(query_start, torch.int32),
@@ -104,7 +106,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start,
             context_lens_cpu=context_lens,
         )
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), ctx
+        return self._to_device(input_ids, torch.int64), self._to_device(np.concatenate(positions), torch.int64), ctx
 
     def _decode_host_arrays(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
         bs = self.block_size
@@ -152,7 +154,7 @@ class ModelRunner:
         logprobs: list[float | None] | None = None
         if sampling_rows:
             if len(sampling_rows) < len(batch.seqs):
-                logits = logits[torch.tensor(sampling_rows, device=logits.device)]
+                logits = logits[self._to_device(sampling_rows, torch.int64)]
             seqs = [batch.seqs[i] for i in sampling_rows]
             want_logprobs = any(s.params.logprobs for s in seqs)
             tokens, lps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], want_logprobs)

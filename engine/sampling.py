@@ -76,19 +76,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            want_logprobs: bool = False) -> tuple[list[int], list[float] | None]:
     """logits: [B, V] float32 -> (B token ids, their logprobs under the raw logits or None).
 
-    The only host sync is the final ``tolist``.
+    The only host sync is the final ``tolist``: the per-row parameters travel in one
+    non-blocking copy from pinned memory (``torch.tensor(..., device="cuda")`` would
+    synchronize the stream once per tensor).
     """
     if all(p.greedy for p in params):
         tokens = logits.argmax(dim=-1)  # [B]
     else:
         device = logits.device
-        greedy_rows = torch.tensor([p.greedy for p in params], device=device)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        scaled = logits / temps[:, None]
+        # [4, B] float32: greedy flag, temperature (1 for greedy rows), top_k (exact in float32
+        # far beyond any vocabulary), top_p.
+        host = torch.tensor([[float(p.greedy) for p in params],
+                             [1.0 if p.greedy else p.temperature for p in params],
+                             [float(p.top_k) for p in params],
+                             [p.top_p for p in params]], dtype=torch.float32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        rows = host.to(device, non_blocking=True)
+        greedy_rows = rows[0] != 0
+        scaled = logits / rows[1][:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64)
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            scaled = apply_top_k_top_p(scaled, rows[2].long(), rows[3])
         probs = torch.softmax(scaled, dim=-1)  # [B, V]
         noise = torch.empty_like(probs)
         seeded = [i for i, g in enumerate(generators) if g is not None]

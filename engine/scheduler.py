@@ -136,11 +136,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached = bm.num_cached_tokens(seq)
-            num_new = min(seq.num_tokens - cached, budget)
-            if not bm.can_allocate(seq, num_new):
+            hits = bm.lookup(seq)  # prefix-cache blocks, hashed once for the three uses below
+            num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if not bm.can_allocate(seq, num_new, hits):
                 break
-            bm.allocate(seq, num_new)
+            bm.allocate(seq, num_new, hits)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

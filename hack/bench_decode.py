@@ -52,29 +52,22 @@ import torch
 
 from shapeshift.engine.config import EngineConfig
 from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, load_bundle
+from shapeshift.engine.kv_cache import bytes_per_token
 from shapeshift.engine.llm_engine import LLMEngine
 from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.recipes import NAMED_RECIPES
 from shapeshift.engine.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINES_SCRIPT = Path(__file__).resolve().parent / "decode_baselines.py"
 sys.path.insert(0, str(BASELINES_SCRIPT.parent))
 import decode_baselines as baselines  # noqa: E402  (sibling script: prompts, fingerprint, percentiles)
+from benchmeta import git_commit  # noqa: E402  (sibling module)
 
-_TRITON_KNOBS = {"attention_backend": "triton", "norm_backend": "triton", "rotary_backend": "triton",
-                 "activation_backend": "triton"}
-RECIPES: dict[str, dict[str, Any]] = {
-    "stock": {},
-    "fused": {"fuse_qkv": True, "fuse_gate_up": True},
-    "triton": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS},
-    # Weight-streaming Triton GEMV for every projection at <= 16 rows, SiLU-and-mul in the
-    # gate/up GEMV's epilogue (see docs/decode-performance.md).
-    "gemv": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS, "linear_backend": "triton",
-             "fuse_gate_up_activation": True},
-    # ... and every RMSNorm inside the GEMV that consumes it (6 launches per layer at decode).
-    "fast": {"fuse_qkv": True, "fuse_gate_up": True, **_TRITON_KNOBS, "linear_backend": "triton",
-             "fuse_gate_up_activation": True, "fuse_norm_into_linear": True},
-}
+# The serving recipes (engine/recipes.py); the plain-torch one is "stock" here, the name its
+# rows carry in recorded results.
+RECIPES: dict[str, dict[str, Any]] = {("stock" if name == "torch" else name): knobs
+                                      for name, knobs in NAMED_RECIPES.items()}
 BEST_RECIPE = "fast"
 NEEDS_TRITON = {"triton", "gemv", "fast"}
 BASELINE_ORDER = ("hf-eager", "torch-compile", "hf-static")
@@ -87,19 +80,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def git_commit() -> tuple[str, bool]:
-    if os.environ.get("SHAPESHIFT_GIT_COMMIT"):  # set by hack/gpu_run.sh where git is absent
-        return os.environ["SHAPESHIFT_GIT_COMMIT"], False
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-        return commit, dirty
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown", True
-
-
 def _version(package: str) -> str | None:
     try:
         from importlib.metadata import version
@@ -107,11 +87,6 @@ def _version(package: str) -> str | None:
         return version(package)
     except Exception:
         return None
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- results file
@@ -194,11 +169,9 @@ def step_traffic(engine: LLMEngine) -> dict[str, Any]:
         weight_bytes += nbytes
         if t.dim() >= 2:
             matmul_params += t.numel()
-    if cfg.family == "moe":
-        # Only the routed experts are read at batch 1; this floor stays the dense upper bound.
-        pass
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
-    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+    # MoE: every expert is counted, although batch 1 reads only the routed ones; the floor
+    # stays the dense upper bound.
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": bytes_per_token(cfg, engine.dtype),
             "matmul_flops_per_token": 2 * matmul_params}
 
 
@@ -240,7 +213,7 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
             have_first.add(o.request_id)
             if o.finished:
                 outputs[o.request_id] = o.output_token_ids
-    sync(engine.device)
+    baselines.sync(engine.device)
     decoded = 0
     step_times: list[float] = []
     batch_sizes: list[int] = []
@@ -403,9 +376,10 @@ def run_baseline(name: str, spec: dict[str, Any], workdir: Path, timeout: float)
     return rows
 
 
-def baseline_spec(args, device: torch.device, engine: LLMEngine, batch_sizes: list[int], new_tokens: int,
+def baseline_spec(args, device: torch.device, dtype: str, batch_sizes: list[int], new_tokens: int,
                   fingerprint: dict[str, float]) -> dict[str, Any]:
-    return {"model": args.model, "device": str(device), "dtype": str(engine.dtype).replace("torch.", ""),
+    """What a baseline process needs; ``dtype`` is the engine's ("bfloat16", ...)."""
+    return {"model": args.model, "device": str(device), "dtype": dtype,
             "batch_sizes": batch_sizes, "prompt_len": args.prompt_len, "new_tokens": new_tokens,
             "prompt_seed": PROMPT_SEED, "fingerprint": fingerprint, "repeats": 1,
             "compile_mode": "reduce-overhead" if device.type == "cuda" else "none"}
@@ -506,7 +480,7 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
     engine.add_request("profile", prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
     for _ in range(4):  # prefill, first decode steps (lazy init)
         engine.step()
-    sync(engine.device)
+    baselines.sync(engine.device)
     # Wall time per step without the profiler, and host time per phase of a step.
     phases = {"schedule": 0.0, "run (incl. GPU wait)": 0.0, "postprocess": 0.0}
     t_start = time.perf_counter()
@@ -526,7 +500,7 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
-        sync(engine.device)
+        baselines.sync(engine.device)
     while engine.has_unfinished_requests():
         engine.step()
     kernels: dict[str, dict[str, float]] = {}
@@ -798,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "torch-compile" and mode == "table":
                 # One compile per batch size (tens of seconds each): batch 1 by default.
                 order = [int(b) for b in args.compile_batch_sizes.split(",")] if args.compile_batch_sizes else order
-            spec = baseline_spec(args, device, _EngineInfo(rec.doc["dtype"]), order, new_tokens, fingerprint)
+            spec = baseline_spec(args, device, rec.doc["dtype"], order, new_tokens, fingerprint)
             for row in run_baseline(name, spec, Path(tmp), timeout=left):
                 if "error" not in row:
                     add_floor_share(row, traffic, ceilings, mean_context)
@@ -828,13 +802,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saved {png}")
     print(f"saved {out_json}")
     return 0
-
-
-class _EngineInfo:
-    """What baseline_spec needs from an engine, after the engine is gone."""
-
-    def __init__(self, dtype: str) -> None:
-        self.dtype = getattr(torch, dtype)
 
 
 def print_table(doc: dict[str, Any], floors, traffic, ceilings, mode: str) -> None:

@@ -35,23 +35,22 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmeta import REPO_ROOT, git_commit  # noqa: E402  (sibling module)
+
 DEFAULT_MODELS = ("llama-3.2-1b-shape", "moe-medium-shape")
 
 
 # ----------------------------------------------------------------------------- plan (no torch)
 def model_config(name: str) -> Any:
     from shapeshift.engine.config import ModelConfig
-    from shapeshift.engine.parallel.presets import ensure_parallel_presets
     from shapeshift.engine.presets import PRESETS
 
-    ensure_parallel_presets()
     if name not in PRESETS or not PRESETS[name].is_random:
         raise SystemExit(f"model {name!r} is not a random preset; choose from "
                          f"{[n for n, p in PRESETS.items() if p.is_random]}")
@@ -120,13 +119,6 @@ def _share(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, min(vocab, 32000), (n, length), generator=gen).tolist()
-
-
 def _sync(engine: Any) -> None:
     import torch
 
@@ -188,6 +180,7 @@ def _time_prefill(engine: Any, prompts: list[list[int]], barrier: Any) -> dict[s
 def bench_rank(rank: int, world_size: int, layout_name: str, model: str, opts: dict[str, Any]) -> dict[str, Any] | None:
     """One rank of one layout: followers follow; each replica's driver measures and returns its figures."""
     import torch.distributed as dist
+    from decode_baselines import random_prompts  # the decode benchmark's seeded prompts
 
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.parallel.engine import ParallelLLMEngine
@@ -217,17 +210,17 @@ def bench_rank(rank: int, world_size: int, layout_name: str, model: str, opts: d
 
         replica = state.coords.dp_rank
         vocab = engine.model_config.vocab_size
-        probe = engine.generate([_random_prompts(1, 32, vocab, seed=7)[0]],
+        probe = engine.generate([random_prompts(1, 32, vocab, seed=7)[0]],
                                 SamplingParams(max_tokens=opts["probe_tokens"], temperature=0.0, ignore_eos=True))[0]
         out: dict[str, Any] = {"replica": replica, "build_s": build_s, "probe_tokens": probe, "decode": {},
                                "kv_blocks": engine.block_manager.num_blocks,
                                "cuda_graphs": len(engine.runner.graphs)}
         for b in opts["batches"]:
-            prompts = _random_prompts(_share(b, layout.dp, replica), opts["prompt_len"], vocab, seed=1000 * b + replica)
+            prompts = random_prompts(_share(b, layout.dp, replica), opts["prompt_len"], vocab, seed=1000 * b + replica)
             out["decode"][str(b)] = _time_decode(engine, prompts, opts["decode_steps"], opts["warmup_steps"], barrier)
-        warm = _random_prompts(1, opts["prefill_len"], vocab, seed=5)
+        warm = random_prompts(1, opts["prefill_len"], vocab, seed=5)
         _time_prefill(engine, warm, lambda: None)  # warm the prefill shapes, untimed
-        prompts = _random_prompts(_share(opts["prefill_prompts"], layout.dp, replica), opts["prefill_len"], vocab,
+        prompts = random_prompts(_share(opts["prefill_prompts"], layout.dp, replica), opts["prefill_len"], vocab,
                                   seed=77 + replica)
         out["prefill"] = _time_prefill(engine, prompts, barrier)
         return out
@@ -258,17 +251,6 @@ def aggregate(replicas: list[dict[str, Any]], batches: list[int]) -> dict[str, A
 
 
 # ----------------------------------------------------------------------------- reporting
-def git_commit() -> tuple[str, bool]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-        return commit, dirty
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown", True
-
-
 def rankings(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, Any]:
     """Per metric: layouts ordered by measured and by predicted throughput (best first), and their agreement."""
     metrics = [(f"decode_b{b}", ("decode", str(b))) for b in batches] + [("prefill", ("prefill",))]

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,18 +35,6 @@ PROFILES_DIR = REPO / "bench" / "profiles"
 PLAN = {"chat": (1.0, 96), "agentic-long-context": (1 / 16, 24), "burst": (1.0, 96)}
 SMALL_PLAN = {"chat": (1 / 32, 8), "agentic-long-context": (1 / 512, 4), "burst": (1 / 64, 8)}
 SEED = 20260101
-
-
-def git_commit() -> str:
-    if os.environ.get("SHAPESHIFT_GIT_COMMIT"):
-        return os.environ["SHAPESHIFT_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def shapes_file(name: str, small: bool) -> Path:
@@ -106,6 +92,10 @@ def main() -> int:
 
     import torch
 
+    # Sibling module; imported here so that loading this file for load_plan() leaves sys.path alone.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchmeta import git_commit
+
     from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.hot_reload import ForwardPassManager
@@ -117,8 +107,9 @@ def main() -> int:
     max_num_seqs = args.max_num_seqs or (128 if not args.small else 8)
     config = EngineConfig(model=args.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max(8192 if not args.small else 256, max_num_seqs))
+    commit, dirty = git_commit()
     result: dict = {
-        "benchmark": "hot_reload_and_replay", "commit": git_commit(),
+        "benchmark": "hot_reload_and_replay", "commit": commit, "dirty": dirty,
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "model": args.model,

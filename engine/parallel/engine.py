@@ -37,20 +37,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shapeshift.engine.block_manager import BlockManager
 from shapeshift.engine.config import EngineConfig, ModelConfig
-from shapeshift.engine.forward_pass import Bundle, build_forward_pass, load_bundle
-from shapeshift.engine.kv_cache import KVCache, choose_num_blocks
+from shapeshift.engine.forward_pass import Bundle
 from shapeshift.engine.llm_engine import LLMEngine
-from shapeshift.engine.loader import TORCH_DTYPES, load_model
+from shapeshift.engine.loader import LoadedModel, load_model
 from shapeshift.engine.runner import ModelRunner
 from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.scheduler import RunnerOutput, ScheduledBatch, Scheduler
+from shapeshift.engine.scheduler import RunnerOutput, ScheduledBatch
 from shapeshift.engine.sequence import Sequence
 
 from . import process_group
 from .layout import ParallelLayout
-from .presets import ensure_parallel_presets
 from .sharding import shard_weights
 
 PARALLEL_BUNDLE_DIR = Path(__file__).resolve().parent.parent / "forward_passes" / "parallel"
@@ -183,53 +180,33 @@ class _DrivingRunner:
 class ParallelLLMEngine(LLMEngine):
     """``LLMEngine`` whose forward pass is spread over a replica's ranks (see module docstring)."""
 
+    default_bundle_dir = PARALLEL_BUNDLE_DIR
+
     def __init__(self, config: EngineConfig, state: process_group.ParallelState | None = None) -> None:
-        # Deliberately not LLMEngine.__init__: weights are sharded between loading and
-        # building the pass, and the KV cache is sized per rank; the attributes set here
-        # are the ones LLMEngine's methods use.
         state = state or process_group.current()
         if state is None:
             raise RuntimeError("ParallelLLMEngine needs torch.distributed set up: call "
                                "shapeshift.engine.parallel.process_group.init_parallel(layout) in each rank first")
-        ensure_parallel_presets()
         self.state = state
         self.layout: ParallelLayout = state.layout
-        config = dataclasses.replace(config, device=str(state.device))
-        self.config = config
-        self.device = state.device
-        self.dtype = TORCH_DTYPES[config.resolved_dtype()]
-        torch.manual_seed(config.seed)
+        self._stopped = False
+        # LLMEngine's construction, through the hooks below: weights sharded between loading
+        # and building the pass, a KV cache of the rank's KV heads with the replica's block count.
+        super().__init__(dataclasses.replace(config, device=str(state.device)))
+        self._local_runner = self.runner  # every rank captured the same graphs in the same order
+        if self.is_driver and self._has_followers:
+            self.runner = _DrivingRunner(self.runner, state)
+
+    def _load_model(self, config: EngineConfig) -> LoadedModel:
         loaded = load_model(config)
-        self.model_name = loaded.name
-        self.model_config: ModelConfig = loaded.model_config
-        self.tokenizer = loaded.tokenizer
-        if config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                f"{self.model_config.max_position_embeddings}; lower max_model_len")
-        self.layout.validate(self.model_config)
-        self.weights = shard_weights(loaded.weights, self.model_config, self.layout, state.coords)
-        del loaded
+        self.layout.validate(loaded.model_config)
+        loaded.weights = shard_weights(loaded.weights, loaded.model_config, self.layout, self.state.coords)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the unsharded tensors are gone; size the KV cache without them
-        self.bundle: Bundle = load_bundle(config.forward_pass or PARALLEL_BUNDLE_DIR, config.forward_pass_recipe)
-        self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
-        rank_config = self.layout.rank_model_config(self.model_config)  # local KV heads
-        num_blocks = self._agree_on_num_blocks(choose_num_blocks(rank_config, config, self.dtype, self.device))
-        self.kv_cache = KVCache.allocate(rank_config, num_blocks, config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          tag=self.bundle.cache_tag)
-        eos = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, tokenizer=self.tokenizer, eos_token_ids=eos)
-        runner = ModelRunner(self.model_config, config, self.forward_pass, self.kv_cache, self.device)
-        runner.capture_cudagraphs()  # every rank captures the same graphs in the same order
-        self._local_runner = runner
-        self.runner = _DrivingRunner(runner, state) if self.is_driver and self._has_followers else runner
-        self._requests: dict[str, Sequence] = {}
-        self._abort_outputs: list = []
-        self._batch_size_last_step = 0
-        self._stopped = False
+        return loaded
+
+    def _kv_cache_model_config(self) -> ModelConfig:
+        return self.layout.rank_model_config(self.model_config)  # local KV heads
 
     @property
     def is_driver(self) -> bool:

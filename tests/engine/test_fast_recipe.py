@@ -1,7 +1,8 @@
-"""The batch-1 decode recipe ("fast" in hack/bench_decode.py: Triton GEMV projections with
-float32 lm_head output, SiLU-and-mul in the gate/up GEMV, RMSNorm in the GEMV prologues, the
-Triton norm/rotary/attention knobs; "gemv" is the same without the norm fusion) equals the plain-torch stock pass, through the static-buffer decode path whose greedy
-argmax runs inside the (emulated) graph.
+"""The decode recipes "fast" and "gemv" of engine/recipes.py (what hack/bench_decode.py
+measures: Triton GEMV projections with float32 lm_head output, SiLU-and-mul in the gate/up
+GEMV, the Triton norm/rotary/attention knobs; "fast" also runs RMSNorm in the GEMV
+prologues) equal the plain-torch stock pass, through the static-buffer decode path whose
+greedy argmax runs inside the (emulated) graph.
 
 Runs in a subprocess: on the CPU, Triton's interpreter must be switched on before triton is
 first imported (TRITON_INTERPRET=1), which this test process cannot undo.
@@ -24,12 +25,11 @@ SCRIPT = textwrap.dedent('''
     import torch
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
     preset, device, fuse_norm = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    fast = {"fuse_qkv": True, "fuse_gate_up": True, "attention_backend": "triton", "norm_backend": "triton",
-            "rotary_backend": "triton", "activation_backend": "triton", "linear_backend": "triton",
-            "fuse_gate_up_activation": True, "fuse_norm_into_linear": fuse_norm}
+    fast = NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"]  # the measured knob sets
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))

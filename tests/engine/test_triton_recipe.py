@@ -21,12 +21,11 @@ SCRIPT = textwrap.dedent('''
     import torch
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
     preset, device = sys.argv[1], sys.argv[2]
-    recipe = {"attention_backend": "triton", "norm_backend": "triton", "rotary_backend": "triton"}
-    if preset != "tiny-moe":
-        recipe.update(fuse_qkv=True, fuse_gate_up=True, activation_backend="triton")
+    recipe = NAMED_RECIPES["triton"]  # what `serve --recipe auto` serves on CUDA, dense and MoE alike
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64,
                 block_size=4, max_num_batched_tokens=16)
     ref = LLMEngine(EngineConfig(**base))

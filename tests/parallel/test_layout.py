@@ -7,12 +7,11 @@ import pytest
 from shapeshift.engine.config import ModelConfig
 from shapeshift.engine.parallel.layout import (LayoutError, ParallelLayout, candidate_layouts, choose_layout,
                                                valid_tp_degrees)
-from shapeshift.engine.parallel.presets import PARALLEL_PRESETS
 from shapeshift.engine.presets import PRESETS
 
 
 def cfg(name: str) -> ModelConfig:
-    preset = PRESETS.get(name) or PARALLEL_PRESETS[name]
+    preset = PRESETS[name]
     return ModelConfig.from_hf(preset.hf_config)
 
 

@@ -72,10 +72,8 @@ def test_expert_shards_sum_to_the_full_moe(parallel_module, layout):
         gate_up, down = s[p + "experts.gate_up_proj"], s[p + "experts.down_proj"]
         assert gate_up.shape == (cfg.num_experts // layout.ep, 2 * cfg.moe_intermediate_size // layout.expert_tp,
                                  cfg.hidden_size)
-        w_local, ids_local, mine = m.localize_routing(weights, ids, first, gate_up.shape[0])
-        sums["sparse"] += m.moe_sparse_local(x, w_local, ids_local, mine, gate_up, down)
-        sums["gather"] += stock.moe_gather(x, w_local, ids_local, gate_up, down)
-        sums["dense"] += m.moe_dense_local(x, weights, ids, first, gate_up, down)
+        for path in sums:
+            sums[path] += m.moe_local(x, weights, ids, first, gate_up, down, path)
     for path, got in sums.items():
         torch.testing.assert_close(got, full, atol=1e-6, rtol=1e-5, msg=lambda msg, path=path: f"{path}: {msg}")
 

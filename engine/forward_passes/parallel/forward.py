@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shapeshift.engine.attention import AttentionContext
 from shapeshift.engine.config import ModelConfig
@@ -61,54 +60,25 @@ def _all_reduce(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     return x
 
 
-def localize_routing(weights: torch.Tensor, ids: torch.Tensor, first_expert: int, num_local: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global routing [T, k] -> (weights with other ranks' experts zeroed, local ids with
-    other ranks' experts pointing at a valid index 0, mask [T, k] of local choices)."""
-    local = ids - first_expert
-    mine = (local >= 0) & (local < num_local)
-    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local)), mine
-
-
-def moe_sparse_local(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, mine: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Only the (token, choice) pairs routed to this rank's experts (eager prefill).
-
-    x: [T, H]; weights, local_ids, mine: [T, k]; gate_up: [E_local, 2I_local, H]; down: [E_local, H, I_local].
+def moe_local(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int, gate_up: torch.Tensor,
+              down: torch.Tensor, path: str) -> torch.Tensor:
+    """This rank's share [T, H] of the MoE output: its experts' contributions under the
+    global routing (weights, ids: [T, k]), through the stock op of ``path``: "sparse" (eager
+    prefill), "gather" or "dense" (decode). gate_up: [E_local, 2I_local, H]; down: [E_local, H, I_local].
     """
-    out = torch.zeros_like(x)
-    token, choice = mine.nonzero(as_tuple=True)  # [N] each
-    expert = local_ids[token, choice]
-    order = torch.argsort(expert, stable=True)
-    token, expert, weight = token[order], expert[order], weights[token, choice][order]
-    counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()  # one sync per layer
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token[start:start + count]
-        g, u = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e]) * weight[start:start + count, None]
-        out.index_add_(0, rows, y.to(x.dtype))
-        start += count
-    return out
-
-
-def moe_dense_local(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Every local expert on every token, weighted by a mostly-zero [T, E_local] matrix (static shapes)."""
     num_local = gate_up.shape[0]
     local = ids - first_expert
-    # Other ranks' experts go to an extra dump column (scatter with duplicate indices
-    # would let a zero overwrite a real weight), which is dropped afterwards.
-    local = torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, num_local))
-    dense_weights = torch.zeros(x.shape[0], num_local + 1, device=x.device, dtype=torch.float32)
-    dense_weights.scatter_(1, local, weights)
-    dense_weights = dense_weights[:, :num_local]  # [T, E_local]
-    h = torch.matmul(x[None], gate_up.transpose(1, 2))  # [E_local, T, 2I_local]
-    g, u = h.chunk(2, dim=-1)
-    y = torch.matmul(F.silu(g) * u, down.transpose(1, 2))  # [E_local, T, H]
-    return (y.float() * dense_weights.t()[..., None]).sum(dim=0).to(x.dtype)
+    mine = (local >= 0) & (local < num_local)
+    if path == "gather":
+        # Gathering needs a valid index everywhere: other ranks' choices read local expert 0
+        # with weight zero (no contribution).
+        return stock.moe_gather(x, torch.where(mine, weights, torch.zeros_like(weights)),
+                                torch.where(mine, local, torch.zeros_like(local)), gate_up, down)
+    # Other ranks' choices get id E_local, which the stock sparse and dense ops skip.
+    local = torch.where(mine, local, torch.full_like(local, num_local))
+    if path == "sparse":
+        return stock.moe_sparse(x, weights, local, gate_up, down)
+    return stock.moe_dense(x, weights, local, gate_up, down)
 
 
 class ParallelForwardPass(stock.StockForwardPass):
@@ -149,15 +119,13 @@ class ParallelForwardPass(stock.StockForwardPass):
             return _all_reduce(partial, self.tp_group, self.layout.tp)
         cfg = self.full_cfg
         weights, ids = stock.route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] global
-        gate_up, down = layer.experts_gate_up, layer.experts_down
         if ctx.is_prefill:
-            w_local, ids_local, mine = localize_routing(weights, ids, self.first_expert, self.num_local_experts)
-            partial = moe_sparse_local(x, w_local, ids_local, mine, gate_up, down)
+            path = "sparse"
         elif x.shape[0] * cfg.num_experts_per_tok <= self.moe_gather_max_rows:
-            w_local, ids_local, _ = localize_routing(weights, ids, self.first_expert, self.num_local_experts)
-            partial = stock.moe_gather(x, w_local, ids_local, gate_up, down)  # zero weight: no contribution
+            path = "gather"
         else:
-            partial = moe_dense_local(x, weights, ids, self.first_expert, gate_up, down)
+            path = "dense"
+        partial = moe_local(x, weights, ids, self.first_expert, layer.experts_gate_up, layer.experts_down, path)
         return _all_reduce(partial, self.mp_group, self.layout.model_parallel_size)
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:

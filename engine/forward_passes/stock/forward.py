@@ -17,7 +17,8 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   attention_backend: torch | triton   paged decode attention (kernels.decode_attention)
   norm_backend: torch | triton        RMSNorm fused with the residual add (kernels.rmsnorm)
   rotary_backend: torch | triton      rotary fused with the KV-cache write (kernels.rotary)
-  activation_backend: torch | triton  SiLU-and-mul (kernels.activation; needs fuse_gate_up)
+  activation_backend: torch | triton  SiLU-and-mul (kernels.activation; needs fuse_gate_up; dense
+                                      models only, a no-op on MoE experts)
   linear_backend: torch | triton      projections and lm_head on <= 16 rows (decode) through the
                                       weight-streaming GEMV (kernels.gemv); F.linear above that.
                                       The lm_head then writes float32 logits directly (no
@@ -122,11 +123,13 @@ def moe_sparse(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
     """Loop over experts that got tokens (data-dependent shapes: eager prefill only).
 
     x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I] -> [T, H].
+    Choices with id E (experts held elsewhere: the parallel pass's shards) are skipped.
     """
+    num_experts = gate_up.shape[0]
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()  # [T*k]
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()  # one sync per layer
+    order = torch.argsort(flat_ids, stable=True)  # id E sorts last, after every expert's rows
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # one sync per layer
     token_of = order // ids.shape[1]
     weight_of = weights.flatten()[order]
     start = 0
@@ -154,10 +157,13 @@ def moe_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_u
 def moe_dense(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, weighted by a mostly-zero [T, E] matrix (static shapes;
-    reads each expert once, so it beats gathering once T*k exceeds E)."""
+    reads each expert once, so it beats gathering once T*k exceeds E). Choices with id E
+    (experts held elsewhere) land in an extra column that is dropped: a scatter with
+    duplicate indices could let one of them overwrite a real weight."""
     num_experts = gate_up.shape[0]
-    dense_weights = torch.zeros(x.shape[0], num_experts, device=x.device, dtype=torch.float32)
-    dense_weights.scatter_(1, ids, weights)  # [T, E]
+    dense_weights = torch.zeros(x.shape[0], num_experts + 1, device=x.device, dtype=torch.float32)
+    dense_weights.scatter_(1, ids, weights)
+    dense_weights = dense_weights[:, :num_experts]  # [T, E]
     h = torch.matmul(x[None], gate_up.transpose(1, 2))  # [E, T, 2I]
     g, u = h.chunk(2, dim=-1)
     y = torch.matmul(F.silu(g) * u, down.transpose(1, 2))  # [E, T, H]
@@ -248,9 +254,11 @@ class StockForwardPass:
             # Kernel table: float32 [P, D], cos in the first half, sin in the second.
             self.cos_sin = torch.cat(rope_tables(cfg, num_positions, self.embed.device, torch.float32), dim=-1)
         self._silu_and_mul = None
-        if _choice(self.recipe, "activation_backend") == "triton":
-            if not self.fuse_gate_up or cfg.family == "moe":
-                raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true on a dense model")
+        # MoE experts keep their torch SiLU: like fuse_gate_up, the knob is a no-op there, so one
+        # named recipe (serve --recipe triton, the CUDA default) serves dense and MoE models.
+        if _choice(self.recipe, "activation_backend") == "triton" and cfg.family != "moe":
+            if not self.fuse_gate_up:
+                raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
         self._apply_kernel_configs(self.recipe.get("kernel_configs") or {})
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
