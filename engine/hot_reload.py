@@ -128,6 +128,11 @@ class LoadedBundle:
 
 def import_bundle(opened: OpenedBundle) -> LoadedBundle:
     """Import an opened bundle's entry module under a package name used by nothing else."""
+    # Capture the clocks and functions a candidate could patch before its top-level code
+    # runs: every candidate is imported here, so this is the one place that sees them all.
+    # (Imported in the function: shapeshift.engine.verify imports this module.)
+    from .verify import anticheat  # noqa: F401
+
     package = f"shapeshift_fp_{opened.manifest.digest[:12]}_{next(_load_counter)}"
     pkg = ModuleType(package)
     pkg.__path__ = [str(opened.folder)]  # type: ignore[attr-defined]  # relative imports resolve here
