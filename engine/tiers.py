@@ -6,23 +6,20 @@ tensors for layers < N plus embeddings, final norm and head (no copy, no second 
 -> a second LLMEngine with its own small KV cache. Candidates are screened on the fast
 tier (quick, low-noise timings) and confirmed on the full one.
 
-The engine core loads weights inside ``LLMEngine.__init__``; until it accepts a
-preloaded model, ``build_fast_tier`` hands the subset in by substituting the loader
-function for the duration of that one constructor call (under a lock).
+The engine core loads weights through its ``_load_model`` hook; the fast tier overrides
+that hook to hand in the subset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_construct_lock = threading.Lock()
 DEFAULT_FAST_LAYERS = 2
 
 
@@ -42,7 +39,7 @@ def fast_tier_config(base: EngineConfig, num_layers: int) -> EngineConfig:
 
 def build_fast_tier(full_engine: Any, num_layers: int = DEFAULT_FAST_LAYERS, **overrides: Any) -> Any:
     """An LLMEngine over the first ``num_layers`` layers of ``full_engine``'s weights."""
-    from . import llm_engine as llm_engine_module
+    from .llm_engine import LLMEngine
     from .loader import LoadedModel
 
     base = full_engine.config
@@ -53,13 +50,12 @@ def build_fast_tier(full_engine: Any, num_layers: int = DEFAULT_FAST_LAYERS, **o
                          model_config=full_engine.model_config.with_num_layers(num_layers),
                          weights=layer_subset(full_engine.weights, num_layers),
                          tokenizer=full_engine.tokenizer, source=f"tier of {full_engine.model_name}")
-    with _construct_lock:
-        original = llm_engine_module.load_model
-        llm_engine_module.load_model = lambda _config: loaded
-        try:
-            return llm_engine_module.LLMEngine(config)
-        finally:
-            llm_engine_module.load_model = original
+
+    class FastTierEngine(LLMEngine):
+        def _load_model(self, _config: EngineConfig) -> LoadedModel:
+            return loaded  # the full engine's tensors: no second load, no copy
+
+    return FastTierEngine(config)
 
 
 @dataclass
