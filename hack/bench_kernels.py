@@ -23,6 +23,8 @@ Timing. Decode-sized rows are timed twice:
 Prefill-sized rows run long enough that eager time is the kernel time; they are timed eagerly.
 The torch baseline is timed the same way as the row (graphs where it can be captured).
 The `host` group reports each launcher's host cost per call, with and without Triton's launch.
+`shapeshift.kernels` must be importable: the editable install (hack/setup.sh), or the namespace
+hack/gpu_run.sh builds on a GPU machine (`hack/gpu_run.sh kernels`).
 
     python3 hack/bench_kernels.py                     # full run (~2-4 min on an H200, --budget-s 240)
     python3 hack/bench_kernels.py --quick             # smaller subset
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -51,7 +53,6 @@ import subprocess
 import sys
 import time
 import traceback
-import types
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GROUPS = ("ceilings", "rmsnorm", "silu_and_mul", "rotary", "decode_attention", "gemv", "sampling",
@@ -62,29 +63,6 @@ DEVICE = "cuda"
 SMOKE = False
 NOMINAL_COPY_TBS = 4.2
 NOMINAL_BF16_TFLOPS = 790.0
-
-
-# ----------------------------------------------------------------------------- imports
-def _import_kernels():
-    """Import shapeshift.kernels, mapping the repo's kernels/ folder when not installed."""
-    try:
-        import shapeshift.kernels as kernels  # noqa: F401
-
-        return kernels
-    except ImportError:
-        pass
-    kernels_dir = REPO / "kernels"
-    if "shapeshift" not in sys.modules:
-        package = types.ModuleType("shapeshift")
-        package.__path__ = []
-        sys.modules["shapeshift"] = package
-    spec = importlib.util.spec_from_file_location(
-        "shapeshift.kernels", kernels_dir / "__init__.py", submodule_search_locations=[str(kernels_dir)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["shapeshift.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sync():
@@ -339,6 +317,13 @@ def _tune_case(case, spec, budget_s, max_configs, quick):
 # ----------------------------------------------------------------------------- cases
 # (label, rows) of the elementwise cases that --tune sweeps: one decode, one prefill size.
 TUNE_SIZES = {("decode", 64), ("prefill", 16384), ("prefill", 8192)}
+
+
+def _row_sizes(quick):
+    """(label, rows or tokens) of the rmsnorm, silu_and_mul and rotary cases."""
+    if quick:
+        return [("decode", 1), ("decode", 64), ("prefill", 8192)]
+    return [("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 4096), ("prefill", 16384)]
 LLAMA = {"hidden": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64, "inter": 8192, "vocab": 128256}
 MOE = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}  # Qwen3-30B-A3B-like
 
@@ -366,9 +351,7 @@ def cases_rmsnorm(quick):
     from shapeshift.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 
     hidden = LLAMA["hidden"]
-    sizes = [("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 4096), ("prefill", 16384)]
-    if quick:
-        sizes = [("decode", 1), ("decode", 64), ("prefill", 8192)]
+    sizes = _row_sizes(quick)
     out = []
     for label, size in sizes:
         rows = _cap(size)
@@ -403,9 +386,7 @@ def cases_silu_and_mul(quick):
     from shapeshift.kernels.activation import silu_and_mul, silu_and_mul_ref
 
     inner = LLAMA["inter"]
-    sizes = [("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 4096), ("prefill", 16384)]
-    if quick:
-        sizes = [("decode", 1), ("decode", 64), ("prefill", 8192)]
+    sizes = _row_sizes(quick)
     out = []
     for label, size in sizes:
         rows = _cap(size)
@@ -436,9 +417,7 @@ def cases_rotary(quick):
     hq, hkv, d = LLAMA["heads"], LLAMA["kv_heads"], LLAMA["head_dim"]
     max_position = _cap(32768, 64)
     cos_sin = rope_cos_sin_cache(d, max_position, 500000.0, device=DEVICE)
-    sizes = [("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 4096), ("prefill", 16384)]
-    if quick:
-        sizes = [("decode", 1), ("decode", 64), ("prefill", 8192)]
+    sizes = _row_sizes(quick)
     out = []
     for label, size in sizes:
         tokens = _cap(size)
@@ -707,7 +686,7 @@ def cases_prefill_attention(quick):
         tune = name == "1x2048 fresh"
         qlens, clens = [_cap(n, 40) for n in qlens][: _cap(len(qlens), 3)], [_cap(n, 60) for n in clens][: _cap(len(clens), 3)]
         kc, vc, tables, cl = _paged_kv(clens, hkv, d, bs, torch.bfloat16)
-        qsl = torch.tensor([0] + list(itertools_accumulate(qlens)), dtype=torch.int32, device=DEVICE)
+        qsl = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device=DEVICE)
         T = sum(qlens)
         q = torch.randn(T, hq, d, dtype=torch.bfloat16, device=DEVICE)
         o = torch.empty_like(q)
@@ -735,13 +714,6 @@ def cases_prefill_attention(quick):
                         problem={"max_query_len": max_q, "head_dim": d, "query_group": hq // hkv,
                                  "dtype": "bfloat16"}, tune=tune))
     return out
-
-
-def itertools_accumulate(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
 
 
 def _routing_logits(kind, tokens, experts, generator):
@@ -950,7 +922,6 @@ def run_worker(group, quick, tune, tune_budget_s, result_path):
     rows, tuning = [], []
     started = time.time()
     try:
-        _import_kernels()
         torch.manual_seed(0)
         cases = CASE_BUILDERS[group](quick)
     except Exception as error:

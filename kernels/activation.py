@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
-                     tensor_meta)
+from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
+                     dtype_name)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 
@@ -48,16 +48,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I] -> [T, I]."""
-    try:
-        key = (tensor_meta(x), tensor_meta(out), config)
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
-        key, plan = None, None
-    if plan is None:
-        plan = _plan(x, out, config)
-        if key is not None:
-            _PLANS.remember(key, plan)
-    config, grid_n = plan
+    config, grid_n = _PLANS.plan(_plan, (x, out), config)
     T, width = x.shape
     inner = width // 2
     if out is None:

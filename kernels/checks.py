@@ -8,7 +8,7 @@ raises `ValueError` naming the op, the argument, what it got and what it expecte
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -148,12 +148,26 @@ class LaunchPlans(dict):
     """A launcher's memo: argument metadata (+ config) -> what it checked and derived once.
 
     Checks read metadata only, never values, so a metadata combination that passed once
-    passes again; a repeat call (every decode step) skips the checks and the config lookup
-    and reads its strides from the key. Bounded: cleared when it reaches `limit` entries."""
+    passes again; a repeat call (every decode step) skips the checks and the config lookup.
+    Plans may hold strides: the key holds every argument's strides, so they are the same on
+    every call the plan serves. Bounded: cleared when it reaches `limit` entries."""
 
     def __init__(self, limit: int = 4096):
         super().__init__()
         self.limit = limit
+
+    def plan(self, planner: Callable[..., Any], tensors: tuple, config: Any) -> Any:
+        """The plan for a launch on `tensors` (the launcher's tensor arguments, None for absent
+        ones) with `config`: memoised per their metadata, else `planner(*tensors, config)`,
+        which runs every check (raising on bad arguments), remembered for the next call."""
+        try:
+            key = (tuple(map(tensor_meta, tensors)), config)
+            plan = self.get(key)
+        except (AttributeError, TypeError):  # a non-tensor argument or an unhashable config:
+            return planner(*tensors, config)  # the planner's checks say what is wrong
+        if plan is None:
+            plan = self.remember(key, planner(*tensors, config))
+        return plan
 
     def remember(self, key, plan):
         if len(self) >= self.limit:

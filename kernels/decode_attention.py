@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, next_power_of_2, tensor_meta)
+                     dtype_name, next_power_of_2)
 from .triton_helpers import dot
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
@@ -199,28 +199,13 @@ def decode_attention(
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, including
     the one just written). Returns out [B, Hq, D] (or writes `out`). No host syncs.
     """
-    try:
-        metas = (tensor_meta(q), tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(block_tables),
-                 tensor_meta(context_lens), tensor_meta(out))
-        plan = _PLANS.get((metas, config))
-    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
-        metas, plan = None, None
-    if plan is None:
-        plan = _plan(q, k_cache, v_cache, block_tables, context_lens, out, config)
-        if metas is not None:
-            _PLANS.remember((metas, config), plan)
-        metas = (tensor_meta(q), tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(block_tables),
-                 tensor_meta(context_lens), tensor_meta(out))
+    config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = _PLANS.plan(
+        _plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        out_stride = out.stride()
-    else:
-        out_stride = metas[5][1]
     B, num_q_heads, head_dim = q.shape
     if B == 0:
         return out
-    config, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = plan
-    q_stride, kc_stride, vc_stride = metas[0][1], metas[1][1], metas[2][1]
     if num_splits > 1:
         partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -229,23 +214,19 @@ def decode_attention(
     _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         float(scale) * LOG2E,
-        q_stride[0], q_stride[1],
-        kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2],
-        metas[3][1][0],
-        out_stride[0], out_stride[1],
+        *strides,
         block_size, num_q_heads,
         **constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_attention_reduce_kernel[(B, num_q_heads)](
-            partial_out, partial_lse, out, out_stride[0], out_stride[1], num_q_heads, **reduce_constexprs,
+            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs,
         )
     return out
 
 
-# (argument metadata, config) -> launch plan, see checks.LaunchPlans.
+# (argument metadata, config) -> launch plan (see _plan), see checks.LaunchPlans.
 _PLANS = LaunchPlans()
 
 
@@ -283,7 +264,13 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, out, config):
                   "UPCAST_DOT": upcast_dot, "DOT_PRECISION": dot_precision}
     reduce_constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "NUM_SPLITS": num_splits,
                          "BLOCK_S": max(2, next_power_of_2(num_splits)), "num_warps": 2 if head_dim <= 64 else 4}
-    return config, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs
+    # The launcher allocates a missing out contiguous: [B, Hq, D] strides (Hq * D, D).
+    out_strides = out.stride() if out is not None else (num_q_heads * head_dim, head_dim)
+    # The split kernel's stride arguments, in its order (q, k_cache, v_cache, block_tables, out);
+    # the reduce kernel takes the last two (out's).
+    strides = (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+               *out_strides[:2])
+    return config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

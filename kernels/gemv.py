@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
-                     next_power_of_2)
+from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
+                     dtype_name, next_power_of_2)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 from .triton_helpers import dot
 
@@ -286,6 +286,27 @@ def _prologue_shape(M: int, K: int) -> dict[str, int]:
     return {"PRO_M": pro_m, "PRO_K": max(16, min(next_power_of_2(K), 8192 // pro_m))}
 
 
+def _check_x_and_weight(op: str, x: torch.Tensor, weight_name: str, weight: torch.Tensor) -> tuple[int, int]:
+    """The checks both launchers make on x [M, K] and their weight [*, K] -> (M, K)."""
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_runnable_device(op, x)
+    M, K = x.shape
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"{op}: x has {M} rows; this kernel serves 1..{MAX_M} rows (use a GEMM for larger batches)")
+    check_tensor(op, weight_name, weight, shape=(None, K), device=x.device)
+    check_same_dtype(op, "x", x, **{weight_name: weight})
+    return M, K
+
+
+def _variant_rows(op: str, config: KernelConfig, M: int) -> tuple[bool, int]:
+    """(USE_DOT, BLOCK_M) of a config: "dot" pads x's rows to 16, "fma" holds up to 4 in registers."""
+    if config.variant == "dot":
+        return True, 16
+    if M > 4:
+        raise ValueError(f"{op}: the 'fma' variant serves at most 4 rows, got {M}; use the 'dot' variant")
+    return False, next_power_of_2(M)
+
+
 def _norm_args(op: str, x: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
                residual_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate the RMSNorm-prologue arguments -> (residual, residual_out, norm_weight) kernel
@@ -331,13 +352,7 @@ def gemv(
     when a residual is given (residual_out = x + residual).
     """
     op = "gemv"
-    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_runnable_device(op, x)
-    M, K = x.shape
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"{op}: x has {M} rows; this kernel serves 1..{MAX_M} rows (use a GEMM for larger batches)")
-    check_tensor(op, "weight", weight, shape=(None, K), device=x.device)
-    check_same_dtype(op, "x", x, weight=weight)
+    M, K = _check_x_and_weight(op, x, "weight", weight)
     N = weight.shape[0]
     if bias is not None:
         check_tensor(op, "bias", bias, shape=(N,), device=x.device)
@@ -352,16 +367,13 @@ def gemv(
         config = GEMV_SPEC.default_config({"m": M, "n": N, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
     if N == 0:
         return out if res_ret is None else (out, res_ret)
-    use_dot = config.variant == "dot"
-    block_m = 16 if use_dot else next_power_of_2(M)
-    if not use_dot and M > 4:
-        raise ValueError(f"{op}: the 'fma' variant serves at most 4 rows, got {M}; use the 'dot' variant")
+    use_dot, block_m = _variant_rows(op, config, M)
     split_k = config["SPLIT_K"]
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     upcast_dot, dot_precision = dot_flags(x.dtype)
     partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out
-    _gemv_kernel[(triton.cdiv(N, block_n), split_k)](
+    _gemv_kernel[(cdiv(N, block_n), split_k)](
         x, weight, bias_arg, out, partial,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         res_arg, res_out_arg, norm_arg, res_arg.stride(0), res_out_arg.stride(0), float(eps),
@@ -373,7 +385,7 @@ def gemv(
     )
     if split_k > 1:
         reduce_block = 1024
-        _split_k_reduce_kernel[(M, triton.cdiv(N, reduce_block))](
+        _split_k_reduce_kernel[(M, cdiv(N, reduce_block))](
             partial, bias_arg, out, M, N, out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
         )
@@ -406,13 +418,7 @@ def gemv_silu_and_mul(
     RMSNorm prologue works as in `gemv`.
     """
     op = "gemv_silu_and_mul"
-    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_runnable_device(op, x)
-    M, K = x.shape
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"{op}: x has {M} rows; this kernel serves 1..{MAX_M} rows (use a GEMM for larger batches)")
-    check_tensor(op, "gate_up", gate_up, shape=(None, K), device=x.device)
-    check_same_dtype(op, "x", x, gate_up=gate_up)
+    M, K = _check_x_and_weight(op, x, "gate_up", gate_up)
     if gate_up.shape[0] % 2:
         raise ValueError(f"{op}: gate_up must stack [gate; up] (an even number of rows), got {gate_up.shape[0]}")
     inner = gate_up.shape[0] // 2
@@ -425,15 +431,13 @@ def gemv_silu_and_mul(
         config = GEMV_SPEC.default_config({"m": M, "n": inner, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
     if inner == 0:
         return out if res_ret is None else (out, res_ret)
-    use_dot = config.variant == "dot"
-    if not use_dot and M > 4:
-        raise ValueError(f"{op}: the 'fma' variant serves at most 4 rows, got {M}; use the 'dot' variant")
+    use_dot, block_m = _variant_rows(op, config, M)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     upcast_dot, dot_precision = dot_flags(x.dtype)
-    _gemv_silu_and_mul_kernel[(triton.cdiv(inner, block_n),)](
+    _gemv_silu_and_mul_kernel[(cdiv(inner, block_n),)](
         x, gate_up, out, M, inner, K, x.stride(0), gate_up.stride(0), out.stride(0),
         res_arg, res_out_arg, norm_arg, res_arg.stride(0), res_out_arg.stride(0), float(eps),
-        BLOCK_M=16 if use_dot else next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -474,12 +478,12 @@ def _choose_default(problem, key: str) -> KernelConfig:
     # Split-K costs a second launch (~1-2 us), as much as streaming ~6 MB: avoid it whenever
     # 16-row tiles alone nearly fill the GPU. Otherwise take the widest row tile that still
     # gives >= 1.5 programs per SM, and split K only when even 16-row tiles leave SMs idle.
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 1.5 * sms), 16)
+    block_n = next((b for b in (64, 32) if cdiv(n, b) >= 1.5 * sms), 16)
     split_k = 1
-    if triton.cdiv(n, block_n) < 0.9 * sms:
-        while triton.cdiv(n, block_n) * split_k < 2 * sms and k // (split_k * 2) >= 256:
+    if cdiv(n, block_n) < 0.9 * sms:
+        while cdiv(n, block_n) * split_k < 2 * sms and k // (split_k * 2) >= 256:
             split_k *= 2
-    programs = triton.cdiv(n, block_n) * split_k
+    programs = cdiv(n, block_n) * split_k
     # Little's law: ~4.3 TB/s x ~1 us of HBM latency is ~4.5 MB in flight, ~48 KB per SM with
     # margin. Each program keeps (stages - 1) weight tiles of BLOCK_N x BLOCK_K in flight, and
     # about two programs per SM are resident at once (shared memory) when there are more.

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
-                     dtype_name, next_power_of_2, tensor_meta)
+                     dtype_name, next_power_of_2)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 MAX_HIDDEN = 65536
@@ -92,16 +92,7 @@ def rmsnorm(
     `residual` tensor itself (in-place update, as a decoder layer wants). For per-head norms
     (Qwen3 q/k norm) pass a [T * heads, head_dim] view.
     """
-    try:
-        metas = (tensor_meta(x), tensor_meta(weight), tensor_meta(residual), tensor_meta(out),
-                 tensor_meta(residual_out))
-        plan = _PLANS.get((metas, config))
-    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
-        metas, plan = None, None
-    if plan is None:
-        plan = _plan(x, weight, residual, out, residual_out, config)
-        if metas is not None:
-            _PLANS.remember((metas, config), plan)
+    config, constexprs = _PLANS.plan(_plan, (x, weight, residual, out, residual_out), config)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if residual is not None and residual_out is None:
@@ -109,7 +100,6 @@ def rmsnorm(
     M, N = x.shape
     if M == 0:
         return out if residual is None else (out, residual_out)
-    config, constexprs = plan
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else out
     _rmsnorm_kernel[(cdiv(M, constexprs["ROWS_PER_PROGRAM"]),)](

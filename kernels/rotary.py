@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
-                     next_power_of_2, tensor_meta)
+                     next_power_of_2)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 
@@ -179,36 +179,16 @@ def rotary_kv_write(
     """Rotate q [T, Hq, D] and k [T, Hkv, D]; write rotated k and v into the paged caches at
     `slot_mapping` [T] (negative = skip); return rotated q (a new tensor, or `q_out`, which may
     be q itself). q/k/v may be strided views of a fused qkv projection (unit last stride)."""
-    try:
-        metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), tensor_meta(positions), tensor_meta(cos_sin_cache),
-                 tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(slot_mapping), tensor_meta(q_out))
-        plan = _PLANS.get((metas, config))
-    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
-        metas, plan = None, None
-    if plan is None:
-        plan = _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, config)
-        if metas is not None:
-            _PLANS.remember((metas, config), plan)
-        metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), tensor_meta(positions), tensor_meta(cos_sin_cache),
-                 tensor_meta(k_cache), tensor_meta(v_cache), tensor_meta(slot_mapping), tensor_meta(q_out))
+    config, strides, num_kv_heads, constexprs = _PLANS.plan(
+        _plan, (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out), config)
     T, num_q_heads, head_dim = q.shape
     if q_out is None:
         q_out = torch.empty((T, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-        q_out_stride = q_out.stride()
-    else:
-        q_out_stride = metas[8][1]
     if T == 0:
         return q_out
-    config, num_kv_heads, constexprs = plan
-    q_stride, k_stride, v_stride, cs_stride = metas[0][1], metas[1][1], metas[2][1], metas[4][1]
-    kc_stride, vc_stride = metas[5][1], metas[6][1]
     _rope_kv_write_kernel[(T,)](
         q, k, v, positions, cos_sin_cache, slot_mapping, q_out, k_cache, v_cache,
-        q_stride[0], q_stride[1], k_stride[0], k_stride[1], v_stride[0], v_stride[1],
-        q_out_stride[0], q_out_stride[1],
-        cs_stride[0],
-        kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2],
+        *strides,
         num_q_heads, num_kv_heads, k_cache.shape[1],
         **constexprs,
         num_warps=config.num_warps,
@@ -217,7 +197,7 @@ def rotary_kv_write(
     return q_out
 
 
-# (argument metadata, config) -> (config, num_kv_heads, constexpr kwargs), see checks.LaunchPlans.
+# (argument metadata, config) -> (config, strides, num_kv_heads, constexpr kwargs), see checks.LaunchPlans.
 _PLANS = LaunchPlans()
 
 
@@ -250,7 +230,12 @@ def _plan(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_o
     half = head_dim // 2
     constexprs = {"HALF": half, "BLOCK_HALF": next_power_of_2(half), "BLOCK_HQ": next_power_of_2(num_q_heads),
                   "BLOCK_HKV": next_power_of_2(num_kv_heads)}
-    return config, num_kv_heads, constexprs
+    # The launcher allocates a missing q_out contiguous: [T, Hq, D] strides (Hq * D, D).
+    q_out_strides = q_out.stride() if q_out is not None else (num_q_heads * head_dim, head_dim)
+    # The kernel's stride arguments, in its order (q, k, v, q_out, cos_sin, k_cache, v_cache).
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *q_out_strides[:2], cos_sin_cache.stride(0),
+               *k_cache.stride()[:3], *v_cache.stride()[:3])
+    return config, strides, num_kv_heads, constexprs
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

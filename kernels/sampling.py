@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2, tensor_meta
+from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -533,7 +533,7 @@ def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None, config: Ker
     if B == 0:
         return out
     splits, block_v = config["NUM_SPLITS"], config["BLOCK_V"]
-    chunk = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    chunk = cdiv(cdiv(V, splits), block_v) * block_v
     vals = torch.empty((B, splits), dtype=torch.float32, device=logits.device)
     idxs = torch.empty((B, splits), dtype=torch.int32, device=logits.device)
     _argmax_partial_kernel[(B, splits)](logits, vals, idxs, V, logits.stride(0), chunk,
@@ -592,17 +592,7 @@ def sample(
     temperature [B] float32 (<= 0: greedy), top_k [B] int32 (0 or >= V: off), top_p [B]
     float32 in (0, 1] (1: off), seeds [B] int64 (Philox key of the row's draw).
     """
-    try:
-        metas = (tensor_meta(logits), tensor_meta(temperature), tensor_meta(top_k), tensor_meta(top_p),
-                 tensor_meta(seeds), tensor_meta(out))
-        checked = _SAMPLE_PLANS.get((metas, config))
-    except (AttributeError, TypeError):  # a non-tensor argument: the checks below say which
-        metas, checked = None, None
-    if checked is None:
-        checked = _sample_checks(logits, temperature, top_k, top_p, seeds, out, config)
-        if metas is not None:
-            _SAMPLE_PLANS.remember((metas, config), checked)
-    config = checked
+    config = _SAMPLE_PLANS.plan(_sample_checks, (logits, temperature, top_k, top_p, seeds, out), config)
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)

@@ -26,10 +26,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from kernels_import_shim import ensure_kernels_importable  # noqa: E402
-
-ensure_kernels_importable()
-
 LAUNCHES: list[tuple[JITFunction, tuple, dict, str]] = []
 _CURRENT = {"label": ""}
 

@@ -27,23 +27,6 @@ def test_argmax_matches_torch(B, V, config, dtype, device):
     assert out[0] == 7
 
 
-def test_sample_greedy_rows_and_mixed_params(device):
-    B, V = 6, 77
-    logits = torch.randn(B, V, device=device) * 3
-    temperature, top_k, top_p = _params(B, device)
-    temperature[::2] = 0.0  # greedy rows
-    top_k[1] = 5
-    top_p[3] = 0.5
-    top_k[5], top_p[5] = 10, 0.7
-    seeds = torch.arange(B, dtype=torch.int64, device=device) + 11
-    config = KernelConfig.make("row", BLOCK_V=32, NUM_PIVOTS=4)
-    out = torch.full((B,), -1, dtype=torch.int64, device=device)
-    sample(logits, temperature, top_k, top_p, seeds, out=out, config=config)
-    assert torch.equal(out[::2], logits[::2].argmax(-1))
-    probs = sampling_probs_ref(logits, temperature, top_k, top_p)
-    assert (probs[torch.arange(B), out] > 0).all(), "sampled a token outside the kept set"
-
-
 def test_sample_top_k_one_and_tiny_top_p_are_greedy(device):
     B, V = 4, 130
     logits = torch.randn(B, V, device=device)
@@ -56,31 +39,6 @@ def test_sample_top_k_one_and_tiny_top_p_are_greedy(device):
 
 
 ON_CPU = not torch.cuda.is_available()
-# The interpreter runs ~1e4 Triton ops per second: on the CPU only the plain-temperature case
-# (no threshold search) gets many draws; the filtered cases get fewer draws, looser bounds.
-DISTRIBUTION_CASES = [
-    (0, 1.0, 600 if ON_CPU else 20000),
-    pytest.param(3, 1.0, 20000, marks=pytest.mark.skipif(ON_CPU, reason="slow in the interpreter; run on CUDA")),
-    pytest.param(0, 0.6, 20000, marks=pytest.mark.skipif(ON_CPU, reason="slow in the interpreter; run on CUDA")),
-    (4, 0.8, 160 if ON_CPU else 20000),
-]
-
-
-@pytest.mark.parametrize("top_k,top_p,draws", DISTRIBUTION_CASES)
-def test_sample_distribution_matches_reference(top_k, top_p, draws, device):
-    V = 8
-    base = torch.tensor([2.0, 1.5, 1.0, 0.8, 0.3, 0.0, -0.5, -1.0], device=device)
-    logits = base.expand(draws, V).contiguous()
-    temperature, k, p = _params(draws, device, temperature=0.9, top_k=top_k, top_p=top_p)
-    seeds = torch.arange(draws, dtype=torch.int64, device=device) * 7919 + 3
-    tokens = sample(logits, temperature, k, p, seeds, config=KernelConfig.make("row", BLOCK_V=8, NUM_PIVOTS=32))
-    probs = sampling_probs_ref(logits[:1], temperature[:1], k[:1], p[:1])[0]
-    freq = torch.bincount(tokens, minlength=V).double() / draws
-    assert (freq[probs == 0] == 0).all(), f"tokens outside the kept set were drawn: {freq.tolist()}"
-    assert (freq[probs > 0] > 0).all(), f"a kept token was never drawn: {freq.tolist()} vs {probs.tolist()}"
-    # Each frequency's standard error is <= sqrt(0.25 / draws); allow 4.5 sigma.
-    bound = 4.5 * (0.25 / draws) ** 0.5 + 0.005
-    assert (freq - probs).abs().max() < bound, (freq.tolist(), probs.tolist())
 
 
 def test_sample_filtered_support_on_random_rows(device):
@@ -93,22 +51,6 @@ def test_sample_filtered_support_on_random_rows(device):
     tokens = sample(logits, temperature, top_k, top_p, seeds, config=KernelConfig.make("row", BLOCK_V=16, NUM_PIVOTS=16))
     probs = sampling_probs_ref(logits, temperature, top_k, top_p)
     assert (probs[torch.arange(B), tokens] > 0).all(), "sampled a token outside the kept set"
-
-
-def test_sample_is_deterministic_per_seed_and_batch_invariant(device):
-    V = 50
-    logits = torch.randn(4, V, device=device)
-    t, k, p = _params(4, device, temperature=1.3, top_p=0.9)
-    seeds = torch.tensor([5, 6, 7, 8], dtype=torch.int64, device=device)
-    config = KernelConfig.make("row", BLOCK_V=32, NUM_PIVOTS=8)
-    first = sample(logits, t, k, p, seeds, config=config)
-    again = sample(logits, t, k, p, seeds, config=config)
-    assert torch.equal(first, again)
-    alone = sample(logits[2:3], t[2:3], k[2:3], p[2:3], seeds[2:3], config=config)
-    assert alone.item() == first[2].item(), "a row's draw must not depend on its batch mates"
-    many = sample(logits[:1].expand(64, V).contiguous(), *_params(64, device, temperature=1.3),
-                  torch.arange(64, dtype=torch.int64, device=device), config=config)
-    assert len(set(many.tolist())) > 1, "different seeds must give different draws"
 
 
 def test_sampling_errors(device):
@@ -143,7 +85,7 @@ def _split_with_flags(logits, t, k, p, seeds, config):
     return out, ws[:, -1]
 
 
-def test_split_greedy_rows_and_mixed_params(device):
+def test_sample_greedy_rows_and_mixed_params(device):
     B, V = 7, 77
     logits = torch.randn(B, V, device=device) * 3
     logits[0, 3] = logits[0, 60] = 40.0  # a tie in a greedy row: the first index wins
@@ -154,7 +96,8 @@ def test_split_greedy_rows_and_mixed_params(device):
     top_k[5], top_p[5] = 10, 0.7
     seeds = torch.arange(B, dtype=torch.int64, device=device) + 11
     probs = sampling_probs_ref(logits, temperature, top_k, top_p)
-    for config in (KernelConfig.make("split", BLOCK_V=16, NUM_CAND=4, NUM_PIVOTS=4), SPLIT_FALLBACK):
+    for config in (KernelConfig.make("row", BLOCK_V=32, NUM_PIVOTS=4),
+                   KernelConfig.make("split", BLOCK_V=16, NUM_CAND=4, NUM_PIVOTS=4), SPLIT_FALLBACK):
         out = torch.full((B,), -1, dtype=torch.int64, device=device)
         sample(logits, temperature, top_k, top_p, seeds, out=out, config=config)
         assert torch.equal(out[::2], logits[::2].argmax(-1)), config
@@ -191,7 +134,14 @@ def test_split_candidate_and_exact_paths_draw_the_same_tokens(device, merge):
     assert (probs[torch.arange(B), complete] > 0).all()
 
 
-SPLIT_DISTRIBUTION_CASES = [
+# The interpreter runs ~1e4 Triton ops per second: on the CPU only the plain-temperature cases
+# (no threshold search) get many draws; the filtered cases get fewer draws, looser bounds.
+ROW = KernelConfig.make("row", BLOCK_V=8, NUM_PIVOTS=32)
+DISTRIBUTION_CASES = [
+    (0, 1.0, ROW, 600 if ON_CPU else 20000),
+    pytest.param(3, 1.0, ROW, 20000, marks=pytest.mark.skipif(ON_CPU, reason="slow in the interpreter; run on CUDA")),
+    pytest.param(0, 0.6, ROW, 20000, marks=pytest.mark.skipif(ON_CPU, reason="slow in the interpreter; run on CUDA")),
+    (4, 0.8, ROW, 160 if ON_CPU else 20000),
     (0, 1.0, SPLIT_COMPLETE, 300 if ON_CPU else 20000),  # race winners merged across chunks
     (4, 0.8, SPLIT_COMPLETE, 150 if ON_CPU else 20000),  # thresholds on the candidates
     (4, 0.8, SPLIT_FALLBACK, 100 if ON_CPU else 20000),  # thresholds by the exact per-row search
@@ -200,8 +150,8 @@ SPLIT_DISTRIBUTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("top_k,top_p,config,draws", SPLIT_DISTRIBUTION_CASES)
-def test_split_distribution_matches_reference(top_k, top_p, config, draws, device):
+@pytest.mark.parametrize("top_k,top_p,config,draws", DISTRIBUTION_CASES)
+def test_sample_distribution_matches_reference(top_k, top_p, config, draws, device):
     V = 8
     base = torch.tensor([2.0, 1.5, 1.0, 0.8, 0.3, 0.0, -0.5, -1.0], device=device)
     logits = base[torch.randperm(V, device=device)].expand(draws, V).contiguous()
@@ -212,6 +162,7 @@ def test_split_distribution_matches_reference(top_k, top_p, config, draws, devic
     freq = torch.bincount(tokens, minlength=V).double() / draws
     assert (freq[probs == 0] == 0).all(), f"tokens outside the kept set were drawn: {freq.tolist()}"
     assert (freq[probs > 0] > 0).all(), f"a kept token was never drawn: {freq.tolist()} vs {probs.tolist()}"
+    # Each frequency's standard error is <= sqrt(0.25 / draws); allow 4.5 sigma.
     bound = 4.5 * (0.25 / draws) ** 0.5 + 0.005
     assert (freq - probs).abs().max() < bound, (freq.tolist(), probs.tolist())
 
@@ -235,19 +186,23 @@ def test_split_ties_at_the_top_k_threshold_are_all_kept(device, merge):
         assert set(torch.nonzero(drawn).flatten().tolist()) == set(torch.nonzero(probs).flatten().tolist()), config
 
 
-def test_split_is_deterministic_per_seed_and_batch_invariant(device):
+@pytest.mark.parametrize("config", [KernelConfig.make("row", BLOCK_V=32, NUM_PIVOTS=8),
+                                    KernelConfig.make("split", BLOCK_V=16, NUM_CAND=4, NUM_PIVOTS=8)])
+def test_sample_is_deterministic_per_seed_and_batch_invariant(config, device):
     V = 50
     logits = torch.randn(4, V, device=device)
     t, k, p = _params(4, device, temperature=1.3, top_p=0.9)
     k[1] = 3
     seeds = torch.tensor([5, 6, 7, 8], dtype=torch.int64, device=device)
-    config = KernelConfig.make("split", BLOCK_V=16, NUM_CAND=4, NUM_PIVOTS=8)
     first = sample(logits, t, k, p, seeds, config=config)
     assert torch.equal(first, sample(logits, t, k, p, seeds, config=config))
     for row in range(4):
         alone = sample(logits[row : row + 1], t[row : row + 1], k[row : row + 1], p[row : row + 1],
                        seeds[row : row + 1], config=config)
         assert alone.item() == first[row].item(), "a row's draw must not depend on its batch mates"
+    many = sample(logits[:1].expand(64, V).contiguous(), *_params(64, device, temperature=1.3),
+                  torch.arange(64, dtype=torch.int64, device=device), config=config)
+    assert len(set(many.tolist())) > 1, "different seeds must give different draws"
 
 
 def test_split_handles_minus_inf_logits(device):
