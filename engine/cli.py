@@ -71,7 +71,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
-    p.add_argument("--recipe", default="auto", choices=("auto", "torch", "triton"),
+    from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
+
+    p.add_argument("--recipe", default="auto", choices=RECIPE_CHOICES,
                    help="named knob set of the stock forward pass (engine/recipes.py); auto: triton on CUDA, "
                         "torch elsewhere; ignored with --forward-pass")
     p.add_argument("--seed", type=int, default=None, help="engine seed")
