@@ -47,7 +47,7 @@ from kubernetes.client import ApiException
 
 from shapeshift.engine.traffic import TrafficProfile, builtin_profile
 from shapeshift.operator.builders import LABEL_DEPLOYMENT, MANAGED_BY, Parent
-from shapeshift.operator.kube import Kube, new_api_client
+from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.drift import (
     Compile,
     CompileInProgress,
@@ -331,14 +331,6 @@ def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: 
 # ---- the kopf timer --------------------------------------------------------------------------
 
 
-def _kube(memo: kopf.Memo) -> Kube:
-    """The Kube of the operator's startup handler, or one of our own when run on its own."""
-    kube = getattr(memo, "kube", None)
-    if kube is None:
-        kube = memo.kube = Kube(new_api_client())
-    return kube
-
-
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
 def drift_check(
     spec: kopf.Spec,
@@ -362,7 +354,7 @@ def drift_check(
         return
     _LAST_CHECK[uid] = now
     settings = DriftSettings.from_env()
-    kube = _kube(memo)
+    kube = kube_of(memo)
     try:
         runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
     except ApiException as err:

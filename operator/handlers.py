@@ -36,7 +36,7 @@ from kubernetes.client import ApiException
 from pydantic import ValidationError
 
 from shapeshift.operator import builders
-from shapeshift.operator.kube import Kube, new_api_client
+from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.models import (
     COMPILE_RUN,
     GROUP,
@@ -64,7 +64,7 @@ CRUN = (GROUP, VERSION, COMPILE_RUN.plural)
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Keep kopf's bookkeeping in annotations (status is schema-checked and ours), post INFO+ events."""
-    del memo  # the API client is created lazily by _kube()
+    del memo  # the API client is created lazily by kube_of()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
@@ -80,15 +80,6 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
         return kopf.login_with_service_account(**kwargs)
     return kopf.login_with_kubeconfig(**kwargs)
-
-
-def _kube(memo: kopf.Memo) -> Kube:
-    # Created on first use, not at startup: a missing kubeconfig then shows up as a
-    # retried handler error instead of a startup activity that blocks the operator.
-    kube = getattr(memo, "kube", None)
-    if kube is None:
-        kube = memo.kube = Kube(new_api_client())
-    return kube
 
 
 def _parse(kind: Kind, spec: Any, body: kopf.Body, kube: Kube) -> Any:
@@ -125,32 +116,42 @@ def _engine_children(body: kopf.Body, spec: InferenceDeploymentSpec,
     ]
 
 
-def _template_annotations(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube) -> dict[str, str]:
+def _template_annotations(body: kopf.Body, spec: InferenceDeploymentSpec,
+                          kube: Kube) -> tuple[dict[str, str], dict[str, Any] | None]:
     """The forward pass the Restart rollout put in the pod template, from the freshly read status
-    (the rollout timer writes it; a stale body here would roll the pods back and forth)."""
+    (the rollout timer writes it; a stale body here would roll the pods back and forth).
+    Returns (annotations, the InferenceDeployment as read; None when there was no need to read it)."""
     if spec.rollout.strategy != "Restart":
-        return {}
+        return {}, None
     from shapeshift.operator.rollout_handlers import template_annotations_for
 
     stored = _api_errors(lambda: kube.get_custom(INFERENCE_DEPLOYMENT, body["metadata"]["namespace"],
-                                                 body["metadata"]["name"])) or body
-    return template_annotations_for(spec, parse_status(INFERENCE_DEPLOYMENT, stored.get("status")))
+                                                 body["metadata"]["name"]))
+    return template_annotations_for(spec, parse_status(INFERENCE_DEPLOYMENT, (stored or body).get("status"))), stored
 
 
-def _reconcile_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube, logger: logging.Logger) -> None:
-    for desired in _engine_children(body, spec, _template_annotations(body, spec, kube)):
-        action, _obj = _api_errors(lambda: kube.ensure(desired))
+def _reconcile_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube,
+                      logger: logging.Logger) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Ensure the engine children. Returns what this read on the way, for _observe_engine:
+    (the InferenceDeployment if it was read afresh, else None; the engine Deployment as stored)."""
+    annotations, stored = _template_annotations(body, spec, kube)
+    by_kind: dict[str, dict[str, Any]] = {}
+    for desired in _engine_children(body, spec, annotations):
+        action, by_kind[desired["kind"]] = _api_errors(lambda: kube.ensure(desired))
         if action != "unchanged":
             what = f"{desired['kind']} {desired['metadata']['name']}"
             logger.info("%s %s", action, what)
             kopf.info(body, reason=action.capitalize(), message=f"{action} {what}")
+    return stored, by_kind["Deployment"]
 
 
-def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube) -> None:
+def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube,
+                    read: tuple[dict[str, Any] | None, dict[str, Any]]) -> None:
+    """Status from the engine Deployment (as _reconcile_engine just stored or found it) and its pods."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    stored, deployment = read
     deployment_name = builders.engine_deployment_name(name)
     selector = builders.engine_selector(name)
-    deployment = kube.get("Deployment", namespace, deployment_name)
     pods = kube.list("Pod", namespace, selector)
     update = inference_deployment_status(
         generation=body["metadata"].get("generation"),
@@ -163,7 +164,7 @@ def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube) 
     )
     before = parse_status(INFERENCE_DEPLOYMENT, body.get("status"))
     changed, _ = kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update,
-                                   generation=body["metadata"].get("generation"))
+                                   generation=body["metadata"].get("generation"), read=stored)
     scheduled = update.condition("Scheduled")
     if changed and scheduled and scheduled[1] == "False":
         prior = next((c for c in before.conditions or [] if c.type == "Scheduled"), None)
@@ -177,23 +178,23 @@ def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube) 
 def inference_deployment_reconcile(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                                    logger: logging.Logger, **_: Any) -> None:
     """Make the engine ConfigMap, Service and Deployment match the spec, then report status."""
-    kube = _kube(memo)
+    kube = kube_of(memo)
     parsed = _parse(INFERENCE_DEPLOYMENT, spec, body, kube)
-    _reconcile_engine(body, parsed, kube, logger)
-    _api_errors(lambda: _observe_engine(body, parsed, kube))
+    read = _reconcile_engine(body, parsed, kube, logger)
+    _api_errors(lambda: _observe_engine(body, parsed, kube, read))
 
 
 @kopf.timer(*IDEP, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
 def inference_deployment_observe(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                                  logger: logging.Logger, **_: Any) -> None:
     """Resync: recreate a missing child, then status from what is really running."""
-    kube = _kube(memo)
+    kube = kube_of(memo)
     try:
         parsed = parse_spec(INFERENCE_DEPLOYMENT, spec)
     except ValidationError:
         return  # the edge handler reported it and will not retry
-    _reconcile_engine(body, parsed, kube, logger)
-    _api_errors(lambda: _observe_engine(body, parsed, kube))
+    read = _reconcile_engine(body, parsed, kube, logger)
+    _api_errors(lambda: _observe_engine(body, parsed, kube, read))
 
 
 # ---- CompileRun ------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def inference_deployment_observe(body: kopf.Body, spec: kopf.Spec, memo: kopf.Me
 def compile_run_start(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                       logger: logging.Logger, **_: Any) -> None:
     """Create the run's ServiceAccount, Role, RoleBinding and Job (once), then report status."""
-    kube = _kube(memo)
+    kube = kube_of(memo)
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     current: CompileRunStatus = parse_status(COMPILE_RUN, body.get("status"))
     if current.phase in TERMINAL_PHASES:
@@ -260,7 +261,7 @@ def _observe_run(body: kopf.Body, kube: Kube) -> None:
     pods = kube.list("Pod", namespace, {builders.LABEL_RUN: name}) if job is not None else []
     update = compile_run_status(current=current, job=job, job_name=job_name, pods=pods)
     changed, after = kube.write_status(COMPILE_RUN, namespace, name, update,
-                                       generation=stored["metadata"].get("generation"))
+                                       generation=stored["metadata"].get("generation"), read=stored)
     if not changed:
         return
     phase = after.get("phase")
@@ -283,7 +284,7 @@ def compile_run_observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     current: CompileRunStatus = parse_status(COMPILE_RUN, body.get("status"))
     if current.phase in TERMINAL_PHASES:
         return
-    _api_errors(lambda: _observe_run(body, _kube(memo)))
+    _api_errors(lambda: _observe_run(body, kube_of(memo)))
 
 
 # ---- the rest of the operator ------------------------------------------------------------------

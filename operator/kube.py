@@ -10,10 +10,11 @@ new resourceVersion); one whose hash differs is replaced by the desired body
 labels and annotations others added. `create_only=True` (Jobs, whose pod
 template is immutable) never updates.
 
-`write_status` reads the object, merges the owned fields and conditions, and
-patches only when something changed, with the read resourceVersion as a
-precondition so concurrent writers (the compile worker, other timers) are
-not overwritten: a conflict re-reads and retries. `update_status` does the same
+`write_status` reads the object (or takes the copy the caller read in the same
+reconciliation), merges the owned fields and conditions, and patches only when
+something changed, with the read resourceVersion as a precondition so
+concurrent writers (the compile worker, other timers) are not overwritten: a
+conflict re-reads and retries. `update_status` does the same
 for fields computed from the stored status (a ForwardPass's list of deployments).
 """
 
@@ -52,6 +53,17 @@ def new_api_client() -> kubernetes.client.ApiClient:
         kubernetes.config.load_incluster_config(client_configuration=cfg)
         return kubernetes.client.ApiClient(cfg)
     return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
+
+
+def kube_of(memo: Any) -> "Kube":
+    """The operator's one Kube, kept in kopf's memo (shared by every handler and timer).
+
+    Created on first use, not at startup: a missing kubeconfig then shows up as a retried
+    handler error instead of a startup activity that blocks the operator."""
+    kube = getattr(memo, "kube", None)
+    if kube is None:
+        kube = memo.kube = Kube(new_api_client())
+    return kube
 
 
 def _json(resp: Any) -> dict[str, Any]:
@@ -132,11 +144,18 @@ class Kube:
             raise
 
     def write_status(self, kind: Kind, namespace: str, name: str, update: StatusUpdate,
-                     generation: int | None = None, attempts: int = 5) -> tuple[bool, dict[str, Any]]:
-        """Merge `update` into the stored status; patch only on change. Returns (changed, status)."""
+                     generation: int | None = None, attempts: int = 5, *,
+                     read: dict[str, Any] | None = None) -> tuple[bool, dict[str, Any]]:
+        """Merge `update` into the stored status; patch only on change. Returns (changed, status).
+
+        `read`: the object as the caller already read it in this reconciliation; the first
+        attempt merges into it instead of reading it again (its resourceVersion is the
+        precondition, so if it is stale the patch conflicts and the next attempt re-reads;
+        a change the stale copy already shows is left to the next reconciliation)."""
         _check_against_model(kind, update)
         for _ in range(attempts):
-            obj = self.get_custom(kind, namespace, name)
+            obj = read if read is not None else self.get_custom(kind, namespace, name)
+            read = None  # after a conflict, read afresh
             if obj is None:
                 return False, {}
             current = obj.get("status") or {}

@@ -88,15 +88,14 @@ class SeriesSelector:
     deployment_label: str = "deployment"
     model_label: str = "model"
 
-    def matcher(self, extra: dict[str, str] | None = None) -> str:
-        """``{namespace="ns",deployment="d",model="m"}`` with values escaped for PromQL."""
-        pairs: list[tuple[str, str]] = []
-        for label, value in ((self.namespace_label, self.namespace), (self.deployment_label, self.deployment),
-                             (self.model_label, self.model)):
-            if value:
-                pairs.append((label, value))
-        pairs.extend((extra or {}).items())
-        return "{" + ",".join(f'{label}="{_escape(value)}"' for label, value in pairs) + "}"
+    def matcher(self, regex: dict[str, str] | None = None) -> str:
+        """``{namespace="ns",deployment="d",model="m"}`` with values escaped for PromQL, plus a
+        ``label=~"value"`` matcher for each of ``regex`` (values already PromQL regexes, escaped)."""
+        exact = ((self.namespace_label, self.namespace), (self.deployment_label, self.deployment),
+                 (self.model_label, self.model))
+        matchers = [f'{label}="{_escape(value)}"' for label, value in exact if value]
+        matchers.extend(f'{label}=~"{value}"' for label, value in (regex or {}).items())
+        return "{" + ",".join(matchers) + "}"
 
     def describe(self) -> str:
         return self.matcher() if self.matcher() != "{}" else "all series"

@@ -64,7 +64,7 @@ from shapeshift.engine.rollout_protocol import (
 )
 from shapeshift.operator import builders
 from shapeshift.operator.drift_handlers import DriftSettings, selector_for
-from shapeshift.operator.kube import MERGE_PATCH, Kube, new_api_client
+from shapeshift.operator.kube import MERGE_PATCH, Kube, kube_of
 from shapeshift.operator.models import (
     COMPILE_RUN,
     FORWARD_PASS,
@@ -385,13 +385,6 @@ def forward_pass_relations(*, active_before: ForwardPassIdentity | None, state: 
 # ---- the kopf timer --------------------------------------------------------------------------
 
 
-def _kube(memo: kopf.Memo) -> Kube:
-    kube = getattr(memo, "kube", None)
-    if kube is None:
-        kube = memo.kube = Kube(new_api_client())
-    return kube
-
-
 def _target_name(kube: Kube, namespace: str, name: str, spec: InferenceDeploymentSpec) -> str | None:
     if spec.forward_pass:
         return spec.forward_pass
@@ -418,7 +411,7 @@ def _reports(url: str | None, env: RolloutEnv, namespace: str, name: str,
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
 def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Advance the rollout of the deployment's desired ForwardPass by one observation."""
-    kube = _kube(memo)
+    kube = kube_of(memo)
     # Read fresh: the timer's body can lag behind this timer's own last status write.
     body = kube.get_custom(INFERENCE_DEPLOYMENT, namespace, name)
     if body is None:
@@ -502,7 +495,8 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
         update = StatusUpdate(fields={"rollout": update.fields["rollout"]},
                               conditions=[c for c in update.conditions if c[2] in REJECTION_REASONS])
     try:
-        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
+        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"),
+                          read=body)
     except ApiException as err:
         raise kopf.TemporaryError(f"writing rollout status failed ({err.status} {err.reason})", delay=5)
     if target.problem is not None:
@@ -558,7 +552,7 @@ def forget_deleted_deployment(name: str, namespace: str, status: kopf.Status, me
     relations: dict[str, tuple[Relation, str, str]] = {
         fp: ("gone", "", "") for fp in names if fp and fp != STOCK_FORWARD_PASS}
     try:
-        _record_forward_pass_usage(_kube(memo), namespace, name, relations, {},
+        _record_forward_pass_usage(kube_of(memo), namespace, name, relations, {},
                                    datetime.now(timezone.utc).replace(microsecond=0), logger)
     except kopf.TemporaryError as err:
         logger.warning("InferenceDeployment %s deleted; %s", name, err)

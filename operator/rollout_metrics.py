@@ -102,14 +102,14 @@ class RolloutQueries:
             return ServingMetrics(requests=0, p90_latency_seconds=None, error_rate=0.0, tokens_per_second=0.0)
         w = _promql_duration(window)
         group = {self.pod_label: pod_regex(names)}
-        sel = _regex_matcher(self.selector, group)
-        failed = _regex_matcher(self.selector, {**group, "status": "|".join(FAILED_STATUSES)})
-        requests = self._scalar(f"sum(increase({REQUESTS}{sel}[{w}]))", at) or 0.0
-        failures = self._scalar(f"sum(increase({REQUESTS}{failed}[{w}]))", at) or 0.0
-        p90 = self._scalar(
+        sel = self.selector.matcher(regex=group)
+        failed = self.selector.matcher(regex={**group, "status": "|".join(FAILED_STATUSES)})
+        requests = self.prometheus.scalar(f"sum(increase({REQUESTS}{sel}[{w}]))", at) or 0.0
+        failures = self.prometheus.scalar(f"sum(increase({REQUESTS}{failed}[{w}]))", at) or 0.0
+        p90 = self.prometheus.scalar(
             f"histogram_quantile(0.9, sum by (le) (rate({INTER_TOKEN_LATENCY}_bucket{sel}[{w}])))", at)
-        tokens = self._scalar(f"sum(rate({GENERATION_TOKENS}_sum{sel}[{w}]))", at) or 0.0
-        reporting = self._scalar(f"count(count by ({self.pod_label}) ({GENERATION_TOKENS}_count{sel}))", at) or 0.0
+        tokens = self.prometheus.scalar(f"sum(rate({GENERATION_TOKENS}_sum{sel}[{w}]))", at) or 0.0
+        reporting = self.prometheus.scalar(f"count(count by ({self.pod_label}) ({GENERATION_TOKENS}_count{sel}))", at) or 0.0
         return ServingMetrics(
             requests=requests,
             p90_latency_seconds=p90 if p90 is not None and math.isfinite(p90) else None,
@@ -123,14 +123,3 @@ class RolloutQueries:
         return CanaryAnalysis(canary=self.group_metrics(canary, window, at),
                               baseline=self.group_metrics(baseline, window, at), min_requests=min_requests,
                               latency_resolution_seconds=latency_resolution_seconds)
-
-    def _scalar(self, promql: str, at: datetime | None) -> float | None:
-        value = self.prometheus.scalar(promql, at)
-        return None if value is None or math.isnan(value) else value
-
-
-def _regex_matcher(selector: SeriesSelector, regex_labels: dict[str, str]) -> str:
-    """The selector's exact matchers plus ``label=~"regex"`` ones (values already PromQL-escaped)."""
-    exact = selector.matcher()
-    regex = ",".join(f'{label}=~"{value}"' for label, value in regex_labels.items())
-    return exact[:-1] + ("," if exact != "{}" else "") + regex + "}"

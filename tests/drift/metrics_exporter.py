@@ -9,20 +9,28 @@ the prompt and generation histograms observe ``n`` and ``m``, the prefix-cache
 counters advance by ``n`` queried and ``k`` hit tokens, and
 ``requests_total{status="stop"}`` counts it.
 
-The drift tests use it where they need exact control over what the engine
-would report (an exact prefix-cache hit count, an idle window, a handful of
-requests) without an engine's start-up time; the series, their labels and
-buckets are the engine server's own (test_prometheus_drift.py also runs the
-real `shapeshift serve --model tiny-llama`). Token counts come from the test,
-not from a tokenizer.
+The drift tests use it only where they need an exact prefix-cache hit rate (a
+fixed fraction of every prompt, or none at all), which the real engine's block
+cache does not give; the series, their labels and buckets are the engine
+server's own. Everything else (idle windows, a handful of requests, the cache
+hits of a shared system prompt) runs against the real `shapeshift serve --model
+tiny-llama` in test_prometheus_drift.py. Token counts come from the test, not
+from a tokenizer.
+
+Tests start it with ``exporter_process(model)`` (a context manager yielding its
+``host:port``) and record requests with ``observe(target, ...)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import sys
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
 
 from shapeshift.engine.metrics import EngineMetrics
 
@@ -79,6 +87,32 @@ class _Stats:
         self.batch_size_last_step = 1
         self.prefix_cache_queried_tokens = queried
         self.prefix_cache_hit_tokens = hits
+
+
+@contextlib.contextmanager
+def exporter_process(model: str) -> Iterator[str]:
+    """This file run as its own process on a free loopback port; yields ``host:port``."""
+    from harness.controlplane import _die_with_parent, free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, __file__, str(port), model], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        line = process.stdout.readline().decode()
+        assert "serving" in line, f"exporter did not start: {line!r}"
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def observe(target: str, prompt_tokens: int, generation_tokens: int, cached_tokens: int) -> None:
+    """Record one finished request in the exporter at ``target``."""
+    body = json.dumps({"prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens,
+                       "cached_tokens": cached_tokens}).encode()
+    request = urllib.request.Request(f"http://{target}/observe", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 204
 
 
 def main() -> None:

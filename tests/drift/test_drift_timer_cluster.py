@@ -4,7 +4,10 @@ with a real Prometheus.
 An InferenceDeployment (policy OnDrift, two consecutive checks) whose status says
 its forward pass was compiled for short prompts; its engine is stood in for by
 tests/drift/metrics_exporter.py (the engine's EngineMetrics series, real
-observations), scraped by Prometheus with the deployment's target labels. Long
+observations), scraped by Prometheus with the deployment's target labels: the
+test pins the snapshot's prefix-cache hit rate to exactly 0, which only the
+exporter can promise, and the timer, not the engine, is under test (the same
+chain with real engine pods is tests/e2e/test_drift_to_rollout.py). Long
 prompts arrive; the operator must see drift on the first check, create exactly one
 CompileRun owned by the deployment on the second, carrying the observed traffic,
 and report it in status. Prometheus then stops: the next check writes
@@ -14,53 +17,24 @@ TrafficObserved=False (PrometheusUnreachable) and creates nothing.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from harness.cluster import wait_until
-from harness.controlplane import _die_with_parent, free_port
+from metrics_exporter import exporter_process, observe
 
 os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")  # only effective if imported first
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-EXPORTER = Path(__file__).with_name("metrics_exporter.py")
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 
 
 @pytest.fixture
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    for name in ("inferencedeployments", "compileruns", "forwardpasses"):
-        cluster.wait_for_crd(f"{name}.{GROUP}")
-    return cluster
-
-
-@pytest.fixture
 def engine_metrics():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(EXPORTER), str(port), "tiny-llama"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-    assert "serving" in process.stdout.readline().decode()
-    yield f"127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=10)
-
-
-def send(target: str, prompt: int, output: int, cached: int) -> None:
-    import json
-    import urllib.request
-
-    body = json.dumps({"prompt_tokens": prompt, "generation_tokens": output, "cached_tokens": cached}).encode()
-    with urllib.request.urlopen(urllib.request.Request(f"http://{target}/observe", data=body, method="POST"),
-                                timeout=5) as response:
-        assert response.status == 204
+    with exporter_process("tiny-llama") as target:
+        yield target
 
 
 def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_nothing(
@@ -75,7 +49,7 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
     }])
     server.wait_for(f'shapeshift_prompt_tokens_count{{namespace="{namespace}"}}', timeout_s=30)
     for i in range(40):  # long prompts, no prefix-cache hits
-        send(engine_metrics, 150 + (i * 37) % 100, 40, 0)
+        observe(engine_metrics, 150 + (i * 37) % 100, 40, 0)
         time.sleep(0.05)
     server.wait_for(f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})', lambda v: v >= 40)
 

@@ -3,12 +3,14 @@
 Two kinds of scrape target, both scraped every second by Debian's Prometheus,
 which adds the `namespace` and `deployment` target labels a ServiceMonitor would:
 
-- the real engine server, `shapeshift serve --model tiny-llama` on the CPU, driven
-  with token-id prompts of known lengths through /v1/completions (one test);
+- the real engine server, `shapeshift serve --model tiny-llama` on the CPU,
+  driven with token-id prompts of known lengths through /v1/completions:
+  traffic then a stopped Prometheus, an idle window, a handful of requests, and
+  short prompts behind a shared system prompt then long ones;
 - tests/drift/metrics_exporter.py, a real prometheus_client process holding the
   engine's own EngineMetrics series and recording the token counts a test sends,
-  for the cases that need exact control (exact cache hits, idle windows, few
-  requests) without the engine's start-up time.
+  only for the first test, which needs an exact prefix-cache hit rate (half of
+  every prompt, then none), which the engine's block cache cannot be made to give.
 
 Short prompts that hit the prefix cache, then long prompts that miss it;
 `PrometheusTraffic` reads both windows and the drift check
@@ -32,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from harness.controlplane import _die_with_parent, free_port
+from metrics_exporter import exporter_process, observe
 from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
 from shapeshift.operator.drift_handlers import CheckResult, drift_status_update, run_check
@@ -45,43 +48,28 @@ from shapeshift.operator.prometheus import (
 
 pytestmark = pytest.mark.slow
 
-EXPORTER = Path(__file__).with_name("metrics_exporter.py")
 MODEL = "tiny-llama"
 SELECTOR = SeriesSelector(namespace="team-a", deployment="llama", model=MODEL)
 
 
-@pytest.fixture
-def exporter():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, str(EXPORTER), str(port), MODEL], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-    line = process.stdout.readline().decode()
-    assert "serving" in line, f"exporter did not start: {line!r}"
-    yield f"127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=10)
-
-
-@pytest.fixture
-def scraped(exporter, prometheus):
-    """Prometheus scraping the exporter every second, with the deployment's target labels."""
+def scrape(prometheus, target: str):
+    """A new Prometheus scraping `target` every second, with the deployment's target labels."""
     server = prometheus([{
         "job_name": "engine",
         "scrape_interval": "1s",
         "scrape_timeout": "1s",
-        "static_configs": [{"targets": [exporter], "labels": {"namespace": "team-a", "deployment": "llama"}}],
+        "static_configs": [{"targets": [target], "labels": {"namespace": "team-a", "deployment": "llama"}}],
     }])
-    # Wait for a scrape of the idle target, so the first requests count as an increase from zero.
-    server.wait_for(f'shapeshift_prompt_tokens_count{{deployment="llama"}}', timeout_s=30)
-    return exporter, server
+    # Wait for a scrape of the idle target, so the first requests count as an increase from there.
+    server.wait_for('shapeshift_prompt_tokens_count{deployment="llama"}', timeout_s=30)
+    return server
 
 
-def send(exporter: str, prompt_tokens: int, generation_tokens: int, cached_tokens: int) -> None:
-    body = json.dumps({"prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens,
-                       "cached_tokens": cached_tokens}).encode()
-    request = urllib.request.Request(f"http://{exporter}/observe", data=body, method="POST")
-    with urllib.request.urlopen(request, timeout=5) as response:
-        assert response.status == 204
+@pytest.fixture
+def scraped(prometheus):
+    """The metrics exporter, scraped by Prometheus: (exporter address, Prometheus)."""
+    with exporter_process(MODEL) as exporter:
+        yield exporter, scrape(prometheus, exporter)
 
 
 def drive(exporter: str, server, prompts: list[int], *, cached: float, outputs: int) -> tuple[datetime, datetime]:
@@ -89,7 +77,7 @@ def drive(exporter: str, server, prompts: list[int], *, cached: float, outputs: 
     before = float(server.query("sum(shapeshift_prompt_tokens_count)")[0]["value"][1])
     start = datetime.now(timezone.utc)
     for length in prompts:
-        send(exporter, length, outputs, int(length * cached))
+        observe(exporter, length, outputs, int(length * cached))
         time.sleep(2.0 / len(prompts))
     server.wait_for("sum(shapeshift_prompt_tokens_count)", lambda v: v >= before + len(prompts), timeout_s=30)
     time.sleep(1.2)  # one more scrape, so rate() has a sample after the last change too
@@ -174,69 +162,14 @@ def test_observed_profile_follows_prompt_lengths_and_hit_rate(scraped):
     assert InferenceDeploymentStatus.model_validate(status).observed_traffic is not None
 
 
-def test_prometheus_unreachable_is_no_data_and_never_compiles(scraped):
-    exporter, server = scraped
-    drive(exporter, server, LONG, cached=0.0, outputs=40)
-    url = server.url
-    server.stop()
-    baseline = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=20, p90=28, p99=30),
-                              output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
-    policy = DriftPolicy(consecutive_checks=2)
-    state = DriftState(consecutive=1)  # one drifting check already seen: the next one would compile
-    with PrometheusTraffic(url, timeout_seconds=2) as prom:
-        with pytest.raises(PrometheusUnreachable, match="cannot be reached"):
-            prom.observe(SELECTOR, "30s")
-        started = time.monotonic()
-        result = run_check(observe=lambda: prom.observe(SELECTOR, "30s"), baseline=baseline, policy=policy,
-                           state=state, active_compile_run=None, now=datetime.now(timezone.utc))
-        assert time.monotonic() - started < 5  # no retry storm delaying the condition
-    assert isinstance(result.decision, NoData)
-    assert result.decision.reason == "PrometheusUnreachable"
-    assert result.state.consecutive == 0
-    assert result.observed is None
-
-    update = drift_status_update(result, InferenceDeploymentStatus(), now=datetime.now(timezone.utc))
-    _, traffic_status, traffic_reason, traffic_message = update.condition("TrafficObserved")
-    assert (traffic_status, traffic_reason) == ("False", "PrometheusUnreachable")
-    assert url in traffic_message
-    assert update.condition("Drifted")[1] == "Unknown"
-    assert "lastCompileRun" not in update.fields
-    assert "observedTraffic" not in update.fields
-
-
-def test_window_without_requests_is_no_data(scraped):
-    _, server = scraped
-    time.sleep(2)  # a few scrapes of an idle target: series exist, nothing moved
-    with PrometheusTraffic(server.url) as prom:
-        with pytest.raises(NoTrafficData, match="no requests reached"):
-            prom.observe(SELECTOR, "10s")
-        with pytest.raises(NoTrafficData, match="no shapeshift_prompt_tokens series"):
-            prom.observe(SeriesSelector(namespace="team-a", deployment="other"), "10s")
-        result = run_check(observe=lambda: prom.observe(SELECTOR, "10s"), baseline=None, policy=DriftPolicy(),
-                           state=DriftState(consecutive=1), active_compile_run=None,
-                           now=datetime.now(timezone.utc))
-    assert isinstance(result.decision, NoData) and result.decision.reason == "NoTraffic"
-    assert isinstance(result, CheckResult) and result.state.consecutive == 0
-
-
-def test_too_few_requests_is_no_data(scraped):
-    exporter, server = scraped
-    start, end = drive(exporter, server, LONG[:5], cached=0.0, outputs=40)
-    with PrometheusTraffic(server.url) as prom:
-        observed = prom.observe(SELECTOR, window(start, end), at=end)
-        result = run_check(observe=lambda: observed, baseline=observed.profile.scaled(0.1),
-                           policy=DriftPolicy(min_requests=20, consecutive_checks=1), state=DriftState(),
-                           active_compile_run=None, now=end)
-    assert observed.quality.requests < 20
-    assert isinstance(result.decision, NoData) and result.decision.reason == "TooFewRequests"
-
-
 # ---- the real engine server -----------------------------------------------------------------
 
 
 @pytest.fixture
 def engine_server():
-    """`shapeshift serve --model tiny-llama` on the CPU, as a serving pod would run it."""
+    """`shapeshift serve --model tiny-llama` on the CPU, as a serving pod would run it. One per test:
+    its counters must start at zero, or increase() over a window at the start of a new Prometheus
+    extrapolates from what an earlier test sent."""
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"shapeshift-serve-{port}.log", "wb")
     process = subprocess.Popen(
@@ -280,14 +213,70 @@ def drive_server(target: str, server, prompts: list[list[int]], max_tokens: int)
     return start, datetime.now(timezone.utc)
 
 
+def test_prometheus_unreachable_is_no_data_and_never_compiles(engine_server, prometheus):
+    server = scrape(prometheus, engine_server)
+    rng = random.Random(3)
+    drive_server(engine_server, server, [[rng.randrange(3, 500) for _ in range(n)] for n in LONG[:10]], max_tokens=8)
+    url = server.url
+    server.stop()
+    baseline = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=20, p90=28, p99=30),
+                              output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
+    policy = DriftPolicy(consecutive_checks=2)
+    state = DriftState(consecutive=1)  # one drifting check already seen: the next one would compile
+    with PrometheusTraffic(url, timeout_seconds=2) as prom:
+        with pytest.raises(PrometheusUnreachable, match="cannot be reached"):
+            prom.observe(SELECTOR, "30s")
+        started = time.monotonic()
+        result = run_check(observe=lambda: prom.observe(SELECTOR, "30s"), baseline=baseline, policy=policy,
+                           state=state, active_compile_run=None, now=datetime.now(timezone.utc))
+        assert time.monotonic() - started < 5  # no retry storm delaying the condition
+    assert isinstance(result.decision, NoData)
+    assert result.decision.reason == "PrometheusUnreachable"
+    assert result.state.consecutive == 0
+    assert result.observed is None
+
+    update = drift_status_update(result, InferenceDeploymentStatus(), now=datetime.now(timezone.utc))
+    _, traffic_status, traffic_reason, traffic_message = update.condition("TrafficObserved")
+    assert (traffic_status, traffic_reason) == ("False", "PrometheusUnreachable")
+    assert url in traffic_message
+    assert update.condition("Drifted")[1] == "Unknown"
+    assert "lastCompileRun" not in update.fields
+    assert "observedTraffic" not in update.fields
+
+
+def test_window_without_requests_is_no_data(engine_server, prometheus):
+    server = scrape(prometheus, engine_server)
+    time.sleep(2)  # a few scrapes of an idle target: series exist, nothing moved
+    with PrometheusTraffic(server.url) as prom:
+        with pytest.raises(NoTrafficData, match="no requests reached"):
+            prom.observe(SELECTOR, "10s")
+        with pytest.raises(NoTrafficData, match="no shapeshift_prompt_tokens series"):
+            prom.observe(SeriesSelector(namespace="team-a", deployment="other"), "10s")
+        result = run_check(observe=lambda: prom.observe(SELECTOR, "10s"), baseline=None, policy=DriftPolicy(),
+                           state=DriftState(consecutive=1), active_compile_run=None,
+                           now=datetime.now(timezone.utc))
+    assert isinstance(result.decision, NoData) and result.decision.reason == "NoTraffic"
+    assert isinstance(result, CheckResult) and result.state.consecutive == 0
+
+
+def test_too_few_requests_is_no_data(engine_server, prometheus):
+    server = scrape(prometheus, engine_server)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(length)] for length in LONG[:5]]
+    start, end = drive_server(engine_server, server, prompts, max_tokens=8)
+    with PrometheusTraffic(server.url) as prom:
+        observed = prom.observe(SELECTOR, window(start, end), at=end)
+        result = run_check(observe=lambda: observed, baseline=observed.profile.scaled(0.1),
+                           policy=DriftPolicy(min_requests=20, consecutive_checks=1), state=DriftState(),
+                           active_compile_run=None, now=end)
+    assert observed.quality.requests < 20
+    assert isinstance(result.decision, NoData) and result.decision.reason == "TooFewRequests"
+
+
 def test_real_engine_server_drift_in_prompt_lengths_and_cache_hits(engine_server, prometheus):
     """Short prompts behind a shared 32-token prefix (two KV blocks hit the prefix cache),
     then long unrelated prompts: the real server's histograms and cache counters show both."""
-    server = prometheus([{
-        "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
-        "static_configs": [{"targets": [engine_server], "labels": {"namespace": "team-a", "deployment": "llama"}}],
-    }])
-    server.wait_for('shapeshift_prompt_tokens_count{deployment="llama"}', timeout_s=30)
+    server = scrape(prometheus, engine_server)
     rng = random.Random(7)
     system_prompt = [rng.randrange(3, 500) for _ in range(32)]
     short_prompts = [system_prompt + [rng.randrange(3, 500) for _ in range(4 + i % 9)] for i in range(30)]

@@ -6,8 +6,8 @@ Data flow under test:
          RoleBinding, Job <run>-compile
       -> Job controller -> pod -> kube-scheduler binds it to a kwok CPU node
       -> harness.kubelet runs the pod's own command line (`shapeshift compile --compile-run ns/run`,
-         the venv's `shapeshift` on PATH) with the pod's env; its volumes are emulated as local
-         folders (configMap: the engine ConfigMap's keys as files; emptyDir: a fresh folder) and
+         the venv's `shapeshift` on PATH) with the pod's env; harness.pod_environment emulates
+         its volumes as local folders (configMap: the engine ConfigMap's keys as files; emptyDir: a fresh folder) and
          its ServiceAccount token is minted through the TokenRequest API, bound to the pod, and
          handed over in a kubeconfig (the local kubelet cannot project token files into a
          process, and in-cluster config reads fixed paths) -- so every API call the worker makes
@@ -33,29 +33,24 @@ tests/compile/test_compile_worker_publish.py; the rollout refuses such a pass.)
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tarfile
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 from harness.cluster import wait_until
-from harness.controlplane import POOL_LABEL
-from harness.kubelet import local_claim, rewrite_paths
+from harness.controlplane import POOL_LABEL, free_port
+from harness.operator_process import operator_healthy, start_operator, stop_operator
+from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
+
+from shapeshift.engine.bundle import verify_bundle
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
-REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUN, DEPLOYMENT = "tiny-run", "tiny"
 CLAIM, SUB_PATH, ARTIFACT_MOUNT = "artifacts", "tiny", "/var/lib/shapeshift-artifacts"
@@ -65,123 +60,18 @@ TRIALS = 10
 DEPLOYED_BATCH = 4
 
 
-@pytest.fixture(scope="module")
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    return cluster
-
-
-# ---- the operator as its own process ---------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def operator_process(crds, namespace, tmp_path):
     """`shapeshift operator` watching the test's namespace; its log is checked for tracebacks."""
     log = tmp_path / "operator.log"
-    port = _free_port()
-    env = {**os.environ, "KUBECONFIG": str(crds.kubeconfig), "PYTHONSAFEPATH": "1"}
-    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
-           "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
-    with open(log, "ab") as out:
-        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    port = free_port()
+    process = start_operator(crds, namespace, log, port)
     try:
-        wait_until(lambda: _healthy(port) or process.poll() is not None, 60, "the operator's health endpoint")
+        wait_until(lambda: operator_healthy(port) or process.poll() is not None, 60, "the operator's health endpoint")
         assert process.poll() is None, log.read_text(errors="replace")[-4000:]
         yield log
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
-# ---- what the kubelet would give the worker --------------------------------------------------
-
-
-def pod_token_kubeconfig(cluster, pod: dict, path: Path) -> Path:
-    """A kubeconfig holding a token of the pod's ServiceAccount, bound to the pod (as the kubelet
-    requests it for the projected token volume), for the cluster the admin kubeconfig names."""
-    import kubernetes
-
-    account, namespace = pod["spec"]["serviceAccountName"], pod["metadata"]["namespace"]
-    request = kubernetes.client.AuthenticationV1TokenRequest(spec=kubernetes.client.V1TokenRequestSpec(
-        audiences=[], expiration_seconds=3600,
-        bound_object_ref=kubernetes.client.V1BoundObjectReference(
-            api_version="v1", kind="Pod", name=pod["metadata"]["name"], uid=pod["metadata"]["uid"])))
-    token = cluster.core.create_namespaced_service_account_token(account, namespace, request).status.token
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "clusters": [server],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": account, "context": {"cluster": server["name"], "user": account, "namespace": namespace}}],
-        "current-context": account}))
-    return path
-
-
-def _config_map(cluster, namespace: str, name: str):
-    import kubernetes
-
-    try:
-        return cluster.core.read_namespaced_config_map(name, namespace)
-    except kubernetes.client.ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-
-
-def emulate_volumes(cluster, pod: dict, root: Path) -> tuple[dict[str, str], dict[str, Path]]:
-    """The pod's configMap and emptyDir volumes as local folders.
-
-    Returns (env overrides, {mountPath: folder}): every literal env value of the container that
-    names a path under a mount is rewritten to the folder standing in for it, the same rule
-    harness.kubelet applies to downwardAPI volumes."""
-    (container,) = pod["spec"]["containers"]
-    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
-    mounts: dict[str, Path] = {}
-    for mount in container.get("volumeMounts") or []:
-        volume = volumes[mount["name"]]
-        folder = root / mount["name"]
-        if "configMap" in volume:
-            # The kubelet keeps a pod in ContainerCreating until a (non-optional) ConfigMap it
-            # mounts exists; the operator may bind the compile pod before the deployment's
-            # engine ConfigMap is written, so wait for it the same way.
-            cm = wait_until(lambda: _config_map(cluster, pod["metadata"]["namespace"], volume["configMap"]["name"]),
-                            30, f"ConfigMap {volume['configMap']['name']} for the pod's volume {mount['name']}")
-            folder.mkdir(parents=True)
-            for key, value in (cm.data or {}).items():
-                (folder / key).write_text(value)
-            for key, value in (cm.binary_data or {}).items():
-                (folder / key).write_bytes(base64.b64decode(value))
-        elif "emptyDir" in volume:
-            folder.mkdir(parents=True)
-        else:
-            continue  # the projected ServiceAccount token: handed over as a kubeconfig instead
-        mounts[mount["mountPath"]] = folder
-    env = {}
-    for variable in container.get("env") or []:
-        if "value" in variable and rewrite_paths(variable["value"], mounts) != variable["value"]:
-            env[variable["name"]] = rewrite_paths(variable["value"], mounts)
-    return env, mounts
+        stop_operator(process)
 
 
 # ---- reading the cluster ---------------------------------------------------------------------
@@ -206,28 +96,7 @@ def forward_passes(cluster, namespace) -> list[dict]:
     return cluster.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses")["items"]
 
 
-def bundle_digest_of_archive(archive: Path) -> str:
-    """The digest a packed bundle's files hash to (checked against its manifest)."""
-    from shapeshift.engine.bundle import verify_bundle
-
-    target = archive.parent / (archive.name + ".unpacked")
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    roots = [p for p in target.rglob("manifest.json")]
-    assert len(roots) == 1, f"{archive}: expected one manifest.json, found {roots}"
-    return verify_bundle(roots[0].parent).digest
-
-
 # ---- the test --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def artifact_store(crds, namespace, tmp_path):
-    """A ReadWriteMany claim backed by a local folder (deleted with the test's volume)."""
-    folder = tmp_path / "artifact-store"
-    volume = local_claim(crds.api_client, namespace, CLAIM, folder)
-    yield folder
-    crds.core.delete_persistent_volume(volume)
 
 
 def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_process, run_pod_locally, artifact_store,
@@ -328,7 +197,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
         assert local_path == (artifact_store / SUB_PATH / f"{spec['artifact']['sha256']}.tar.gz").resolve()
         assert not local_path.is_relative_to(work_dir), (local_path, work_dir)
         assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "true"
-        assert bundle_digest_of_archive(local_path) == spec["artifact"]["sha256"]
+        assert verify_bundle(local_path).digest == spec["artifact"]["sha256"]
         assert spec["artifact"]["sizeBytes"] == local_path.stat().st_size
     else:
         assert fps == [], [f["metadata"]["name"] for f in fps]

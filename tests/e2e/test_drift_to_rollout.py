@@ -29,19 +29,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 import urllib.parse
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.cluster import wait_until
-from harness.controlplane import POOL_LABEL, free_port
-from harness.kubelet import local_claim
-from test_compile_end_to_end import bundle_digest_of_archive, emulate_volumes, pod_token_kubeconfig
+from harness.controlplane import POOL_LABEL
+from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
+from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
+from shapeshift.engine.bundle import verify_bundle
 
 # Fast timers, read when the operator modules are first imported (this test imports them).
 os.environ.setdefault("SHAPESHIFT_RESYNC_SECONDS", "2")
@@ -50,7 +49,6 @@ os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
-REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 NAME, MODEL, CLAIM, SUB_PATH = "llama", "tiny-llama", "artifacts", "llama"
 REPLICAS = 2
@@ -58,23 +56,6 @@ DEPLOYED_BATCH = 2  # narrow on purpose: the search has a real gain to find in m
 CHECK_INTERVAL = 10  # the smallest check interval the CRD allows
 SHORT_PROMPT, LONG_PROMPT, OUTPUT = (12, 24), (140, 200), 8
 TRIALS = 16  # the sweep reaches the engine knobs (after recipe knobs and source edits) within it
-
-
-@pytest.fixture
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    for name in ("inferencedeployments", "compileruns", "forwardpasses"):
-        cluster.wait_for_crd(f"{name}.{GROUP}")
-    return cluster
-
-
-@pytest.fixture
-def artifact_store(crds, namespace, tmp_path):
-    folder = tmp_path / "artifact-store"
-    volume = local_claim(crds.api_client, namespace, CLAIM, folder)
-    yield folder
-    crds.core.delete_persistent_volume(volume)
 
 
 # ---- reading the cluster and the engines -----------------------------------------------------
@@ -96,15 +77,6 @@ def conditions(status: dict) -> dict[str, dict]:
     return {c["type"]: c for c in status.get("conditions") or []}
 
 
-def forward_pass_info(base_url: str) -> dict[str, str]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "shapeshift_forward_pass_info":
-                return dict(sample.labels)
-    raise AssertionError(f"{base_url} exposes no shapeshift_forward_pass_info")
-
-
 def token_prompt(length: int, seed: int) -> list[int]:
     """A prompt of exactly `length` token ids (no tokenizer in between, so lengths are exact)."""
     return [5 + (seed * 31 + j * 7) % 200 for j in range(length)]
@@ -124,38 +96,6 @@ def send(urls: list[str], count: int, lengths: tuple[int, int], concurrency: int
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(count)))
-
-
-class Load:
-    """One client per engine sending short greedy completions back to back (the analysis needs traffic)."""
-
-    def __init__(self, base_urls: list[str]):
-        self.stop_event = threading.Event()
-        self.statuses: list[int] = []
-        self.threads = [threading.Thread(target=self.client, args=(url,), daemon=True) for url in base_urls]
-
-    def client(self, base_url: str) -> None:
-        n = 0
-        with httpx.Client(timeout=60) as client:
-            while not self.stop_event.is_set():
-                try:
-                    r = client.post(f"{base_url}/v1/completions", json={
-                        "model": MODEL, "prompt": token_prompt(LONG_PROMPT[0], n), "max_tokens": 4,
-                        "temperature": 0})
-                    self.statuses.append(r.status_code)
-                except httpx.HTTPError:
-                    self.statuses.append(-1)
-                n += 1
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(60)
 
 
 class DriftDecisions(logging.Handler):
@@ -198,44 +138,16 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
             "rollout": {"strategy": "HotReload", "canaryReplicas": 1, "analysisWindowSeconds": 12,
                         "allowedRegression": 1.0, "loadTimeoutSeconds": 120},
         }})
-    selector = f"shapeshift.dev/inference-deployment={NAME}"
     drift_log = DriftDecisions()
     operator_logger = logging.getLogger("kopf.objects")
     operator_logger.addHandler(drift_log)
     args = ["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
         # ---- engine pods as real servers, scraped by Prometheus -----------------------------
-        def running_pods():
-            pods = cluster.core.list_namespaced_pod(namespace, label_selector=selector).items
-            running = [p for p in pods if p.spec.node_name and p.status.phase == "Running"]
-            return sorted(p.metadata.name for p in running) if len(running) == REPLICAS else None
-
-        names = wait_until(running_pods, 60, f"{REPLICAS} engine pods Running on the cpu pool")
-        ports = {name: free_port() for name in names}
-        server = prometheus([{
-            "job_name": "engines", "scrape_interval": "1s", "scrape_timeout": "1s",
-            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
-                                "labels": {"pod": name, "namespace": namespace, "deployment": NAME}}
-                               for name, port in ports.items()]}])
-        env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONSAFEPATH": "1",
-               "SHAPESHIFT_CACHE": str(tmp_path / "engine-cache")}
-        for name, port in ports.items():
-            run_pod_locally(namespace, name, background=True, extra_env=env, pvc_dirs={CLAIM: artifact_store},
-                            flag_overrides={"--host": "127.0.0.1", "--port": str(port), "--num-kv-blocks": "64"})
-        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-
-        def healthy(url):
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        for url in urls.values():
-            wait_until(lambda url=url: healthy(url), 120, f"engine at {url} healthy", interval_s=0.5)
-        server.wait_for("count(shapeshift_forward_pass_info)", lambda v: v >= REPLICAS, timeout_s=30)
+        urls = serve_engine_pods(cluster, namespace, NAME, REPLICAS, run_pod_locally=run_pod_locally,
+                                 prometheus=prometheus, cache_dir=tmp_path / "engine-cache",
+                                 pvc_dirs={CLAIM: artifact_store})
         stock = forward_pass_info(next(iter(urls.values())))["sha256"]
-        cluster.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", NAME,
-                                                      {"spec": {"prometheusUrl": server.url}})
 
         # ---- short prompts: observed, adopted as the baseline, then stable -------------------
         send(list(urls.values()), 30, SHORT_PROMPT)
@@ -283,7 +195,8 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
                                                                f"{namespace}/{run_name}"]
         worker_env, _ = emulate_volumes(cluster, pod, tmp_path / "volumes")
         kubeconfig = pod_token_kubeconfig(cluster, pod, tmp_path / "pod-token-kubeconfig")
-        worker_env.update(PATH=env["PATH"], KUBECONFIG=str(kubeconfig), PYTHONSAFEPATH="1")
+        worker_env.update(PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", KUBECONFIG=str(kubeconfig),
+                          PYTHONSAFEPATH="1")
         compile_started = time.monotonic()
         local = run_pod_locally(namespace, pod["metadata"]["name"], timeout_s=240, extra_env=worker_env,
                                 pvc_dirs={CLAIM: artifact_store})
@@ -315,11 +228,12 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert spec["metrics"]["speedup"] == pytest.approx(run_st["bestSpeedup"]) and run_st["bestSpeedup"] > 1.0
         archive = Path(urllib.parse.unquote(urllib.parse.urlparse(spec["artifact"]["uri"]).path))
         assert archive.is_relative_to(artifact_store.resolve()) and archive.is_file(), spec["artifact"]
-        assert bundle_digest_of_archive(archive) == digest
+        assert verify_bundle(archive).digest == digest
         assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "true"
 
         # ---- rollout: canary first, then every pod --------------------------------------------
-        with Load(list(urls.values())) as load:
+        with Load(list(urls.values()), model=MODEL, max_tokens=4,
+                  prompt=lambda client, n: token_prompt(LONG_PROMPT[0], n)) as load:
             st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
                 idep_status(cluster, namespace)), 120, "the canary to report the champion (Analyzing)",
                 interval_s=0.5)

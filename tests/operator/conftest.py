@@ -1,6 +1,6 @@
 """Fixtures for operator tests on the real control plane (tests/conftest.py starts it).
 
-  crds      session: crds/*.yaml applied and served by discovery.
+  (crds     session, from tests/conftest.py: crds/*.yaml applied and served by discovery.)
   operator  per test: the operator running in this process (kopf.testing.KopfRunner,
             --standalone) watching the test's namespace; kopf's exceptions fail the test.
   kube      per test: shapeshift.operator.kube.Kube on the test cluster (dict-based reads).
@@ -12,20 +12,10 @@ module is imported) so that observations land quickly.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("SHAPESHIFT_RESYNC_SECONDS", "2")
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def crds(cluster):
-    for path in sorted((REPO / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)
-    return cluster
 
 
 @pytest.fixture

@@ -1,12 +1,15 @@
 """CompileRun on the real control plane: Job placement, Job fate -> phase, unschedulable runs,
 and an operator killed mid-run.
 
-The compile worker (`shapeshift compile`) belongs to a later piece of work. Where a test
-needs the Job's pod to finish, it runs the pod's real command line through the harness's
-run_pod_locally with a stand-in `shapeshift` executable first on PATH that records its
-arguments and environment and exits 0 or 1. That proves the Job's command and env reach
-the process and that the Job's fate becomes the CompileRun's phase; it says nothing about
-the worker itself.
+What runs in the Job's pod is not under test here: the real worker (`shapeshift compile`)
+in the pod the operator creates is covered end to end by tests/e2e/test_compile_end_to_end.py
+and tests/e2e/test_drift_to_rollout.py. The tests here that need the pod to finish
+(test_job_fate_becomes_the_phase, test_operator_killed_mid_run_finishes_with_one_job) run the
+pod's real command line through the harness's run_pod_locally with a stand-in `shapeshift`
+executable first on PATH that records its arguments and environment and exits 0 or 1: the
+only way to choose the Job's fate (success, or failure past the backoff limit) within seconds.
+That proves the Job's command and env reach the process and that the Job's fate becomes the
+CompileRun's phase, once, also across an operator restart; it says nothing about the worker.
 """
 
 from __future__ import annotations
@@ -14,20 +17,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from harness.cluster import wait_until
+from harness.controlplane import free_port
+from harness.operator_process import operator_healthy, start_operator, stop_operator
 
 pytestmark = pytest.mark.cluster
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
-VENV_BIN = Path(sys.executable).parent
 
 
 def make_deployment(cluster, namespace, name="llama", accelerator="nvidia-h200"):
@@ -164,36 +165,15 @@ def test_run_for_a_missing_deployment_waits_for_it(crds, namespace, operator, ku
     wait_until(lambda: jobs(kube, namespace), 45, "the Job once the deployment exists")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_operator_process(cluster, namespace, log: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
-    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
-           "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
-    return subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, run_pod_locally, tmp_path):
     """`shapeshift operator` as a real process, SIGKILLed while the compile pod runs, then
     restarted: the run finishes once, on the one Job it started with (stand-in worker)."""
     log = tmp_path / "operator.log"
-    port = _free_port()
+    port = free_port()
     make_deployment(crds, namespace)
-    first = _start_operator_process(crds, namespace, log, port)
+    first = start_operator(crds, namespace, log, port)
     try:
-        wait_until(lambda: _healthy(port), 30, "the operator's health endpoint")
+        wait_until(lambda: operator_healthy(port), 30, "the operator's health endpoint")
         make_run(crds, namespace)
         (job,) = wait_until(lambda: jobs(kube, namespace), 30, "the compile Job")
         pod = wait_until(lambda: bound_pod(kube, namespace), 30, "the compile pod to be bound")
@@ -203,7 +183,7 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=10)
-    assert not _healthy(port)
+    assert not operator_healthy(port)
 
     # While no operator runs, the worker finishes and the Job controller completes the Job.
     env = stand_in_worker(tmp_path, 0)
@@ -213,7 +193,7 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
                60, "the Job to complete")
     assert run_status(crds, namespace)["phase"] != "Succeeded"  # nobody has observed it yet
 
-    second = _start_operator_process(crds, namespace, log, port)
+    second = start_operator(crds, namespace, log, port)
     try:
         st = wait_until(lambda: (lambda s: s if s.get("phase") == "Succeeded" else None)(run_status(crds, namespace)),
                         60, "phase Succeeded after the restart")
@@ -227,10 +207,5 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
         reasons = event_reasons(crds, namespace)
         assert reasons.count("JobCreated") == 1 and reasons.count("Succeeded") == 1, reasons
     finally:
-        second.send_signal(signal.SIGTERM)
-        try:
-            second.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(second.pid, signal.SIGKILL)
-            second.wait()
+        stop_operator(second)
     assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-4000:]

@@ -22,23 +22,17 @@ Refused with the reason.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness import tools
 from harness.cluster import wait_until
-from harness.controlplane import free_port
-from harness.kubelet import local_claim
+from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
+from harness.pod_environment import service_account_token, token_kubeconfig
 from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -46,7 +40,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 NAME = "llama"
 MODEL = "tiny-llama"
-VENV_BIN = str(Path(sys.executable).parent)
 CHART = Path(__file__).resolve().parents[2] / "charts" / "shapeshift"
 
 
@@ -107,63 +100,9 @@ def patch_spec(cluster, namespace: str, spec: dict) -> None:
                                                   {"spec": spec})
 
 
-def forward_pass_info(base_url: str) -> dict[str, str]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "shapeshift_forward_pass_info":
-                return dict(sample.labels)
-    raise AssertionError(f"{base_url} exposes no shapeshift_forward_pass_info")
-
-
 def events(cluster, namespace: str) -> list[tuple[str, str, str]]:
     return [(e.type, e.reason, e.message or "") for e in cluster.core.list_namespaced_event(namespace).items
             if e.involved_object.kind == "InferenceDeployment"]
-
-
-class Load:
-    """One client per engine sending short greedy completions back to back."""
-
-    def __init__(self, base_urls: list[str]):
-        self.stop_event = threading.Event()
-        self.statuses: list[int] = []
-        self.threads = [threading.Thread(target=self.client, args=(url,), daemon=True) for url in base_urls]
-
-    def client(self, base_url: str) -> None:
-        n = 0
-        with httpx.Client(timeout=60) as client:
-            while not self.stop_event.is_set():
-                try:
-                    r = client.post(f"{base_url}/v1/completions", json={
-                        "model": MODEL, "prompt": f"request {n} asks", "max_tokens": 6, "temperature": 0})
-                    self.statuses.append(r.status_code)
-                except httpx.HTTPError:
-                    self.statuses.append(-1)
-                n += 1
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(60)
-
-
-def service_account_kubeconfig(cluster, namespace: str, account: str, path: Path) -> Path:
-    """A kubeconfig that authenticates only with the ServiceAccount's token (TokenRequest API)."""
-    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=30m").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    cluster_entry = admin["clusters"][0]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "clusters": [cluster_entry],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": account, "context": {"cluster": cluster_entry["name"], "user": account,
-                                                   "namespace": namespace}}],
-        "current-context": account}))
-    return path
 
 
 @pytest.fixture(params=["admin", "chart-service-account"])
@@ -182,7 +121,9 @@ def rollout_operator(request, crds, namespace, monkeypatch, tmp_path):
                         "--set-json", "watch.allNamespaces=false", "--set-json",
                         f"watch.namespaces={json.dumps([namespace])}", f"--kubeconfig={crds.kubeconfig}"],
                        check=True, capture_output=True, text=True, timeout=180)
-        kubeconfig = service_account_kubeconfig(crds, namespace, f"{release}-shapeshift", tmp_path / "sa.kubeconfig")
+        account = f"{release}-shapeshift"
+        token = service_account_token(crds, namespace, account, expiration_s=1800)
+        kubeconfig = token_kubeconfig(crds, namespace, account, token, tmp_path / "sa.kubeconfig")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     try:
         with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "shapeshift.operator.handlers"],
@@ -205,39 +146,8 @@ def engines(crds, namespace, run_pod_locally, prometheus, tmp_path, monkeypatch)
 
     def start(replicas: int, pvc_dirs: dict[str, Path] | None = None, **extra_spec) -> dict[str, str]:
         deployment(crds, namespace, replicas, **extra_spec)
-        selector = f"shapeshift.dev/inference-deployment={NAME}"
-
-        def running_pods():
-            pods = crds.core.list_namespaced_pod(namespace, label_selector=selector).items
-            running = [p for p in pods if p.spec.node_name and p.status.phase == "Running"]
-            return sorted(p.metadata.name for p in running) if len(running) == replicas else None
-
-        names = wait_until(running_pods, 60, f"{replicas} engine pods Running on the cpu pool")
-        ports = {name: free_port() for name in names}
-        server = prometheus([{
-            "job_name": "engines", "scrape_interval": "1s", "scrape_timeout": "1s",
-            "static_configs": [{"targets": [f"127.0.0.1:{port}"],
-                                "labels": {"pod": name, "namespace": namespace, "deployment": NAME}}
-                               for name, port in ports.items()],
-        }])
-        env = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONSAFEPATH": "1",
-               "SHAPESHIFT_CACHE": str(tmp_path / "engine-cache")}
-        for name, port in ports.items():
-            run_pod_locally(namespace, name, background=True, extra_env=env, pvc_dirs=pvc_dirs, flag_overrides={
-                "--host": "127.0.0.1", "--port": str(port), "--num-kv-blocks": "64"})
-        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-
-        def healthy(url):
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        for url in urls.values():
-            wait_until(lambda url=url: healthy(url), 120, f"engine at {url} healthy", interval_s=0.5)
-        server.wait_for("count(shapeshift_forward_pass_info)", lambda v: v >= replicas, timeout_s=30)
-        patch_spec(crds, namespace, {"prometheusUrl": server.url})
-        return urls
+        return serve_engine_pods(crds, namespace, NAME, replicas, run_pod_locally=run_pod_locally,
+                                 prometheus=prometheus, cache_dir=tmp_path / "engine-cache", pvc_dirs=pvc_dirs)
 
     return start
 
@@ -253,7 +163,7 @@ def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespa
     assert stock != digest
     forward_pass(crds, namespace, "tiny-fused-qkv", str(archive), digest)
 
-    with Load(list(urls.values())) as load:
+    with Load(list(urls.values()), model=MODEL) as load:
         patch_spec(crds, namespace, {"forwardPass": "tiny-fused-qkv"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
             status(crds, namespace)), 90, "the canary to report the candidate (phase Analyzing)", interval_s=0.5)
@@ -378,7 +288,7 @@ def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(cr
     forward_pass(crds, namespace, "tiny-slow", str(archive), digest)
     patch_spec(crds, namespace, {"rollout": {"allowedRegression": 0.5}})
 
-    with Load(list(urls.values())):
+    with Load(list(urls.values()), model=MODEL):
         patch_spec(crds, namespace, {"forwardPass": "tiny-slow"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
             status(crds, namespace)), 90, "the canary to report the slow candidate", interval_s=0.5)
@@ -433,15 +343,6 @@ def test_restart_strategy_rolls_the_pod_template_and_the_resync_keeps_it(crds, n
     assert crds.apps.read_namespaced_deployment(f"{NAME}-engine", namespace).metadata.generation == generation
 
 
-@pytest.fixture
-def artifact_store(crds, namespace, tmp_path):
-    """A ReadWriteMany claim `artifacts` backed by one local folder (the volume is deleted after)."""
-    folder = tmp_path / "artifact-store"
-    volume = local_claim(crds.api_client, namespace, "artifacts", folder)
-    yield folder
-    crds.core.delete_persistent_volume(volume)
-
-
 def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_compile_pod(
         crds, namespace, operator, engines, artifact_store, tmp_path):
     # Two archives as the compile worker writes them: <sha256>.tar.gz in the store (durable),
@@ -486,7 +387,7 @@ def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_comp
     assert len([1 for _, reason, _ in events(crds, namespace) if reason == "ArtifactNotDurable"]) == 1
 
     # Stored in the shared store: every engine pod loads it from there.
-    with Load(list(urls.values())):
+    with Load(list(urls.values()), model=MODEL):
         patch_spec(crds, namespace, {"forwardPass": "tiny-stored"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Complete" else None)(
             status(crds, namespace)), 150, "the stored pass on every pod (phase Complete)", interval_s=0.5)

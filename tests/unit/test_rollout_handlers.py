@@ -23,7 +23,7 @@ from shapeshift.operator.rollout_handlers import (
     state_from_status,
     template_annotations_for,
 )
-from shapeshift.operator.rollout_metrics import PodReport, _regex_matcher, pod_regex
+from shapeshift.operator.rollout_metrics import PodReport, pod_regex
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 FAST = ForwardPassIdentity("fp-2", "b" * 64, "/shared/fp-2.tar.gz")
@@ -189,9 +189,11 @@ def test_pod_groups_are_exact_anchored_regexes():
     assert pod_regex(["e-1", "e-0"]) == "e-0|e-1"
     assert pod_regex(["a.b"]) == "a\\\\.b"  # PromQL string escaping of the regex escape
     selector = SeriesSelector(namespace="prod", deployment="llama", model="tiny-llama")
-    assert _regex_matcher(selector, {"pod": "e-0|e-1"}) == \
+    assert selector.matcher(regex={"pod": "e-0|e-1"}) == \
         '{namespace="prod",deployment="llama",model="tiny-llama",pod=~"e-0|e-1"}'
-    assert _regex_matcher(SeriesSelector(), {"pod": "e-0"}) == '{pod=~"e-0"}'
+    assert SeriesSelector().matcher(regex={"pod": "e-0"}) == '{pod=~"e-0"}'
+    assert selector.matcher() == '{namespace="prod",deployment="llama",model="tiny-llama"}'
+    assert SeriesSelector(namespace='a"b').matcher() == '{namespace="a\\"b"}'
 
 
 @pytest.mark.parametrize("text, expected", [

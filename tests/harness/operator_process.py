@@ -1,0 +1,47 @@
+"""`shapeshift operator` as its own process, the way the chart's Deployment runs it.
+
+    start_operator(cluster, namespace, log, port)
+        --> `shapeshift operator --namespace NS --standalone --resync-seconds 2
+             --liveness http://127.0.0.1:PORT/healthz` (admin kubeconfig, own process group,
+             stdout and stderr appended to `log`)
+    operator_healthy(port)   its liveness endpoint answers 200
+    stop_operator(process)   SIGTERM to the group, SIGKILL after a grace period
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def start_operator(cluster, namespace: str, log: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
+    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
+           "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def operator_healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop_operator(process: subprocess.Popen, grace_s: float = 20.0) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
