@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.pod_environment import service_account_token, token_kubeconfig
+
 from shapeshift.engine.compile.cli import main
 from shapeshift.engine.compile.registry import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
 from shapeshift.engine.config import ModelConfig
@@ -46,29 +48,14 @@ def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) ->
 def worker_kubeconfig(cluster, namespace: str, run: str, tmp_path: Path) -> Path:
     """A kubeconfig holding a token of the run's own ServiceAccount, with exactly the Role the
     operator gives compile workers (operator.builders.build_compile_rbac)."""
-    import kubernetes
-    import yaml
-
     from shapeshift.operator.builders import Parent, build_compile_rbac
     from shapeshift.operator.models import CompileRunSpec
 
     obj = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", run)
     cluster.apply(build_compile_rbac(Parent.from_body(obj), CompileRunSpec.model_validate(obj["spec"])), namespace)
     account = f"{run}-compile"
-    token = cluster.core.create_namespaced_service_account_token(
-        account, namespace, kubernetes.client.AuthenticationV1TokenRequest(
-            spec=kubernetes.client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    server = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
-    config = {"apiVersion": "v1", "kind": "Config", "clusters": [server],
-              "users": [{"name": account, "user": {"token": token}}],
-              "contexts": [{"name": account, "context": {"cluster": server["name"], "user": account,
-                                                          "namespace": namespace}}],
-              "current-context": account}
-    path = tmp_path / "worker-kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    token = service_account_token(cluster, namespace, account)
+    return token_kubeconfig(cluster, namespace, account, token, tmp_path / "worker-kubeconfig")
 
 
 @pytest.mark.slow

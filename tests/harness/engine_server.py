@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ from typing import Callable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.controlplane import free_port  # noqa: F401  (re-exported for the engine tests)
+
 MODEL = "tiny-llama"
 # Small settings keep the CPU work per test in milliseconds.
 MAX_MODEL_LEN = 256
@@ -36,12 +37,6 @@ NUM_KV_BLOCKS = 96
 SERVER_START_TIMEOUT_S = 180.0
 # Inherited admin-token variables would switch the admin API on behind a test's back.
 _ADMIN_TOKEN_ENV_PREFIX = "SHAPESHIFT_ADMIN_TOKEN"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shapeshift_command() -> list[str]:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from harness import engine_server
+from harness.engine_pods import forward_pass_info  # noqa: F401  (one definition, shared with the cluster tests)
 from harness.engine_server import Load, complete, scrape, shapeshift_command, value, wait_for  # noqa: F401
 from shapeshift.engine.rollout_protocol import DesiredForwardPass, format_downward_api_map
 
@@ -31,13 +32,6 @@ class ServerProcess(engine_server.ServerProcess):
 
 
 # ------------------------------------------------------------------ metrics
-
-
-def forward_pass_info(base_url: str) -> dict[str, str]:
-    """Labels (name, sha256) of the one shapeshift_forward_pass_info series."""
-    infos = [dict(labels) for (name, labels) in scrape(base_url) if name == "shapeshift_forward_pass_info"]
-    assert len(infos) == 1, infos
-    return infos[0]
 
 
 def reloads(base_url: str, result: str) -> float:
