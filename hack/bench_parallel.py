@@ -398,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.device == "cpu":
         report["note"] = "CPU/gloo plumbing check with float32 tiny models: not a benchmark of anything"
+    out_dir = Path(args.out_dir)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    kind = "cpu-smoke" if args.device == "cpu" else f"{gpus}x{(gpu_names[0] if gpu_names else 'gpu').replace(' ', '-')}"
+    path = out_dir / f"parallel-{kind}-{stamp}.json"
+    if not args.dry_run:
+        out_dir.mkdir(parents=True, exist_ok=True)
     for model in models:
         cfg = model_config(model)
         cost_model = CostModel(cfg, HardwareSpec(), dtype) if CostModel else None
@@ -447,15 +453,10 @@ def main(argv: list[str] | None = None) -> int:
                          if k != "cost_layout"} for r in rows],
             "rankings": ranks,
         }
-    if args.dry_run:
-        return 0
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    kind = "cpu-smoke" if args.device == "cpu" else f"{gpus}x{(gpu_names[0] if gpu_names else 'gpu').replace(' ', '-')}"
-    path = out_dir / f"parallel-{kind}-{stamp}.json"
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nwrote {path}")
+        if not args.dry_run:
+            # After every model, so a run stopped by a time limit keeps the models it finished.
+            path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+            print(f"\nwrote {path} ({len(report['models'])} of {len(models)} models)", flush=True)
     return 0
 
 
