@@ -44,6 +44,9 @@ BUNDLE_FORMAT = "shapeshift.dev/forward-pass-bundle/v1"
 MANIFEST_NAME = "manifest.json"
 RECIPE_NAME = "recipe.yaml"
 ENTRY_NAME = "forward.py"
+# In a compiled bundle: the EngineConfig overrides (batch width, chunk budget, decode steps ...)
+# the candidate was measured with, as JSON. Hashed like every file.
+ENGINE_SETTINGS_FILE = "engine.json"
 # Limits for unpacking uploaded archives (an archive is untrusted input).
 MAX_BUNDLE_FILES = 256
 MAX_BUNDLE_BYTES = 64 * 1024 * 1024

@@ -70,6 +70,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+    p.add_argument("--decode-steps", type=_positive_int, default=None,
+                   help="greedy decode steps per host round trip on CUDA graphs (multi-step decode; default 1)")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
     from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
 
@@ -140,7 +142,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments for the options given; unset ones keep EngineConfig defaults."""
     kwargs = {"model": args.model}
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "dtype", "device", "forward_pass", "seed"):
+                 "dtype", "device", "forward_pass", "seed", "decode_steps"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

@@ -177,6 +177,12 @@ class EngineConfig:
     # [512, 2048, max_model_len] clipped to max_model_len.
     cuda_graph_context_lens: list[int] | None = None
     enforce_eager: bool = False
+    # Greedy decode steps run back to back on the device before the host reads the tokens
+    # (decode-only batches that replay a CUDA graph, all greedy without logprobs, nothing
+    # waiting for admission). 1: every step returns to the host. k > 1 hides the host's
+    # per-step work behind the GPU; tokens then stream k at a time, and a request that
+    # stops early (EOS, stop string) discards the extra steps it computed.
+    decode_steps: int = 1
     num_layers_override: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.90
@@ -188,7 +194,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):

@@ -7,7 +7,14 @@ Data flow:
       --module.build(model_config, engine weights, recipe) [worker thread, deadline]--> ForwardPass
       --smoke (finite logits, greedy agreement with the incumbent on fresh prompts) [deadline]
       --engine thread, between two steps: install pass, flush KV blocks whose tag differs,
-        re-capture CUDA graphs--> serving
+        re-capture CUDA graphs, apply the bundle's runtime engine settings--> serving
+
+A compiled bundle carries engine.json, the EngineConfig overrides it was measured with. The
+ones that can change between two steps of a running engine (RUNTIME_ENGINE_SETTINGS) are
+applied on install and put back to the engine's own values when a pass without them is
+installed (rollback included); the others (batch width, KV block size ...) size buffers and
+graphs at start-up, so they are reported, not applied: they take a restart with the
+deployment's engine settings.
 
 Isolation: every load gets its own synthetic package ``shapeshift_fp_<digest>_<n>``
 whose ``__path__`` is the bundle's private folder, so ``forward.py`` may import its
@@ -37,13 +44,31 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from .bundle import BundleError, Manifest, OpenedBundle, open_bundle, stock_bundle_dir
+from .bundle import ENGINE_SETTINGS_FILE, BundleError, Manifest, OpenedBundle, open_bundle, stock_bundle_dir
 
 logger = logging.getLogger("shapeshift.engine.hot_reload")
 
 _load_counter = itertools.count()
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 DEFAULT_SMOKE_TIMEOUT_S = 120.0
+# EngineConfig fields a running engine takes between two steps (read by LLMEngine.step).
+RUNTIME_ENGINE_SETTINGS = ("decode_steps",)
+
+
+def bundle_engine_settings(folder: str | Path) -> dict[str, Any]:
+    """The bundle's engine.json (EngineConfig overrides it was measured with); {} without one."""
+    import json
+
+    path = Path(folder) / ENGINE_SETTINGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ReloadError("open", f"{path}: not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ReloadError("open", f"{path}: expected an object of EngineConfig fields, got {type(data).__name__}")
+    return data
 
 
 class ReloadError(RuntimeError):
@@ -223,6 +248,8 @@ class PassRecord:
     smoke: dict[str, Any] = field(default_factory=dict)
     # The ForwardPass resource this pass was rolled out as (pod annotation), if any.
     resource: str | None = None
+    # The bundle's engine.json (EngineConfig overrides it was measured with).
+    engine_settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -232,6 +259,7 @@ class PassRecord:
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.digest, "cacheFormat": self.cache_format,
                 "forwardPass": self.resource, "source": self.source, "activatedUnix": self.activated_unix,
+                "engineSettings": dict(self.engine_settings),
                 "timingsSeconds": {k: round(v, 4) for k, v in self.timings_s.items()}, "smoke": self.smoke}
 
 
@@ -301,6 +329,9 @@ class ForwardPassManager:
         self.offpath_capture = offpath_capture
         self.check_weights = check_weights
         self._lock = threading.Lock()  # one reload at a time
+        config = getattr(engine, "config", None)
+        # The engine's own values of the runtime settings: what a pass without engine.json runs with.
+        self.base_engine_settings = {k: getattr(config, k) for k in RUNTIME_ENGINE_SETTINGS if hasattr(config, k)}
         bundle = getattr(engine, "bundle", None)
         digest = _engine_bundle_digest(bundle)
         tag = getattr(getattr(engine, "block_manager", None), "tag", "") or ""
@@ -337,6 +368,7 @@ class ForwardPassManager:
                 loaded.unload()
                 raise
             record.source = str(path)
+            record.engine_settings = bundle_engine_settings(loaded.opened.folder)
             return Prepared(record=record, runner=runner)
 
     def _build_and_check(self, loaded: LoadedBundle, timings: dict[str, float]) -> tuple[PassRecord, Any]:
@@ -475,7 +507,8 @@ class ForwardPassManager:
             again = PassRecord(name=target.name, digest=target.digest, cache_format=target.cache_format,
                                source=target.source, forward_pass=target.forward_pass,
                                engine_bundle=target.engine_bundle, loaded=target.loaded,
-                               smoke=dict(target.smoke), resource=target.resource)
+                               smoke=dict(target.smoke), resource=target.resource,
+                               engine_settings=dict(target.engine_settings))
             flushed, preempted = self._install(again, None)
             again.timings_s["swap"] = time.perf_counter() - t0
             self.history.append(again)
@@ -505,7 +538,21 @@ class ForwardPassManager:
         eng.forward_pass_sha256 = record.digest  # reported by the server's info metric
         eng.forward_pass_label = record.label
         bm.set_tag(new_tag)
+        self._apply_engine_settings(record)
         return flushed, preempted
+
+    def _apply_engine_settings(self, record: PassRecord) -> None:
+        config = getattr(self.engine, "config", None)
+        if config is None:
+            return
+        for name, base in self.base_engine_settings.items():
+            setattr(config, name, record.engine_settings.get(name, base))
+        deferred = {k: v for k, v in record.engine_settings.items()
+                    if k not in RUNTIME_ENGINE_SETTINGS and getattr(config, k, v) != v}
+        if deferred:
+            logger.warning("forward pass %s was measured with engine settings %s that a running engine cannot "
+                           "take; they apply when the engine starts with them (engine settings of the deployment)",
+                           record.name, deferred)
 
     def _trim_history(self) -> None:
         while len(self.history) > self.history_limit:

@@ -24,7 +24,7 @@ from .kv_cache import KVCache, choose_num_blocks
 from .loader import TORCH_DTYPES, LoadedModel, load_model
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import RequestOutput, ScheduledBatch, Scheduler
+from .scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
 from .sequence import Sequence
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "EngineStats",
@@ -146,8 +146,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        out = self.runner.run(batch) if not batch.is_empty else None
-        outputs = self.scheduler.postprocess(batch, out)
+        k = self._decode_lookahead(batch)
+        if k > 1:
+            outputs = self._decode_steps(batch, k)
+        else:
+            out = self.runner.run(batch) if not batch.is_empty else None
+            outputs = self.scheduler.postprocess(batch, out)
         self._batch_size_last_step = len(batch.seqs)
         for o in outputs:
             if o.finished:
@@ -156,6 +160,52 @@ class LLMEngine:
             outputs = self._abort_outputs + outputs
             self._abort_outputs = []
         return outputs
+
+    def _decode_lookahead(self, batch: ScheduledBatch) -> int:
+        """How many decode steps to run at once for ``batch`` (1: the ordinary step).
+
+        k > 1 only when config.decode_steps allows it, the batch is all decodes replaying a
+        graph, every sequence is greedy without logprobs, nobody waits for admission (a
+        waiting request would otherwise wait k steps), and the KV cache has room for k new
+        tokens per sequence; k never passes a sequence's max_tokens or max_model_len, so only
+        a stop token or stop string can make a step's work go unused. Reserves the slots.
+        """
+        k = self.config.decode_steps
+        if k <= 1 or not batch.is_decode or batch.preempted or self.scheduler.waiting:
+            return 1
+        if not self.runner.can_replay(len(batch.seqs)):
+            return 1
+        for seq in batch.seqs:
+            if not seq.params.greedy or seq.params.logprobs:
+                return 1
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
+        if k <= 1:
+            return 1
+        bm = self.block_manager
+        needed = sum(bm.blocks_needed(seq.num_computed_tokens + k) - len(seq.block_table) for seq in batch.seqs)
+        if needed > bm.num_free_blocks:
+            return 1
+        for seq in batch.seqs:
+            bm.append_slots(seq, k)
+        return k
+
+    def _decode_steps(self, batch: ScheduledBatch, k: int) -> list[RequestOutput]:
+        """Run k decode steps on the device, then postprocess them in order (stops apply per
+        token); one RequestOutput per request carrying all its new tokens."""
+        rows = self.runner.run_decode_steps(batch, k)  # [k][n]
+        merged: dict[str, RequestOutput] = {}
+        for row in rows:
+            for o in self.scheduler.postprocess(batch, RunnerOutput(token_ids=list(row))):
+                prev = merged.get(o.request_id)
+                if prev is None:
+                    merged[o.request_id] = o
+                    continue
+                prev.new_token_ids = prev.new_token_ids + o.new_token_ids
+                prev.text_delta += o.text_delta
+                prev.output_token_ids = o.output_token_ids
+                prev.finished, prev.finish_reason = o.finished, o.finish_reason
+                prev.num_cached_tokens = o.num_cached_tokens
+        return list(merged.values())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:

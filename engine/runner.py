@@ -14,6 +14,14 @@ contexts from paying for max_model_len. Each graph also takes the greedy argmax 
 logits into a static token buffer, so an all-greedy batch (no logprobs) copies only B token
 ids to the host (the step's one sync) and launches nothing outside the graph. Prefill, mixed
 batches and batches above the largest bucket run eagerly; on the CPU everything runs eagerly.
+
+Multi-step decode (``run_decode_steps``, EngineConfig.decode_steps): for an all-greedy decode
+batch the engine may ask for k steps at once. The runner replays the same graph k times
+back to back: before replay j (j >= 1) it copies that step's positions, slots and context
+lengths from a device staging buffer (filled with one host->device copy for all k steps)
+and the previous replay's argmax tokens into the input ids, all device-side; the host reads
+the k x B tokens once at the end. The GPU then waits for the host once per k steps instead of
+once per step, which is what bounds batch-1 decode once the kernels are fast.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ class ModelRunner:
         self.graph_widths: list[int] = []
         self._static: dict[str, torch.Tensor] = {}
         self._graph_pool = None
+        self._max_bs = 0
+        self._stage_host64: torch.Tensor | None = None  # multi-step staging, sized on first use
         # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
         # are then eager calls over the same static buffers, padding and widths.
         self.emulate_graphs = False
@@ -178,6 +188,73 @@ class ModelRunner:
         input_ids, positions, ctx = self.prepare_decode(batch)
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache), None
 
+    def can_replay(self, batch_size: int) -> bool:
+        """Would a decode batch of this size replay a captured graph?"""
+        return bool(self.graphs) and batch_size <= self.graph_batch_sizes[-1]
+
+    @torch.inference_mode()
+    def run_decode_steps(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
+        """k greedy decode steps of an all-greedy decode batch, back to back on the device.
+
+        The caller has reserved KV slots for k new tokens per sequence (block tables cover
+        positions num_tokens-1 .. num_tokens+k-2). Returns the greedy tokens, [k][n]: row j
+        is what step j produced, fed to step j+1 as its input. One host sync, at the end.
+        """
+        n = len(batch.seqs)
+        if k < 1 or not self.can_replay(n):
+            raise ValueError(f"run_decode_steps needs k >= 1 and a captured graph for {n} rows (k={k})")
+        needed_width = max(len(s.block_table) for s in batch.seqs)
+        graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
+        width = next(w for w in self.graph_widths if w >= needed_width)
+        g = self.graphs[(graph_bs, width)]
+        s = self._static
+        max_bs = self._max_bs
+        if k > 1:
+            self._ensure_step_staging(k)
+            # Steps 1..k-1 advance every row by one position: positions, slots and context
+            # lengths are known now (the tokens are not; they stay on the device).
+            pos0 = np.fromiter((seq.num_tokens - 1 for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
+            pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
+            h64, h32 = self._stage_host64_np[:k - 1], self._stage_host32_np[:k - 1]
+            h64[:, :n] = pos
+            bsz = self.block_size
+            for i, seq in enumerate(batch.seqs):
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                h64[:, max_bs + i] = table[pos[:, i] // bsz] * bsz + pos[:, i] % bsz
+            h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
+            h32[:, :n] = pos + 1
+            h32[:, n:graph_bs] = 1
+        self._replay(batch, g)  # step 0: the usual host -> device copies, then the graph
+        out = self._step_tokens
+        out[0, :n].copy_(s["tokens"][:n])
+        if k > 1:
+            self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
+            self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
+            for j in range(1, k):
+                self._packed64[max_bs:].copy_(self._stage64[j - 1])  # positions, slots
+                self._packed32[:max_bs].copy_(self._stage32[j - 1])  # context lengths
+                s["input_ids"][:n].copy_(s["tokens"][:n])
+                g.replay()
+                self.num_graph_replays += 1
+                out[j, :n].copy_(s["tokens"][:n])
+        return out[:k, :n].tolist()
+
+    def _ensure_step_staging(self, k: int) -> None:
+        """Device and (pinned) host staging for k-1 extra steps, and the [k, max_bs] token rows."""
+        if self._stage_host64 is not None and self._stage_host64.shape[0] >= k - 1:
+            return
+        max_bs, dev = self._max_bs, self.device
+        self._stage64 = torch.zeros(k - 1, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
+        self._stage32 = torch.zeros(k - 1, max_bs, dtype=torch.int32, device=dev)  # context lengths
+        self._stage_host64 = torch.zeros(self._stage64.shape, dtype=torch.int64)
+        self._stage_host32 = torch.zeros(self._stage32.shape, dtype=torch.int32)
+        if self.use_pinned:
+            self._stage_host64 = self._stage_host64.pin_memory()
+            self._stage_host32 = self._stage_host32.pin_memory()
+        self._stage_host64_np = self._stage_host64.numpy()
+        self._stage_host32_np = self._stage_host32.numpy()
+        self._step_tokens = torch.zeros(k, max_bs, dtype=torch.int64, device=dev)
+
     @torch.inference_mode()
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits [T, V] of every new token of a (prefill) batch."""
@@ -228,6 +305,8 @@ class ModelRunner:
         # Inputs live in two packed buffers (one per dtype) so a step needs two copies;
         # the named static tensors are fixed views into them.
         self._max_bs = max_bs
+        self._stage_host64 = None  # the staging follows max_bs: sized anew on first use
+        self._step_tokens = torch.zeros(1, max_bs, dtype=torch.int64, device=dev)
         self._packed64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
         self._packed32 = torch.zeros(max_bs + max_bs * width_max, dtype=torch.int32, device=dev)
         self._packed64_host = torch.zeros(self._packed64.shape, dtype=torch.int64)

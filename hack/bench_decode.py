@@ -217,12 +217,17 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     decoded = 0
     step_times: list[float] = []
     batch_sizes: list[int] = []
+    per_token_steps: list[float] = []  # engine.step() time over the tokens each request got from it
+    tokens_per_request: list[int] = []
     last = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
         step_times.append(now - last)
         batch_sizes.append(len(outs))
+        width = max((len(o.new_token_ids) for o in outs), default=1) or 1
+        per_token_steps.append((now - last) / width)  # multi-step decode: k tokens per engine step
+        tokens_per_request.append(width)
         last = now
         for o in outs:
             decoded += len(o.new_token_ids)
@@ -231,16 +236,25 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     elapsed = sum(step_times)
     if not step_times or elapsed <= 0:
         raise ValueError(f"no decode steps were timed (new tokens {new_tokens}); use --new-tokens >= 2")
-    full = [t for t, b in zip(step_times, batch_sizes) if b == len(prompts)] or step_times
+    full = [t for t, b in zip(per_token_steps, batch_sizes) if b == len(prompts)] or per_token_steps
     itl_p50, itl_p90 = baselines.percentile(full, 50), baselines.percentile(full, 90)
-    return {"decode_tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / len(step_times),
+    # ms_per_step is per decode step (token per sequence), however many an engine.step() ran.
+    return {"decode_tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / sum(tokens_per_request),
+            "engine_steps": len(step_times),
             "itl_p50_ms": 1e3 * itl_p50, "itl_p90_ms": 1e3 * itl_p90, "p90_per_user_tok_s": 1.0 / itl_p90,
             "steps": len(step_times), "outputs": [outputs[rid] for rid in ids]}
 
 
 def measure_recipe(engine: LLMEngine, recipe: str, batch_sizes: list[int], args, rec: Recorder,
-                   traffic, ceilings, mean_context: float, impl_prefix: str = "shapeshift") -> dict[int, list[int]]:
-    """Rows for one recipe at every batch size; returns batch -> greedy tokens of prompt 0."""
+                   traffic, ceilings, mean_context: float, impl_prefix: str = "shapeshift",
+                   decode_steps: int = 1) -> dict[int, list[int]]:
+    """Rows for one recipe at every batch size; returns batch -> greedy tokens of prompt 0.
+
+    ``decode_steps`` > 1 runs the engine's multi-step decode (k steps per host round trip);
+    its rows are named ``shapeshift[<recipe>+k<k>]``.
+    """
+    engine.config.decode_steps = decode_steps
+    label = recipe if decode_steps == 1 else f"{recipe}+k{decode_steps}"
     vocab = engine.model_config.vocab_size
     engine_decode(engine, baselines.random_prompts(min(batch_sizes), args.prompt_len, vocab, seed=1), 8)  # warm-up
     first_tokens = {}
@@ -252,7 +266,7 @@ def measure_recipe(engine: LLMEngine, recipe: str, batch_sizes: list[int], args,
             if best is None or m["decode_tok_s"] > best["decode_tok_s"]:
                 best = m
         first_tokens[batch] = best.pop("outputs")[0]
-        row = {"impl": f"{impl_prefix}[{recipe}]", "batch": batch, **best, "per_seq_tok_s": best["decode_tok_s"] / batch,
+        row = {"impl": f"{impl_prefix}[{label}]", "batch": batch, "decode_steps": decode_steps, **best, "per_seq_tok_s": best["decode_tok_s"] / batch,
                "cuda_graphs": bool(engine.runner.graphs), "greedy_tokens_row0": first_tokens[batch]}
         add_floor_share(row, traffic, ceilings, mean_context)
         rec.add(row)
@@ -612,6 +626,9 @@ def parse_args(argv: list[str] | None):
                         help=f"comma list of {sorted(RECIPES)} (default stock,triton,{BEST_RECIPE}; --curve: "
                              f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}); Triton recipes are "
                              "skipped without CUDA")
+    parser.add_argument("--decode-steps", default="1",
+                        help="comma list of EngineConfig.decode_steps values measured per recipe (multi-step "
+                             "decode: k greedy steps per host round trip), e.g. 1,8")
     parser.add_argument("--repeats", type=int, default=2, help="engine runs per point (best is reported)")
     parser.add_argument("--baselines", default=",".join(BASELINE_ORDER),
                         help=f"comma list of {list(BASELINE_ORDER)} or 'none'; each runs in its own process")
@@ -655,6 +672,9 @@ def main(argv: list[str] | None = None) -> int:
         if skipped:
             log(f"recipes {skipped} need CUDA (Triton) here; skipped")
         recipes = [r for r in recipes if r not in NEEDS_TRITON] or ["stock"]
+    decode_steps = [int(k) for k in args.decode_steps.split(",") if k]
+    if not decode_steps or min(decode_steps) < 1:
+        parser.error(f"--decode-steps takes positive integers, got {args.decode_steps!r}")
     wanted_baselines = [] if args.baselines == "none" else [b for b in args.baselines.split(",") if b]
     for b in wanted_baselines:
         if b not in BASELINE_ORDER:
@@ -737,7 +757,15 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[recipe]))
             log(f"recipe {recipe}: built and captured in {time.perf_counter() - t0:.1f}s")
-        first_tokens[recipe] = measure_recipe(engine, recipe, batch_sizes, args, rec, traffic, ceilings, mean_context)
+        for k in decode_steps:
+            tokens = measure_recipe(engine, recipe, batch_sizes, args, rec, traffic, ceilings, mean_context,
+                                    decode_steps=k)
+            if k == decode_steps[0]:
+                first_tokens[recipe] = tokens
+            elif tokens != first_tokens[recipe]:
+                log(f"recipe {recipe}: decode_steps={k} gave other greedy tokens than decode_steps={decode_steps[0]}")
+                rec.add({"impl": f"shapeshift[{recipe}+k{k}]", "error": "greedy tokens differ from single steps"})
+        engine.config.decode_steps = 1
 
     best = next((r for r in (BEST_RECIPE, "triton", "fused", "stock") if r in recipes), recipes[-1])
     if not args.skip_check and mode == "table":
@@ -783,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec.add(row)
 
     if mode == "curve":
-        ours = [r for r in rec.doc["results"] if r["impl"] == f"shapeshift[{best}]"]
+        label = best if decode_steps[-1] == 1 else f"{best}+k{decode_steps[-1]}"
+        ours = [r for r in rec.doc["results"] if r["impl"] == f"shapeshift[{label}]"]
         theirs = [r for r in rec.doc["results"] if r["impl"] == "hf[static-cache]"]
         rec.set("curve_comparison", curve_comparison(ours, theirs))
         rec.set("curve_dominance", curve_dominance(ours, theirs))

@@ -2,7 +2,7 @@
 # One whole GPU measurement session on a CUDA machine that already has torch,
 # triton and transformers (no network): make the `shapeshift` namespace
 # importable without installing, run the CUDA tests, then the benchmarks.
-#   hack/gpu_run.sh [tests] [kernels] [tune] [decode] [reload] [compile] [parallel-tests] [parallel]
+#   hack/gpu_run.sh [tests] [kernels] [tune] [decode] [curve] [profile] [reload] [compile] [parallel-tests] [parallel]
 #   (default: tests kernels decode reload; the parallel ones need 2 or more GPUs)
 # Results land in bench/results/; logs and a tarball of the results go to
 # $OUT when it is set. Every step runs even when an earlier one fails; the exit
@@ -42,12 +42,15 @@ for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     tests)    timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
-                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py \
+                tests/engine/test_multi_step_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels)  timeout 270 python3 hack/bench_kernels.py --budget-s 240 2>&1 | tee "$OUT/kernels.log" ;;
     tune)     # Sweep the GEMV search space on this GPU (time-boxed); the best configs are printed and saved.
               timeout "${TUNE_TIMEOUT_S:-200}" python3 hack/bench_kernels.py --tune --ops "${TUNE_OPS:-gemv}" \
                 --budget-s "${TUNE_BUDGET_S:-180}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
-    decode)   timeout 300 python3 hack/bench_decode.py 2>&1 | tee "$OUT/decode.log" ;;
+    decode)   timeout "${DECODE_TIMEOUT_S:-300}" python3 hack/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
+    curve)    timeout "${CURVE_TIMEOUT_S:-300}" python3 hack/bench_decode.py --curve ${CURVE_ARGS:-} 2>&1 | tee "$OUT/curve.log" ;;
+    profile)  timeout 240 python3 hack/bench_decode.py --profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     reload)   timeout 270 python3 hack/bench_reload.py --model llama-3.2-1b-shape --repeats 2 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
     parallel-tests) timeout 300 python3 -m pytest -q --timeout 280 -p no:cacheprovider tests/parallel/test_parallel_cuda.py \
                 2>&1 | tee "$OUT/parallel-tests.log" | tail -25 ;;
@@ -56,7 +59,7 @@ for step in "${steps[@]}"; do
               timeout "${COMPILE_TIMEOUT_S:-330}" python3 -c 'import sys; from shapeshift.engine.compile.cli import main; sys.exit(main())' \
                 --model llama-3.2-1b-shape --profile chat --agents sweep,evolve \
                 --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/compile-h200-chat" 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
-    *)        echo "unknown step $step (tests kernels tune decode reload compile parallel-tests parallel)" >&2; false ;;
+    *)        echo "unknown step $step (tests kernels tune decode curve profile reload compile parallel-tests parallel)" >&2; false ;;
   esac
   # pipefail: the status of the step's command, not of tee or tail.
   (( $? == 0 )) || failed+=("$step")

@@ -17,6 +17,7 @@ resumes from the board.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import sys
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "archive is stored as <sha256>.tar.gz (default: $SHAPESHIFT_ARTIFACT_DIR; without one the "
                         "archive stays in the work folder, and the ForwardPass says it is not durable)")
     p.add_argument("--no-registry", action="store_true", help="neither seed from nor publish to the registry")
+    p.add_argument("--no-recipe-seeds", action="store_true",
+                   help="do not measure the engine's named recipes (engine/recipes.py) first")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -93,6 +96,28 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def recipe_seeds(space: Any) -> list:
+    """The engine's named recipes (engine/recipes.py: fused projections, the Triton kernels, the
+    GEMV) as first candidates, each projected into ``space`` (knobs it lacks, such as Triton
+    backends on the CPU, keep their defaults); duplicates and the all-default point dropped.
+    They are hand-made starting points; the agents search around whichever wins."""
+    from ..recipes import NAMED_RECIPES
+    from .candidate import Candidate
+    from .registry import project_recipe
+
+    default = space.default()
+    seen: set[str] = set()
+    out = []
+    for name, knobs in NAMED_RECIPES.items():
+        recipe = project_recipe(knobs, space)
+        key = json.dumps(recipe, sort_keys=True, default=str)
+        if recipe == default or key in seen:
+            continue
+        seen.add(key)
+        out.append(Candidate(recipe, None, "recipes", f'named recipe "{name}" (engine/recipes.py)', None))
+    return out
 
 
 def _resolve_profile(text: str):
@@ -182,6 +207,9 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
             cand = entry.candidate()
             seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
         log.info("seeding with %d champion(s): %s", len(seeds), ", ".join(e.name for e in nearest))
+
+    if not args.no_recipe_seeds:
+        seeds.extend(recipe_seeds(space))
 
     on_status = run_ref.patch_status if run_ref is not None else None
     loop = CompileLoop(evaluator, space, board, agents, budget,

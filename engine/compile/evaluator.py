@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
 from ..replay import ReplayRequest, ReplayRun, run_once
 from ..traffic import TrafficProfile
 from .candidate import Candidate
@@ -49,7 +50,6 @@ from .source_edits import SourceEditError, apply_edits
 log = logging.getLogger(__name__)
 
 FAST, FULL = "fast", "full"
-ENGINE_SETTINGS_FILE = "engine.json"  # in a compiled bundle: EngineConfig overrides it was measured with
 
 
 @dataclass

@@ -405,23 +405,28 @@ class CompileLoop:
                 return cand, tid
         return None
 
+    def _propose_round(self) -> None:
+        """Deterministic mode: each agent in turn proposes one candidate against the board as it is."""
+        for agent in self.agents:
+            try:
+                proposals = agent.propose(1)
+            except Exception as exc:  # noqa: BLE001
+                agent.errors += 1
+                self.board.note(agent.name, f"agent raised {type(exc).__name__}: {exc}", error=True)
+                continue
+            for cand in submit(agent, self.board, self.space, proposals):
+                self.pending.append((cand, None))
+
     def _next_candidate(self) -> tuple[Candidate, str | None] | None:
         nxt = self._next_pending()
         if nxt is not None:
             return nxt
         if self.config.deterministic:
             # Rounds: every agent proposes against the same board, then the round is measured
-            # in agent order. Round one sees only the baseline, so it is a function of the seed.
+            # in agent order. Round one sees only the baseline (it is proposed before any seed
+            # is measured, see run()), so it is a function of the seed.
             for _ in range(3):
-                for agent in self.agents:
-                    try:
-                        proposals = agent.propose(1)
-                    except Exception as exc:  # noqa: BLE001
-                        agent.errors += 1
-                        self.board.note(agent.name, f"agent raised {type(exc).__name__}: {exc}", error=True)
-                        continue
-                    for cand in submit(agent, self.board, self.space, proposals):
-                        self.pending.append((cand, None))
+                self._propose_round()
                 nxt = self._next_pending()
                 if nxt is not None:
                     return nxt
@@ -493,8 +498,12 @@ class CompileLoop:
                           space=self.space.names)
         self._attempt = run_entry["id"]
         self._measure_baseline()
-        for cand in self.seed_candidates:  # nearest champions of earlier runs: measured first
-            for good in submit(_SeedAgent(), self.board, self.space, [cand]):
+        if self.config.deterministic and self.seed_candidates and not self.pending:
+            # Round one is proposed against the baseline alone, before the seeds' (timed, so
+            # noisy) results reach the board; the seeds are still measured first.
+            self._propose_round()
+        for cand in reversed(self.seed_candidates):  # nearest champions of earlier runs, named recipes: measured first
+            for good in submit(_SeedAgent(cand.agent or "registry"), self.board, self.space, [cand]):
                 self.pending.appendleft((good, None))
         self._progress(force=True)
         self._start_agents()
@@ -556,7 +565,8 @@ class _SeedAgent(Agent):
 
     name = "registry"
 
-    def __init__(self) -> None:  # noqa: D107 - no space/board needed: submit() gets them
+    def __init__(self, name: str = "registry") -> None:  # noqa: D107 - no space/board needed: submit() gets them
+        self.name = name
         self.state, self.proposed, self.errors = "idle", 0, 0
 
 

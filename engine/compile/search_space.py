@@ -398,6 +398,9 @@ def build_search_space(
         knobs.append(Knob("engine.cuda_graph_max_batch", tuple(sorted({0, 8, 16, 32, 64, 128, 256, graph_default})),
                           graph_default,
                           "largest decode batch captured as a CUDA graph (0 = eager); buckets are powers of two up to it"))
+        default_steps = int(given.get("decode_steps") or 1)
+        knobs.append(Knob("engine.decode_steps", tuple(sorted({1, 2, 4, 8, default_steps})), default_steps,
+                          "greedy decode steps per host round trip (multi-step decode on graph replays)"))
 
     # Source edits of forward.py (engine/compile/source_edits.py): placed right after the recipe
     # knobs, so a coordinate sweep tries code changes before batch-size tuning.

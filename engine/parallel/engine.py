@@ -197,6 +197,11 @@ class ParallelLLMEngine(LLMEngine):
         if self.is_driver and self._has_followers:
             self.runner = _DrivingRunner(self.runner, state)
 
+    def _decode_lookahead(self, batch: ScheduledBatch) -> int:
+        # Followers replay what the driver broadcasts one step at a time; multi-step decode
+        # would need the k-step command on the control channel. Until then: one step.
+        return 1
+
     def _load_model(self, config: EngineConfig) -> LoadedModel:
         loaded = load_model(config)
         self.layout.validate(loaded.model_config)

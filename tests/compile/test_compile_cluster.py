@@ -79,7 +79,8 @@ def test_worker_reads_compile_run_reports_status_and_publishes(crds, namespace, 
     st = run["status"]
     assert st["trials"]["total"] == 4
     assert st["leaderboard"] and {"candidate", "tokensPerSecond"} <= set(st["leaderboard"][0])
-    assert {e["agent"] for e in st["leaderboard"]} <= {"baseline", "sweep", "bayes"}
+    # the agents asked for, plus the named recipes every run measures first
+    assert {e["agent"] for e in st["leaderboard"]} <= {"baseline", "recipes", "sweep", "bayes"}
     report = (tmp_path / "out" / "report.json").read_text()
     assert '"profile": "chat"' in report and '"model": "tiny-llama"' in report
     fps = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses")["items"]

@@ -118,3 +118,27 @@ def test_stock_pass_refuses_kernel_configs_without_their_backend(evaluator, cuda
         forward.build(tiny_engine.model_config, tiny_engine.weights, {"kernel_configs": {"rmsnorm": config}})
     with pytest.raises(ValueError, match="unknown op 'nope'"):
         forward.build(tiny_engine.model_config, tiny_engine.weights, {"kernel_configs": {"nope": config}})
+
+
+def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_engine) -> None:
+    """The engine's named recipes become first candidates: on CUDA each one as declared (they are
+    all valid points of the space, and they build); on the CPU only what the space can express."""
+    from shapeshift.engine.compile.cli import recipe_seeds
+    from shapeshift.engine.recipes import NAMED_RECIPES
+
+    seeds = recipe_seeds(cuda_space)
+    assert [s.note.split('"')[1] for s in seeds] == [n for n in NAMED_RECIPES if n != "torch"]
+    for seed in seeds:
+        name = seed.note.split('"')[1]
+        assert cuda_space.validate(seed.recipe) == [], (name, seed.recipe)
+        assert {k: seed.recipe[k] for k in NAMED_RECIPES[name]} == NAMED_RECIPES[name]
+        assert seed.agent == "recipes" and seed.recipe != cuda_space.default()
+        recipe, fp = _build(evaluator, tiny_engine, seed)
+        assert fp.recipe == recipe
+    assert "engine.decode_steps" in cuda_space.names and cuda_space.default()["engine.decode_steps"] == 1
+
+    cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
+                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+    cpu_seeds = recipe_seeds(cpu_space)
+    assert [s.recipe for s in cpu_seeds] == [{**cpu_space.default(), "fuse_qkv": True, "fuse_gate_up": True}]
+    assert "engine.decode_steps" not in cpu_space.names  # multi-step decode needs graph replays

@@ -105,11 +105,14 @@ def test_same_seed_same_deterministic_parts(tmp_path: Path) -> None:
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
-        assert main(SMALL + ["--budget-trials", "3", "--out", str(out), "--no-registry", "--deterministic",
+        # 4 trials: the named recipe the CPU space can express ("fused"), then one round of agents.
+        assert main(SMALL + ["--budget-trials", "4", "--out", str(out), "--no-registry", "--deterministic",
                              "--seed", "11", "--screen-repeats", "1", "--confirm-repeats", "2"]) == 0
         board = Board(out / "board.jsonl")
         cands = board.entries("candidate")
-        first_round = [(c["agent"], c["digest"]) for c in cands if c["agent"] != "baseline"][:3]
+        measured = [r["agent"] for r in board.entries("result") if r["tier"] == "fast" and r["agent"] != "baseline"]
+        assert measured[0] == "recipes"  # measured first, after round one was proposed against the baseline
+        first_round = [(c["agent"], c["digest"]) for c in cands if c["agent"] not in ("baseline", "recipes")][:3]
         statuses = {r["digest"]: r["status"] for r in board.entries("result") if r["tier"] == "fast"}
         runs.append((cands[0]["digest"], first_round, [statuses.get(d) for _, d in first_round]))
     assert runs[0] == runs[1]

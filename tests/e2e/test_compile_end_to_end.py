@@ -173,7 +173,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert status["trials"]["failed"] == 0, (status["trials"], output[-3000:])
     board = status["leaderboard"]
     assert board and all(row["candidate"] and row.get("tokensPerSecond", 0) > 0 for row in board), board
-    assert {row["agent"] for row in board} <= {"baseline", "sweep", "bayes"}, board
+    assert {row["agent"] for row in board} <= {"baseline", "recipes", "sweep", "bayes"}, board
 
     fps = forward_passes(cluster, namespace)
     if status.get("champion"):

@@ -25,6 +25,7 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     bench = load_bench()
     assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--batch-sizes", "1,2", "--prompt-len", "8",
                        "--new-tokens", "8", "--baseline-new-tokens", "8", "--recipes", "stock,fused", "--repeats", "1",
+                       "--decode-steps", "1,2",
                        "--check-prompts", "2", "--check-tokens", "8", "--compile-batch-sizes", "1,2",
                        "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("decode-tiny-llama-*.json"))
@@ -33,7 +34,9 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     assert {"git_commit", "gpu", "command", "results", "ceilings", "floor", "agreement"} <= set(result)
     assert result["status"] == "complete"
     impls = {(r["impl"], r["batch"]) for r in result["results"]}
-    assert impls == {(i, b) for i in ("shapeshift[stock]", "shapeshift[fused]", "hf[eager]", "hf[static-cache]",
+    # decode_steps 2 rows exist; on the CPU (no graphs) the engine takes single steps for them.
+    assert impls == {(i, b) for i in ("shapeshift[stock]", "shapeshift[fused]", "shapeshift[stock+k2]",
+                                      "shapeshift[fused+k2]", "hf[eager]", "hf[static-cache]",
                                       "torch.compile[none]") for b in (1, 2)}
     assert all(r["decode_tok_s"] > 0 and r["share_of_floor"] > 0 for r in result["results"])
     # Same weights (redrawn and fingerprint-checked in each baseline process), float32: the

@@ -201,3 +201,33 @@ def test_bundles_are_isolated(tmp_path):
     with pytest.raises(ReloadError) as info:
         load_bundle_isolated(tmp_path / "nope")
     assert info.value.stage == "open"
+
+
+def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollback(tmp_path, caplog):
+    """A compiled bundle's engine.json: decode_steps takes effect with the pass (and goes back to
+    the engine's own value with a pass that has none); start-up-only settings are reported."""
+    import json
+    import logging
+
+    from shapeshift.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=256, num_kv_blocks=64))
+    manager = ForwardPassManager(engine)
+    src = tmp_path / "compiled"
+    shutil.copytree(stock_bundle_dir(), src, ignore=shutil.ignore_patterns("manifest.json", "__pycache__"))
+    (src / "engine.json").write_text(json.dumps({"decode_steps": 4, "max_num_seqs": 32}))
+    create_bundle(src, None, tmp_path / "compiled-bundle", name="compiled")
+    with caplog.at_level(logging.WARNING, logger="shapeshift.engine.hot_reload"):
+        manager.reload(tmp_path / "compiled-bundle")
+    assert engine.config.decode_steps == 4
+    assert engine.config.max_num_seqs == 4  # sizes buffers at start-up: reported, not applied
+    assert "max_num_seqs" in caplog.text and "cannot take" in caplog.text
+    assert manager.listing()["active"]["engineSettings"] == {"decode_steps": 4, "max_num_seqs": 32}
+    manager.rollback()
+    assert engine.config.decode_steps == 1
+    # A tampered engine.json is refused like any other file of the bundle.
+    (tmp_path / "compiled-bundle" / "engine.json").write_text(json.dumps({"decode_steps": 64}))
+    with pytest.raises(ReloadError):
+        manager.reload(tmp_path / "compiled-bundle")
+    assert engine.config.decode_steps == 1
