@@ -188,6 +188,12 @@ def bench_rank(rank: int, world_size: int, layout_name: str, model: str, opts: d
     from shapeshift.engine.parallel.process_group import init_parallel
     from shapeshift.engine.sampling import SamplingParams
 
+    import faulthandler
+
+    # A rank still running shortly before the parent gives up prints every thread's stack to
+    # stderr, so a hang in a layout says where it hangs (collective, capture, control channel).
+    if opts.get("hang_dump_s"):
+        faulthandler.dump_traceback_later(opts["hang_dump_s"], exit=False)
     layout = ParallelLayout.parse(layout_name)
     state = init_parallel(layout, rank, world_size, device=None if opts["device"] == "cuda" else "cpu")
     drivers = [layout.replica_ranks(d)[0] for d in range(layout.dp)]
@@ -386,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             "probe_tokens": args.probe_tokens, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "eager": args.eager or args.device == "cpu",
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "num_kv_blocks": None if args.device == "cuda" else 4 * args.max_model_len // 16}
+            "num_kv_blocks": None if args.device == "cuda" else 4 * args.max_model_len // 16,
+            "hang_dump_s": max(5.0, args.timeout_s - 15.0)}
     commit, dirty = git_commit()
     report: dict[str, Any] = {
         "benchmark": "parallel-layouts", "commit": commit, "dirty": dirty,

@@ -450,17 +450,22 @@ def gemv_silu_and_mul(
 # heuristic below. `hack/bench_kernels.py --tune --ops gemv` times the space around these with
 # CUDA graphs over HBM-resident weights and prints a replacement table.
 SM90_GEMV_TABLE: dict[tuple[int, int], KernelConfig] = {
-    # Llama-3.2-1B. qkv_proj and o_proj: 192 / 128 programs of 16 rows; the whole K slice of a
-    # program is in flight after (num_stages - 1) tiles, so the read is one latency + transfer.
-    (3072, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1),
-    (2048, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1),
-    # up_proj / fused gate_up_proj: 256 programs, ~2 resident per SM, 48 / 96 KB in flight per SM.
+    # Llama-3.2-1B. The qkv_proj, o_proj and down_proj entries are the best of hack/bench_kernels.py
+    # --tune on an H200 (bench/results/kernels-NVIDIA-H200-20261129T184337Z-tune.json, M=1, graph
+    # time): qkv 7.67 -> 6.53 us, o 6.67 -> 5.73 us, down 17.39 -> 13.70 us against the entries
+    # they replace (cuBLAS: 6.39, 5.98, 14.05 us). qkv_proj and o_proj: 96 / 128 programs; the
+    # whole K slice of a program is in flight after (num_stages - 1) tiles, so the read is one
+    # latency + transfer.
+    (3072, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1),
+    (2048, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1),
+    # up_proj / fused gate_up_proj: 256 programs, ~2 resident per SM, 48 / 96 KB in flight per SM
+    # (tuning found nothing better than 1%).
     (8192, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1),
     (16384, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1),
-    # down_proj: 128 programs, one per SM, each streaming 256 KB: a 5-deep pipeline keeps 64 KB
-    # per SM in flight, over the ~40 KB that HBM latency x per-SM bandwidth asks for; split-K
-    # would add a second launch worth ~25% of this 8 us kernel.
-    (2048, 8192): KernelConfig.make("dot", num_warps=4, num_stages=5, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1),
+    # down_proj: 128 programs, one per SM, each streaming 256 KB through a 5-deep pipeline; two
+    # warps per program (tuned) rather than four: fewer threads share each tile's reduction.
+    # Split-K would add a second launch worth ~25% of this kernel.
+    (2048, 8192): KernelConfig.make("dot", num_warps=2, num_stages=5, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1),
     # lm_head: 2004 programs; measured 96.7% of copy bandwidth on an H200 (2026-11-29).
     (128256, 2048): KernelConfig.make("dot", num_warps=4, num_stages=4, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1),
 }

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_test_utils import DTYPES, assert_close_norm, poisoned
 
-from shapeshift.kernels.gemv import GEMV_SPEC, gemv, gemv_ref
+from shapeshift.kernels.gemv import GEMV_SPEC, SM90_GEMV_TABLE, gemv, gemv_ref
 from shapeshift.kernels.registry import KernelConfig
 
 
@@ -38,14 +38,19 @@ def test_gemv_bias_and_default_config(split_k, device):
 
 
 def test_gemv_sm90_defaults_fill_the_gpu():
-    # The H200 defaults for the Llama-3.2-1B projections keep >= 0.9 programs per SM busy and
-    # need no split-K (whose second launch costs as much as streaming several MB).
-    for n, k in [(2048, 8192), (8192, 2048), (3072, 2048), (128256, 2048), (2048, 2048)]:
+    # Shapes without a measured table entry (Llama-3-8B's): the rule keeps >= 0.9 programs per SM
+    # busy and needs no split-K (whose second launch costs as much as streaming several MB).
+    for n, k in [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
         problem = {"m": 1, "n": n, "k": k, "dtype": "bfloat16"}
         config = GEMV_SPEC.choose_default(problem, "sm90")
         assert GEMV_SPEC.is_valid(config, problem)
         programs = -(-n // config["BLOCK_N"]) * config["SPLIT_K"]
         assert programs >= 0.9 * 132 and config["SPLIT_K"] == 1, (n, k, config, programs)
+    # The Llama-3.2-1B projections take their H200-tuned entries (measured, so they may leave
+    # SMs idle where that streamed faster: qkv_proj runs 96 programs of 32 rows), all without split-K.
+    for (n, k), tabled in SM90_GEMV_TABLE.items():
+        problem = {"m": 1, "n": n, "k": k, "dtype": "bfloat16"}
+        assert GEMV_SPEC.choose_default(problem, "sm90") == tabled and tabled["SPLIT_K"] == 1
     # Narrow outputs fall back to split-K to fill the GPU.
     config = GEMV_SPEC.choose_default({"m": 1, "n": 512, "k": 4096, "dtype": "bfloat16"}, "sm90")
     assert config["SPLIT_K"] > 1 and -(-512 // config["BLOCK_N"]) * config["SPLIT_K"] >= 132
