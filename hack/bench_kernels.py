@@ -962,15 +962,12 @@ def run_worker(group, quick, tune, tune_budget_s, result_path):
 def _environment(argv):
     env = {"command": " ".join([sys.executable, *argv]), "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(),
            "host": platform.node(), "python": platform.python_version()}
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                       timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "hack/bench_kernels.py"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10)
-        env["dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
-    except Exception:
-        env["commit"] = None
-    env["commit"] = env.get("commit") or os.environ.get("SHAPESHIFT_GIT_COMMIT") or "unknown"
+    # The caller's SHAPESHIFT_GIT_COMMIT first (GPU machines get a copy of the tree whose git
+    # metadata may be stale), then git.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from benchmeta import git_commit
+
+    env["commit"], env["dirty"] = git_commit()
     try:
         import torch
         import triton
