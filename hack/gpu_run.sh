@@ -57,8 +57,9 @@ for step in "${steps[@]}"; do
     parallel) timeout "${PARALLEL_TIMEOUT_S:-500}" python3 hack/bench_parallel.py ${PARALLEL_ARGS:-} 2>&1 | tee "$OUT/parallel.log" ;;
     compile)  # A time-boxed search on the 1B shape; a stop resumes from the board next time.
               timeout "${COMPILE_TIMEOUT_S:-330}" python3 -c 'import sys; from shapeshift.engine.compile.cli import main; sys.exit(main())' \
-                --model llama-3.2-1b-shape --profile chat --agents sweep,evolve \
-                --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/compile-h200-chat" 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
+                --model llama-3.2-1b-shape --profile chat --agents "${COMPILE_AGENTS:-sweep,evolve}" ${COMPILE_ARGS:-} \
+                --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/${COMPILE_OUT:-compile-h200-chat}" \
+                2>&1 | tee "$OUT/compile.log" | tail -60 ;;
     *)        echo "unknown step $step (tests kernels tune decode curve profile reload compile parallel-tests parallel)" >&2; false ;;
   esac
   # pipefail: the status of the step's command, not of tee or tail.
