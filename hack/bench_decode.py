@@ -195,6 +195,10 @@ def make_engine(args, device: torch.device, max_batch: int, max_model_len: int, 
         # One prefill step for every prompt: all requests start decoding together.
         max_num_batched_tokens=min(65536, max(2048, max_batch * args.prompt_len)),
         enforce_eager=args.enforce_eager, cuda_graph_context_lens=[max_model_len],
+        # Every run prefills its prompts in full: with prefix caching, a repeat (or the next
+        # decode_steps setting) would reuse the first run's prompt blocks and start from a
+        # prefill computed another way, and bf16 greedy tokens then differ for that reason alone.
+        enable_prefix_caching=False,
         forward_pass_recipe=RECIPES[recipe] or None)
     return LLMEngine(config)
 

@@ -231,3 +231,48 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     with pytest.raises(ReloadError):
         manager.reload(tmp_path / "compiled-bundle")
     assert engine.config.decode_steps == 1
+
+
+LOGIT_NOISE_CANDIDATE = '''"""The stock pass with deterministic noise of amplitude {amplitude} added to its logits."""
+import torch
+
+from shapeshift.engine.hot_reload import import_stock_module
+
+stock = import_stock_module()
+CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
+
+
+class Noisy(stock.StockForwardPass):
+    def forward(self, *args, **kwargs):
+        logits = super().forward(*args, **kwargs)
+        gen = torch.Generator(device=logits.device).manual_seed(1234)
+        return logits + {amplitude} * torch.rand(logits.shape, generator=gen, device=logits.device)
+
+
+def build(model_config, weights, recipe):
+    return Noisy(model_config, weights, recipe)
+'''
+
+
+def test_smoke_check_tolerates_near_ties_in_bf16_but_not_wrong_logits(tmp_path):
+    """In bf16 a correct candidate may flip near-tied greedy tokens: the smoke check counts a
+    different token only where the incumbent prefers its own by more than the tolerance."""
+    from shapeshift.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=256, num_kv_blocks=64))
+    # Many prompts and steps, so near-ties (tiny-llama's random logits are close together) occur.
+    manager = ForwardPassManager(engine, smoke_prompts=8, smoke_steps=12)
+
+    def candidate(name: str, amplitude: float) -> Path:
+        src = tmp_path / name
+        src.mkdir()
+        (src / "forward.py").write_text(LOGIT_NOISE_CANDIDATE.format(amplitude=amplitude))
+        create_bundle(src, None, tmp_path / f"{name}-bundle", name=name)
+        return tmp_path / f"{name}-bundle"
+
+    near = manager.reload(candidate("near-ties", 0.05))  # noise far below the 0.25 tolerance
+    assert near.smoke["agreement"] == 1.0 and near.smoke["equal_tokens"] < near.smoke["tokens"], near.smoke
+    manager.rollback()
+    with pytest.raises(ReloadError, match="worse than the incumbent's by more than 0.25 logits"):
+        manager.reload(candidate("scrambled", 50.0))  # logits swamped by noise: clearly different tokens
