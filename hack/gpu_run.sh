@@ -42,9 +42,9 @@ for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     tests)    timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
-                tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py \
-                tests/engine/test_multi_step_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    kernels)  timeout 270 python3 hack/bench_kernels.py --budget-s 240 2>&1 | tee "$OUT/kernels.log" ;;
+                ${TESTS:-tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py \
+                tests/engine/test_multi_step_decode.py} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    kernels)  timeout "${KERNELS_TIMEOUT_S:-270}" python3 hack/bench_kernels.py ${KERNELS_ARGS:---budget-s 240} 2>&1 | tee "$OUT/kernels.log" ;;
     tune)     # Sweep the GEMV search space on this GPU (time-boxed); the best configs are printed and saved.
               timeout "${TUNE_TIMEOUT_S:-200}" python3 hack/bench_kernels.py --tune --ops "${TUNE_OPS:-gemv}" \
                 --budget-s "${TUNE_BUDGET_S:-180}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
