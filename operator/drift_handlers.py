@@ -8,7 +8,8 @@ Data flow of one check of one InferenceDeployment:
         --run_check (drift.decide)--> CheckResult(decision, next state, observed)
         --drift_status_update--> status.observedTraffic, status.drift, conditions TrafficObserved + Drifted
         --decision Compile and policy OnDrift--> build_drift_compile_run --> CompileRun owned by the
-          deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score
+          deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score,
+          spec.budget = spec.compilation.budget, plus the fields set in spec.compilation.template
 
 ``drift_check`` is the kopf timer; everything it calls except the two API
 calls (list CompileRuns, create one) and the Prometheus queries is pure and
@@ -281,7 +282,14 @@ def drift_compile_run_name(deployment: str, now: datetime) -> str:
 
 def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decision: Compile,
                             now: datetime) -> dict[str, Any]:
-    """A CompileRun owned by the deployment, carrying the traffic that triggered it."""
+    """A CompileRun owned by the deployment, carrying the traffic that triggered it.
+
+    Its budget is ``spec.compilation.budget``; the fields set in ``spec.compilation.template``
+    (agents, tiers, verification, baseline, hardware, image, backoffLimit) are copied as they
+    are, and the fields left out of the template stay out of the run, so the CompileRun's
+    defaults apply to them.
+    """
+    template = spec.compilation.template.to_wire() if spec.compilation.template else {}
     return {
         "apiVersion": API_VERSION,
         "kind": COMPILE_RUN.kind,
@@ -293,6 +301,7 @@ def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decis
             "ownerReferences": [parent.owner_reference()],
         },
         "spec": {
+            **template,
             "deploymentRef": {"name": parent.name},
             "traffic": {"inline": decision.snapshot.to_dict()},
             "budget": spec.compilation.budget.to_wire(),

@@ -141,6 +141,68 @@ class HardwareSpec(WireModel):
     memory: str | None = Field(default=None, max_length=32, description="Memory request and limit per pod, e.g. '64Gi'.")
 
 
+# ---- compile settings (a CompileRun's own, and the template of automatic ones) ----------
+
+
+class SecretKeyRef(WireModel):
+    name: str = Field(max_length=253, pattern=_DNS_SUBDOMAIN, description="Secret name.")
+    key: str = Field(default="api-key", max_length=253, description="Key in the Secret.")
+
+
+class LLMAgentSpec(WireModel):
+    """An OpenAI-compatible endpoint for an LLM coding agent."""
+
+    endpoint: str = Field(max_length=1024, pattern=r"^https?://", description="Base URL of an OpenAI-compatible API.")
+    model: str = Field(max_length=256, description="Model name to ask.")
+    api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key.")
+
+
+class AgentSpec(WireModel):
+    """One search agent."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings")]
+        }
+    )
+    kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(description="Agent strategy.")
+    name: str | None = Field(default=None, max_length=63, pattern=_DNS_LABEL, description="Name on the message board (default: kind-index).")
+    replicas: int = Field(default=1, ge=1, le=16, description="Concurrent instances of this agent.")
+    llm: LLMAgentSpec | None = Field(default=None, description="Endpoint settings for kind llm.")
+
+    @model_validator(mode="after")
+    def _llm_settings(self) -> "AgentSpec":
+        if self.kind == "llm" and self.llm is None:
+            raise ValueError("an agent of kind llm needs llm settings")
+        return self
+
+
+class TierSpec(WireModel):
+    """Measurement tiers of the persistent engine."""
+
+    fast: bool = Field(default=True, description="Screen candidates on a few layers first.")
+    fast_layers: int = Field(default=2, ge=1, le=256, description="Layers the fast tier loads.")
+    full: bool = Field(default=True, description="Measure survivors on the whole model with traffic replay.")
+    replay_requests: int = Field(default=64, ge=1, le=100000, description="Requests per replay.")
+    repeats: int = Field(default=3, ge=1, le=50, description="Replays per measurement (gives the noise).")
+
+
+class VerificationSpec(WireModel):
+    """Checks a champion must pass before it is published."""
+
+    greedy_steps: int = Field(default=64, ge=1, le=8192, description="Greedy decode steps compared against the stock forward pass.")
+    fresh_prompts: int = Field(default=8, ge=1, le=1024, description="Fresh random prompts per comparison.")
+    logprob_tolerance: float = Field(default=0.05, gt=0, le=10, description="Largest allowed absolute logprob difference.")
+    kv_contamination: bool = Field(default=True, description="Run KV-cache contamination checks.")
+
+
+class BaselineSpec(WireModel):
+    """What a candidate must beat."""
+
+    forward_pass: str | None = Field(default=None, max_length=253, description="ForwardPass to beat (default: the deployment's active one).")
+    min_speedup: float = Field(default=1.02, ge=1, le=100, description="Least speedup over the baseline, beyond the noise, to publish.")
+
+
 # ---- InferenceDeployment ------------------------------------------------------------------
 
 
@@ -289,6 +351,29 @@ class CompileBudget(WireModel):
         return self.wall_clock_seconds + self.deadline_grace_seconds
 
 
+class CompileRunTemplate(WireModel):
+    """Settings copied into every automatic (drift-triggered) CompileRun of the deployment.
+
+    Each field is the CompileRun spec field of the same name; a field left out here is
+    left out of the run too, so the CompileRun's own default applies to it. The budget
+    is spec.compilation.budget, the traffic is the snapshot that triggered the run."""
+
+    agents: list[AgentSpec] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="Search agents of automatic runs (default: the CompileRun default, coordinate-sweep and evolutionary).",
+    )
+    tiers: TierSpec | None = Field(default=None, description="Measurement tiers of automatic runs.")
+    verification: VerificationSpec | None = Field(default=None, description="Verification of automatic runs' champions.")
+    baseline: BaselineSpec | None = Field(
+        default=None, description="What automatic runs must beat (minSpeedup; forwardPass).")
+    hardware: HardwareSpec | None = Field(
+        default=None, description="Pool automatic runs compile on (default: the deployment's).")
+    image: str | None = Field(
+        default=None, max_length=512, description="Compile worker image (default: the deployment's engine image).")
+    backoff_limit: int | None = Field(
+        default=None, ge=0, le=10, description="Retries of the compile pod before an automatic run fails.")
+
+
 class CompilationPolicy(WireModel):
     """When Shapeshift compiles: only on request, or also when traffic drifts."""
 
@@ -305,6 +390,11 @@ class CompilationPolicy(WireModel):
     cooldown_seconds: int = Field(default=3600, ge=0, le=30 * 86400, description="Least time between two automatic CompileRuns.")
     budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=_default_of(CompileBudget),
                                   description="Budget of automatic CompileRuns.")
+    template: CompileRunTemplate | None = Field(
+        default=None,
+        description="Agents, tiers, verification, baseline, hardware, image and backoff limit of automatic "
+                    "CompileRuns (each field left out takes the CompileRun default).",
+    )
 
     @model_validator(mode="after")
     def _drift_needs_thresholds(self) -> "CompilationPolicy":
@@ -519,65 +609,6 @@ class TrafficSource(WireModel):
         if sum(x is not None for x in (self.builtin, self.inline, self.prometheus)) > 1:
             raise ValueError("set at most one of spec.traffic.builtin, spec.traffic.inline, spec.traffic.prometheus")
         return self
-
-
-class SecretKeyRef(WireModel):
-    name: str = Field(max_length=253, pattern=_DNS_SUBDOMAIN, description="Secret name.")
-    key: str = Field(default="api-key", max_length=253, description="Key in the Secret.")
-
-
-class LLMAgentSpec(WireModel):
-    """An OpenAI-compatible endpoint for an LLM coding agent."""
-
-    endpoint: str = Field(max_length=1024, pattern=r"^https?://", description="Base URL of an OpenAI-compatible API.")
-    model: str = Field(max_length=256, description="Model name to ask.")
-    api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key.")
-
-
-class AgentSpec(WireModel):
-    """One search agent."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings")]
-        }
-    )
-    kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(description="Agent strategy.")
-    name: str | None = Field(default=None, max_length=63, pattern=_DNS_LABEL, description="Name on the message board (default: kind-index).")
-    replicas: int = Field(default=1, ge=1, le=16, description="Concurrent instances of this agent.")
-    llm: LLMAgentSpec | None = Field(default=None, description="Endpoint settings for kind llm.")
-
-    @model_validator(mode="after")
-    def _llm_settings(self) -> "AgentSpec":
-        if self.kind == "llm" and self.llm is None:
-            raise ValueError("an agent of kind llm needs llm settings")
-        return self
-
-
-class TierSpec(WireModel):
-    """Measurement tiers of the persistent engine."""
-
-    fast: bool = Field(default=True, description="Screen candidates on a few layers first.")
-    fast_layers: int = Field(default=2, ge=1, le=256, description="Layers the fast tier loads.")
-    full: bool = Field(default=True, description="Measure survivors on the whole model with traffic replay.")
-    replay_requests: int = Field(default=64, ge=1, le=100000, description="Requests per replay.")
-    repeats: int = Field(default=3, ge=1, le=50, description="Replays per measurement (gives the noise).")
-
-
-class VerificationSpec(WireModel):
-    """Checks a champion must pass before it is published."""
-
-    greedy_steps: int = Field(default=64, ge=1, le=8192, description="Greedy decode steps compared against the stock forward pass.")
-    fresh_prompts: int = Field(default=8, ge=1, le=1024, description="Fresh random prompts per comparison.")
-    logprob_tolerance: float = Field(default=0.05, gt=0, le=10, description="Largest allowed absolute logprob difference.")
-    kv_contamination: bool = Field(default=True, description="Run KV-cache contamination checks.")
-
-
-class BaselineSpec(WireModel):
-    """What a candidate must beat."""
-
-    forward_pass: str | None = Field(default=None, max_length=253, description="ForwardPass to beat (default: the deployment's active one).")
-    min_speedup: float = Field(default=1.02, ge=1, le=100, description="Least speedup over the baseline, beyond the noise, to publish.")
 
 
 class CompileTrigger(WireModel):

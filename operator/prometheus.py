@@ -9,7 +9,8 @@ Data flow:
         same for shapeshift_generation_tokens                                               output lengths
         sum(increase(shapeshift_prompt_tokens_count{sel}[w]))                               requests
         sum(rate(hits[w])) / sum(rate(queries[w]))                                          prefix-cache hit rate
-        sum(avg_over_time(running[w])) + sum(avg_over_time(waiting[w]))                     concurrency
+        quantile_over_time(0.9, (((sum(running{sel}) or vector(0))                          concurrency
+            + (sum(waiting{sel}) or vector(0))) > 0)[w:step])                               (busy steps; step w/120, >=1s)
         count(count by (instance) (shapeshift_prompt_tokens_count{sel}))                   targets seen
     --> ObservedTraffic(profile: TrafficProfile, quality: DataQuality)
 
@@ -18,6 +19,16 @@ raises ``PrometheusUnreachable``; a window without traffic (no series, or
 series that did not move) raises ``NoTrafficData``. Both are
 ``TrafficQueryError``, so the drift timer can say why in a condition and not
 compile.
+
+Concurrency is what the compile worker replays in a closed loop, so it is read for the
+busy moments, not on average: the deployment-wide count of requests in flight (running
+plus waiting, summed over the pods at each step of a subquery), at its 0.9 quantile over
+the steps of the window at which anything was in flight. Idle steps are left out: a
+closed-loop replay has no idle time, and how long a deployment sat idle says nothing
+about how wide its batches must be. Traffic that comes in bursts of 8 with quiet time
+between them averages to 1 or 2 in flight, but it is the bursts a wider batch serves
+faster. A pod that exports no waiting gauge still counts with its running one
+(``or vector(0)``); a window with nothing ever in flight gives concurrency 1.
 
 Which series belong to a deployment is a label selector. The engine itself
 only labels with ``model``; ``namespace`` and ``deployment`` are target labels
@@ -57,6 +68,8 @@ CACHE_QUERIES = "shapeshift_prefix_cache_queries_tokens_total"
 CACHE_HITS = "shapeshift_prefix_cache_hits_tokens_total"
 REQUESTS_RUNNING = "shapeshift_requests_running"
 REQUESTS_WAITING = "shapeshift_requests_waiting"
+CONCURRENCY_QUANTILE = 0.9  # of the in-flight count over the window's busy moments
+CONCURRENCY_SAMPLES = 120  # subquery steps per window (a step is at least a second)
 
 
 class TrafficQueryError(RuntimeError):
@@ -215,8 +228,8 @@ class PrometheusTraffic:
             "cacheQueried": f"sum(increase({CACHE_QUERIES}{sel}[{w}]))",
             "prefixCacheHitRate": f"sum(rate({CACHE_HITS}{sel}[{w}])) / sum(rate({CACHE_QUERIES}{sel}[{w}]))",
             "requestRate": f"sum(rate({PROMPT_TOKENS}_count{sel}[{w}]))",
-            "concurrency": (f"sum(avg_over_time({REQUESTS_RUNNING}{sel}[{w}]))"
-                            f" + sum(avg_over_time({REQUESTS_WAITING}{sel}[{w}]))"),
+            "concurrency": (f"quantile_over_time({CONCURRENCY_QUANTILE}, (((sum({REQUESTS_RUNNING}{sel}) or vector(0))"
+                            f" + (sum({REQUESTS_WAITING}{sel}) or vector(0))) > 0)[{w}:{_subquery_step(span)}])"),
         }
         for metric, key in ((PROMPT_TOKENS, "prompt"), (GENERATION_TOKENS, "output")):
             buckets = f"sum by (le) (rate({metric}_bucket{sel}[{w}]))"
@@ -330,6 +343,12 @@ def _short_cause(err: BaseException) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _subquery_step(span: timedelta) -> str:
+    """Resolution of the concurrency subquery: CONCURRENCY_SAMPLES steps over the window, whole
+    seconds, at least one (a finer step than the scrape interval only repeats samples)."""
+    return f"{max(1, int(span.total_seconds() // CONCURRENCY_SAMPLES))}s"
 
 
 def _promql_duration(span: timedelta) -> str:

@@ -7,18 +7,21 @@ definitions, names and buckets) and serves it on ``GET /metrics``.
 "cached_tokens": k}`` records one finished request the way the engine does:
 the prompt and generation histograms observe ``n`` and ``m``, the prefix-cache
 counters advance by ``n`` queried and ``k`` hit tokens, and
-``requests_total{status="stop"}`` counts it.
+``requests_total{status="stop"}`` counts it. ``POST /in-flight`` with
+``{"running": r, "waiting": w}`` sets the two in-flight gauges until the next
+such call, the way the engine publishes its scheduler's sets.
 
 The drift tests use it only where they need an exact prefix-cache hit rate (a
 fixed fraction of every prompt, or none at all), which the real engine's block
-cache does not give; the series, their labels and buckets are the engine
-server's own. Everything else (idle windows, a handful of requests, the cache
+cache does not give, or an exact number of requests in flight over time; the
+series, their labels and buckets are the engine server's own. Everything else (idle windows, a handful of requests, the cache
 hits of a shared system prompt) runs against the real `shapeshift serve --model
 tiny-llama` in test_prometheus_drift.py. Token counts come from the test, not
 from a tokenizer.
 
 Tests start it with ``exporter_process(model)`` (a context manager yielding its
-``host:port``) and record requests with ``observe(target, ...)``.
+``host:port``), record requests with ``observe(target, ...)`` and set the requests
+in flight with ``in_flight(target, running, waiting)``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from shapeshift.engine.metrics import EngineMetrics
 
 def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPRequestHandler]:
     queried = {"tokens": 0, "hits": 0}
+    flight = {"running": 0, "waiting": 0}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # keep the test output quiet
@@ -55,10 +59,17 @@ def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPR
             self.wfile.write(body)
 
         def do_POST(self) -> None:
-            if self.path != "/observe":
+            if self.path not in ("/observe", "/in-flight"):
                 self.send_error(404)
                 return
             data = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path == "/in-flight":
+                with lock:
+                    flight.update(running=int(data["running"]), waiting=int(data["waiting"]))
+                    metrics.update_from_stats(_Stats(queried["tokens"], queried["hits"], **flight))
+                self.send_response(204)
+                self.end_headers()
+                return
             prompt, generated = int(data["prompt_tokens"]), int(data["generation_tokens"])
             cached = int(data.get("cached_tokens", 0))
             if not 0 <= cached <= prompt:
@@ -69,7 +80,7 @@ def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPR
                 metrics.generation_tokens.observe(generated)
                 queried["tokens"] += prompt
                 queried["hits"] += cached
-                stats = _Stats(queried["tokens"], queried["hits"])
+                stats = _Stats(queried["tokens"], queried["hits"], **flight)
                 metrics.update_from_stats(stats)
                 metrics.count_request("stop")
             self.send_response(204)
@@ -81,9 +92,9 @@ def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPR
 class _Stats:
     """The fields of the engine's EngineStats that update_from_stats reads."""
 
-    def __init__(self, queried: int, hits: int) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
+    def __init__(self, queried: int, hits: int, running: int = 0, waiting: int = 0) -> None:
+        self.num_running = running
+        self.num_waiting = waiting
         self.batch_size_last_step = 1
         self.prefix_cache_queried_tokens = queried
         self.prefix_cache_hit_tokens = hits
@@ -111,6 +122,14 @@ def observe(target: str, prompt_tokens: int, generation_tokens: int, cached_toke
     body = json.dumps({"prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens,
                        "cached_tokens": cached_tokens}).encode()
     request = urllib.request.Request(f"http://{target}/observe", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 204
+
+
+def in_flight(target: str, running: int, waiting: int) -> None:
+    """Set the exporter's requests in flight (running and waiting gauges) at ``target``."""
+    body = json.dumps({"running": running, "waiting": waiting}).encode()
+    request = urllib.request.Request(f"http://{target}/in-flight", data=body, method="POST")
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 204
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from harness.controlplane import _die_with_parent, free_port
-from metrics_exporter import exporter_process, observe
+from metrics_exporter import exporter_process, in_flight, observe
 from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
 from shapeshift.operator.drift_handlers import CheckResult, drift_status_update, run_check
@@ -211,6 +211,66 @@ def drive_server(target: str, server, prompts: list[list[int]], max_tokens: int)
     server.wait_for("sum(shapeshift_prompt_tokens_count)", lambda v: v >= before + len(prompts), timeout_s=30)
     time.sleep(1.2)
     return start, datetime.now(timezone.utc)
+
+
+def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheus):
+    """One request in flight for 8 s, a burst of 8 (2 running, 6 waiting) for 4 s, then 30 s of
+    nothing: the observed concurrency, which the compile worker replays in a closed loop, is the
+    burst's width, not the window's average, though the burst fills less than a tenth of the
+    window (idle steps do not count). The same exporter scraped a second time without its waiting
+    gauge (a metric_relabel drop) still counts its running requests; without either gauge the
+    profile falls back to one request in flight."""
+    def drop(regex: str) -> list[dict]:
+        return [{"source_labels": ["__name__"], "regex": regex, "action": "drop"}]
+
+    with exporter_process(MODEL) as exporter:
+        def job(name: str, deployment: str, relabel: list[dict]) -> dict:
+            return {"job_name": name, "scrape_interval": "1s", "scrape_timeout": "1s",
+                    "static_configs": [{"targets": [exporter], "labels": {"namespace": "team-a",
+                                                                          "deployment": deployment}}],
+                    "metric_relabel_configs": relabel}
+
+        server = prometheus([job("engine", "llama", []),
+                             job("no-waiting", "llama-no-waiting", drop("shapeshift_requests_waiting")),
+                             job("no-gauges", "llama-no-gauges", drop("shapeshift_requests_(running|waiting)"))])
+        for deployment in ("llama", "llama-no-waiting", "llama-no-gauges"):
+            server.wait_for(f'shapeshift_prompt_tokens_count{{deployment="{deployment}"}}', timeout_s=30)
+        start = datetime.now(timezone.utc)
+        time.sleep(2.0)  # every job scrapes the idle target inside the window before the first request
+        in_flight(exporter, running=1, waiting=0)
+        for i in range(8):  # a trickle, one at a time: 8 s
+            observe(exporter, 40, 8, 0)
+            time.sleep(1.0)
+        in_flight(exporter, running=2, waiting=6)  # the burst: 8 in flight for 4 s
+        for i in range(16):
+            observe(exporter, 160, 8, 0)
+            time.sleep(0.25)
+        in_flight(exporter, running=0, waiting=0)
+        time.sleep(30)  # quiet
+        end = datetime.now(timezone.utc)
+        span = end - start + timedelta(seconds=1)
+
+        with PrometheusTraffic(server.url) as prom:
+            observed = prom.observe(SELECTOR, span, at=end)
+            no_waiting = prom.observe(SeriesSelector(namespace="team-a", deployment="llama-no-waiting", model=MODEL),
+                                      span, at=end)
+            no_gauges = prom.observe(SeriesSelector(namespace="team-a", deployment="llama-no-gauges", model=MODEL),
+                                     span, at=end)
+            w = f"{int(span.total_seconds())}s"
+            average = prom.scalar(f'sum(avg_over_time(shapeshift_requests_running{{deployment="llama"}}[{w}]))'
+                                  f' + sum(avg_over_time(shapeshift_requests_waiting{{deployment="llama"}}[{w}]))',
+                                  end)
+
+    assert average is not None and average < 2, average  # what a window average would have said
+    assert observed.profile.concurrency == 8, (observed.profile.concurrency, observed.quality.queries["concurrency"])
+    assert "quantile_over_time(0.9" in observed.quality.queries["concurrency"]
+    assert no_waiting.profile.concurrency == 2, no_waiting.quality.queries["concurrency"]
+    assert no_gauges.profile.concurrency == 1
+    # The rest of the profile does not depend on the gauges (two scrapes of one target, so the
+    # quantiles agree; increase() extrapolates each job's own scrape times, so counts only nearly).
+    quantiles = lambda d: (d.p50, d.p90, d.p99)  # noqa: E731
+    assert quantiles(no_gauges.profile.prompt_length) == quantiles(observed.profile.prompt_length)
+    assert observed.quality.requests == pytest.approx(24, abs=6)
 
 
 def test_prometheus_unreachable_is_no_data_and_never_compiles(engine_server, prometheus):

@@ -108,6 +108,51 @@ def test_defaults_are_applied_by_the_api_server(crds, namespace):
     assert InferenceDeploymentSpec.model_validate(spec).to_wire() == spec
 
 
+def test_a_compile_run_template_is_stored_and_becomes_an_accepted_drift_compile_run(crds, namespace):
+    """spec.compilation.template as the API server stores it (inner defaults filled in, nothing more),
+    and the CompileRun the drift timer builds from it is one the API server accepts, carrying it."""
+    from datetime import datetime, timezone
+
+    from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+    from shapeshift.operator.builders import Parent
+    from shapeshift.operator.drift import Compile
+    from shapeshift.operator.drift_handlers import build_drift_compile_run
+    from shapeshift.operator.models import InferenceDeploymentSpec
+
+    template = {"agents": [{"kind": "coordinate-sweep"}], "tiers": {"replayRequests": 24, "repeats": 2},
+                "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0}
+    body = idep(compilation={"policy": "OnDrift", "drift": {}, "template": template})
+    stored = create(crds, namespace, "inferencedeployments", body)
+    kept = stored["spec"]["compilation"]["template"]
+    assert kept == {"agents": [{"kind": "coordinate-sweep", "replicas": 1}],
+                    "tiers": {"fast": True, "fastLayers": 2, "full": True, "replayRequests": 24, "repeats": 2},
+                    "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0}, kept
+    spec = InferenceDeploymentSpec.model_validate(stored["spec"])
+    assert spec.to_wire() == stored["spec"]
+
+    snapshot = TrafficProfile(name="observed", prompt_length=LengthDistribution(p50=160, p90=190, p99=200),
+                              output_length=LengthDistribution(p50=8, p90=8, p99=8))
+    now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
+    run = build_drift_compile_run(Parent.from_body(stored), spec, Compile(
+        reason="prompt length p50 +300%", score=3.0, severity=10.0, snapshot=snapshot, dimensions=()), now)
+    created = create(crds, namespace, "compileruns", run)["spec"]
+    assert created["agents"] == kept["agents"] and created["tiers"] == kept["tiers"]
+    assert created["baseline"] == {"minSpeedup": 1.05} and created["backoffLimit"] == 0
+    # Not in the template: the API server's CompileRun defaults.
+    assert created["verification"]["greedySteps"] == 64 and "hardware" not in created and "image" not in created
+
+
+def test_a_bad_compile_run_template_is_rejected(crds, namespace):
+    for template, fragment in [
+        ({"agents": [{"kind": "llm"}]}, "an agent of kind llm needs llm settings"),
+        ({"agents": []}, "spec.compilation.template.agents"),
+        ({"backoffLimit": 11}, "spec.compilation.template.backoffLimit"),
+        ({"baseline": {"minSpeedup": 0.5}}, "spec.compilation.template.baseline.minSpeedup"),
+    ]:
+        message = rejected(crds, namespace, "inferencedeployments", idep(compilation={"template": template}))
+        assert fragment in message, f"{template}: {fragment!r} not in {message}"
+
+
 def test_a_valid_forward_pass_is_accepted_and_immutable(crds, namespace):
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-1"},
             "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200"},

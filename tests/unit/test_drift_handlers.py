@@ -102,6 +102,51 @@ def test_the_drift_compile_run_is_owned_by_the_deployment_and_carries_the_snapsh
     assert typed.trigger.reason == "Drift"
     assert typed.trigger.drift_score == pytest.approx(decision.score)
     assert typed.budget == spec.compilation.budget
+    # No template: the run names none of the template's fields, so every CompileRun default applies.
+    assert not {"agents", "tiers", "verification", "baseline", "hardware", "image", "backoffLimit"} & set(run["spec"])
+    assert typed.agents == CompileRunSpec(deployment_ref={"name": "x"}).agents
+
+
+def test_the_drift_compile_run_copies_the_fields_set_in_the_template_and_only_those():
+    spec = make_spec(
+        budget={"trials": 12, "wallClockSeconds": 0},
+        template={"agents": [{"kind": "coordinate-sweep"}, {"kind": "model-based", "replicas": 2}],
+                  "tiers": {"replayRequests": 24, "repeats": 4},
+                  "baseline": {"minSpeedup": 1.1},
+                  "backoffLimit": 0})
+    run = build_drift_compile_run(PARENT, spec, compile_decision(profile(400, hit=0.1)), NOW)
+    wire = run["spec"]
+    assert [a["kind"] for a in wire["agents"]] == ["coordinate-sweep", "model-based"]
+    assert wire["agents"][1]["replicas"] == 2
+    assert (wire["tiers"]["replayRequests"], wire["tiers"]["repeats"]) == (24, 4)
+    assert wire["baseline"] == {"minSpeedup": 1.1}
+    assert wire["backoffLimit"] == 0  # a falsy value set in the template is still copied
+    assert wire["budget"] == {"trials": 12, "wallClockSeconds": 0, "deadlineGraceSeconds": 600}
+    assert not {"verification", "hardware", "image"} & set(wire), wire  # not set: the CompileRun defaults apply
+    typed = CompileRunSpec.model_validate(wire)
+    assert typed.verification == CompileRunSpec(deployment_ref={"name": "x"}).verification
+    assert typed.hardware is None and typed.image is None
+    assert typed.baseline.min_speedup == 1.1 and typed.backoff_limit == 0
+    # The run's own fields are the run's: a template cannot name another deployment or traffic.
+    assert typed.deployment_ref.name == "llama-chat" and typed.trigger.reason == "Drift"
+
+
+def test_the_template_takes_hardware_image_and_verification_too():
+    spec = make_spec(template={"hardware": {"accelerator": "nvidia-h200", "count": 2},
+                               "image": "registry.example/shapeshift-engine:dev",
+                               "verification": {"greedySteps": 32, "freshPrompts": 4}})
+    typed = CompileRunSpec.model_validate(
+        build_drift_compile_run(PARENT, spec, compile_decision(profile(400, hit=0.1)), NOW)["spec"])
+    assert typed.hardware is not None and (typed.hardware.accelerator, typed.hardware.count) == ("nvidia-h200", 2)
+    assert typed.image == "registry.example/shapeshift-engine:dev"
+    assert (typed.verification.greedy_steps, typed.verification.fresh_prompts) == (32, 4)
+
+
+def test_a_template_with_unknown_or_run_owned_fields_is_refused():
+    with pytest.raises(ValueError, match="traffic"):
+        make_spec(template={"traffic": {"builtin": "chat"}})
+    with pytest.raises(ValueError, match="at least 1"):
+        make_spec(template={"agents": []})
 
 
 def test_run_names_fit_the_compile_run_limit_and_are_deterministic():
