@@ -370,6 +370,7 @@ class EngineEvaluator:
                         m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))
                         # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
                         m.per_user_p90.append(_zero_if_nan(run.per_user_tokens_per_s_p90))
+                        m.e2e_per_user_p90.append(_zero_if_nan(run.per_user_e2e_tokens_per_s_p90))
                         m.ttft_p50.append(_zero_if_nan(run.ttft_s_p50))
                         m.ttft_p90.append(_zero_if_nan(run.ttft_s_p90))
                 except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial

@@ -337,9 +337,10 @@ class CompileLoop:
                             + (f" ({full.error})" if full.error else ""), digest=cand.digest)
             return
         if not per_user_not_worse(full, inc_full):
+            kind, mine = full.user_speed_p90()
+            _, theirs = inc_full.user_speed_p90()
             self.board.note("loop", f"{cand.short} is faster overall but slower per user at p90 "
-                            f"({full.per_user_p90_mean():.2f} vs {inc_full.per_user_p90_mean():.2f} tok/s)",
-                            digest=cand.digest)
+                            f"({kind}: {mine:.2f} vs {theirs:.2f} tok/s)", digest=cand.digest)
             return
         try:
             verdict = self.evaluator.verify(cand)

@@ -35,6 +35,8 @@ class Measurement:
     samples: list[float] = field(default_factory=list)
     per_user_p50: list[float] = field(default_factory=list)  # per-user tokens/s, per repeat
     per_user_p90: list[float] = field(default_factory=list)
+    # per-user end-to-end tokens/s (submission to last token, queueing included), p90 per repeat
+    e2e_per_user_p90: list[float] = field(default_factory=list)
     ttft_p50: list[float] = field(default_factory=list)  # seconds, per repeat
     ttft_p90: list[float] = field(default_factory=list)
     error: str | None = None  # the candidate failed: crash, NaN, refused by the smoke check
@@ -68,13 +70,20 @@ class Measurement:
     def per_user_p90_mean(self) -> float | None:
         return statistics.fmean(self.per_user_p90) if self.per_user_p90 else None
 
+    def user_speed_p90(self) -> tuple[str, float | None]:
+        """The p90 per-user speed the veto judges: end to end (queueing included) where measured,
+        else decode-only. Returns (which, tokens/s)."""
+        if self.e2e_per_user_p90:
+            return "end-to-end", statistics.fmean(self.e2e_per_user_p90)
+        return "decode", self.per_user_p90_mean()
+
     def metrics(self, baseline: "Measurement | None" = None) -> dict[str, Any]:
         """The board form."""
         out: dict[str, Any] = {
             "throughput": self.mean, "low": self.low, "high": self.high, "cv": self.cv,
             "samples": list(self.samples), "seconds": self.seconds,
         }
-        for name in ("per_user_p50", "per_user_p90", "ttft_p50", "ttft_p90"):
+        for name in ("per_user_p50", "per_user_p90", "e2e_per_user_p90", "ttft_p50", "ttft_p90"):
             values = getattr(self, name)
             if values:
                 out[name] = statistics.fmean(values)
@@ -87,7 +96,7 @@ class Measurement:
         """Rebuild from a board entry (resume): samples are kept there."""
         m = cls(samples=[float(s) for s in metrics.get("samples") or [metrics["throughput"]]],
                 seconds=float(metrics.get("seconds", 0.0)), noise_floor=noise_floor)
-        for name in ("per_user_p50", "per_user_p90", "ttft_p50", "ttft_p90"):
+        for name in ("per_user_p50", "per_user_p90", "e2e_per_user_p90", "ttft_p50", "ttft_p90"):
             if metrics.get(name) is not None:
                 getattr(m, name).append(float(metrics[name]))
         return m
@@ -137,8 +146,18 @@ def beats_paired(candidate: Measurement, incumbent: Measurement, min_gain: float
 
 
 def per_user_not_worse(candidate: Measurement, incumbent: Measurement) -> bool:
-    """Per-user p90 speed at least the incumbent's, within the incumbent's noise (absent data: no veto)."""
-    cand, inc = candidate.per_user_p90_mean(), incumbent.per_user_p90_mean()
+    """Per-user p90 speed at least the incumbent's, within the incumbent's noise (absent data: no veto).
+
+    Judged end to end (output tokens over submission to last token) when both measured it: the
+    replay runs the traffic's concurrency, so with a narrow batch some requests queue, and a
+    decode-only speed would credit the narrow batch with the fast decoding of those it admitted
+    while ignoring the ones waiting. A wider batch that decodes each row slower but lets nobody
+    wait is then judged by what users get.
+    """
+    kind_c, cand = candidate.user_speed_p90()
+    kind_i, inc = incumbent.user_speed_p90()
+    if kind_c != kind_i:
+        cand, inc = candidate.per_user_p90_mean(), incumbent.per_user_p90_mean()
     if cand is None or inc is None:
         return True
     tolerance = max(incumbent.noise_floor, incumbent.cv)

@@ -103,6 +103,14 @@ def test_noise_test_helpers() -> None:
     # a load swing that hits both members of each pair alike is not mistaken for noise
     assert beats_paired(Measurement([60, 120, 90]), Measurement([50, 100, 75]))
     assert not per_user_not_worse(Measurement([1.0], per_user_p90=[5.0]), Measurement([1.0], per_user_p90=[10.0]))
+    # Where both measured the end-to-end speed (queueing included), that is what is judged: a
+    # wider batch decodes each row slower but nobody waits, so users get their answers as fast.
+    wide = Measurement([1.3], per_user_p90=[1820.0], e2e_per_user_p90=[790.0])
+    narrow = Measurement([1.0], per_user_p90=[2790.0], e2e_per_user_p90=[780.0])
+    assert per_user_not_worse(wide, narrow)
+    assert not per_user_not_worse(Measurement([1.3], per_user_p90=[2790.0], e2e_per_user_p90=[600.0]), narrow)
+    # Decode-only against end-to-end is no comparison: then both are judged decode-only.
+    assert not per_user_not_worse(Measurement([1.3], per_user_p90=[1820.0]), narrow)
 
 
 def test_faster_verified_candidate_becomes_champion(tmp_path: Path) -> None:

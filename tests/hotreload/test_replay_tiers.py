@@ -46,9 +46,25 @@ def test_replay_reports_sane_numbers(engine):
     assert s["output_tokens_per_s"] > 0
     assert 0 < s["ttft_s_p50"] <= s["ttft_s_p90"]
     assert 0 < s["per_user_tokens_per_s_p90"] <= s["per_user_tokens_per_s_p50"]
+    assert 0 < s["per_user_e2e_tokens_per_s_p90"] <= s["per_user_tokens_per_s_p50"]
     assert 0 <= s["noise_cv"] < 1 and not math.isnan(s["noise_cv"])
     assert 0 < s["prefix_cache_hit_rate"] < 1  # shared prefixes hit, the rest misses
     assert not engine.has_unfinished_requests()
+
+
+def test_end_to_end_per_user_speed_counts_the_queue():
+    """With more requests in flight than the batch admits, the waiting ones lose end-to-end speed
+    that the decode-only per-user speed does not see; with room for all, the two tell the same story."""
+    from shapeshift.engine.replay import ReplayRequest, run_once
+
+    narrow = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=256, num_kv_blocks=192))
+    requests = [ReplayRequest(prompt_token_ids=[5 + i, 9, 13, 17], max_tokens=24) for i in range(8)]
+    queued = run_once(narrow, requests, concurrency=8)
+    # decode-only: everyone decodes at the speed of a batch of <= 2
+    # end to end: the last ones waited for three batches ahead of them
+    assert queued.per_user_e2e_tokens_per_s_p90 < 0.5 * queued.per_user_tokens_per_s_p90
+    alone = run_once(narrow, requests[:2], concurrency=2)
+    assert alone.per_user_e2e_tokens_per_s_p90 > 2 * queued.per_user_e2e_tokens_per_s_p90
 
 
 def test_open_loop_uses_arrival_times(engine):
