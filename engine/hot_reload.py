@@ -10,11 +10,13 @@ Data flow:
         re-capture CUDA graphs, apply the bundle's runtime engine settings--> serving
 
 A compiled bundle carries engine.json, the EngineConfig overrides it was measured with. The
-ones that can change between two steps of a running engine (RUNTIME_ENGINE_SETTINGS) are
-applied on install and put back to the engine's own values when a pass without them is
-installed (rollback included); the others (batch width, KV block size ...) size buffers and
-graphs at start-up, so they are reported, not applied: they take a restart with the
-deployment's engine settings.
+ones that can change between two steps of a running engine (RUNTIME_ENGINE_SETTINGS: decode
+steps per host round trip, the scheduler's batch width and token budget) are applied on install
+and put back to the engine's own values when a pass without them is installed (rollback
+included). CUDA graphs stay as captured at start-up: a batch wider than the largest captured
+bucket decodes eagerly until the engine restarts with the new width. The others (KV block size,
+graph buckets, prefix caching ...) size buffers and graphs at start-up, so they are reported,
+not applied: they take a restart with the deployment's engine settings.
 
 Isolation: every load gets its own synthetic package ``shapeshift_fp_<digest>_<n>``
 whose ``__path__`` is the bundle's private folder, so ``forward.py`` may import its
@@ -52,7 +54,8 @@ _load_counter = itertools.count()
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 DEFAULT_SMOKE_TIMEOUT_S = 120.0
 # EngineConfig fields a running engine takes between two steps (read by LLMEngine.step).
-RUNTIME_ENGINE_SETTINGS = ("decode_steps",)
+RUNTIME_ENGINE_SETTINGS = ("decode_steps", "max_num_seqs", "max_num_batched_tokens")
+_SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")  # also attributes of engine.scheduler
 
 
 def bundle_engine_settings(folder: str | Path) -> dict[str, Any]:
@@ -228,7 +231,7 @@ def load_stock_isolated() -> LoadedBundle:
 ENGINE_HOOKS = """\
 engine.weights: dict[str, Tensor]; engine.model_config; engine.config (EngineConfig);
 engine.device; engine.dtype; engine.kv_cache; engine.block_manager (.tag, .set_tag(tag));
-engine.scheduler (.running, ._preempt(seq) or .preempt_all()); engine.runner
+engine.scheduler (.running, ._preempt(seq) or .preempt_all(), .max_num_seqs, .max_num_batched_tokens); engine.runner
 (.forward_pass, .capture_cudagraphs()); engine.bundle / engine.forward_pass (what runs)."""
 
 
@@ -565,8 +568,15 @@ class ForwardPassManager:
         config = getattr(self.engine, "config", None)
         if config is None:
             return
-        for name, base in self.base_engine_settings.items():
-            setattr(config, name, record.engine_settings.get(name, base))
+        wanted = {name: record.engine_settings.get(name, base) for name, base in self.base_engine_settings.items()}
+        if "max_num_seqs" in wanted and "max_num_batched_tokens" in wanted:
+            # Every running sequence must be able to decode each step (EngineConfig's own rule).
+            wanted["max_num_batched_tokens"] = max(wanted["max_num_batched_tokens"], wanted["max_num_seqs"])
+        scheduler = getattr(self.engine, "scheduler", None)
+        for name, value in wanted.items():
+            setattr(config, name, value)
+            if name in _SCHEDULER_SETTINGS and scheduler is not None and hasattr(scheduler, name):
+                setattr(scheduler, name, value)
         deferred = {k: v for k, v in record.engine_settings.items()
                     if k not in RUNTIME_ENGINE_SETTINGS and getattr(config, k, v) != v}
         if deferred:

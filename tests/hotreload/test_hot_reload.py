@@ -204,8 +204,9 @@ def test_bundles_are_isolated(tmp_path):
 
 
 def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollback(tmp_path, caplog):
-    """A compiled bundle's engine.json: decode_steps takes effect with the pass (and goes back to
-    the engine's own value with a pass that has none); start-up-only settings are reported."""
+    """A compiled bundle's engine.json: decode steps and the batch width take effect with the pass
+    (and go back to the engine's own values with a pass that has none); start-up-only settings
+    are reported."""
     import json
     import logging
 
@@ -216,16 +217,28 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     manager = ForwardPassManager(engine)
     src = tmp_path / "compiled"
     shutil.copytree(stock_bundle_dir(), src, ignore=shutil.ignore_patterns("manifest.json", "__pycache__"))
-    (src / "engine.json").write_text(json.dumps({"decode_steps": 4, "max_num_seqs": 32}))
+    settings = {"decode_steps": 4, "max_num_seqs": 8, "enable_prefix_caching": False}
+    (src / "engine.json").write_text(json.dumps(settings))
     create_bundle(src, None, tmp_path / "compiled-bundle", name="compiled")
     with caplog.at_level(logging.WARNING, logger="shapeshift.engine.hot_reload"):
         manager.reload(tmp_path / "compiled-bundle")
     assert engine.config.decode_steps == 4
-    assert engine.config.max_num_seqs == 4  # sizes buffers at start-up: reported, not applied
-    assert "max_num_seqs" in caplog.text and "cannot take" in caplog.text
-    assert manager.listing()["active"]["engineSettings"] == {"decode_steps": 4, "max_num_seqs": 32}
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 8  # the batch width, live
+    assert engine.config.enable_prefix_caching is True  # sizes state at start-up: reported, not applied
+    assert "enable_prefix_caching" in caplog.text and "cannot take" in caplog.text
+    assert manager.listing()["active"]["engineSettings"] == settings
+    # The wider batch really serves: 8 requests decode together.
+    from shapeshift.engine.sampling import SamplingParams
+
+    for i in range(8):
+        engine.add_request(f"wide-{i}", [3 + i, 5, 7], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    assert len(engine.scheduler.running) == 8
+    while engine.has_unfinished_requests():
+        engine.step()
     manager.rollback()
     assert engine.config.decode_steps == 1
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 4
     # A tampered engine.json is refused like any other file of the bundle.
     (tmp_path / "compiled-bundle" / "engine.json").write_text(json.dumps({"decode_steps": 64}))
     with pytest.raises(ReloadError):
