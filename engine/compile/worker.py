@@ -51,6 +51,27 @@ DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_pref
 ARTIFACT_DURABLE_ANNOTATION = f"{GROUP}/artifact-durable"
 
 
+def unhonored_fields(spec: dict[str, Any]) -> list[str]:
+    """CompileRun spec fields set away from their defaults that this worker does not act on
+    (each named with the value given), so a user who set one hears that it had no effect."""
+    out = []
+    tiers = spec.get("tiers") or {}
+    for name in ("fast", "full"):
+        if tiers.get(name) is False:
+            out.append(f"tiers.{name}=false (every candidate is screened on the fast tier and confirmed on the full one)")
+    verification = spec.get("verification") or {}
+    if verification.get("logprobTolerance") not in (None, 0.05):
+        out.append(f"verification.logprobTolerance={verification['logprobTolerance']} (the gates use their own tolerances)")
+    if verification.get("kvContamination") is False:
+        out.append("verification.kvContamination=false (the KV-contamination gates always run)")
+    if (spec.get("baseline") or {}).get("forwardPass"):
+        out.append(f"baseline.forwardPass={spec['baseline']['forwardPass']} (the baseline is the stock forward pass)")
+    for index, agent in enumerate(spec.get("agents") or []):
+        if int(agent.get("replicas") or 1) != 1:
+            out.append(f"agents[{index}].replicas={agent['replicas']} (one instance per agent kind)")
+    return out
+
+
 def _load_client(kubeconfig: str | None) -> Any:
     import kubernetes
 
@@ -170,6 +191,9 @@ class CompileRunContext:
         baseline = self.spec.get("baseline") or {}
         if args.min_speedup is None and baseline.get("minSpeedup"):
             args.min_speedup = float(baseline["minSpeedup"])
+        for field_note in unhonored_fields(self.spec):
+            log.warning("CompileRun %s/%s: spec.%s is not acted on by this worker", self.namespace, self.name,
+                        field_note)
         work = os.environ.get("SHAPESHIFT_WORK_DIR")
         if args.out_given is None and work:
             args.out = str(Path(work) / self.name)

@@ -149,3 +149,19 @@ def test_finish_without_champion_clears_a_best_speedup_reported_during_the_searc
     status = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")["status"]
     assert "bestSpeedup" not in status and "champion" not in status, status
     assert status["trials"]["total"] == 4 and "no verified improvement" in status["message"]
+
+
+def test_fields_the_worker_does_not_act_on_are_named():
+    from shapeshift.engine.compile.worker import unhonored_fields
+
+    assert unhonored_fields({}) == []
+    # The CRD's defaults, written out, are not complaints.
+    assert unhonored_fields({"tiers": {"fast": True, "full": True, "repeats": 5},
+                             "verification": {"logprobTolerance": 0.05, "kvContamination": True},
+                             "baseline": {"minSpeedup": 1.05}, "agents": [{"kind": "coordinate-sweep", "replicas": 1}]}) == []
+    notes = unhonored_fields({"tiers": {"full": False}, "verification": {"logprobTolerance": 0.2,
+                                                                         "kvContamination": False},
+                              "baseline": {"forwardPass": "fp-1"}, "agents": [{"kind": "evolutionary", "replicas": 3}]})
+    assert [n.split(" ", 1)[0] for n in notes] == ["tiers.full=false", "verification.logprobTolerance=0.2",
+                                                   "verification.kvContamination=false", "baseline.forwardPass=fp-1",
+                                                   "agents[0].replicas=3"]
