@@ -9,8 +9,8 @@ Data flow:
         same for shapeshift_generation_tokens                                               output lengths
         sum(increase(shapeshift_prompt_tokens_count{sel}[w]))                               requests
         sum(rate(hits[w])) / sum(rate(queries[w]))                                          prefix-cache hit rate
-        quantile_over_time(0.9, (((sum(running{sel}) or vector(0))                          concurrency
-            + (sum(waiting{sel}) or vector(0))) > 0)[w:step])                               (busy steps; step w/120, >=1s)
+        quantile_over_time(0.9, (((sum(running{sel}) or vector(0))                          concurrency per pod
+            + (sum(waiting{sel}) or vector(0))) > 0)[w:step]) / targets seen               (busy steps; step w/120, >=1s)
         count(count by (instance) (shapeshift_prompt_tokens_count{sel}))                   targets seen
     --> ObservedTraffic(profile: TrafficProfile, quality: DataQuality)
 
@@ -28,7 +28,9 @@ closed-loop replay has no idle time, and how long a deployment sat idle says not
 about how wide its batches must be. Traffic that comes in bursts of 8 with quiet time
 between them averages to 1 or 2 in flight, but it is the bursts a wider batch serves
 faster. A pod that exports no waiting gauge still counts with its running one
-(``or vector(0)``); a window with nothing ever in flight gives concurrency 1.
+(``or vector(0)``); a window with nothing ever in flight gives concurrency 1. The replay
+drives one engine, and a Service spreads requests over the pods, so the profile's
+concurrency is that deployment-wide figure over the number of pods reporting (rounded up).
 
 Which series belong to a deployment is a label selector. The engine itself
 only labels with ``model``; ``namespace`` and ``deployment`` are target labels
@@ -261,7 +263,8 @@ class PrometheusTraffic:
             description=f"observed in Prometheus for {selector.describe()} over {w}",
             prompt_length=prompt,
             output_length=output,
-            concurrency=max(1, int(math.ceil(concurrency))) if concurrency else 1,
+            # per engine: the replay drives one, the Service spreads the deployment's requests
+            concurrency=max(1, int(math.ceil(concurrency / max(1, targets)))) if concurrency else 1,
             arrival_rate=rate if rate and rate > 0 else None,
             prefix_cache_hit_rate=None if hit_rate is None else min(1.0, max(0.0, hit_rate)),
             window=TrafficWindow(

@@ -219,7 +219,8 @@ def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheu
     burst's width, not the window's average, though the burst fills less than a tenth of the
     window (idle steps do not count). The same exporter scraped a second time without its waiting
     gauge (a metric_relabel drop) still counts its running requests; without either gauge the
-    profile falls back to one request in flight."""
+    profile falls back to one request in flight. Scraped as two pods of one deployment, the
+    in-flight count is per pod, as the replay drives one engine."""
     def drop(regex: str) -> list[dict]:
         return [{"source_labels": ["__name__"], "regex": regex, "action": "drop"}]
 
@@ -230,10 +231,17 @@ def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheu
                                                                           "deployment": deployment}}],
                     "metric_relabel_configs": relabel}
 
+        # The same exporter as two pods of one deployment (an instance label each): twice the
+        # deployment-wide in-flight count, over two pods.
+        two_pods = {"job_name": "two-pods", "scrape_interval": "1s", "scrape_timeout": "1s",
+                    "static_configs": [{"targets": [exporter], "labels": {"namespace": "team-a",
+                                                                          "deployment": "llama-two-pods",
+                                                                          "instance": pod}} for pod in ("a", "b")]}
         server = prometheus([job("engine", "llama", []),
                              job("no-waiting", "llama-no-waiting", drop("shapeshift_requests_waiting")),
-                             job("no-gauges", "llama-no-gauges", drop("shapeshift_requests_(running|waiting)"))])
-        for deployment in ("llama", "llama-no-waiting", "llama-no-gauges"):
+                             job("no-gauges", "llama-no-gauges", drop("shapeshift_requests_(running|waiting)")),
+                             two_pods])
+        for deployment in ("llama", "llama-no-waiting", "llama-no-gauges", "llama-two-pods"):
             server.wait_for(f'shapeshift_prompt_tokens_count{{deployment="{deployment}"}}', timeout_s=30)
         start = datetime.now(timezone.utc)
         time.sleep(2.0)  # every job scrapes the idle target inside the window before the first request
@@ -256,6 +264,8 @@ def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheu
                                       span, at=end)
             no_gauges = prom.observe(SeriesSelector(namespace="team-a", deployment="llama-no-gauges", model=MODEL),
                                      span, at=end)
+            pods = prom.observe(SeriesSelector(namespace="team-a", deployment="llama-two-pods", model=MODEL),
+                                span, at=end)
             w = f"{int(span.total_seconds())}s"
             average = prom.scalar(f'sum(avg_over_time(shapeshift_requests_running{{deployment="llama"}}[{w}]))'
                                   f' + sum(avg_over_time(shapeshift_requests_waiting{{deployment="llama"}}[{w}]))',
@@ -266,6 +276,8 @@ def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheu
     assert "quantile_over_time(0.9" in observed.quality.queries["concurrency"]
     assert no_waiting.profile.concurrency == 2, no_waiting.quality.queries["concurrency"]
     assert no_gauges.profile.concurrency == 1
+    # Per engine, as the replay drives one: 16 in flight over the deployment's 2 pods.
+    assert pods.quality.targets == 2 and pods.profile.concurrency == 8, (pods.quality.targets, pods.profile.concurrency)
     # The rest of the profile does not depend on the gauges (two scrapes of one target, so the
     # quantiles agree; increase() extrapolates each job's own scrape times, so counts only nearly).
     quantiles = lambda d: (d.p50, d.p90, d.p99)  # noqa: E731

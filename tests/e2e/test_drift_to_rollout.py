@@ -16,7 +16,7 @@ Data flow under test:
          baseline) -> Job -> pod bound on the CPU pool
       -> harness.kubelet runs the pod's own `shapeshift compile --compile-run ns/run` with a token of the
          pod's ServiceAccount; ConfigMap/emptyDir volumes as folders, the artifact claim as the shared folder
-      -> the worker searches, replaying as many requests in flight as the burst kept at the engines (more than
+      -> the worker searches, replaying as many requests in flight as the burst kept at each engine (more than
          the deployment's batch of 2), so its engine.max_num_seqs candidates meet a real queue; a candidate
          that is faster overall and not slower per user (the compile loop's p90 veto) is verified and
          published as a ForwardPass into the store
@@ -189,8 +189,9 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert listed(cluster, namespace, "compileruns") == []
 
         # ---- long prompts: drift within two checks, one CompileRun ----------------------------
-        # A burst of them, 8 in flight: more than the deployment's batch of 2 can take at once.
-        send(list(urls.values()), 120, LONG_PROMPT, concurrency=8, max_tokens=LONG_OUTPUT)
+        # A burst of them, 16 in flight over the 2 pods (8 at each): more than the deployment's batch of
+        # 2 can take at once. The snapshot's concurrency is per pod, as the worker replays on one engine.
+        send(list(urls.values()), 120, LONG_PROMPT, concurrency=16, max_tokens=LONG_OUTPUT)
         (run,) = wait_until(lambda: listed(cluster, namespace, "compileruns"), 3 * CHECK_INTERVAL + 20,
                             "a drift-triggered CompileRun")
         run_name = run["metadata"]["name"]
