@@ -134,9 +134,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
         self.metrics = metrics
-        self.max_num_seqs = int(engine.config.max_num_seqs)
         self.max_waiting = max_waiting
-        self.capacity = self.max_num_seqs + max_waiting
 
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _in_flight and _pending_adds
@@ -148,6 +146,15 @@ class AsyncEngine:
         self._closed = False  # set (under _lock) once the loop stops taking requests
         self._consecutive_step_failures = 0
         self._thread = threading.Thread(target=self._run, name="shapeshift-engine-loop", daemon=True)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The engine's batch width as it is now (a hot-reloaded forward pass may change it)."""
+        return int(self.engine.config.max_num_seqs)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs + self.max_waiting
 
     # ----------------------------------------------------------- lifecycle
 

@@ -10,11 +10,10 @@ Data flow:
         re-capture CUDA graphs, apply the bundle's runtime engine settings--> serving
 
 A compiled bundle carries engine.json, the EngineConfig overrides it was measured with. The
-ones that can change between two steps of a running engine (RUNTIME_ENGINE_SETTINGS: decode
+ones that can change between two steps of a running engine (LLMEngine.RUNTIME_SETTINGS: decode
 steps per host round trip, the scheduler's batch width and token budget) are applied on install
 and put back to the engine's own values when a pass without them is installed (rollback
-included). CUDA graphs stay as captured at start-up: a batch wider than the largest captured
-bucket decodes eagerly until the engine restarts with the new width. The others (KV block size,
+included), through the engine's ``set_runtime_settings``. The others (KV block size,
 graph buckets, prefix caching ...) size buffers and graphs at start-up, so they are reported,
 not applied: they take a restart with the deployment's engine settings.
 
@@ -37,6 +36,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -53,15 +53,10 @@ logger = logging.getLogger("shapeshift.engine.hot_reload")
 _load_counter = itertools.count()
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 DEFAULT_SMOKE_TIMEOUT_S = 120.0
-# EngineConfig fields a running engine takes between two steps (read by LLMEngine.step).
-RUNTIME_ENGINE_SETTINGS = ("decode_steps", "max_num_seqs", "max_num_batched_tokens")
-_SCHEDULER_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")  # also attributes of engine.scheduler
 
 
 def bundle_engine_settings(folder: str | Path) -> dict[str, Any]:
     """The bundle's engine.json (EngineConfig overrides it was measured with); {} without one."""
-    import json
-
     path = Path(folder) / ENGINE_SETTINGS_FILE
     if not path.is_file():
         return {}
@@ -231,8 +226,9 @@ def load_stock_isolated() -> LoadedBundle:
 ENGINE_HOOKS = """\
 engine.weights: dict[str, Tensor]; engine.model_config; engine.config (EngineConfig);
 engine.device; engine.dtype; engine.kv_cache; engine.block_manager (.tag, .set_tag(tag));
-engine.scheduler (.running, ._preempt(seq) or .preempt_all(), .max_num_seqs, .max_num_batched_tokens); engine.runner
-(.forward_pass, .capture_cudagraphs()); engine.bundle / engine.forward_pass (what runs)."""
+engine.scheduler (.running, ._preempt(seq) or .preempt_all()); engine.runner
+(.forward_pass, .capture_cudagraphs()); engine.bundle / engine.forward_pass (what runs);
+engine.RUNTIME_SETTINGS and engine.set_runtime_settings(dict), where present."""
 
 
 @dataclass
@@ -339,9 +335,9 @@ class ForwardPassManager:
         self.offpath_capture = offpath_capture
         self.check_weights = check_weights
         self._lock = threading.Lock()  # one reload at a time
-        config = getattr(engine, "config", None)
-        # The engine's own values of the runtime settings: what a pass without engine.json runs with.
-        self.base_engine_settings = {k: getattr(config, k) for k in RUNTIME_ENGINE_SETTINGS if hasattr(config, k)}
+        # The engine's own values of the settings it can change while running: what a pass
+        # without engine.json runs with.
+        self.base_engine_settings = {k: getattr(engine.config, k) for k in getattr(engine, "RUNTIME_SETTINGS", ())}
         bundle = getattr(engine, "bundle", None)
         digest = _engine_bundle_digest(bundle)
         tag = getattr(getattr(engine, "block_manager", None), "tag", "") or ""
@@ -458,16 +454,14 @@ class ForwardPassManager:
         tolerance = self.smoke_logit_tolerance
         if tolerance is None:
             tolerance = 0.25 if eng.dtype in (torch.bfloat16, torch.float16) else 1e-3
-        total = sum(len(t) for t in ref_tokens)
-        agree = sum(a == b for ct, rt in zip(cand_tokens, ref_tokens) for a, b in zip(ct, rt))
         # Teacher-forced positions where the candidate's token is worse than the incumbent's
-        # own by more than the tolerance, under the incumbent's logits.
-        clear = 0
-        for step, ref in enumerate(ref_logits):  # ref: [B, V] float logits of the incumbent
-            for row in range(len(prompts)):
-                mine, theirs = ref_tokens[row][step], cand_tokens[row][step]
-                if mine != theirs and float(ref[row, mine] - ref[row, theirs]) > tolerance:
-                    clear += 1
+        # own by more than the tolerance, under the incumbent's logits (counted on the device).
+        logits = torch.stack(ref_logits).float()  # [steps, B, V]
+        mine = torch.tensor(ref_tokens, device=logits.device).T  # [steps, B]
+        theirs = torch.tensor(cand_tokens, device=logits.device).T
+        deficit = logits.gather(2, mine[..., None]) - logits.gather(2, theirs[..., None])  # [steps, B, 1]
+        total, agree = mine.numel(), int((mine == theirs).sum())
+        clear = int((deficit > tolerance).sum())  # equal tokens have deficit 0
         agreement = 1.0 - clear / max(total, 1)
         if agreement < self.smoke_min_agreement:
             raise ReloadError("smoke", f"candidate's greedy token is worse than the incumbent's by more than "
@@ -565,20 +559,15 @@ class ForwardPassManager:
         return flushed, preempted
 
     def _apply_engine_settings(self, record: PassRecord) -> None:
-        config = getattr(self.engine, "config", None)
-        if config is None:
-            return
+        if not self.base_engine_settings:
+            return  # an engine that cannot change settings while running
         wanted = {name: record.engine_settings.get(name, base) for name, base in self.base_engine_settings.items()}
         if "max_num_seqs" in wanted and "max_num_batched_tokens" in wanted:
             # Every running sequence must be able to decode each step (EngineConfig's own rule).
             wanted["max_num_batched_tokens"] = max(wanted["max_num_batched_tokens"], wanted["max_num_seqs"])
-        scheduler = getattr(self.engine, "scheduler", None)
-        for name, value in wanted.items():
-            setattr(config, name, value)
-            if name in _SCHEDULER_SETTINGS and scheduler is not None and hasattr(scheduler, name):
-                setattr(scheduler, name, value)
+        self.engine.set_runtime_settings(wanted)
         deferred = {k: v for k, v in record.engine_settings.items()
-                    if k not in RUNTIME_ENGINE_SETTINGS and getattr(config, k, v) != v}
+                    if k not in wanted and getattr(self.engine.config, k, v) != v}
         if deferred:
             logger.warning("forward pass %s was measured with engine settings %s that a running engine cannot "
                            "take; they apply when the engine starts with them (engine settings of the deployment)",

@@ -10,6 +10,7 @@ and returns one ``RequestOutput`` per request that produced a token or finished.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ class EngineStats:
 class LLMEngine:
     # Bundle folder served when EngineConfig.forward_pass is unset (None: the stock pass).
     default_bundle_dir: Path | None = None
+    # EngineConfig fields that may change between two steps (set_runtime_settings).
+    RUNTIME_SETTINGS = ("decode_steps", "max_num_seqs", "max_num_batched_tokens")
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -160,6 +163,20 @@ class LLMEngine:
             outputs = self._abort_outputs + outputs
             self._abort_outputs = []
         return outputs
+
+    def set_runtime_settings(self, settings: dict[str, Any]) -> None:
+        """Change RUNTIME_SETTINGS between two steps: decode steps per host round trip, and the
+        scheduler's batch width and token budget (checked as EngineConfig checks them). CUDA
+        graphs stay as captured: a batch wider than the largest captured bucket decodes eagerly."""
+        unknown = sorted(set(settings) - set(self.RUNTIME_SETTINGS))
+        if unknown:
+            raise ValueError(f"engine settings {unknown} cannot change while the engine runs "
+                             f"(only {list(self.RUNTIME_SETTINGS)} can)")
+        dataclasses.replace(self.config, **settings)  # validation only: raises on a bad combination
+        for name, value in settings.items():
+            setattr(self.config, name, value)  # in place: the runner and servers hold this object
+            if hasattr(self.scheduler, name):
+                setattr(self.scheduler, name, value)
 
     def _decode_lookahead(self, batch: ScheduledBatch) -> int:
         """How many decode steps to run at once for ``batch`` (1: the ordinary step).

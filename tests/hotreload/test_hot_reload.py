@@ -215,6 +215,10 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
                                     max_num_batched_tokens=256, num_kv_blocks=64))
     manager = ForwardPassManager(engine)
+    from shapeshift.engine.async_engine import AsyncEngine
+
+    server = AsyncEngine(engine, max_waiting=2)  # not started: its admission limit is what is read
+    assert server.capacity == 4 + 2
     src = tmp_path / "compiled"
     shutil.copytree(stock_bundle_dir(), src, ignore=shutil.ignore_patterns("manifest.json", "__pycache__"))
     settings = {"decode_steps": 4, "max_num_seqs": 8, "enable_prefix_caching": False}
@@ -224,6 +228,7 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
         manager.reload(tmp_path / "compiled-bundle")
     assert engine.config.decode_steps == 4
     assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 8  # the batch width, live
+    assert server.capacity == 8 + 2  # the server admits for the new width
     assert engine.config.enable_prefix_caching is True  # sizes state at start-up: reported, not applied
     assert "enable_prefix_caching" in caplog.text and "cannot take" in caplog.text
     assert manager.listing()["active"]["engineSettings"] == settings
@@ -238,6 +243,14 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
         engine.step()
     manager.rollback()
     assert engine.config.decode_steps == 1
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 4
+    assert server.capacity == 4 + 2
+    # What a running engine cannot take is refused, and a bad combination is refused as
+    # EngineConfig refuses it; neither changes anything.
+    with pytest.raises(ValueError, match="cannot change while the engine runs"):
+        engine.set_runtime_settings({"block_size": 32})
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.set_runtime_settings({"max_num_seqs": 512})
     assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 4
     # A tampered engine.json is refused like any other file of the bundle.
     (tmp_path / "compiled-bundle" / "engine.json").write_text(json.dumps({"decode_steps": 64}))
