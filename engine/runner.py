@@ -64,7 +64,7 @@ class ModelRunner:
         self._static: dict[str, torch.Tensor] = {}
         self._graph_pool = None
         self._max_bs = 0
-        self._stage_host64: torch.Tensor | None = None  # multi-step staging, sized on first use
+        self._staging_steps = 0  # decode steps the multi-step staging holds (sized on first use)
         # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
         # are then eager calls over the same static buffers, padding and widths.
         self.emulate_graphs = False
@@ -84,7 +84,6 @@ class ModelRunner:
 
         ``all_logits`` makes the context select every new token's row (prompt logits).
         """
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -100,7 +99,7 @@ class ModelRunner:
             # Whole prompt chunks at once (numpy), not a Python loop per token.
             pos = np.arange(start, start + n)  # [n]
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(self._slots(table, pos))
             query_start.append(query_start[-1] + n)
             context_lens.append(start + n)
         last = list(range(query_start[-1])) if all_logits else [q - 1 for q in query_start[1:]]
@@ -117,6 +116,11 @@ class ModelRunner:
             context_lens_cpu=context_lens,
         )
         return self._to_device(input_ids, torch.int64), self._to_device(np.concatenate(positions), torch.int64), ctx
+
+    def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """KV-cache slots of ``positions`` of a sequence whose block table is ``table``."""
+        bs = self.block_size
+        return table[positions // bs] * bs + positions % bs
 
     def _decode_host_arrays(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
         bs = self.block_size
@@ -194,54 +198,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_decode_steps(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
-        """k greedy decode steps of an all-greedy decode batch, back to back on the device.
+        """k >= 2 greedy decode steps of an all-greedy decode batch, back to back on the device.
 
         The caller has reserved KV slots for k new tokens per sequence (block tables cover
         positions num_tokens-1 .. num_tokens+k-2). Returns the greedy tokens, [k][n]: row j
         is what step j produced, fed to step j+1 as its input. One host sync, at the end.
         """
         n = len(batch.seqs)
-        if k < 1 or not self.can_replay(n):
-            raise ValueError(f"run_decode_steps needs k >= 1 and a captured graph for {n} rows (k={k})")
+        if k < 2 or not self.can_replay(n):
+            raise ValueError(f"run_decode_steps needs k >= 2 and a captured graph for {n} rows (k={k})")
         needed_width = max(len(s.block_table) for s in batch.seqs)
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
         g = self.graphs[(graph_bs, width)]
-        s = self._static
-        max_bs = self._max_bs
-        if k > 1:
-            self._ensure_step_staging(k)
-            # Steps 1..k-1 advance every row by one position: positions, slots and context
-            # lengths are known now (the tokens are not; they stay on the device).
-            pos0 = np.fromiter((seq.num_tokens - 1 for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
-            pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
-            h64, h32 = self._stage_host64_np[:k - 1], self._stage_host32_np[:k - 1]
-            h64[:, :n] = pos
-            bsz = self.block_size
-            for i, seq in enumerate(batch.seqs):
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                h64[:, max_bs + i] = table[pos[:, i] // bsz] * bsz + pos[:, i] % bsz
-            h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
-            h32[:, :n] = pos + 1
-            h32[:, n:graph_bs] = 1
+        s, max_bs = self._static, self._max_bs
+        self._ensure_step_staging(k)
+        # Steps 1..k-1 advance every row by one position: positions, slots and context lengths
+        # are known now (the tokens are not; they stay on the device).
+        pos0 = np.fromiter((seq.num_tokens - 1 for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
+        pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
+        h64, h32 = self._stage_host64_np[:k - 1], self._stage_host32_np[:k - 1]
+        h64[:, :n] = pos
+        for i, seq in enumerate(batch.seqs):
+            h64[:, max_bs + i] = self._slots(np.asarray(seq.block_table, dtype=np.int64), pos[:, i])
+        h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
+        h32[:, :n] = pos + 1
+        h32[:, n:graph_bs] = 1
         self._replay(batch, g)  # step 0: the usual host -> device copies, then the graph
         out = self._step_tokens
         out[0, :n].copy_(s["tokens"][:n])
-        if k > 1:
-            self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
-            self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
-            for j in range(1, k):
-                self._packed64[max_bs:].copy_(self._stage64[j - 1])  # positions, slots
-                self._packed32[:max_bs].copy_(self._stage32[j - 1])  # context lengths
-                s["input_ids"][:n].copy_(s["tokens"][:n])
-                g.replay()
-                self.num_graph_replays += 1
-                out[j, :n].copy_(s["tokens"][:n])
+        self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
+        self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
+        for j in range(1, k):
+            self._packed64[max_bs:].copy_(self._stage64[j - 1])  # positions, slots
+            self._packed32[:max_bs].copy_(self._stage32[j - 1])  # context lengths
+            s["input_ids"][:n].copy_(s["tokens"][:n])
+            g.replay()
+            self.num_graph_replays += 1
+            out[j, :n].copy_(s["tokens"][:n])
         return out[:k, :n].tolist()
 
     def _ensure_step_staging(self, k: int) -> None:
-        """Device and (pinned) host staging for k-1 extra steps, and the [k, max_bs] token rows."""
-        if self._stage_host64 is not None and self._stage_host64.shape[0] >= k - 1:
+        """Device and (pinned) host staging for k-1 extra steps, and the [k, max_bs] token rows;
+        kept until a larger k or a new graph capture (whose max_bs it follows) needs new ones."""
+        if self._staging_steps >= k:
             return
         max_bs, dev = self._max_bs, self.device
         self._stage64 = torch.zeros(k - 1, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
@@ -254,6 +254,7 @@ class ModelRunner:
         self._stage_host64_np = self._stage_host64.numpy()
         self._stage_host32_np = self._stage_host32.numpy()
         self._step_tokens = torch.zeros(k, max_bs, dtype=torch.int64, device=dev)
+        self._staging_steps = k
 
     @torch.inference_mode()
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -305,8 +306,7 @@ class ModelRunner:
         # Inputs live in two packed buffers (one per dtype) so a step needs two copies;
         # the named static tensors are fixed views into them.
         self._max_bs = max_bs
-        self._stage_host64 = None  # the staging follows max_bs: sized anew on first use
-        self._step_tokens = torch.zeros(1, max_bs, dtype=torch.int64, device=dev)
+        self._staging_steps = 0  # the multi-step staging follows max_bs: sized anew on first use
         self._packed64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)
         self._packed32 = torch.zeros(max_bs + max_bs * width_max, dtype=torch.int32, device=dev)
         self._packed64_host = torch.zeros(self._packed64.shape, dtype=torch.int64)

@@ -37,7 +37,8 @@ def run(engine, prompts, params):
         steps += 1
         for o in engine.step():
             widest = max(widest, len(o.new_token_ids))
-            assert o.output_token_ids[-len(o.new_token_ids):] == o.new_token_ids if o.new_token_ids else True
+            if o.new_token_ids:  # a burst's tokens are the newest of the request's output, in order
+                assert o.output_token_ids[-len(o.new_token_ids):] == o.new_token_ids
             if o.finished:
                 outputs[o.request_id], reasons[o.request_id] = o.output_token_ids, o.finish_reason
     return [outputs[r] for r in ids], [reasons[r] for r in ids], widest, steps
