@@ -31,6 +31,7 @@ deployment and list/create ForwardPasses; nothing else is needed here.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -51,24 +52,36 @@ DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_pref
 ARTIFACT_DURABLE_ANNOTATION = f"{GROUP}/artifact-durable"
 
 
+# CompileRun spec fields the worker does not act on yet: (section, field) -> what happens instead
+_NOT_ACTED_ON = {
+    ("tiers", "fast"): "every candidate is screened on the fast tier",
+    ("tiers", "full"): "every candidate is confirmed on the full tier",
+    ("verification", "logprob_tolerance"): "the gates use their own tolerances",
+    ("verification", "kv_contamination"): "the KV-contamination gates always run",
+    ("baseline", "forward_pass"): "the baseline is the stock forward pass",
+    ("agents", "replicas"): "one instance per agent kind",
+}
+
+
 def unhonored_fields(spec: dict[str, Any]) -> list[str]:
-    """CompileRun spec fields set away from their defaults that this worker does not act on
-    (each named with the value given), so a user who set one hears that it had no effect."""
+    """CompileRun spec fields set away from their CRD defaults that this worker does not act
+    on (each named with the value given), so a user who set one hears that it had no effect.
+    The defaults are the CompileRun models' own."""
+    from shapeshift.operator.models import AgentSpec, BaselineSpec, TierSpec, VerificationSpec
+
+    models = {"tiers": TierSpec, "verification": VerificationSpec, "baseline": BaselineSpec, "agents": AgentSpec}
+    sections = {name: [spec.get(name) or {}] for name in ("tiers", "verification", "baseline")}
+    sections["agents"] = list(spec.get("agents") or [])
     out = []
-    tiers = spec.get("tiers") or {}
-    for name in ("fast", "full"):
-        if tiers.get(name) is False:
-            out.append(f"tiers.{name}=false (every candidate is screened on the fast tier and confirmed on the full one)")
-    verification = spec.get("verification") or {}
-    if verification.get("logprobTolerance") not in (None, 0.05):
-        out.append(f"verification.logprobTolerance={verification['logprobTolerance']} (the gates use their own tolerances)")
-    if verification.get("kvContamination") is False:
-        out.append("verification.kvContamination=false (the KV-contamination gates always run)")
-    if (spec.get("baseline") or {}).get("forwardPass"):
-        out.append(f"baseline.forwardPass={spec['baseline']['forwardPass']} (the baseline is the stock forward pass)")
-    for index, agent in enumerate(spec.get("agents") or []):
-        if int(agent.get("replicas") or 1) != 1:
-            out.append(f"agents[{index}].replicas={agent['replicas']} (one instance per agent kind)")
+    for (section, name), instead in _NOT_ACTED_ON.items():
+        model = models[section]
+        field = model.model_fields[name]
+        wire = field.alias or name
+        for index, given in enumerate(sections[section]):
+            if wire in given and given[wire] != field.default:
+                where = f"{section}[{index}]" if section == "agents" else section
+                value = given[wire] if isinstance(given[wire], str) else json.dumps(given[wire])  # as written
+                out.append(f"{where}.{wire}={value} ({instead})")
     return out
 
 
