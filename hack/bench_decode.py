@@ -221,17 +221,14 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     decoded = 0
     step_times: list[float] = []
     batch_sizes: list[int] = []
-    per_token_steps: list[float] = []  # engine.step() time over the tokens each request got from it
-    tokens_per_request: list[int] = []
+    widths: list[int] = []  # tokens each request got from one engine.step() (k with multi-step decode)
     last = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
         step_times.append(now - last)
         batch_sizes.append(len(outs))
-        width = max((len(o.new_token_ids) for o in outs), default=1) or 1
-        per_token_steps.append((now - last) / width)  # multi-step decode: k tokens per engine step
-        tokens_per_request.append(width)
+        widths.append(max((len(o.new_token_ids) for o in outs), default=1) or 1)
         last = now
         for o in outs:
             decoded += len(o.new_token_ids)
@@ -240,10 +237,11 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
     elapsed = sum(step_times)
     if not step_times or elapsed <= 0:
         raise ValueError(f"no decode steps were timed (new tokens {new_tokens}); use --new-tokens >= 2")
+    per_token_steps = [t / w for t, w in zip(step_times, widths)]  # one decode step's share of each
     full = [t for t, b in zip(per_token_steps, batch_sizes) if b == len(prompts)] or per_token_steps
     itl_p50, itl_p90 = baselines.percentile(full, 50), baselines.percentile(full, 90)
     # ms_per_step is per decode step (token per sequence), however many an engine.step() ran.
-    return {"decode_tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / sum(tokens_per_request),
+    return {"decode_tok_s": decoded / elapsed, "ms_per_step": 1e3 * elapsed / sum(widths),
             "engine_steps": len(step_times),
             "itl_p50_ms": 1e3 * itl_p50, "itl_p90_ms": 1e3 * itl_p90, "p90_per_user_tok_s": 1.0 / itl_p90,
             "steps": len(step_times), "outputs": [outputs[rid] for rid in ids]}

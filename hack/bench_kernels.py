@@ -55,6 +55,9 @@ import time
 import traceback
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "hack"))
+from benchmeta import git_commit  # noqa: E402  (sibling module)
+
 GROUPS = ("ceilings", "rmsnorm", "silu_and_mul", "rotary", "decode_attention", "gemv", "sampling",
           "prefill_attention", "moe", "host")
 # --smoke runs every group on the CPU through Triton's interpreter with tiny shapes and a
@@ -964,9 +967,6 @@ def _environment(argv):
            "host": platform.node(), "python": platform.python_version()}
     # The caller's SHAPESHIFT_GIT_COMMIT first (GPU machines get a copy of the tree whose git
     # metadata may be stale), then git.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from benchmeta import git_commit
-
     env["commit"], env["dirty"] = git_commit()
     try:
         import torch
