@@ -17,7 +17,6 @@ resumes from the board.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
@@ -108,16 +107,13 @@ def recipe_seeds(space: Any) -> list:
     from .registry import project_recipe
 
     default = space.default()
-    seen: set[str] = set()
-    out = []
+    out: dict[str, Candidate] = {}  # digest -> the first recipe that projects to it
     for name, knobs in NAMED_RECIPES.items():
         recipe = project_recipe(knobs, space)
-        key = json.dumps(recipe, sort_keys=True, default=str)
-        if recipe == default or key in seen:
-            continue
-        seen.add(key)
-        out.append(Candidate(recipe, None, "recipes", f'named recipe "{name}" (engine/recipes.py)', None))
-    return out
+        cand = Candidate(recipe, None, "recipes", f'named recipe "{name}" (engine/recipes.py)', None)
+        if recipe != default:
+            out.setdefault(cand.digest, cand)
+    return list(out.values())
 
 
 def _resolve_profile(text: str):
