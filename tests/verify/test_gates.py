@@ -24,6 +24,7 @@ BAD = {
     "stale_kv": "kv.canary_isolation",
     "skipped_layer": "outputs.agreement",
     "precision_drop": "outputs.agreement",
+    "precision_drop_8bit": "outputs.agreement",
     "low_rank": "outputs.agreement",
     "untested_branch": "coverage.shapes",
     "timing_trick": "anti_cheat.no_patching",
@@ -81,6 +82,49 @@ def test_bad_candidate_rejected_by_its_gate(model, name, gate):
     assert not anticheat.patched_functions()  # a cheating candidate never leaves the process patched
     if gate != "smoke":
         assert report.gate("smoke").passed  # it is a working pass, caught by the specific check
+
+
+@pytest.fixture(scope="module")
+def model_bf16(model):
+    cfg, weights = model
+    return cfg, {name: w.to(torch.bfloat16) for name, w in weights.items()}
+
+
+def test_half_precision_bounds_come_from_the_reference_rounding_error(model_bf16):
+    """bf16: the bounds are max(table, 2 x the stock pass's own error against float32)."""
+    cfg, weights = model_bf16
+    report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings())
+    assert report.passed, "\n".join(str(g) for g in report.gates if not g.passed)
+    tol = report.tolerance
+    assert tol["calibrated"] and tol["factor"] == 2.0
+    measured = tol["reference_vs_float32"]
+    assert 0 < measured["max_rel_logit_diff"] < 0.2 and 0 < measured["max_logprob_diff"] < 0.1
+    assert tol["logit_rtol"] == pytest.approx(max(5e-2, 2 * measured["max_rel_logit_diff"]))
+    assert tol["logprob_atol"] == pytest.approx(max(0.1, 2 * measured["max_logprob_diff"]))
+    assert report.gate("outputs.agreement").evidence["logit_rtol"] == tol["logit_rtol"]
+
+
+def test_half_precision_still_refuses_an_8bit_drop(model_bf16):
+    cfg, weights = model_bf16
+    report = verify_candidate(CANDIDATES / "precision_drop_8bit", cfg, weights, settings=settings())
+    agreement = report.gate("outputs.agreement")
+    assert report.tolerance["calibrated"] and not agreement.passed
+    # Several times the reference's own error, not a near miss.
+    floor = report.tolerance["reference_vs_float32"]["max_rel_logit_diff"]
+    assert agreement.evidence["max_rel_logit_diff"] > 3 * floor
+
+
+def test_calibration_sets_the_bound_in_force(model_bf16):
+    """A wide factor lets the 8-bit drop through: the calibrated bound is the one applied."""
+    cfg, weights = model_bf16
+    wide = GateSettings(gate_timeout_s=4.0, build_timeout_s=4.0, precision_factor=100.0)
+    report = verify_candidate(CANDIDATES / "precision_drop_8bit", cfg, weights, settings=wide,
+                              only=("outputs.agreement",))
+    assert report.gate("outputs.agreement").passed, report.gate("outputs.agreement")
+    off = GateSettings(gate_timeout_s=4.0, build_timeout_s=4.0, calibrate=False)
+    report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=off, only=("outputs.agreement",))
+    assert report.tolerance == {"calibrated": False, "logprob_atol": 0.1, "logit_rtol": 5e-2,
+                                "reason": "calibration off"}
 
 
 def test_fresh_prompts_each_run(model):
