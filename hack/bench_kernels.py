@@ -475,11 +475,13 @@ def cases_rotary(quick):
     return out
 
 
-def _paged_kv(context_lens, hkv, d, block_size, dtype):
+def _paged_kv(context_lens, hkv, d, block_size, dtype, table_blocks=None):
+    """Random paged K/V caches and block tables; table_blocks widens each table past the
+    longest context (a decode graph reads a fixed width: the engine's KV width bucket)."""
     import torch
 
     B = len(context_lens)
-    max_blocks = max(-(-n // block_size) for n in context_lens)
+    max_blocks = max([-(-n // block_size) for n in context_lens] + [table_blocks or 0])
     num_blocks = B * max_blocks + 1
     kc = torch.randn(num_blocks, block_size, hkv, d, dtype=dtype, device=DEVICE)
     vc = torch.randn_like(kc)
@@ -495,16 +497,20 @@ def cases_decode_attention(quick):
 
     hq, hkv, d, bs = LLAMA["heads"], LLAMA["kv_heads"], LLAMA["head_dim"], 16
     rng = random.Random(0)
-    shapes = [("decode", "B=1 ctx=4096", [4096]), ("decode", "B=1 ctx=32768", [32768]),
+    # "width=512": a batch-1 chat context (384 tokens) as the engine's decode graph sees it,
+    # inside its 512-token KV width bucket (the table is 32 blocks wide).
+    shapes = [("decode", "B=1 ctx=384 width=512", [384]), ("decode", "B=1 ctx=4096", [4096]),
+              ("decode", "B=1 ctx=32768", [32768]),
               ("decode", "B=32 ctx=2048", [2048] * 32), ("decode", "B=128 ctx~U(64,2048)",
                                                           [rng.randint(64, 2048) for _ in range(128)])]
     if quick:
-        shapes = [shapes[0], shapes[2]]
+        shapes = [shapes[0], shapes[1], shapes[3]]
     out = []
     for label, name, lens in shapes:
-        tune = name in ("B=1 ctx=32768", "B=32 ctx=2048")
+        tune = name in ("B=1 ctx=384 width=512", "B=1 ctx=32768", "B=32 ctx=2048")
+        width = 512 // bs if "width=512" in name else None
         lens = [_cap(n, 70) for n in lens][: _cap(len(lens), 3)]
-        kc, vc, tables, cl = _paged_kv(lens, hkv, d, bs, torch.bfloat16)
+        kc, vc, tables, cl = _paged_kv(lens, hkv, d, bs, torch.bfloat16, _cap(width, 5) if width else None)
         B = len(lens)
         q = torch.randn(B, hq, d, dtype=torch.bfloat16, device=DEVICE)
         o = torch.empty_like(q)
