@@ -705,7 +705,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python3", "hack/bench_decode.py"] + (argv if argv is not None else sys.argv[1:])),
         "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": args.model,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "baseline_new_tokens": args.baseline_new_tokens,
-        "batch_sizes": batch_sizes, "recipes": {r: RECIPES[r] for r in recipes}, "status": "running"})
+        "batch_sizes": batch_sizes, "recipes": {r: RECIPES[r] for r in recipes}, "status": "running",
+        # Engine switches read from the environment (diagnostics that change what is measured).
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("SHAPESHIFT_") and k != "SHAPESHIFT_GIT_COMMIT"}})
     log(f"{mode} run: {args.model} on {gpu}; results -> {out_json}")
 
     ceilings = measure_ceilings(device)

@@ -86,9 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _git_commit() -> str | None:
-    """The commit of the source tree this runs from (benchmark records name it), if it is a git checkout."""
+    """The commit of the source tree this runs from (benchmark records name it).
+
+    SHAPESHIFT_GIT_COMMIT first: a copied tree (a GPU machine, an image) may carry stale or no
+    git metadata, so the caller names the commit; else ``git rev-parse HEAD`` when a checkout.
+    """
+    import os
     import subprocess
 
+    if os.environ.get("SHAPESHIFT_GIT_COMMIT"):
+        return os.environ["SHAPESHIFT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                              text=True, timeout=5)
