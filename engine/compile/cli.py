@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast-layers", type=int, default=None, help="layers of the fast tier (default: a quarter)")
     p.add_argument("--screen-repeats", type=int, default=3)
     p.add_argument("--confirm-repeats", type=int, default=None, help="paired full-tier replays (default: 8 on CPU, 3 on GPU)")
+    p.add_argument("--final-repeats", type=int, default=None,
+                   help="pairs in the closing champion-vs-stock comparison (default: max(confirm repeats, 5))")
     p.add_argument("--screen-requests", type=int, default=None)
     p.add_argument("--confirm-requests", type=int, default=None)
     p.add_argument("--verify-prompts", type=int, default=None, help="fresh prompts per verification gate (default: 4)")
@@ -178,6 +180,7 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
         model=args.model, device=device, dtype=args.dtype,
         max_model_len=args.max_model_len or (512 if cpu else 8192), fast_layers=args.fast_layers,
         screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats or (8 if cpu else 3),
+        final_repeats=args.final_repeats,
         screen_requests=args.screen_requests or (96 if cpu else 64),
         confirm_requests=args.confirm_requests or (192 if cpu else 256),
         length_scale=None, seed=args.seed, work_dir=str(out / "work"),

@@ -61,6 +61,10 @@ class EvaluatorSettings:
     fast_layers: int | None = None  # None: max(1, layers // 4)
     screen_repeats: int = 3
     confirm_repeats: int = 3
+    # The champion against the stock pass, once at the end: the figure a run reports. None:
+    # max(confirm_repeats, 5). With 2 pairs the 95% bounds stretch by t(1) = 12.7 and a 2x
+    # champion can read as noise (seen on an H200: 2.18x, bounds 0.55..8.58); 5 pairs: t(4) = 2.8.
+    final_repeats: int | None = None
     screen_requests: int = 16  # requests per fast-tier run
     confirm_requests: int = 48  # requests per full-tier run
     length_scale: float | None = None  # None: fit the profile into max_model_len
@@ -382,11 +386,18 @@ class EngineEvaluator:
             m.seconds = sec
         return out
 
-    def compare(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
+    def compare(self, candidate: Candidate, incumbent: Candidate,
+                repeats: int | None = None) -> tuple[Measurement, Measurement]:
         """Full-tier replay of candidate and incumbent in alternation: (candidate, incumbent)."""
         s = self.settings
-        cand_m, inc_m = self._interleaved(FULL, [candidate, incumbent], s.confirm_requests, s.confirm_repeats)
+        cand_m, inc_m = self._interleaved(FULL, [candidate, incumbent], s.confirm_requests,
+                                          repeats or s.confirm_repeats)
         return cand_m, inc_m
+
+    def compare_final(self, champion: Candidate, stock: Candidate) -> tuple[Measurement, Measurement]:
+        """The run's closing comparison (champion, stock), with final_repeats pairs."""
+        s = self.settings
+        return self.compare(champion, stock, s.final_repeats or max(s.confirm_repeats, 5))
 
     def _recover(self, tier: str) -> None:
         """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
@@ -433,7 +444,8 @@ class EngineEvaluator:
                 "cpu_threads": s.cpu_threads, "engine_base": dict(s.engine_base),
                 "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
-                "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats}}
+                "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats},
+                "final_repeats": s.final_repeats or max(s.confirm_repeats, 5)}
 
     def hardware(self) -> str:
         """Coarse hardware key for the registry: the GPU name, or 'cpu'."""

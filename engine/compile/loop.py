@@ -370,7 +370,7 @@ class CompileLoop:
         base = self._baseline_candidate()
         tid = self._trial_id(champion) + "-final"
         self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final")
-        champ_m, stock_m = compare(champion, base)
+        champ_m, stock_m = getattr(self.evaluator, "compare_final", compare)(champion, base)
         self._record(base, tid + "-stock", FULL, stock_m, None, role="final-stock")
         self._record(champion, tid, FULL, champ_m, stock_m, role="final")
         if not (champ_m.ok and stock_m.ok):

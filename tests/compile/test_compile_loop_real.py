@@ -61,6 +61,11 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> Non
         assert engine["max_num_seqs"] == report["champion_recipe"]["engine.max_num_seqs"]
         final = [n for n in board.entries("note") if n.get("final")][-1]
         assert final["low"] > 1.0 and report["speedup"] == pytest.approx(final["gain"])
+        # The closing comparison runs final_repeats pairs (default max(confirm repeats, 5)).
+        pairs = report["evaluator"]["final_repeats"]
+        assert pairs == max(report["evaluator"]["confirm"]["repeats"], 5)
+        closing = [r for r in board.results("full") if r.get("role") in ("final", "final-stock")]
+        assert len(closing) == 2 and all(len(r["metrics"]["samples"]) == pairs for r in closing)
         [entry] = LocalRegistry(tmp_path / "registry").entries()
         assert entry.bundle_digest == manifest.digest and entry.speedup == pytest.approx(report["speedup"])
         assert "champion" in printed
@@ -151,3 +156,24 @@ def test_a_no_op_candidate_is_never_accepted(tmp_path: Path) -> None:
     assert not board.entries("incumbent") and not board.entries("verification")
     [note] = [n for n in board.entries("note") if "not confirmed" in n["text"]]
     assert "paired speed ratio" in note["text"]
+
+
+def test_closing_comparison_runs_more_pairs_than_a_confirmation(tmp_path: Path) -> None:
+    """Two confirmation pairs leave 95% bounds 12.7 standard errors wide; the closing
+    champion-vs-stock comparison, the figure a run reports, takes at least 5 pairs."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+
+    def evaluator(**kw):
+        return EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+            model="tiny-llama", device="cpu", max_model_len=256, screen_requests=4, confirm_requests=4,
+            screen_repeats=1, confirm_repeats=2, cpu_threads=1, work_dir=str(tmp_path / "work"), **kw))
+
+    ev = evaluator()
+    stock = Candidate(ev.space().default(), ev.stock_source, "test", "stock")
+    champ_m, stock_m = ev.compare_final(stock, stock)
+    assert len(champ_m.samples) == len(stock_m.samples) == 5
+    assert ev.describe()["final_repeats"] == 5
+    ev = evaluator(final_repeats=3)
+    champ_m, stock_m = ev.compare_final(stock, stock)
+    assert len(champ_m.samples) == len(stock_m.samples) == 3
