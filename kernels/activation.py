@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
-                     dtype_name)
+                     dtype_name, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from .triton_helpers import grid_dependency_sync
 
 
 @triton.jit
@@ -28,7 +29,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_out,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -57,7 +60,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: Ke
         return out
     _silu_and_mul_kernel[(T, grid_n)](
         x, out, inner, x.stride(0), out.stride(0),
-        BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
     )
     return out
 

@@ -194,3 +194,34 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     """
     upcast = interpreter_active() and dtype == torch.bfloat16
     return upcast, "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+
+
+_PDL: dict[Any, dict[str, bool]] = {}
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch (PDL) on `device`, for the decode-path kernels.
+
+    With PDL (Hopper and later) a kernel's programs may be resident before the kernel ahead of it
+    in the stream has finished: each such kernel waits on the grid dependency (``USE_PDL``, see
+    triton_helpers.grid_dependency_sync) before it touches memory, then lets the next one launch.
+    What it saves is the launch and dispatch gap between dependent kernels, which dominates the
+    small kernels of a batch-1 decode step. Off unless SHAPESHIFT_PDL=1 (CUDA, compute capability
+    9.0 or newer, a Triton that knows ``launch_pdl``; never in the interpreter).
+    Returns the keyword arguments for the launch: {"USE_PDL": bool} plus ``launch_pdl`` when on.
+    """
+    key = (device.type, device.index)
+    if key not in _PDL:
+        on = (device.type == "cuda" and not interpreter_active()
+              and os.environ.get("SHAPESHIFT_PDL", "0").lower() in ("1", "on", "true")
+              and torch.cuda.get_device_capability(device)[0] >= 9 and _triton_knows_pdl())
+        _PDL[key] = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    return _PDL[key]
+
+
+def _triton_knows_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})

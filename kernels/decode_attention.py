@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, next_power_of_2)
-from .triton_helpers import dot
+                     dtype_name, next_power_of_2, pdl_options)
+from .triton_helpers import dot, grid_dependency_sync
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
@@ -61,7 +61,9 @@ def _decode_attention_split_kernel(
     USE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,7 +136,9 @@ def _decode_attention_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -216,12 +220,12 @@ def decode_attention(
         float(scale) * LOG2E,
         *strides,
         block_size, num_q_heads,
-        **constexprs,
+        **constexprs, **pdl_options(q.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_attention_reduce_kernel[(B, num_q_heads)](
-            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs,
+            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device),
         )
     return out
 

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, next_power_of_2)
+                     dtype_name, next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import dot
+from .triton_helpers import dot, grid_dependency_sync
 
 MAX_M = 16
 
@@ -118,7 +118,9 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr = False,
     PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
     PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,7 +181,9 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
@@ -219,7 +223,9 @@ def _gemv_silu_and_mul_kernel(
     HAS_RESIDUAL: tl.constexpr = False,
     PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
     PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < INNER
@@ -381,13 +387,13 @@ def gemv(
         EVEN_K=K % (split_k * block_k) == 0, USE_DOT=use_dot, HAS_BIAS=bias is not None,
         UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
     )
     if split_k > 1:
         reduce_block = 1024
         _split_k_reduce_kernel[(M, cdiv(N, reduce_block))](
             partial, bias_arg, out, M, N, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_options(x.device),
         )
     return out if res_ret is None else (out, res_ret)
 
@@ -440,7 +446,7 @@ def gemv_silu_and_mul(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
     )
     return out if res_ret is None else (out, res_ret)
 

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
-                     dtype_name, next_power_of_2)
+                     dtype_name, next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from .triton_helpers import grid_dependency_sync
 
 MAX_HIDDEN = 65536
 
@@ -43,7 +44,9 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -107,7 +110,7 @@ def rmsnorm(
         M, N,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         float(eps),
-        **constexprs,
+        **constexprs, **pdl_options(x.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

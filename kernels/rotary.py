@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
-                     next_power_of_2)
+                     next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from .triton_helpers import grid_dependency_sync
 
 
 @triton.jit
@@ -56,7 +57,9 @@ def _rope_kv_write_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -190,7 +193,7 @@ def rotary_kv_write(
         q, k, v, positions, cos_sin_cache, slot_mapping, q_out, k_cache, v_cache,
         *strides,
         num_q_heads, num_kv_heads, k_cache.shape[1],
-        **constexprs,
+        **constexprs, **pdl_options(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2
+from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2, pdl_options
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from .triton_helpers import grid_dependency_sync
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 _ONE_PLUS_ULP_BITS: tl.constexpr = tl.constexpr(0x3F800001)  # bits just above 1.0f: no w_i reaches it
@@ -153,7 +154,9 @@ def _sample_kernel(
 def _argmax_partial_kernel(
     logits_ptr, partial_val_ptr, partial_idx_ptr, V, stride_row, chunk,
     NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    grid_dependency_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     offs = tl.arange(0, BLOCK_V)
@@ -173,7 +176,9 @@ def _argmax_partial_kernel(
 
 
 @triton.jit
-def _argmax_reduce_kernel(partial_val_ptr, partial_idx_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _argmax_reduce_kernel(partial_val_ptr, partial_idx_ptr, out_ptr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    grid_dependency_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     mask = s < NUM_SPLITS
@@ -536,9 +541,10 @@ def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None, config: Ker
     chunk = cdiv(cdiv(V, splits), block_v) * block_v
     vals = torch.empty((B, splits), dtype=torch.float32, device=logits.device)
     idxs = torch.empty((B, splits), dtype=torch.int32, device=logits.device)
+    pdl = pdl_options(logits.device)
     _argmax_partial_kernel[(B, splits)](logits, vals, idxs, V, logits.stride(0), chunk,
-                                        NUM_SPLITS=splits, BLOCK_V=block_v, num_warps=config.num_warps)
-    _argmax_reduce_kernel[(B,)](vals, idxs, out, NUM_SPLITS=splits, BLOCK_S=max(2, next_power_of_2(splits)))
+                                        NUM_SPLITS=splits, BLOCK_V=block_v, num_warps=config.num_warps, **pdl)
+    _argmax_reduce_kernel[(B,)](vals, idxs, out, NUM_SPLITS=splits, BLOCK_S=max(2, next_power_of_2(splits)), **pdl)
     return out
 
 

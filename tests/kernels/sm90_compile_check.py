@@ -51,9 +51,9 @@ def sm90(spec, problem):
     return spec.choose_default(problem, "sm90")
 
 
-def launch_all() -> None:
+def launch_all(prefix: str = "") -> None:
     def label(name):
-        _CURRENT["label"] = name
+        _CURRENT["label"] = prefix + name
 
     e = torch.empty
     label("rmsnorm")
@@ -84,6 +84,9 @@ def launch_all() -> None:
     for m, n, k in ((1, 2048, 8192), (1, 128256, 2048), (16, 3072, 2048)):
         label(f"gemv M={m} N={n} K={k}")
         gemv.gemv(e(m, k, dtype=BF16), e(n, k, dtype=BF16), config=sm90(gemv.GEMV_SPEC, {"m": m, "n": n, "k": k}))
+    label("gemv_silu_and_mul M=1")
+    gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16),
+                           config=sm90(gemv.GEMV_SPEC, {"m": 1, "n": 8192, "k": 2048}))
     label("gemv fma")
     gemv.gemv(e(1, 2048, dtype=BF16), e(3072, 2048, dtype=BF16),
               config=gemv.KernelConfig.make("fma", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2))
@@ -164,8 +167,18 @@ def _ptxas_report(ptx: str) -> dict:
             "spill_load_bytes": int(spill_loads.group(1)) if spill_loads else None}
 
 
+PDL_MODULES = ("activation", "decode_attention", "gemv", "rmsnorm", "rotary", "sampling")
+
+
 def main() -> int:
     launch_all()
+    # Again with programmatic dependent launch on (checks.pdl_options): the decode-path kernels
+    # compile with their grid-dependency prologue; kernels without one dedupe to the first pass.
+    for name in PDL_MODULES:
+        getattr(sys.modules["shapeshift.kernels." + name], "pdl_options")  # each launcher has it
+        setattr(sys.modules["shapeshift.kernels." + name], "pdl_options",
+                lambda device: {"USE_PDL": True, "launch_pdl": True})
+    launch_all("pdl ")
     failures = 0
     seen = set()
     only = os.environ.get("SM90_COMPILE_ONLY", "")  # a label prefix, to recompile one kernel family
@@ -178,13 +191,14 @@ def main() -> int:
         if key in seen:
             continue
         seen.add(key)
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
         row = {"label": label, "kernel": fn.__name__, **options}
         try:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                       options=options)
             row["shared_bytes"] = compiled.metadata.shared
             row.update(_ptxas_report(compiled.asm["ptx"]))
+            row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
             row["ok"] = True
         except Exception as error:  # report every failure, keep compiling the rest
             row["ok"] = False

@@ -18,29 +18,30 @@ from shapeshift.kernels import gemv  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def launch_decode_paths() -> None:
+def launch_decode_paths(prefix: str = "") -> None:
+    """prefix: label prefix of a second pass (sm90_compile_check.main runs one with PDL on)."""
     e = torch.empty
 
     def cfg(n, k):
         return gemv.GEMV_SPEC.choose_default({"m": 1, "n": n, "k": k, "dtype": "bfloat16"}, "sm90")
 
     for m in (1, 16):
-        check._CURRENT["label"] = f"gemv+norm qkv M={m}"
+        check._CURRENT["label"] = prefix + f"gemv+norm qkv M={m}"
         gemv.gemv(e(m, 2048, dtype=BF16), e(3072, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16), eps=1e-5,
                   residual=e(m, 2048, dtype=BF16), config=cfg(3072, 2048))
-        check._CURRENT["label"] = f"gemv+norm lm_head float32 M={m}"
+        check._CURRENT["label"] = prefix + f"gemv+norm lm_head float32 M={m}"
         gemv.gemv(e(m, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32,
                   norm_weight=e(2048, dtype=BF16), eps=1e-5, residual=e(m, 2048, dtype=BF16),
                   config=cfg(128256, 2048))
-        check._CURRENT["label"] = f"gemv_silu_and_mul+norm M={m}"
+        check._CURRENT["label"] = prefix + f"gemv_silu_and_mul+norm M={m}"
         gemv.gemv_silu_and_mul(e(m, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16),
                                eps=1e-5, residual=e(m, 2048, dtype=BF16), config=cfg(8192, 2048))
-    check._CURRENT["label"] = "gemv+norm first layer (no residual)"
+    check._CURRENT["label"] = prefix + "gemv+norm first layer (no residual)"
     gemv.gemv(e(1, 2048, dtype=BF16), e(3072, 2048, dtype=BF16), norm_weight=e(2048, dtype=BF16), eps=1e-5,
               config=cfg(3072, 2048))
-    check._CURRENT["label"] = "gemv_silu_and_mul"
+    check._CURRENT["label"] = prefix + "gemv_silu_and_mul"
     gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), config=cfg(8192, 2048))
-    check._CURRENT["label"] = "gemv float32 out"
+    check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
 
 

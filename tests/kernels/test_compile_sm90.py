@@ -32,3 +32,11 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert all(r["arch"] == "sm_90a" for r in rows)
     spilled = [r for r in rows if r["spill_store_bytes"]]
     assert not spilled, f"register spills at default configs: {spilled}"
+    # Programmatic dependent launch: every decode-path kernel compiles with its grid-dependency
+    # wait when on, and without it when off.
+    pdl = {r["kernel"] for r in rows if r.get("launch_pdl")}
+    assert {"_rmsnorm_kernel", "_silu_and_mul_kernel", "_rope_kv_write_kernel", "_decode_attention_split_kernel",
+            "_decode_attention_reduce_kernel", "_gemv_kernel", "_split_k_reduce_kernel", "_gemv_silu_and_mul_kernel",
+            "_argmax_partial_kernel", "_argmax_reduce_kernel"} <= pdl
+    assert all(r["grid_dependency_wait"] == bool(r.get("launch_pdl")) for r in rows), \
+        [(r["label"], r["kernel"]) for r in rows if r["grid_dependency_wait"] != bool(r.get("launch_pdl"))]
