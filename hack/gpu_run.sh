@@ -2,7 +2,7 @@
 # One whole GPU measurement session on a CUDA machine that already has torch,
 # triton and transformers (no network): make the `shapeshift` namespace
 # importable without installing, run the CUDA tests, then the benchmarks.
-#   hack/gpu_run.sh [tests] [kernels] [tune] [decode] [curve] [profile] [reload] [compile] [parallel-tests] [parallel]
+#   hack/gpu_run.sh [tests] [kernels] [tune] [decode] [curve] [profile] [reload] [pdl] [compile] [parallel-tests] [parallel]
 #   (default: tests kernels decode reload; the parallel ones need 2 or more GPUs)
 # Results land in bench/results/; logs and a tarball of the results go to
 # $OUT when it is set. Every step runs even when an earlier one fails; the exit
@@ -55,12 +55,22 @@ for step in "${steps[@]}"; do
     parallel-tests) timeout 300 python3 -m pytest -q --timeout 280 -p no:cacheprovider tests/parallel/test_parallel_cuda.py \
                 2>&1 | tee "$OUT/parallel-tests.log" | tail -25 ;;
     parallel) timeout "${PARALLEL_TIMEOUT_S:-500}" python3 hack/bench_parallel.py ${PARALLEL_ARGS:-} 2>&1 | tee "$OUT/parallel.log" ;;
+    pdl)      # Programmatic dependent launch (SHAPESHIFT_PDL) off, then on, in one session; then the
+              # CUDA engine and decode-path kernel tests with it on.
+              a="--recipes triton,fast --batch-sizes 1,32 --baselines none --repeats 3 --time-budget 60"
+              timeout 90 python3 hack/bench_decode.py $a --skip-check 2>&1 | tee "$OUT/pdl-off.log" | tail -8 &&
+              SHAPESHIFT_PDL=1 timeout 100 python3 hack/bench_decode.py $a 2>&1 | tee "$OUT/pdl-on.log" | tail -9 &&
+              SHAPESHIFT_PDL=1 timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
+                tests/engine/test_cuda_engine.py tests/engine/test_multi_step_decode.py tests/kernels/test_gemv.py \
+                tests/kernels/test_gemv_decode_paths.py tests/kernels/test_decode_attention.py \
+                tests/kernels/test_rmsnorm_activation.py tests/kernels/test_rotary.py tests/kernels/test_sampling_kernels.py \
+                2>&1 | tee "$OUT/pdl-tests.log" | tail -8 ;;
     compile)  # A time-boxed search on the 1B shape; a stop resumes from the board next time.
               timeout "${COMPILE_TIMEOUT_S:-330}" python3 -c 'import sys; from shapeshift.engine.compile.cli import main; sys.exit(main())' \
                 --model llama-3.2-1b-shape --profile chat --agents "${COMPILE_AGENTS:-sweep,evolve}" ${COMPILE_ARGS:-} \
                 --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/${COMPILE_OUT:-compile-h200-chat}" \
                 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
-    *)        echo "unknown step $step (tests kernels tune decode curve profile reload compile parallel-tests parallel)" >&2; false ;;
+    *)        echo "unknown step $step (tests kernels tune decode curve profile reload pdl compile parallel-tests parallel)" >&2; false ;;
   esac
   # pipefail: the status of the step's command, not of tee or tail.
   (( $? == 0 )) || failed+=("$step")

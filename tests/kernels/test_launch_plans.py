@@ -95,3 +95,21 @@ def test_check_tensor_messages_are_unchanged(device):
     with pytest.raises(ValueError, match="must be contiguous"):
         check_tensor("op", "t", x.t(), contiguous=True, last_dim_contiguous=False)
     assert check_tensor("op", "t", x, shape=(2, None), dtypes=(torch.float32,), device=x.device) is x
+
+
+def test_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch):
+    """SHAPESHIFT_PDL=1 turns it on for Hopper-class CUDA devices only; the CPU (and the
+    interpreter) never get launch_pdl, whatever the environment says."""
+    from shapeshift.kernels import checks
+
+    monkeypatch.setattr(checks, "_PDL", {})
+    monkeypatch.delenv("SHAPESHIFT_PDL", raising=False)
+    assert checks.pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setattr(checks, "_PDL", {})
+    monkeypatch.setenv("SHAPESHIFT_PDL", "1")
+    assert checks.pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+    if torch.cuda.is_available():
+        monkeypatch.setattr(checks, "_PDL", {})
+        on = checks.pdl_options(torch.device("cuda", torch.cuda.current_device()))
+        hopper = torch.cuda.get_device_capability()[0] >= 9 and checks._triton_knows_pdl()
+        assert on == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
