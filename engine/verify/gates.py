@@ -13,6 +13,7 @@ Gates (names are stable; reports and tests refer to them):
   outputs.finite              no NaN/Inf logits, including long prompts
   outputs.agreement           greedy tokens over many steps (teacher-forced on the reference's
                               tokens; a flip is forgiven only at a near-tie) and logprob tolerance
+                              (in half precision calibrated on the reference's own rounding error)
   kv.prefix_hit_equals_miss   a prompt computed over a shared cached prefix == computed fresh
   kv.batched_equals_alone     each sequence's outputs do not depend on its batch mates
   kv.canary_isolation         a canary secret in one request never reaches another: outputs of a
