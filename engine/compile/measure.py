@@ -67,6 +67,16 @@ class Measurement:
     def high(self) -> float:
         return max(max(self.samples), self.mean * (1 + self.noise_floor)) if self.samples else 0.0
 
+    def extended(self, more: Measurement) -> Measurement:
+        """This measurement with `more`'s repeats appended (the same candidate, tier and request set)."""
+        return Measurement(
+            samples=self.samples + more.samples, per_user_p50=self.per_user_p50 + more.per_user_p50,
+            per_user_p90=self.per_user_p90 + more.per_user_p90,
+            e2e_per_user_p90=self.e2e_per_user_p90 + more.e2e_per_user_p90,
+            ttft_p50=self.ttft_p50 + more.ttft_p50, ttft_p90=self.ttft_p90 + more.ttft_p90,
+            error=self.error or more.error, seconds=self.seconds + more.seconds, noise_floor=self.noise_floor,
+            details=dict(self.details))
+
     def per_user_p90_mean(self) -> float | None:
         return statistics.fmean(self.per_user_p90) if self.per_user_p90 else None
 

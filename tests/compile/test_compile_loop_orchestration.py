@@ -192,3 +192,58 @@ def test_measurement_never_waits_for_a_thinking_agent(tmp_path: Path) -> None:
     # The quick agent's three candidates were measured while the slow one was still thinking.
     assert screened[:3] == ["fast", "same", "wrong"] and screened[3] == "faster"
     assert result.trials == 4 and result.champion.recipe["variant"] == "faster"
+
+
+class ScriptedPairsEvaluator(FakeEvaluatorForOrchestrationTests):
+    """compare() returns scripted (candidate, incumbent) sample lists in turn: a test double."""
+
+    def __init__(self, speed, pairs):
+        super().__init__(speed)
+        self.pairs = list(pairs)
+
+    def compare(self, c, inc):
+        self.calls.append(("compare", self._key(c)))
+        cand, base = self.pairs.pop(0)
+        return (Measurement(samples=cand, per_user_p90=[10.0] * len(cand)),
+                Measurement(samples=base, per_user_p90=[10.0] * len(base)))
+
+
+def _run_scripted(tmp_path, pairs, **config):
+    board = Board(tmp_path / "board.jsonl")
+    sp = space()
+    ev = ScriptedPairsEvaluator({"stock": 100, "fast": 190}, pairs)
+    loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, ["fast"])], Budget(max_trials=1),
+                       LoopConfig(deterministic=True, **config))
+    return loop.run(), board, ev
+
+
+def test_undecided_confirmation_measures_more_pairs(tmp_path: Path) -> None:
+    """Two pairs at 3.0x and 1.2x: a mean gain of 1.9x whose bounds (t(1) = 12.7) include 1.
+    One more round of five pairs at 1.9x, pooled with the first two, confirms it."""
+    first = ([300.0, 120.0], [100.0, 100.0])
+    more = ([190.0] * 5, [100.0] * 5)
+    closing = ([190.0] * 5, [100.0] * 5)  # the closing comparison with the stock pass
+    result, board, ev = _run_scripted(tmp_path, [first, more, closing])
+    assert [c for c in ev.calls if c[0] == "compare"] == [("compare", "fast")] * 3
+    assert any("undecided on the full tier" in n["text"] for n in board.entries("note"))
+    assert result.champion is not None and result.champion.recipe["variant"] == "fast"
+    more_rows = [r for r in board.results("full") if r["trial_id"].endswith("-full-more1")]
+    assert len(more_rows) == 1 and more_rows[0]["role"] == "confirm-more"
+    assert len(more_rows[0]["metrics"]["samples"]) == 5
+    assert result.confirms == 1  # the extra round is part of one confirmation
+
+
+def test_undecided_twice_is_not_confirmed_and_clear_losers_are_not_remeasured(tmp_path: Path) -> None:
+    wild = ([300.0, 120.0], [100.0, 100.0])
+    still_wild = ([400.0, 60.0], [100.0, 100.0])
+    result, board, ev = _run_scripted(tmp_path, [wild, still_wild])
+    assert result.champion is None
+    assert len([c for c in ev.calls if c[0] == "compare"]) == 2  # one extra round, no more
+    assert any("not confirmed on the full tier" in n["text"] for n in board.entries("note"))
+
+    slower = ([95.0, 97.0], [100.0, 100.0])  # mean gain below the bar: nothing to decide
+    result, board, ev = _run_scripted(tmp_path / "b", [slower])
+    assert result.champion is None and len([c for c in ev.calls if c[0] == "compare"]) == 1
+
+    result, board, ev = _run_scripted(tmp_path / "c", [wild], extend_undecided=0)
+    assert result.champion is None and len([c for c in ev.calls if c[0] == "compare"]) == 1
