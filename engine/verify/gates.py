@@ -228,17 +228,20 @@ def run_pair(ctx: GateContext, prompts: list[list[int]], steps: int, setup: Call
     return ref_tokens, ref_logits, cand_logits
 
 
-def calibrate_tolerance(ctx: GateContext, reference_float32: Any) -> dict[str, Any]:
+def calibrate_tolerance(ctx: GateContext, reference_float32: Any, device: torch.device | None = None
+                        ) -> dict[str, Any]:
     """The reference's own rounding error, against the same pass in float32, sets ctx.calibrated.
 
     Both run the same prompts; the half-precision reference is teacher-forced on the float32
-    pass's tokens. Returns the evidence: the measured error and the bounds now in force.
+    pass's tokens. ``device``: where the float32 pass lives (default: the verification's).
+    Returns the evidence: the measured error and the bounds now in force.
     """
     s = ctx.settings
     prompts = [ctx.prompt() for _ in range(s.num_prompts)]
-    exact_driver = PagedDriver(ctx.model_config, torch.float32, ctx.device, num_blocks=s.num_blocks,
+    exact_driver = PagedDriver(ctx.model_config, torch.float32, device or ctx.device, num_blocks=s.num_blocks,
                                block_size=s.block_size, seed=ctx.rng.getrandbits(31))
     tokens, exact = exact_driver.greedy(reference_float32, [Seq(list(p)) for p in prompts], s.steps)
+    exact = [x.to(ctx.device) for x in exact]
     _, rounded = ctx.driver().greedy(ctx.reference, [Seq(list(p)) for p in prompts], s.steps, forced=tokens)
     ev = compare(exact, rounded, (float("inf"), float("inf"), ctx.tol[2]), s.top_k_compare)
     if not ev["finite"]:
@@ -660,8 +663,10 @@ def _calibrate(ctx: GateContext, model_config: Any, weights: dict[str, torch.Ten
                stock: LoadedBundle | None) -> dict[str, Any]:
     """calibrate_tolerance for half precision, over the stock pass rebuilt in float32.
 
-    Float32 runs keep the fixed table. A failure here (no memory for the float32 copy, say)
-    leaves the table's bounds in force and is recorded, never silently.
+    The float32 copy is built on the verification's device, and on the host when the device
+    has no room for it (4 bytes a parameter beside the measuring engines). Float32 runs keep
+    the fixed table. A failure here leaves the table's bounds in force and is recorded, never
+    silently.
     """
     s = ctx.settings
     atol, rtol, _ = ctx.tol
@@ -669,17 +674,33 @@ def _calibrate(ctx: GateContext, model_config: Any, weights: dict[str, torch.Ten
     if ctx.dtype in (torch.float32, torch.float64) or not s.calibrate:
         return {**table, "reason": "float32 or wider: the fixed bounds" if s.calibrate else "calibration off"}
     own = None
+    out_of_memory: list[str] = []
     try:
         if stock is None:
             from ..hot_reload import load_stock_isolated
 
             stock = own = load_stock_isolated()
-        with torch.inference_mode():
-            weights32 = {name: w.float() for name, w in weights.items()}
-            reference32 = stock.module.build(model_config, weights32, dict(stock.recipe))
-            return calibrate_tolerance(ctx, reference32)
+        for place in _calibration_places(ctx.device):
+            try:
+                with torch.inference_mode():
+                    weights32 = {name: w.to(place, torch.float32) for name, w in weights.items()}
+                    reference32 = stock.module.build(model_config, weights32, dict(stock.recipe))
+                    evidence = calibrate_tolerance(ctx, reference32, place)
+                return {**evidence, "float32_on": str(place), **({"out_of_memory": out_of_memory} if out_of_memory
+                                                                  else {})}
+            except torch.cuda.OutOfMemoryError:
+                weights32 = reference32 = None  # noqa: F841 - drop the partial copy before the next place
+                if place.type == "cuda":
+                    torch.cuda.empty_cache()
+                out_of_memory.append(str(place))
+        return {**table, "reason": f"no room for a float32 copy of the weights on {', '.join(out_of_memory)}"}
     except Exception as exc:  # noqa: BLE001 - recorded; the table's bounds stay
         return {**table, "reason": f"{type(exc).__name__}: {exc}"}
     finally:
         if own is not None:
             own.unload()
+
+
+def _calibration_places(device: torch.device) -> list[torch.device]:
+    """Where the float32 reference may live: the verification's device, then the host."""
+    return [device] if device.type == "cpu" else [device, torch.device("cpu")]

@@ -127,6 +127,38 @@ def test_calibration_sets_the_bound_in_force(model_bf16):
                                 "reason": "calibration off"}
 
 
+def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, monkeypatch):
+    """Test double: the first place's float32 copy runs out of memory, as a full GPU would."""
+    from shapeshift.engine.verify import gates
+
+    cfg, weights = model_bf16
+    real = gates.calibrate_tolerance
+    places = []
+
+    def first_place_full(ctx, reference, device=None):
+        places.append(device)
+        if len(places) == 1:
+            raise torch.cuda.OutOfMemoryError("out of memory (test double)")
+        return real(ctx, reference, device)
+
+    monkeypatch.setattr(gates, "_calibration_places", lambda device: [device, torch.device("cpu")])
+    monkeypatch.setattr(gates, "calibrate_tolerance", first_place_full)
+    report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
+                              only=("outputs.agreement",))
+    assert len(places) == 2 and report.passed
+    assert report.tolerance["calibrated"] and report.tolerance["float32_on"] == "cpu"
+    assert report.tolerance["out_of_memory"] == ["cpu"]
+
+    def always_full(ctx, reference, device=None):
+        raise torch.cuda.OutOfMemoryError("out of memory (test double)")
+
+    monkeypatch.setattr(gates, "calibrate_tolerance", always_full)
+    report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
+                              only=("outputs.agreement",))
+    assert report.tolerance["calibrated"] is False and report.tolerance["logit_rtol"] == 5e-2
+    assert report.tolerance["reason"] == "no room for a float32 copy of the weights on cpu, cpu"
+
+
 def test_fresh_prompts_each_run(model):
     cfg, weights = model
     a = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, only=("outputs.agreement",))
