@@ -287,8 +287,10 @@ def test_smoke_check_tolerates_near_ties_in_bf16_but_not_wrong_logits(tmp_path):
 
     engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
                                     max_num_batched_tokens=256, num_kv_blocks=64))
-    # Many prompts and steps, so near-ties (tiny-llama's random logits are close together) occur.
-    manager = ForwardPassManager(engine, smoke_prompts=8, smoke_steps=12)
+    # Many prompts and steps, so near-ties (tiny-llama's random logits are close together) occur:
+    # with noise up to 0.05 and 8 prompts, 2 to 5 of 96 tokens flipped (12 runs), so about 3% of
+    # runs saw none; up to 0.2 (still under the 0.25 tolerance) and 16 prompts, 17 to 30 of 192.
+    manager = ForwardPassManager(engine, smoke_prompts=16, smoke_steps=12)
 
     def candidate(name: str, amplitude: float) -> Path:
         src = tmp_path / name
@@ -297,7 +299,7 @@ def test_smoke_check_tolerates_near_ties_in_bf16_but_not_wrong_logits(tmp_path):
         create_bundle(src, None, tmp_path / f"{name}-bundle", name=name)
         return tmp_path / f"{name}-bundle"
 
-    near = manager.reload(candidate("near-ties", 0.05))  # noise far below the 0.25 tolerance
+    near = manager.reload(candidate("near-ties", 0.2))  # noise below the 0.25 tolerance
     assert near.smoke["agreement"] == 1.0 and near.smoke["equal_tokens"] < near.smoke["tokens"], near.smoke
     manager.rollback()
     with pytest.raises(ReloadError, match="worse than the incumbent's by more than 0.25 logits"):
