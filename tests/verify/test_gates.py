@@ -141,6 +141,7 @@ def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, m
             raise torch.cuda.OutOfMemoryError("out of memory (test double)")
         return real(ctx, reference, device)
 
+    monkeypatch.setattr(gates, "_CALIBRATIONS", {})  # measure, not reuse
     monkeypatch.setattr(gates, "_calibration_places", lambda device: [device, torch.device("cpu")])
     monkeypatch.setattr(gates, "calibrate_tolerance", first_place_full)
     report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
@@ -152,11 +153,27 @@ def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, m
     def always_full(ctx, reference, device=None):
         raise torch.cuda.OutOfMemoryError("out of memory (test double)")
 
+    monkeypatch.setattr(gates, "_CALIBRATIONS", {})
     monkeypatch.setattr(gates, "calibrate_tolerance", always_full)
     report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
                               only=("outputs.agreement",))
     assert report.tolerance["calibrated"] is False and report.tolerance["logit_rtol"] == 5e-2
     assert report.tolerance["reason"] == "no room for a float32 copy of the weights on cpu, cpu"
+
+
+def test_calibration_is_reused_for_the_same_weights_only(model_bf16, monkeypatch):
+    from shapeshift.engine.verify import gates
+
+    cfg, weights = model_bf16
+    monkeypatch.setattr(gates, "_CALIBRATIONS", {})
+    only = ("outputs.agreement",)
+    first = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(), only=only).tolerance
+    again = verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=settings(), only=only).tolerance
+    assert "reused" not in first and again["reused"] is True
+    assert again["reference_vs_float32"] == first["reference_vs_float32"] and again["logit_rtol"] == first["logit_rtol"]
+    other = {name: w.clone() for name, w in weights.items()}  # the same values in other tensors: measured anew
+    fresh = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, other, settings=settings(), only=only).tolerance
+    assert fresh["calibrated"] and "reused" not in fresh
 
 
 def test_fresh_prompts_each_run(model):
