@@ -232,6 +232,15 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    @staticmethod
+    def fit_token_budget(settings: dict[str, Any]) -> dict[str, Any]:
+        """``settings`` (EngineConfig field values) with max_num_batched_tokens raised to
+        max_num_seqs where it is below (every running sequence must decode each step), missing
+        ones read as the defaults: a batch width chosen on its own brings its token budget."""
+        seqs = settings.get("max_num_seqs", EngineConfig.max_num_seqs)
+        tokens = settings.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
+        return {**settings, "max_num_batched_tokens": seqs} if tokens < seqs else settings
+
     def resolved_device(self) -> str:
         if self.device is not None:
             return self.device

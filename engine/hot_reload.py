@@ -562,9 +562,8 @@ class ForwardPassManager:
         if not self.base_engine_settings:
             return  # an engine that cannot change settings while running
         wanted = {name: record.engine_settings.get(name, base) for name, base in self.base_engine_settings.items()}
-        if "max_num_seqs" in wanted and "max_num_batched_tokens" in wanted:
-            # Every running sequence must be able to decode each step (EngineConfig's own rule).
-            wanted["max_num_batched_tokens"] = max(wanted["max_num_batched_tokens"], wanted["max_num_seqs"])
+        if {"max_num_seqs", "max_num_batched_tokens"} <= wanted.keys():
+            wanted = type(self.engine.config).fit_token_budget(wanted)  # a wider batch from engine.json alone
         self.engine.set_runtime_settings(wanted)
         deferred = {k: v for k, v in record.engine_settings.items()
                     if k not in wanted and getattr(self.engine.config, k, v) != v}

@@ -178,9 +178,7 @@ class EngineEvaluator:
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(overrides)
-        if kwargs.get("max_num_batched_tokens", 2048) < kwargs.get("max_num_seqs", 64):
-            kwargs["max_num_batched_tokens"] = kwargs.get("max_num_seqs", 64)
-        return EngineConfig(**kwargs)
+        return EngineConfig(**EngineConfig.fit_token_budget(kwargs))
 
     def model_config(self):
         if self._model_config is None:

@@ -259,6 +259,32 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     assert engine.config.decode_steps == 1
 
 
+def test_a_wider_batch_from_engine_json_brings_its_token_budget(tmp_path):
+    """engine.json with a batch width above the engine's token budget and no budget of its own:
+    the budget rises to the width (as EngineConfig.fit_token_budget, which the compile evaluator
+    measured it with), and rollback restores both."""
+    import json
+
+    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.llm_engine import LLMEngine
+
+    assert EngineConfig.fit_token_budget({"max_num_seqs": 512}) == {"max_num_seqs": 512}  # default budget 2048
+    assert EngineConfig.fit_token_budget({"max_num_seqs": 4096})["max_num_batched_tokens"] == 4096
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=256, num_kv_blocks=64))
+    manager = ForwardPassManager(engine)
+    src = tmp_path / "wide"
+    shutil.copytree(stock_bundle_dir(), src, ignore=shutil.ignore_patterns("manifest.json", "__pycache__"))
+    (src / "engine.json").write_text(json.dumps({"max_num_seqs": 512}))
+    create_bundle(src, None, tmp_path / "wide-bundle", name="wide")
+    manager.reload(tmp_path / "wide-bundle")
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 512
+    assert engine.config.max_num_batched_tokens == engine.scheduler.max_num_batched_tokens == 512
+    manager.rollback()
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (4, 256)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (4, 256)
+
+
 LOGIT_NOISE_CANDIDATE = '''"""The stock pass with deterministic noise of amplitude {amplitude} added to its logits."""
 import torch
 
