@@ -88,6 +88,11 @@ class EvaluatorSettings:
     # the defaults of the engine.* knobs, so the stock candidate is measured as it is deployed.
     engine_base: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def closing_pairs(self) -> int:
+        """Pairs in the closing champion-vs-stock comparison (final_repeats, see above)."""
+        return self.final_repeats or max(self.confirm_repeats, 5)
+
 
 def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None = None) -> TrafficProfile:
     """The profile scaled so its longest prompt plus output fits `max_model_len` (never scaled up)."""
@@ -394,8 +399,7 @@ class EngineEvaluator:
 
     def compare_final(self, champion: Candidate, stock: Candidate) -> tuple[Measurement, Measurement]:
         """The run's closing comparison (champion, stock), with final_repeats pairs."""
-        s = self.settings
-        return self.compare(champion, stock, s.final_repeats or max(s.confirm_repeats, 5))
+        return self.compare(champion, stock, self.settings.closing_pairs)
 
     def _recover(self, tier: str) -> None:
         """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
@@ -443,7 +447,7 @@ class EngineEvaluator:
                 "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats},
-                "final_repeats": s.final_repeats or max(s.confirm_repeats, 5)}
+                "final_repeats": s.closing_pairs}
 
     def hardware(self) -> str:
         """Coarse hardware key for the registry: the GPU name, or 'cpu'."""

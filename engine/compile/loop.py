@@ -296,12 +296,14 @@ class CompileLoop:
         if m.ok:
             inc.fast = m
 
-    def _confirm(self, cand: Candidate) -> tuple[Measurement, Measurement | None, bool]:
+    def _confirm(self, cand: Candidate, round_: int = 0) -> tuple[Measurement, Measurement | None, bool]:
         """Full-tier replay of the candidate, and of the incumbent in the same window when the
-        evaluator can alternate them (so a change of machine load cannot fake a gain)."""
+        evaluator can alternate them (so a change of machine load cannot fake a gain).
+        ``round_`` > 0: another round of an undecided confirmation (recorded with role
+        confirm-more: a resumed loop counts confirmations from the board)."""
         inc = self.incumbent
         compare = getattr(self.evaluator, "compare", None)
-        tid = self._trial_id(cand) + "-full"
+        tid = self._trial_id(cand) + ("-full" if round_ == 0 else f"-full-more{round_}")
         self.board.append("trial", trial_id=tid, digest=cand.digest, tier=FULL, agent=cand.agent)
         inc_full = inc.full
         paired = callable(compare)
@@ -315,8 +317,10 @@ class CompileLoop:
         except Exception as exc:  # noqa: BLE001
             log.exception("confirming %s raised", cand.short)
             full = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
-        self.confirms += 1
-        self._record(cand, tid, FULL, full, self.baseline_full, paired_with=inc_full if paired else None)
+        if round_ == 0:
+            self.confirms += 1
+        self._record(cand, tid, FULL, full, self.baseline_full, paired_with=inc_full if paired else None,
+                     role=None if round_ == 0 else "confirm-more")
         return full, inc_full, paired
 
     def _undecided(self, full: Measurement, inc_full: Measurement | None) -> bool:
@@ -334,18 +338,8 @@ class CompileLoop:
         self.board.note("loop", f"{cand.short} undecided on the full tier: paired speed ratio {gain:.3f} "
                         f"(95% bounds {low:.3f}..{high:.3f}) over {len(full.samples)} pairs; measuring more",
                         digest=cand.digest)
-        tid = self._trial_id(cand) + f"-full-more{round_}"
-        self.board.append("trial", trial_id=tid, digest=cand.digest, tier=FULL, agent=cand.agent)
-        try:
-            more, inc_more = self.evaluator.compare(cand, self.incumbent.candidate)
-        except Exception as exc:  # noqa: BLE001
-            log.exception("confirming %s again raised", cand.short)
-            more = inc_more = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
-        self._record(self.incumbent.candidate, tid + "-incumbent", FULL, inc_more, self.baseline_full,
-                     role="incumbent-paired")
-        # role: not a confirmation of its own (a resumed loop counts confirmations from the board)
-        self._record(cand, tid, FULL, more, self.baseline_full, paired_with=inc_more, role="confirm-more")
-        if not (more.ok and inc_more.ok):
+        more, inc_more, _ = self._confirm(cand, round_)
+        if not (more.ok and inc_more is not None and inc_more.ok):
             return full, inc_full  # the first round's verdict stands
         return full.extended(more), inc_full.extended(inc_more)
 
