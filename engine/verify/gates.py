@@ -676,10 +676,8 @@ def _calibrate(ctx: GateContext, model_config: Any, weights: dict[str, torch.Ten
     silently. With the weights' fingerprint, a measurement of the same weights is reused.
     """
     s = ctx.settings
-    atol, rtol, _ = ctx.tol
-    table = {"calibrated": False, "logprob_atol": atol, "logit_rtol": rtol}
     if ctx.dtype in (torch.float32, torch.float64) or not s.calibrate:
-        return {**table, "reason": "float32 or wider: the fixed bounds" if s.calibrate else "calibration off"}
+        return _table_bounds(ctx, "float32 or wider: the fixed bounds" if s.calibrate else "calibration off")
     key = None
     if fingerprint is not None:
         key = (repr(model_config), str(ctx.dtype), str(ctx.device), tuple(sorted(fingerprint.items())),
@@ -697,8 +695,6 @@ def _calibrate(ctx: GateContext, model_config: Any, weights: dict[str, torch.Ten
 
 def _measure_calibration(ctx: GateContext, model_config: Any, weights: dict[str, torch.Tensor],
                          stock: LoadedBundle | None) -> dict[str, Any]:
-    atol, rtol, _ = ctx.tol
-    table = {"calibrated": False, "logprob_atol": atol, "logit_rtol": rtol}
     own = None
     out_of_memory: list[str] = []
     try:
@@ -719,12 +715,18 @@ def _measure_calibration(ctx: GateContext, model_config: Any, weights: dict[str,
                 if place.type == "cuda":
                     torch.cuda.empty_cache()
                 out_of_memory.append(str(place))
-        return {**table, "reason": f"no room for a float32 copy of the weights on {', '.join(out_of_memory)}"}
+        return _table_bounds(ctx, f"no room for a float32 copy of the weights on {', '.join(out_of_memory)}")
     except Exception as exc:  # noqa: BLE001 - recorded; the table's bounds stay
-        return {**table, "reason": f"{type(exc).__name__}: {exc}"}
+        return _table_bounds(ctx, f"{type(exc).__name__}: {exc}")
     finally:
         if own is not None:
             own.unload()
+
+
+def _table_bounds(ctx: GateContext, reason: str) -> dict[str, Any]:
+    """The evidence when the fixed table's bounds stay in force, and why."""
+    atol, rtol, _ = ctx.tol
+    return {"calibrated": False, "logprob_atol": atol, "logit_rtol": rtol, "reason": reason}
 
 
 def _calibration_places(device: torch.device) -> list[torch.device]:
