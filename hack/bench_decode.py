@@ -76,6 +76,25 @@ PROMPT_SEED = 100
 CURVE_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 
 
+def recipe_with_overrides(spec: str) -> dict[str, Any]:
+    """Knobs of a recipe spec: a named recipe, optionally followed by `+knob=value` overrides
+    (e.g. `fast+fuse_gate_up_activation=false`), so one run can measure a knob against its
+    recipe. Values are JSON (true, 4, "torch"), else taken as strings."""
+    name, *overrides = spec.split("+")
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r} in {spec!r}; choose from {sorted(n for n in RECIPES if '+' not in n)}")
+    knobs = dict(RECIPES[name])
+    for item in overrides:
+        knob, sep, raw = item.partition("=")
+        if not sep or not knob:
+            raise ValueError(f"recipe override {item!r} in {spec!r} is not knob=value")
+        try:
+            knobs[knob] = json.loads(raw)
+        except json.JSONDecodeError:
+            knobs[knob] = raw
+    return knobs
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -486,23 +505,28 @@ def categorize(name: str) -> str:
 
 
 def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
-    """Per-kernel GPU time of decode steps at batch 1 (after the prompt), averaged per step."""
+    """Per-kernel GPU time of decode steps at batch --profile-batch (after the prompts), averaged per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     vocab = engine.model_config.vocab_size
-    prompt = baselines.random_prompts(1, args.prompt_len, vocab, seed=PROMPT_SEED)[0]
+    rows_per_step = args.profile_batch
+    prompts = baselines.random_prompts(rows_per_step, args.prompt_len, vocab, seed=PROMPT_SEED)
     total = 3 * steps + 8
-    engine.add_request("profile", prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
-    for _ in range(4):  # prefill, first decode steps (lazy init)
-        engine.step()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
+    while any(len(s.output_token_ids) < 3 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefills, first decode steps (lazy init)
+    engine.step()
     baselines.sync(engine.device)
     # Wall time per step without the profiler, and host time per phase of a step.
     phases = {"schedule": 0.0, "run (incl. GPU wait)": 0.0, "postprocess": 0.0}
+    seen_rows = 0
     t_start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = engine.scheduler.schedule()
+        seen_rows += len(batch.seqs)
         t1 = time.perf_counter()
         out = engine.runner.run(batch)
         t2 = time.perf_counter()
@@ -535,14 +559,14 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
         c = by_category.setdefault(r["category"], {"us_per_step": 0.0, "kernels_per_step": 0.0})
         c["us_per_step"] += r["us_per_step"]
         c["kernels_per_step"] += r["calls_per_step"]
-    return {"steps": steps, "wall_ms_per_step": wall_ms, "gpu_busy_us_per_step": busy,
+    return {"batch": rows_per_step, "mean_rows_per_step": seen_rows / steps, "steps": steps, "wall_ms_per_step": wall_ms, "gpu_busy_us_per_step": busy,
             "kernels_per_step": sum(r["calls_per_step"] for r in rows),
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in phases.items()},
             "by_category": by_category, "kernels": rows, "cuda_graphs": bool(engine.runner.graphs)}
 
 
 def print_profile(name: str, p: dict[str, Any]) -> None:
-    print(f"\nprofile {name}: batch 1, {p['steps']} steps, CUDA graphs {p['cuda_graphs']}: wall "
+    print(f"\nprofile {name}: batch {p.get('batch', 1)}, {p['steps']} steps, CUDA graphs {p['cuda_graphs']}: wall "
           f"{p['wall_ms_per_step']:.3f} ms/step, GPU busy {p['gpu_busy_us_per_step']:.1f} us/step, "
           f"{p['kernels_per_step']:.1f} kernels/step")
     print("  host per step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in p["host_ms_per_step"].items()))
@@ -626,7 +650,8 @@ def parse_args(argv: list[str] | None):
                         help="tokens per request for the HF / torch.compile baselines (rates need fewer)")
     parser.add_argument("--recipes", default=None,
                         help=f"comma list of {sorted(RECIPES)} (default stock,triton,{BEST_RECIPE}; --curve: "
-                             f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}); Triton recipes are "
+                             f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}), each optionally with "
+                             "+knob=value overrides (fast+fuse_gate_up_activation=false); Triton recipes are "
                              "skipped without CUDA")
     parser.add_argument("--decode-steps", default="1",
                         help="comma list of EngineConfig.decode_steps values measured per recipe (multi-step "
@@ -647,6 +672,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     parser.add_argument("--curve", action="store_true", help="throughput vs p90 per-user tok/s, batch 1..256")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of a batch-1 decode step")
+    parser.add_argument("--profile-batch", type=int, default=1,
+                        help="--profile: sequences decoding together in the profiled steps (default 1)")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     return parser, parser.parse_args(argv)
 
@@ -662,18 +689,20 @@ def main(argv: list[str] | None = None) -> int:
     args.new_tokens = args.new_tokens or (128 if mode == "curve" else 256)
     batch_sizes = [int(b) for b in (args.batch_sizes or (CURVE_BATCH_SIZES if mode == "curve" else "1,32")).split(",")]
     if mode == "profile":
-        batch_sizes = [1]
+        batch_sizes = [args.profile_batch]
     default_recipes = {"table": f"stock,triton,{BEST_RECIPE}", "curve": BEST_RECIPE,
                        "profile": f"stock,triton,gemv,{BEST_RECIPE}"}[mode]
     recipes = [r for r in (args.recipes or default_recipes).split(",") if r]
     for r in recipes:
-        if r not in RECIPES:
-            parser.error(f"unknown recipe {r!r}; choose from {sorted(RECIPES)}")
+        try:
+            RECIPES.setdefault(r, recipe_with_overrides(r))
+        except ValueError as exc:
+            parser.error(str(exc))
     if device.type != "cuda":
-        skipped = [r for r in recipes if r in NEEDS_TRITON]
+        skipped = [r for r in recipes if r.split("+")[0] in NEEDS_TRITON]
         if skipped:
             log(f"recipes {skipped} need CUDA (Triton) here; skipped")
-        recipes = [r for r in recipes if r not in NEEDS_TRITON] or ["stock"]
+        recipes = [r for r in recipes if r.split("+")[0] not in NEEDS_TRITON] or ["stock"]
     decode_steps = [int(k) for k in args.decode_steps.split(",") if k]
     if not decode_steps or min(decode_steps) < 1:
         parser.error(f"--decode-steps takes positive integers, got {args.decode_steps!r}")

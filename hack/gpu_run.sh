@@ -50,17 +50,24 @@ for step in "${steps[@]}"; do
                 --budget-s "${TUNE_BUDGET_S:-180}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     decode)   timeout "${DECODE_TIMEOUT_S:-300}" python3 hack/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     curve)    timeout "${CURVE_TIMEOUT_S:-300}" python3 hack/bench_decode.py --curve ${CURVE_ARGS:-} 2>&1 | tee "$OUT/curve.log" ;;
-    profile)  timeout 240 python3 hack/bench_decode.py --profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
+    profile)  timeout "${PROFILE_TIMEOUT_S:-240}" python3 hack/bench_decode.py --profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     reload)   timeout 270 python3 hack/bench_reload.py --model llama-3.2-1b-shape --repeats 2 2>&1 | tee "$OUT/reload.log" | tail -40 ;;
     parallel-tests) timeout 300 python3 -m pytest -q --timeout 280 -p no:cacheprovider tests/parallel/test_parallel_cuda.py \
                 2>&1 | tee "$OUT/parallel-tests.log" | tail -25 ;;
     parallel) timeout "${PARALLEL_TIMEOUT_S:-500}" python3 hack/bench_parallel.py ${PARALLEL_ARGS:-} 2>&1 | tee "$OUT/parallel.log" ;;
-    pdl)      # Programmatic dependent launch (SHAPESHIFT_PDL) off, then on, in one session; then the
-              # CUDA engine and decode-path kernel tests with it on.
-              a="--recipes triton,fast --batch-sizes 1,32 --baselines none --repeats 3 --time-budget 60"
-              timeout 90 python3 hack/bench_decode.py $a --skip-check 2>&1 | tee "$OUT/pdl-off.log" | tail -8 &&
-              SHAPESHIFT_PDL=1 timeout 100 python3 hack/bench_decode.py $a 2>&1 | tee "$OUT/pdl-on.log" | tail -9 &&
-              SHAPESHIFT_PDL=1 timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
+    pdl)      # Programmatic dependent launch (SHAPESHIFT_PDL) off, on, and on with the GEMVs' L2 weight
+              # prefetch ahead of the wait (SHAPESHIFT_GEMV_PREFETCH columns), in one session; then the
+              # CUDA engine and decode-path kernel tests with both on.
+              a="--recipes ${PDL_RECIPES:-triton,fast,fast+fuse_gate_up_activation=false} --batch-sizes 1,32"
+              a="$a --baselines none --repeats 3 --time-budget 60"
+              timeout 120 python3 hack/bench_decode.py $a --skip-check 2>&1 | tee "$OUT/pdl-off.log" | tail -9
+              SHAPESHIFT_PDL=1 timeout 150 python3 hack/bench_decode.py $a 2>&1 | tee "$OUT/pdl-on.log" | tail -10
+              for columns in ${PDL_PREFETCH:-512 2048}; do
+                SHAPESHIFT_PDL=1 SHAPESHIFT_GEMV_PREFETCH=$columns timeout 120 python3 hack/bench_decode.py $a --skip-check \
+                  2>&1 | tee "$OUT/pdl-prefetch-$columns.log" | tail -9
+              done
+              SHAPESHIFT_PDL=1 SHAPESHIFT_GEMV_PREFETCH=${PDL_PREFETCH_TESTED:-512} timeout 240 python3 -m pytest -q -x \
+                --timeout 120 -p no:cacheprovider \
                 tests/engine/test_cuda_engine.py tests/engine/test_multi_step_decode.py tests/kernels/test_gemv.py \
                 tests/kernels/test_gemv_decode_paths.py tests/kernels/test_decode_attention.py \
                 tests/kernels/test_rmsnorm_activation.py tests/kernels/test_rotary.py tests/kernels/test_sampling_kernels.py \

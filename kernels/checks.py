@@ -219,6 +219,20 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     return _PDL[key]
 
 
+def gemv_prefetch_columns() -> int:
+    """Weight columns per row a GEMV program prefetches into L2 before its grid-dependency wait,
+    when programmatic dependent launch is on (SHAPESHIFT_GEMV_PREFETCH, default 0: none). Read
+    on every call (the launchers are cheap next to a launch), so a benchmark can switch it."""
+    raw = os.environ.get("SHAPESHIFT_GEMV_PREFETCH", "0")
+    try:
+        columns = int(raw)
+    except ValueError:
+        raise ValueError(f"SHAPESHIFT_GEMV_PREFETCH must be a whole number of columns, got {raw!r}") from None
+    if columns < 0:
+        raise ValueError(f"SHAPESHIFT_GEMV_PREFETCH must be >= 0, got {columns}")
+    return columns
+
+
 def _triton_knows_pdl() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, next_power_of_2, pdl_options)
+                     dtype_name, gemv_prefetch_columns, next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import dot, grid_dependency_sync
+from .triton_helpers import dot, grid_dependency_sync, prefetch_rows_l2
 
 MAX_M = 16
 
@@ -119,8 +119,9 @@ def _gemv_kernel(
     PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
     PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
     USE_PDL: tl.constexpr = False,
+    PREFETCH_K: tl.constexpr = 0,  # with USE_PDL: weight columns per row prefetched into L2 before the wait
+    PREFETCH_LINE: tl.constexpr = 64,  # elements per 128-byte line
 ):
-    grid_dependency_sync(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,6 +137,9 @@ def _gemv_kernel(
     n_safe = tl.where(n_mask, n, 0).to(tl.int64)
     w_ptrs = w_ptr + n_safe[:, None] * stride_w_n + (k_start + kk)[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + m[:, None] * stride_x_m + (k_start + kk)[None, :]  # [BLOCK_M, BLOCK_K]
+    if USE_PDL and PREFETCH_K > 0:  # weights are not written by the kernel ahead: start their stream
+        prefetch_rows_l2(w_ptr, n_safe, stride_w_n, k_start, k_end, PREFETCH_K, PREFETCH_LINE)
+    grid_dependency_sync(USE_PDL)  # nothing above reads or writes memory (the prefetch fills L2 only)
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
                                  (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
@@ -224,8 +228,9 @@ def _gemv_silu_and_mul_kernel(
     PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
     PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
     USE_PDL: tl.constexpr = False,
+    PREFETCH_K: tl.constexpr = 0,
+    PREFETCH_LINE: tl.constexpr = 64,
 ):
-    grid_dependency_sync(USE_PDL)
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < INNER
@@ -236,6 +241,10 @@ def _gemv_silu_and_mul_kernel(
     g_ptrs = w_ptr + n_safe[:, None] * stride_w_n + kk[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = g_ptrs + INNER * stride_w_n
     x_ptrs = x_ptr + m[:, None] * stride_x_m + kk[None, :]  # [BLOCK_M, BLOCK_K]
+    if USE_PDL and PREFETCH_K > 0:
+        prefetch_rows_l2(w_ptr, n_safe, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
+        prefetch_rows_l2(w_ptr, n_safe + INNER, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
+    grid_dependency_sync(USE_PDL)
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
                                  pid_n == 0, HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
@@ -387,7 +396,7 @@ def gemv(
         EVEN_K=K % (split_k * block_k) == 0, USE_DOT=use_dot, HAS_BIAS=bias is not None,
         UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_and_prefetch(weight),
     )
     if split_k > 1:
         reduce_block = 1024
@@ -446,9 +455,21 @@ def gemv_silu_and_mul(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_and_prefetch(gate_up),
     )
     return out if res_ret is None else (out, res_ret)
+
+
+def _pdl_and_prefetch(weight: torch.Tensor) -> dict:
+    """Launch options: programmatic dependent launch (checks.pdl_options) and, with it, the
+    weight columns each program prefetches into L2 before its grid-dependency wait
+    (checks.gemv_prefetch_columns; at least one 128-byte line, else none)."""
+    options = pdl_options(weight.device)
+    if not options["USE_PDL"]:
+        return options
+    line = 128 // weight.element_size()
+    columns = gemv_prefetch_columns()
+    return {**options, "PREFETCH_K": next_power_of_2(columns) if columns >= line else 0, "PREFETCH_LINE": line}
 
 
 # H100 / H200 defaults per weight shape (N, K), for every M in 1..16 (the "dot" variant pads M

@@ -25,3 +25,21 @@ def grid_dependency_sync(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the 128-byte lines holding `ptrs` to be brought into L2; no registers are written
+    and nothing waits for the data (PTX prefetch.global.L2). CUDA only, never in the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(base_ptr, rows, stride_row, k_start, k_end, COLUMNS: tl.constexpr, LINE: tl.constexpr):
+    """Prefetch into L2 columns [k_start, min(k_start + COLUMNS, k_end)) of `rows` (int64 [R]) of a
+    row-major matrix, one request per LINE elements (one 128-byte line; COLUMNS // LINE is a power
+    of two). Meant for weights ahead of a grid-dependency wait: weights are not written by the
+    kernel in front, so their stream can start while that kernel finishes."""
+    cols = tl.minimum(k_start + tl.arange(0, COLUMNS // LINE) * LINE, k_end - 1)
+    prefetch_l2(base_ptr + rows[:, None] * stride_row + cols[None, :])

@@ -67,3 +67,27 @@ def test_curve_comparison_interpolates_and_bounds():
     bounds = {c["hf_batch"]: c for c in bench.curve_dominance(ours, theirs)}
     assert bounds[1]["ours_batch"] == 1 and bounds[1]["ratio_lower_bound"] == pytest.approx(4.0)
     assert bounds[16]["ours_batch"] == 32 and bounds[16]["ratio_lower_bound"] == pytest.approx(4.0)
+
+
+def test_recipe_overrides_parse_and_reject_bad_specs():
+    bench = load_bench()
+    knobs = bench.recipe_with_overrides("fast+fuse_gate_up_activation=false+linear_backend=torch")
+    assert knobs["fuse_gate_up_activation"] is False and knobs["linear_backend"] == "torch"
+    assert knobs["fuse_norm_into_linear"] is True  # the rest of the named recipe is kept
+    assert bench.RECIPES["fast"]["fuse_gate_up_activation"] is True  # the named recipe is untouched
+    with pytest.raises(ValueError, match="unknown recipe 'fastest'"):
+        bench.recipe_with_overrides("fastest+fuse_qkv=true")
+    with pytest.raises(ValueError, match="not knob=value"):
+        bench.recipe_with_overrides("fast+fuse_qkv")
+
+
+@pytest.mark.slow
+def test_profile_at_a_batch_with_an_overridden_recipe(tmp_path):
+    bench = load_bench()
+    assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--profile", "--profile-batch", "3",
+                       "--prompt-len", "8", "--recipes", "stock+fuse_qkv=true", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("decode-profile-tiny-llama-*.json")).read_text())
+    assert result["recipes"] == {"stock+fuse_qkv=true": {"fuse_qkv": True}}
+    profile = result["profiles"]["stock+fuse_qkv=true"]
+    assert profile["batch"] == 3 and profile["mean_rows_per_step"] == 3 and profile["wall_ms_per_step"] > 0
+    assert result["batch_sizes"] == [3]

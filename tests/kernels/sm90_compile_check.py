@@ -127,7 +127,7 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict):
     bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
     for index, param in enumerate(fn.params):
         name = param.name
-        value = bound[name]
+        value = bound[name] if name in bound else param.default  # a defaulted constexpr left out
         if param.is_constexpr:
             signature[name] = "constexpr"
             constexprs[name] = value
@@ -179,6 +179,9 @@ def main() -> int:
         setattr(sys.modules["shapeshift.kernels." + name], "pdl_options",
                 lambda device: {"USE_PDL": True, "launch_pdl": True})
     launch_all("pdl ")
+    # And with the GEMVs' weight prefetch ahead of the wait (checks.gemv_prefetch_columns).
+    os.environ["SHAPESHIFT_GEMV_PREFETCH"] = "512"
+    launch_all("pdl prefetch ")
     failures = 0
     seen = set()
     only = os.environ.get("SM90_COMPILE_ONLY", "")  # a label prefix, to recompile one kernel family
@@ -199,6 +202,8 @@ def main() -> int:
             row["shared_bytes"] = compiled.metadata.shared
             row.update(_ptxas_report(compiled.asm["ptx"]))
             row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+            row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
+            row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
             row["ok"] = True
         except Exception as error:  # report every failure, keep compiling the rest
             row["ok"] = False

@@ -40,3 +40,8 @@ def test_all_kernels_compile_for_sm90_without_spills():
             "_argmax_partial_kernel", "_argmax_reduce_kernel"} <= pdl
     assert all(r["grid_dependency_wait"] == bool(r.get("launch_pdl")) for r in rows), \
         [(r["label"], r["kernel"]) for r in rows if r["grid_dependency_wait"] != bool(r.get("launch_pdl"))]
+    # The GEMVs' weight prefetch (PDL on, SHAPESHIFT_GEMV_PREFETCH > 0) is in the code exactly
+    # when asked for, in both GEMV kernels.
+    prefetching = {r["kernel"] for r in rows if r["l2_prefetch"]}
+    assert prefetching == {"_gemv_kernel", "_gemv_silu_and_mul_kernel"}, prefetching
+    assert all(r["l2_prefetch"] == bool(r["prefetch_k"]) for r in rows)

@@ -113,3 +113,26 @@ def test_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch
         on = checks.pdl_options(torch.device("cuda", torch.cuda.current_device()))
         hopper = torch.cuda.get_device_capability()[0] >= 9 and checks._triton_knows_pdl()
         assert on == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
+
+
+def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch):
+    """SHAPESHIFT_GEMV_PREFETCH: whole columns >= 0, rounded up to a power of two, at least one
+    128-byte line of the weight's dtype, and only with programmatic dependent launch on."""
+    from shapeshift.kernels import checks, gemv
+
+    monkeypatch.delenv("SHAPESHIFT_GEMV_PREFETCH", raising=False)
+    assert checks.gemv_prefetch_columns() == 0
+    for bad in ("many", "-64", "1.5"):
+        monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", bad)
+        with pytest.raises(ValueError, match="SHAPESHIFT_GEMV_PREFETCH"):
+            checks.gemv_prefetch_columns()
+    weight = torch.empty(8, 8, dtype=torch.bfloat16)
+    monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "300")
+    monkeypatch.setattr(gemv, "pdl_options", lambda device: {"USE_PDL": False})
+    assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": False}  # no wait to prefetch ahead of
+    monkeypatch.setattr(gemv, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": True, "launch_pdl": True, "PREFETCH_K": 512,
+                                              "PREFETCH_LINE": 64}
+    assert gemv._pdl_and_prefetch(weight.float())["PREFETCH_LINE"] == 32
+    monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "32")  # under one bf16 line: none
+    assert gemv._pdl_and_prefetch(weight)["PREFETCH_K"] == 0
