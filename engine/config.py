@@ -183,6 +183,12 @@ class EngineConfig:
     # per-step work behind the GPU; tokens then stream k at a time, and a request that
     # stops early (EOS, stop string) discards the extra steps it computed.
     decode_steps: int = 1
+    # With decode_steps > 1: launch the next chunk of decode steps before the host reads and
+    # post-processes the one in flight, so detokenising and stop checks (~5-10 us per sequence
+    # and token) overlap the GPU instead of following it. Costs: a request that stops inside a
+    # chunk also computed the chunk after it (discarded), and a new request waits up to two
+    # chunks for admission.
+    overlap_decode: bool = False
     num_layers_override: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.90

@@ -536,6 +536,9 @@ class ForwardPassManager:
 
     def _install(self, record: PassRecord, runner: Any) -> tuple[bool, int]:
         eng = self.engine
+        drain = getattr(eng, "drain_inflight", None)
+        if drain is not None:  # decode steps in flight finish on the pass and runner that launched them
+            drain()
         bm = eng.block_manager
         old_tag = bm.tag
         new_tag = record.cache_format

@@ -23,10 +23,10 @@ from .config import EngineConfig, ModelConfig
 from .forward_pass import Bundle, build_forward_pass, load_bundle
 from .kv_cache import KVCache, choose_num_blocks
 from .loader import TORCH_DTYPES, LoadedModel, load_model
-from .runner import ModelRunner
+from .runner import DecodeChunk, ModelRunner
 from .sampling import SamplingParams
 from .scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "EngineStats",
            "InvalidRequestError", "PromptTooLongError"]
@@ -57,11 +57,20 @@ class EngineStats:
     num_kv_blocks: int = 0
 
 
+@dataclass
+class _InflightChunk:
+    """Decode steps of ``batch`` launched on the device and not yet post-processed."""
+
+    batch: ScheduledBatch
+    k: int
+    handle: DecodeChunk
+
+
 class LLMEngine:
     # Bundle folder served when EngineConfig.forward_pass is unset (None: the stock pass).
     default_bundle_dir: Path | None = None
     # EngineConfig fields that may change between two steps (set_runtime_settings).
-    RUNTIME_SETTINGS = ("decode_steps", "max_num_seqs", "max_num_batched_tokens")
+    RUNTIME_SETTINGS = ("decode_steps", "overlap_decode", "max_num_seqs", "max_num_batched_tokens")
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -92,6 +101,9 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._abort_outputs: list[RequestOutput] = []
         self._batch_size_last_step = 0
+        # A chunk of decode steps launched and not yet read (EngineConfig.overlap_decode).
+        self._inflight: _InflightChunk | None = None
+        self._drained_outputs: list[RequestOutput] = []
 
     # ------------------------------------------------------------------ construction hooks
     # (ParallelLLMEngine shards the weights and sizes a per-rank KV cache through these.)
@@ -144,18 +156,27 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens, logprobs=None))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A chunk in flight (or its drained outputs) still has tokens to hand out or discard.
+        return self._inflight is not None or bool(self._drained_outputs) or self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        k = self._decode_lookahead(batch)
-        if k > 1:
-            outputs = self._decode_steps(batch, k)
-        else:
-            out = self.runner.run(batch) if not batch.is_empty else None
-            outputs = self.scheduler.postprocess(batch, out)
-        self._batch_size_last_step = len(batch.seqs)
+        outputs = self._drained_outputs
+        self._drained_outputs = []
+        if self._inflight is not None:
+            outputs += self._advance_inflight()
+        if self._inflight is None and not outputs:
+            batch = self.scheduler.schedule()
+            k = self._decode_lookahead(batch)
+            if k > 1 and self.config.overlap_decode:
+                self._inflight = _InflightChunk(batch, k, self.runner.launch_decode_steps(batch, k))
+                outputs = self._advance_inflight()
+            elif k > 1:
+                outputs = self._decode_steps(batch, k)
+            else:
+                out = self.runner.run(batch) if not batch.is_empty else None
+                outputs = self.scheduler.postprocess(batch, out)
+            self._batch_size_last_step = len(batch.seqs)
         for o in outputs:
             if o.finished:
                 self._requests.pop(o.request_id, None)
@@ -173,6 +194,7 @@ class LLMEngine:
             raise ValueError(f"engine settings {unknown} cannot change while the engine runs "
                              f"(only {list(self.RUNTIME_SETTINGS)} can)")
         dataclasses.replace(self.config, **settings)  # validation only: raises on a bad combination
+        self.drain_inflight()
         for name, value in settings.items():
             setattr(self.config, name, value)  # in place: the runner and servers hold this object
             if hasattr(self.scheduler, name):
@@ -209,7 +231,53 @@ class LLMEngine:
     def _decode_steps(self, batch: ScheduledBatch, k: int) -> list[RequestOutput]:
         """Run k decode steps on the device, then postprocess them in order (stops apply per
         token); one RequestOutput per request carrying all its new tokens."""
-        rows = self.runner.run_decode_steps(batch, k)  # [k][n]
+        return self._postprocess_rows(batch, self.runner.run_decode_steps(batch, k))
+
+    def _advance_inflight(self) -> list[RequestOutput]:
+        """Chain the next chunk of decode steps onto the one in flight when the batch allows it
+        (see _chain_lookahead), then read and post-process the one in flight: the host's work
+        on chunk j overlaps the GPU's on chunk j+1."""
+        chunk = self._inflight
+        k = self._chain_lookahead(chunk)
+        self._inflight = None
+        if k:
+            bm = self.block_manager
+            for seq in chunk.batch.seqs:
+                bm.append_slots(seq, chunk.k + k)
+            self._inflight = _InflightChunk(chunk.batch, k,
+                                            self.runner.launch_decode_steps(chunk.batch, k, ahead=chunk.k))
+        return self._postprocess_rows(chunk.batch, chunk.handle.tokens())
+
+    def _chain_lookahead(self, chunk: "_InflightChunk") -> int:
+        """Decode steps to chain onto ``chunk`` before reading it (0: none; read it and go back
+        to scheduling). As _decode_lookahead, counted from where the chunk leaves each sequence,
+        and only while the batch stays as it is: every sequence still running, nobody waiting
+        for admission, and KV room for the new steps."""
+        if not self.config.overlap_decode or self.scheduler.waiting:
+            return 0
+        seqs = chunk.batch.seqs
+        if len(self.scheduler.running) != len(seqs) or any(s.status is not SequenceStatus.RUNNING for s in seqs):
+            return 0
+        k = self.config.decode_steps
+        for seq in seqs:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - chunk.k,
+                    self.config.max_model_len - seq.num_tokens - chunk.k)
+        if k < 1:
+            return 0
+        bm = self.block_manager
+        needed = sum(bm.blocks_needed(seq.num_computed_tokens + chunk.k + k) - len(seq.block_table) for seq in seqs)
+        return k if needed <= bm.num_free_blocks else 0
+
+    def drain_inflight(self) -> None:
+        """Read and post-process a chunk in flight now (before anything else uses the runner);
+        its outputs go out with the next step."""
+        if self._inflight is not None:
+            chunk, self._inflight = self._inflight, None
+            self._drained_outputs += self._postprocess_rows(chunk.batch, chunk.handle.tokens())
+
+    def _postprocess_rows(self, batch: ScheduledBatch, rows: list[list[int]]) -> list[RequestOutput]:
+        """Post-process k rows of greedy tokens [k][n] in order (stops apply per token); one
+        RequestOutput per request carrying all its new tokens."""
         merged: dict[str, RequestOutput] = {}
         for row in rows:
             for o in self.scheduler.postprocess(batch, RunnerOutput(token_ids=list(row))):
@@ -272,6 +340,7 @@ class LLMEngine:
         Call between steps. Blocks cached under another KV format stop matching.
         """
         fp = forward_pass if forward_pass is not None else build_forward_pass(bundle, self.model_config, self.weights)
+        self.drain_inflight()
         self.bundle, self.forward_pass = bundle, fp
         self.runner.forward_pass = fp
         self.block_manager.set_tag(bundle.cache_tag)

@@ -48,6 +48,24 @@ class _Graph:
     width: int  # KV blocks read per sequence
 
 
+@dataclass
+class DecodeChunk:
+    """k greedy decode steps launched on the device and not yet read by the host.
+
+    ``tokens()`` waits for them (on CUDA, for the chunk's own device->host copy only, so a
+    chunk launched after this one keeps the GPU busy meanwhile) and returns [k][n]."""
+
+    k: int
+    n: int
+    host_tokens: torch.Tensor  # [>= k, >= n] int64, pinned on CUDA; filled by an async copy
+    done: Any = None  # torch.cuda.Event recorded after that copy (None: already complete)
+
+    def tokens(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens[:self.k, :self.n].tolist()
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, forward_pass: Any, kv_cache: KVCache,
                  device: torch.device) -> None:
@@ -66,6 +84,11 @@ class ModelRunner:
         self._graph_pool = None
         self._max_bs = 0
         self._staging_steps = 0  # decode steps the multi-step staging holds (sized on first use)
+        self._graph_logits: dict[tuple[int, int], torch.Tensor] = {}  # each graph's logits output
+        # CUDA event recorded once a launched chunk's host->device input copies are done: the
+        # pinned host buffers they read are not rewritten before it (see launch_decode_steps).
+        self._inputs_consumed: Any = None
+        self._chunk_parity = 0  # which of the two host token buffers the next chunk copies into
         # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
         # are then eager calls over the same static buffers, padding and widths.
         self.emulate_graphs = False
@@ -123,14 +146,19 @@ class ModelRunner:
         bs = self.block_size
         return table[positions // bs] * bs + positions % bs
 
-    def _decode_host_arrays(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    def _decode_host_arrays(self, batch: ScheduledBatch, ahead: int = 0
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+        """ids, positions, slots, context lengths and block tables of a decode step; ``ahead``:
+        tokens every sequence has on the device that the host has not read yet (positions start
+        that much later; the ids are then stale and the caller takes them from the device)."""
         bs = self.block_size
         seqs = batch.seqs
         input_ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
-        positions = np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=len(seqs))
-        slots = np.fromiter((s.block_table[(s.num_tokens - 1) // bs] * bs + (s.num_tokens - 1) % bs for s in seqs),
+        positions = np.fromiter((s.num_tokens - 1 + ahead for s in seqs), dtype=np.int64, count=len(seqs))
+        tables = [s.block_table for s in seqs]
+        slots = np.fromiter((t[p // bs] * bs + p % bs for t, p in zip(tables, positions.tolist())),
                             dtype=np.int64, count=len(seqs))
-        return input_ids, positions, slots, positions.astype(np.int32) + 1, [s.block_table for s in seqs]
+        return input_ids, positions, slots, positions.astype(np.int32) + 1, tables
 
     def prepare_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """One new token per sequence (eager decode: CPU, or above the largest graph)."""
@@ -205,18 +233,37 @@ class ModelRunner:
         positions num_tokens-1 .. num_tokens+k-2). Returns the greedy tokens, [k][n]: row j
         is what step j produced, fed to step j+1 as its input. One host sync, at the end.
         """
+        if k < 2:
+            raise ValueError(f"run_decode_steps needs k >= 2 (k={k})")
+        return self.launch_decode_steps(batch, k).tokens()
+
+    @torch.inference_mode()
+    def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int = 0) -> DecodeChunk:
+        """Launch k >= 1 greedy decode steps of an all-greedy decode batch; returns before they run.
+
+        ``ahead`` > 0 chains this chunk onto the previous one, still in flight: every sequence
+        has ``ahead`` tokens on the device the host has not read, the last of which (the
+        previous replay's argmax, still in the static token buffer) is step 0's input, and
+        positions start ``ahead`` later. Nothing else may run on the runner between the two.
+        The caller has reserved KV slots through position num_tokens - 2 + ahead + k.
+        """
         n = len(batch.seqs)
-        if k < 2 or not self.can_replay(n):
-            raise ValueError(f"run_decode_steps needs k >= 2 and a captured graph for {n} rows (k={k})")
+        if k < 1 or ahead < 0 or not self.can_replay(n):
+            raise ValueError(f"launch_decode_steps needs k >= 1, ahead >= 0 and a captured graph for {n} rows "
+                             f"(k={k}, ahead={ahead})")
         needed_width = max(len(s.block_table) for s in batch.seqs)
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
         g = self.graphs[(graph_bs, width)]
         s, max_bs = self._static, self._max_bs
         self._ensure_step_staging(k)
+        if self._inputs_consumed is not None:
+            # The previous chunk's host->device copies read the pinned buffers rewritten below;
+            # the GPU reaches them once the chunk before that one is done (already waited for).
+            self._inputs_consumed.synchronize()
         # Steps 1..k-1 advance every row by one position: positions, slots and context lengths
         # are known now (the tokens are not; they stay on the device).
-        pos0 = np.fromiter((seq.num_tokens - 1 for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
+        pos0 = np.fromiter((seq.num_tokens - 1 + ahead for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
         pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
         h64, h32 = self._stage_host64_np[:k - 1], self._stage_host32_np[:k - 1]
         h64[:, :n] = pos
@@ -225,11 +272,16 @@ class ModelRunner:
         h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
         h32[:, :n] = pos + 1
         h32[:, n:graph_bs] = 1
-        self._replay(batch, g)  # step 0: the usual host -> device copies, then the graph
+        # Step 0: the usual host -> device copies (ids from the device when chained), then the graph.
+        self._replay(batch, g, ahead=ahead)
         out = self._step_tokens
         out[0, :n].copy_(s["tokens"][:n])
-        self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
-        self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
+        if k > 1:
+            self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
+            self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
+        if self.device.type == "cuda":
+            self._inputs_consumed = torch.cuda.Event()
+            self._inputs_consumed.record()
         for j in range(1, k):
             self._packed64[max_bs:].copy_(self._stage64[j - 1])  # positions, slots
             self._packed32[:max_bs].copy_(self._stage32[j - 1])  # context lengths
@@ -237,7 +289,14 @@ class ModelRunner:
             g.replay()
             self.num_graph_replays += 1
             out[j, :n].copy_(s["tokens"][:n])
-        return out[:k, :n].tolist()
+        host = self._step_tokens_host[self._chunk_parity]
+        self._chunk_parity ^= 1  # the next chunk copies into the other buffer while this one is read
+        host[:k].copy_(out[:k], non_blocking=True)  # whole rows: a contiguous copy stays asynchronous
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return DecodeChunk(k=k, n=n, host_tokens=host, done=done)
 
     def _ensure_step_staging(self, k: int) -> None:
         """Device and (pinned) host staging for k-1 extra steps, and the [k, max_bs] token rows;
@@ -245,8 +304,9 @@ class ModelRunner:
         if self._staging_steps >= k:
             return
         max_bs, dev = self._max_bs, self.device
-        self._stage64 = torch.zeros(k - 1, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
-        self._stage32 = torch.zeros(k - 1, max_bs, dtype=torch.int32, device=dev)  # context lengths
+        rows = max(k - 1, 1)
+        self._stage64 = torch.zeros(rows, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
+        self._stage32 = torch.zeros(rows, max_bs, dtype=torch.int32, device=dev)  # context lengths
         self._stage_host64 = torch.zeros(self._stage64.shape, dtype=torch.int64)
         self._stage_host32 = torch.zeros(self._stage32.shape, dtype=torch.int32)
         if self.use_pinned:
@@ -255,6 +315,10 @@ class ModelRunner:
         self._stage_host64_np = self._stage_host64.numpy()
         self._stage_host32_np = self._stage_host32.numpy()
         self._step_tokens = torch.zeros(k, max_bs, dtype=torch.int64, device=dev)
+        # Two host copies of the token rows: a chained chunk fills one while the host reads the other.
+        self._step_tokens_host = [torch.zeros(k, max_bs, dtype=torch.int64) for _ in range(2)]
+        if self.use_pinned:
+            self._step_tokens_host = [t.pin_memory() for t in self._step_tokens_host]
         self._staging_steps = k
 
     @torch.inference_mode()
@@ -264,9 +328,9 @@ class ModelRunner:
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _replay(self, batch: ScheduledBatch, g: _Graph) -> torch.Tensor:
+    def _replay(self, batch: ScheduledBatch, g: _Graph, ahead: int = 0) -> torch.Tensor:
         n = len(batch.seqs)
-        input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch)
+        input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch, ahead)
         host = self._static_host
         host["input_ids"][:n] = input_ids
         host["positions"][:n] = positions
@@ -282,9 +346,11 @@ class ModelRunner:
         self._packed64.copy_(self._packed64_host, non_blocking=True)
         end = self._max_bs + n * self.max_blocks_per_seq
         self._packed32[:end].copy_(self._packed32_host[:end], non_blocking=True)
+        if ahead:
+            self._static["input_ids"][:n].copy_(self._static["tokens"][:n])  # the chained chunk's last tokens
         g.replay()
         self.num_graph_replays += 1
-        return self._static["logits"][:n]
+        return self._graph_logits[(g.batch_size, g.width)][:n]
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
@@ -302,7 +368,6 @@ class ModelRunner:
                         | {self.max_blocks_per_seq})
         max_bs = sizes[-1]
         dev = self.device
-        vocab = self.model_config.vocab_size
         width_max = self.max_blocks_per_seq
         # Inputs live in two packed buffers (one per dtype) so a step needs two copies;
         # the named static tensors are fixed views into them.
@@ -327,9 +392,9 @@ class ModelRunner:
         self._static.update({
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "last_token_indices": torch.arange(max_bs, dtype=torch.int64, device=dev),
-            "logits": torch.zeros(max_bs, vocab, dtype=torch.float32, device=dev),
-            "tokens": torch.zeros(max_bs, dtype=torch.int64, device=dev),  # greedy argmax of "logits"
+            "tokens": torch.zeros(max_bs, dtype=torch.int64, device=dev),  # greedy argmax of the logits
         })
+        self._graph_logits.clear()
         self._static_host = {k: v.numpy() for k, v in views(self._packed64_host, self._packed32_host).items()}
         s = self._static
         greedy_argmax = _graph_argmax(capture)
@@ -343,11 +408,14 @@ class ModelRunner:
                     max_query_len=1, max_context_len=width * self.block_size,
                     last_token_indices=s["last_token_indices"][:bs])
 
-                def run_static(bs: int = bs, ctx: AttentionContext = ctx) -> None:
+                def run_static(bs: int = bs, width: int = width, ctx: AttentionContext = ctx) -> None:
                     logits = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
-                    s["logits"][:bs] = logits
+                    # The graph's own output: its address is fixed once captured (the reference kept
+                    # here keeps the pool from handing it to another graph), so replays need no
+                    # copy into a static logits buffer ([B, V] float32: ~47 us a step at B=128).
+                    self._graph_logits[(bs, width)] = logits
                     # Greedy tokens inside the graph (first index of the max, as sampling's argmax).
-                    greedy_argmax(s["logits"][:bs], s["tokens"][:bs])
+                    greedy_argmax(logits, s["tokens"][:bs])
 
                 if not capture:
                     self.graphs[(bs, width)] = _Graph(run_static, bs, width)

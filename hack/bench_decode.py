@@ -268,14 +268,16 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
 
 def measure_recipe(engine: LLMEngine, recipe: str, batch_sizes: list[int], args, rec: Recorder,
                    traffic, ceilings, mean_context: float, impl_prefix: str = "shapeshift",
-                   decode_steps: int = 1) -> dict[int, list[int]]:
+                   decode_steps: int = 1, overlap: bool = False) -> dict[int, list[int]]:
     """Rows for one recipe at every batch size; returns batch -> greedy tokens of prompt 0.
 
     ``decode_steps`` > 1 runs the engine's multi-step decode (k steps per host round trip);
-    its rows are named ``shapeshift[<recipe>+k<k>]``.
+    its rows are named ``shapeshift[<recipe>+k<k>]``, or ``+k<k>o`` with ``overlap`` (the next
+    chunk launched before the host reads the current one: EngineConfig.overlap_decode).
     """
     engine.config.decode_steps = decode_steps
-    label = recipe if decode_steps == 1 else f"{recipe}+k{decode_steps}"
+    engine.config.overlap_decode = overlap
+    label = recipe if decode_steps == 1 else f"{recipe}+{steps_label(decode_steps, overlap)}"
     vocab = engine.model_config.vocab_size
     engine_decode(engine, baselines.random_prompts(min(batch_sizes), args.prompt_len, vocab, seed=1), 8)  # warm-up
     first_tokens = {}
@@ -287,13 +289,36 @@ def measure_recipe(engine: LLMEngine, recipe: str, batch_sizes: list[int], args,
             if best is None or m["decode_tok_s"] > best["decode_tok_s"]:
                 best = m
         first_tokens[batch] = best.pop("outputs")[0]
-        row = {"impl": f"{impl_prefix}[{label}]", "batch": batch, "decode_steps": decode_steps, **best, "per_seq_tok_s": best["decode_tok_s"] / batch,
+        row = {"impl": f"{impl_prefix}[{label}]", "batch": batch, "decode_steps": decode_steps,
+               "overlap_decode": overlap, **best, "per_seq_tok_s": best["decode_tok_s"] / batch,
                "cuda_graphs": bool(engine.runner.graphs), "greedy_tokens_row0": first_tokens[batch]}
         add_floor_share(row, traffic, ceilings, mean_context)
         rec.add(row)
         log(f"{row['impl']} batch {batch}: {row['decode_tok_s']:.1f} tok/s "
             f"({row['ms_per_step']:.3f} ms/step, {100 * row['share_of_floor']:.1f}% of floor)")
     return first_tokens
+
+
+def steps_label(k: int, overlap: bool) -> str:
+    return f"k{k}{'o' if overlap else ''}"
+
+
+def parse_decode_steps(spec: str) -> list[tuple[int, bool]]:
+    """--decode-steps "1,8,8o" -> [(1, False), (8, False), (8, True)]: k, and whether the
+    chunks overlap the host's work ("o": EngineConfig.overlap_decode, k >= 2)."""
+    out = []
+    for item in (i.strip() for i in spec.split(",") if i.strip()):
+        overlap = item.endswith("o")
+        try:
+            k = int(item[:-1] if overlap else item)
+        except ValueError:
+            raise ValueError(f"--decode-steps: {item!r} is not a step count (e.g. 8) or an overlapped one (8o)") from None
+        if k < 1 or (overlap and k < 2):
+            raise ValueError(f"--decode-steps: {item!r} needs k >= 1 (k >= 2 to overlap)")
+        out.append((k, overlap))
+    if not out:
+        raise ValueError("--decode-steps: give at least one step count")
+    return out
 
 
 def add_floor_share(row: dict[str, Any], traffic, ceilings, mean_context: float) -> None:
@@ -655,7 +680,8 @@ def parse_args(argv: list[str] | None):
                              "skipped without CUDA")
     parser.add_argument("--decode-steps", default="1",
                         help="comma list of EngineConfig.decode_steps values measured per recipe (multi-step "
-                             "decode: k greedy steps per host round trip), e.g. 1,8")
+                             "decode: k greedy steps per host round trip), e.g. 1,8; a trailing o (8o) also "
+                             "overlaps the host's work with the next chunk (EngineConfig.overlap_decode)")
     parser.add_argument("--repeats", type=int, default=2, help="engine runs per point (best is reported)")
     parser.add_argument("--baselines", default=",".join(BASELINE_ORDER),
                         help=f"comma list of {list(BASELINE_ORDER)} or 'none'; each runs in its own process")
@@ -703,9 +729,10 @@ def main(argv: list[str] | None = None) -> int:
         if skipped:
             log(f"recipes {skipped} need CUDA (Triton) here; skipped")
         recipes = [r for r in recipes if r.split("+")[0] not in NEEDS_TRITON] or ["stock"]
-    decode_steps = [int(k) for k in args.decode_steps.split(",") if k]
-    if not decode_steps or min(decode_steps) < 1:
-        parser.error(f"--decode-steps takes positive integers, got {args.decode_steps!r}")
+    try:
+        decode_steps = parse_decode_steps(args.decode_steps)
+    except ValueError as exc:
+        parser.error(str(exc))
     wanted_baselines = [] if args.baselines == "none" else [b for b in args.baselines.split(",") if b]
     for b in wanted_baselines:
         if b not in BASELINE_ORDER:
@@ -790,15 +817,17 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[recipe]))
             log(f"recipe {recipe}: built and captured in {time.perf_counter() - t0:.1f}s")
-        for k in decode_steps:
+        for k, overlap in decode_steps:
             tokens = measure_recipe(engine, recipe, batch_sizes, args, rec, traffic, ceilings, mean_context,
-                                    decode_steps=k)
-            if k == decode_steps[0]:
+                                    decode_steps=k, overlap=overlap)
+            if (k, overlap) == decode_steps[0]:
                 first_tokens[recipe] = tokens
             elif tokens != first_tokens[recipe]:
-                log(f"recipe {recipe}: decode_steps={k} gave other greedy tokens than decode_steps={decode_steps[0]}")
-                rec.add({"impl": f"shapeshift[{recipe}+k{k}]", "error": "greedy tokens differ from single steps"})
-        engine.config.decode_steps = 1
+                log(f"recipe {recipe}: decode steps {steps_label(k, overlap)} gave other greedy tokens than "
+                    f"{steps_label(*decode_steps[0])}")
+                rec.add({"impl": f"shapeshift[{recipe}+{steps_label(k, overlap)}]",
+                         "error": "greedy tokens differ from single steps"})
+        engine.config.decode_steps, engine.config.overlap_decode = 1, False
 
     best = next((r for r in (BEST_RECIPE, "triton", "fused", "stock") if r in recipes), recipes[-1])
     if not args.skip_check and mode == "table":
@@ -844,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec.add(row)
 
     if mode == "curve":
-        label = best if decode_steps[-1] == 1 else f"{best}+k{decode_steps[-1]}"
+        label = best if decode_steps[-1][0] == 1 else f"{best}+{steps_label(*decode_steps[-1])}"
         ours = [r for r in rec.doc["results"] if r["impl"] == f"shapeshift[{label}]"]
         theirs = [r for r in rec.doc["results"] if r["impl"] == "hf[static-cache]"]
         rec.set("curve_comparison", curve_comparison(ours, theirs))

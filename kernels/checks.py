@@ -197,26 +197,56 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 _PDL: dict[Any, dict[str, bool]] = {}
+# Kernel families that can launch with programmatic dependent launch (each launcher names its own).
+PDL_FAMILIES = ("gemv", "norm", "rotary", "activation", "attention", "sampling")
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """Launch options for programmatic dependent launch (PDL) on `device`, for the decode-path kernels.
+def pdl_families(raw: str | None = None) -> frozenset[str]:
+    """The kernel families SHAPESHIFT_PDL turns on: "1" / "on" / "all" every one, "0" / "off" /
+    unset none, else a comma list of PDL_FAMILIES (e.g. "norm,rotary,attention")."""
+    raw = (os.environ.get("SHAPESHIFT_PDL", "0") if raw is None else raw).strip().lower()
+    if raw in ("", "0", "off", "false", "none"):
+        return frozenset()
+    if raw in ("1", "on", "true", "all"):
+        return frozenset(PDL_FAMILIES)
+    families = frozenset(f.strip() for f in raw.split(",") if f.strip())
+    unknown = sorted(families - set(PDL_FAMILIES))
+    if unknown:
+        raise ValueError(f"SHAPESHIFT_PDL: unknown kernel families {unknown}; use 1, 0 or a comma list of "
+                         f"{', '.join(PDL_FAMILIES)}")
+    return families
+
+
+def pdl_options(device: torch.device, family: str) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch (PDL) of a `family` kernel on `device`.
 
     With PDL (Hopper and later) a kernel's programs may be resident before the kernel ahead of it
     in the stream has finished: each such kernel waits on the grid dependency (``USE_PDL``, see
     triton_helpers.grid_dependency_sync) before it touches memory, then lets the next one launch.
     What it saves is the launch and dispatch gap between dependent kernels, which dominates the
-    small kernels of a batch-1 decode step. Off unless SHAPESHIFT_PDL=1 (CUDA, compute capability
-    9.0 or newer, a Triton that knows ``launch_pdl``; never in the interpreter).
+    small kernels of a batch-1 decode step. Off unless SHAPESHIFT_PDL names the family (see
+    pdl_families; CUDA, compute capability 9.0 or newer, a Triton that knows ``launch_pdl``; never
+    in the interpreter).
     Returns the keyword arguments for the launch: {"USE_PDL": bool} plus ``launch_pdl`` when on.
     """
-    key = (device.type, device.index)
+    if family not in PDL_FAMILIES:
+        raise ValueError(f"pdl_options: unknown kernel family {family!r}; one of {', '.join(PDL_FAMILIES)}")
+    raw = os.environ.get("SHAPESHIFT_PDL", "0")
+    key = (device.type, device.index, family, raw)
     if key not in _PDL:
-        on = (device.type == "cuda" and not interpreter_active()
-              and os.environ.get("SHAPESHIFT_PDL", "0").lower() in ("1", "on", "true")
+        on = (device.type == "cuda" and not interpreter_active() and family in pdl_families(raw)
               and torch.cuda.get_device_capability(device)[0] >= 9 and _triton_knows_pdl())
         _PDL[key] = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
     return _PDL[key]
+
+
+def gemv_pdl_trigger_late() -> bool:
+    """Where a GEMV under PDL lets the next kernel launch: after its weight stream
+    (SHAPESHIFT_PDL_GEMV_TRIGGER=late) or right after its own wait (early, the default)."""
+    raw = os.environ.get("SHAPESHIFT_PDL_GEMV_TRIGGER", "early").strip().lower()
+    if raw not in ("early", "late"):
+        raise ValueError(f"SHAPESHIFT_PDL_GEMV_TRIGGER must be early or late, got {raw!r}")
+    return raw == "late"
 
 
 def gemv_prefetch_columns() -> int:

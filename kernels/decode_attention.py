@@ -220,12 +220,12 @@ def decode_attention(
         float(scale) * LOG2E,
         *strides,
         block_size, num_q_heads,
-        **constexprs, **pdl_options(q.device),
+        **constexprs, **pdl_options(q.device, "attention"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_attention_reduce_kernel[(B, num_q_heads)](
-            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device),
+            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device, "attention"),
         )
     return out
 

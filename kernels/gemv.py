@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, gemv_prefetch_columns, next_power_of_2, pdl_options)
+                     dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import dot, grid_dependency_sync, prefetch_rows_l2
+from .triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
 MAX_M = 16
 
@@ -121,6 +121,7 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr = False,
     PREFETCH_K: tl.constexpr = 0,  # with USE_PDL: weight columns per row prefetched into L2 before the wait
     PREFETCH_LINE: tl.constexpr = 64,  # elements per 128-byte line
+    TRIGGER_LATE: tl.constexpr = False,  # with USE_PDL: the next kernel launches after the weight stream
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,7 +140,9 @@ def _gemv_kernel(
     x_ptrs = x_ptr + m[:, None] * stride_x_m + (k_start + kk)[None, :]  # [BLOCK_M, BLOCK_K]
     if USE_PDL and PREFETCH_K > 0:  # weights are not written by the kernel ahead: start their stream
         prefetch_rows_l2(w_ptr, n_safe, stride_w_n, k_start, k_end, PREFETCH_K, PREFETCH_LINE)
-    grid_dependency_sync(USE_PDL)  # nothing above reads or writes memory (the prefetch fills L2 only)
+    grid_dependency_wait(USE_PDL)  # nothing above reads or writes memory (the prefetch fills L2 only)
+    if not TRIGGER_LATE:
+        launch_dependents(USE_PDL)
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
                                  (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
@@ -165,6 +168,8 @@ def _gemv_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if TRIGGER_LATE:
+        launch_dependents(USE_PDL)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -230,6 +235,7 @@ def _gemv_silu_and_mul_kernel(
     USE_PDL: tl.constexpr = False,
     PREFETCH_K: tl.constexpr = 0,
     PREFETCH_LINE: tl.constexpr = 64,
+    TRIGGER_LATE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,7 +250,9 @@ def _gemv_silu_and_mul_kernel(
     if USE_PDL and PREFETCH_K > 0:
         prefetch_rows_l2(w_ptr, n_safe, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
         prefetch_rows_l2(w_ptr, n_safe + INNER, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
-    grid_dependency_sync(USE_PDL)
+    grid_dependency_wait(USE_PDL)
+    if not TRIGGER_LATE:
+        launch_dependents(USE_PDL)
     if NORM:
         inv_rms = _norm_prologue(x_ptr, res_ptr, res_out_ptr, M, K, stride_x_m, stride_r_m, stride_ro_m, eps,
                                  pid_n == 0, HAS_RESIDUAL, BLOCK_M, PRO_M, PRO_K)
@@ -277,6 +285,8 @@ def _gemv_silu_and_mul_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if TRIGGER_LATE:
+        launch_dependents(USE_PDL)
     # Rounding points of the unfused path: the projection output, then silu(gate), then the
     # product, each rounded to the output dtype (kernels/activation.py).
     gate = acc_g.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -402,7 +412,7 @@ def gemv(
         reduce_block = 1024
         _split_k_reduce_kernel[(M, cdiv(N, reduce_block))](
             partial, bias_arg, out, M, N, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_options(x.device),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_options(x.device, "gemv"),
         )
     return out if res_ret is None else (out, res_ret)
 
@@ -463,13 +473,15 @@ def gemv_silu_and_mul(
 def _pdl_and_prefetch(weight: torch.Tensor) -> dict:
     """Launch options: programmatic dependent launch (checks.pdl_options) and, with it, the
     weight columns each program prefetches into L2 before its grid-dependency wait
-    (checks.gemv_prefetch_columns; at least one 128-byte line, else none)."""
-    options = pdl_options(weight.device)
+    (checks.gemv_prefetch_columns; at least one 128-byte line, else none) and where it lets
+    the next kernel launch (checks.gemv_pdl_trigger_late)."""
+    options = pdl_options(weight.device, "gemv")
     if not options["USE_PDL"]:
         return options
     line = 128 // weight.element_size()
     columns = gemv_prefetch_columns()
-    return {**options, "PREFETCH_K": next_power_of_2(columns) if columns >= line else 0, "PREFETCH_LINE": line}
+    return {**options, "PREFETCH_K": next_power_of_2(columns) if columns >= line else 0, "PREFETCH_LINE": line,
+            "TRIGGER_LATE": gemv_pdl_trigger_late()}
 
 
 # H100 / H200 defaults per weight shape (N, K), for every M in 1..16 (the "dot" variant pads M

@@ -110,7 +110,7 @@ def rmsnorm(
         M, N,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         float(eps),
-        **constexprs, **pdl_options(x.device),
+        **constexprs, **pdl_options(x.device, "norm"),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -193,7 +193,7 @@ def rotary_kv_write(
         q, k, v, positions, cos_sin_cache, slot_mapping, q_out, k_cache, v_cache,
         *strides,
         num_q_heads, num_kv_heads, k_cache.shape[1],
-        **constexprs, **pdl_options(q.device),
+        **constexprs, **pdl_options(q.device, "rotary"),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

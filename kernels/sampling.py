@@ -541,7 +541,7 @@ def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None, config: Ker
     chunk = cdiv(cdiv(V, splits), block_v) * block_v
     vals = torch.empty((B, splits), dtype=torch.float32, device=logits.device)
     idxs = torch.empty((B, splits), dtype=torch.int32, device=logits.device)
-    pdl = pdl_options(logits.device)
+    pdl = pdl_options(logits.device, "sampling")
     _argmax_partial_kernel[(B, splits)](logits, vals, idxs, V, logits.stride(0), chunk,
                                         NUM_SPLITS=splits, BLOCK_V=block_v, num_warps=config.num_warps, **pdl)
     _argmax_reduce_kernel[(B,)](vals, idxs, out, NUM_SPLITS=splits, BLOCK_S=max(2, next_power_of_2(splits)), **pdl)

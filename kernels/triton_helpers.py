@@ -28,6 +28,21 @@ def grid_dependency_sync(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def grid_dependency_wait(USE_PDL: tl.constexpr):
+    """The wait half of grid_dependency_sync, for kernels that let the next one launch later
+    (launch_dependents): until then the next kernel's programs take no place on the SMs."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream launch (it still waits for this one to finish)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask for the 128-byte lines holding `ptrs` to be brought into L2; no registers are written
     and nothing waits for the data (PTX prefetch.global.L2). CUDA only, never in the interpreter."""

@@ -240,6 +240,7 @@ class EngineEvaluator:
     def _reconfigure(self, tier: str, overrides: dict[str, Any]) -> None:
         """Apply engine knobs to the idle engine: new scheduler + block manager, graphs re-captured."""
         eng = self._engines[tier]
+        eng.drain_inflight()  # decode steps in flight finish under the settings that launched them
         new_config = self._base_config(tier, overrides, eng.config.gpu_memory_utilization)
         new_config = dataclasses.replace(new_config, num_kv_blocks=eng.block_manager.num_blocks)
         eng.config = new_config

@@ -25,7 +25,7 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     bench = load_bench()
     assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--batch-sizes", "1,2", "--prompt-len", "8",
                        "--new-tokens", "8", "--baseline-new-tokens", "8", "--recipes", "stock,fused", "--repeats", "1",
-                       "--decode-steps", "1,2",
+                       "--decode-steps", "1,2,2o",
                        "--check-prompts", "2", "--check-tokens", "8", "--compile-batch-sizes", "1,2",
                        "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("decode-tiny-llama-*.json"))
@@ -36,8 +36,9 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     impls = {(r["impl"], r["batch"]) for r in result["results"]}
     # decode_steps 2 rows exist; on the CPU (no graphs) the engine takes single steps for them.
     assert impls == {(i, b) for i in ("shapeshift[stock]", "shapeshift[fused]", "shapeshift[stock+k2]",
-                                      "shapeshift[fused+k2]", "hf[eager]", "hf[static-cache]",
-                                      "torch.compile[none]") for b in (1, 2)}
+                                      "shapeshift[fused+k2]", "shapeshift[stock+k2o]", "shapeshift[fused+k2o]",
+                                      "hf[eager]", "hf[static-cache]", "torch.compile[none]") for b in (1, 2)}
+    assert not [r for r in result["results"] if "error" in r]  # the overlapped rows gave the same tokens
     assert all(r["decode_tok_s"] > 0 and r["share_of_floor"] > 0 for r in result["results"])
     # Same weights (redrawn and fingerprint-checked in each baseline process), float32: the
     # baselines' greedy tokens equal the engine's.
@@ -67,6 +68,14 @@ def test_curve_comparison_interpolates_and_bounds():
     bounds = {c["hf_batch"]: c for c in bench.curve_dominance(ours, theirs)}
     assert bounds[1]["ours_batch"] == 1 and bounds[1]["ratio_lower_bound"] == pytest.approx(4.0)
     assert bounds[16]["ours_batch"] == 32 and bounds[16]["ratio_lower_bound"] == pytest.approx(4.0)
+
+
+def test_decode_steps_specs():
+    bench = load_bench()
+    assert bench.parse_decode_steps("1, 8,8o") == [(1, False), (8, False), (8, True)]
+    for bad in ("", "0", "1o", "x", "8oo"):
+        with pytest.raises(ValueError, match="--decode-steps"):
+            bench.parse_decode_steps(bad)
 
 
 def test_recipe_overrides_parse_and_reject_bad_specs():

@@ -177,11 +177,13 @@ def main() -> int:
     for name in PDL_MODULES:
         getattr(sys.modules["shapeshift.kernels." + name], "pdl_options")  # each launcher has it
         setattr(sys.modules["shapeshift.kernels." + name], "pdl_options",
-                lambda device: {"USE_PDL": True, "launch_pdl": True})
+                lambda device, family: {"USE_PDL": True, "launch_pdl": True})
     launch_all("pdl ")
     # And with the GEMVs' weight prefetch ahead of the wait (checks.gemv_prefetch_columns).
     os.environ["SHAPESHIFT_GEMV_PREFETCH"] = "512"
     launch_all("pdl prefetch ")
+    os.environ["SHAPESHIFT_PDL_GEMV_TRIGGER"] = "late"  # ... letting the next kernel launch after the stream
+    launch_all("pdl prefetch late ")
     failures = 0
     seen = set()
     only = os.environ.get("SM90_COMPILE_ONLY", "")  # a label prefix, to recompile one kernel family

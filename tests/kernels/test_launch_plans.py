@@ -104,15 +104,31 @@ def test_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch
 
     monkeypatch.setattr(checks, "_PDL", {})
     monkeypatch.delenv("SHAPESHIFT_PDL", raising=False)
-    assert checks.pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+    assert checks.pdl_options(torch.device("cpu"), "gemv") == {"USE_PDL": False}
     monkeypatch.setattr(checks, "_PDL", {})
     monkeypatch.setenv("SHAPESHIFT_PDL", "1")
-    assert checks.pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+    assert checks.pdl_options(torch.device("cpu"), "gemv") == {"USE_PDL": False}
+    with pytest.raises(ValueError, match="unknown kernel family 'matmul'"):
+        checks.pdl_options(torch.device("cpu"), "matmul")
     if torch.cuda.is_available():
         monkeypatch.setattr(checks, "_PDL", {})
-        on = checks.pdl_options(torch.device("cuda", torch.cuda.current_device()))
+        cuda = torch.device("cuda", torch.cuda.current_device())
         hopper = torch.cuda.get_device_capability()[0] >= 9 and checks._triton_knows_pdl()
-        assert on == ({"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
+        assert checks.pdl_options(cuda, "gemv") == ({"USE_PDL": True, "launch_pdl": True} if hopper
+                                                    else {"USE_PDL": False})
+        monkeypatch.setenv("SHAPESHIFT_PDL", "norm,attention")
+        assert checks.pdl_options(cuda, "gemv") == {"USE_PDL": False}
+        assert checks.pdl_options(cuda, "norm")["USE_PDL"] == hopper
+
+
+def test_pdl_families_parse_the_environment_value():
+    from shapeshift.kernels import checks
+
+    assert checks.pdl_families("0") == checks.pdl_families("") == checks.pdl_families("off") == frozenset()
+    assert checks.pdl_families("1") == checks.pdl_families("all") == frozenset(checks.PDL_FAMILIES)
+    assert checks.pdl_families(" norm, rotary ") == {"norm", "rotary"}
+    with pytest.raises(ValueError, match=r"unknown kernel families \['gemm'\]"):
+        checks.pdl_families("norm,gemm")
 
 
 def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch):
@@ -128,11 +144,18 @@ def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch)
             checks.gemv_prefetch_columns()
     weight = torch.empty(8, 8, dtype=torch.bfloat16)
     monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "300")
-    monkeypatch.setattr(gemv, "pdl_options", lambda device: {"USE_PDL": False})
+    monkeypatch.setattr(gemv, "pdl_options", lambda device, family: {"USE_PDL": False})
     assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": False}  # no wait to prefetch ahead of
-    monkeypatch.setattr(gemv, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(gemv, "pdl_options", lambda device, family: {"USE_PDL": True, "launch_pdl": True})
+    monkeypatch.delenv("SHAPESHIFT_PDL_GEMV_TRIGGER", raising=False)
     assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": True, "launch_pdl": True, "PREFETCH_K": 512,
-                                              "PREFETCH_LINE": 64}
+                                              "PREFETCH_LINE": 64, "TRIGGER_LATE": False}
+    monkeypatch.setenv("SHAPESHIFT_PDL_GEMV_TRIGGER", "late")
+    assert gemv._pdl_and_prefetch(weight)["TRIGGER_LATE"] is True
+    monkeypatch.setenv("SHAPESHIFT_PDL_GEMV_TRIGGER", "soon")
+    with pytest.raises(ValueError, match="early or late"):
+        gemv._pdl_and_prefetch(weight)
+    monkeypatch.delenv("SHAPESHIFT_PDL_GEMV_TRIGGER")
     assert gemv._pdl_and_prefetch(weight.float())["PREFETCH_LINE"] == 32
     monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "32")  # under one bf16 line: none
     assert gemv._pdl_and_prefetch(weight)["PREFETCH_K"] == 0
