@@ -72,6 +72,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     p.add_argument("--decode-steps", type=_positive_int, default=None,
                    help="greedy decode steps per host round trip on CUDA graphs (multi-step decode; default 1)")
+    p.add_argument("--overlap-decode", action="store_true",
+                   help="with --decode-steps > 1: launch the next chunk of decode steps before the host reads "
+                        "the current one (host work overlaps the GPU; a request that stops mid-chunk discards one "
+                        "more chunk)")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
     from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
 
@@ -150,6 +154,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_prefix_caching"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if getattr(args, "overlap_decode", False):
+        kwargs["overlap_decode"] = True
     return kwargs
 
 

@@ -401,6 +401,10 @@ def build_search_space(
         default_steps = int(given.get("decode_steps") or 1)
         knobs.append(Knob("engine.decode_steps", tuple(sorted({1, 2, 4, 8, default_steps})), default_steps,
                           "greedy decode steps per host round trip (multi-step decode on graph replays)"))
+        default_overlap = bool(given.get("overlap_decode", False))
+        knobs.append(Knob("engine.overlap_decode", (default_overlap, not default_overlap), default_overlap,
+                          "launch the next chunk of decode steps before the host reads the current one "
+                          "(with decode_steps > 1)"))
 
     # Source edits of forward.py (engine/compile/source_edits.py): placed right after the recipe
     # knobs, so a coordinate sweep tries code changes before batch-size tuning.

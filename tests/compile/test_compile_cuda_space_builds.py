@@ -136,9 +136,11 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
         recipe, fp = _build(evaluator, tiny_engine, seed)
         assert fp.recipe == recipe
     assert "engine.decode_steps" in cuda_space.names and cuda_space.default()["engine.decode_steps"] == 1
+    assert cuda_space.default()["engine.overlap_decode"] is False
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
     cpu_seeds = recipe_seeds(cpu_space)
     assert [s.recipe for s in cpu_seeds] == [{**cpu_space.default(), "fuse_qkv": True, "fuse_gate_up": True}]
     assert "engine.decode_steps" not in cpu_space.names  # multi-step decode needs graph replays
+    assert "engine.overlap_decode" not in cpu_space.names
