@@ -678,10 +678,11 @@ def parse_args(argv: list[str] | None):
                              f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}), each optionally with "
                              "+knob=value overrides (fast+fuse_gate_up_activation=false); Triton recipes are "
                              "skipped without CUDA")
-    parser.add_argument("--decode-steps", default="1",
+    parser.add_argument("--decode-steps", default=None,
                         help="comma list of EngineConfig.decode_steps values measured per recipe (multi-step "
                              "decode: k greedy steps per host round trip), e.g. 1,8; a trailing o (8o) also "
-                             "overlaps the host's work with the next chunk (EngineConfig.overlap_decode)")
+                             "overlaps the host's work with the next chunk (EngineConfig.overlap_decode). "
+                             "Default: 1,8o for the table, 8o for --curve, 1 for --profile")
     parser.add_argument("--repeats", type=int, default=2, help="engine runs per point (best is reported)")
     parser.add_argument("--baselines", default=",".join(BASELINE_ORDER),
                         help=f"comma list of {list(BASELINE_ORDER)} or 'none'; each runs in its own process")
@@ -730,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"recipes {skipped} need CUDA (Triton) here; skipped")
         recipes = [r for r in recipes if r.split("+")[0] not in NEEDS_TRITON] or ["stock"]
     try:
-        decode_steps = parse_decode_steps(args.decode_steps)
+        decode_steps = parse_decode_steps(args.decode_steps or {"table": "1,8o", "curve": "8o", "profile": "1"}[mode])
     except ValueError as exc:
         parser.error(str(exc))
     wanted_baselines = [] if args.baselines == "none" else [b for b in args.baselines.split(",") if b]

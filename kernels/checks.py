@@ -250,8 +250,8 @@ def gemv_pdl_trigger_late() -> bool:
 
 
 def gemv_prefetch_columns() -> int:
-    """Weight columns per row a GEMV program prefetches into L2 before its grid-dependency wait,
-    when programmatic dependent launch is on (SHAPESHIFT_GEMV_PREFETCH, default 0: none). Read
+    """Weight columns per row a GEMV program prefetches into L2 before anything else (its
+    grid-dependency wait under PDL, its norm prologue) (SHAPESHIFT_GEMV_PREFETCH, default 0: none). Read
     on every call (the launchers are cheap next to a launch), so a benchmark can switch it."""
     raw = os.environ.get("SHAPESHIFT_GEMV_PREFETCH", "0")
     try:

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, next_power_of_2, pdl_options)
+                     dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active, next_power_of_2,
+                     pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 from .triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
@@ -119,7 +120,7 @@ def _gemv_kernel(
     PRO_M: tl.constexpr = 1,  # norm prologue: rows (next power of two >= M)
     PRO_K: tl.constexpr = 16,  # norm prologue: columns per chunk
     USE_PDL: tl.constexpr = False,
-    PREFETCH_K: tl.constexpr = 0,  # with USE_PDL: weight columns per row prefetched into L2 before the wait
+    PREFETCH_K: tl.constexpr = 0,  # weight columns per row prefetched into L2 first (before the wait)
     PREFETCH_LINE: tl.constexpr = 64,  # elements per 128-byte line
     TRIGGER_LATE: tl.constexpr = False,  # with USE_PDL: the next kernel launches after the weight stream
 ):
@@ -138,7 +139,8 @@ def _gemv_kernel(
     n_safe = tl.where(n_mask, n, 0).to(tl.int64)
     w_ptrs = w_ptr + n_safe[:, None] * stride_w_n + (k_start + kk)[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + m[:, None] * stride_x_m + (k_start + kk)[None, :]  # [BLOCK_M, BLOCK_K]
-    if USE_PDL and PREFETCH_K > 0:  # weights are not written by the kernel ahead: start their stream
+    if PREFETCH_K > 0:  # weights are not written by the kernel ahead: start their stream (and
+        # overlap the norm prologue's read of the hidden row)
         prefetch_rows_l2(w_ptr, n_safe, stride_w_n, k_start, k_end, PREFETCH_K, PREFETCH_LINE)
     grid_dependency_wait(USE_PDL)  # nothing above reads or writes memory (the prefetch fills L2 only)
     if not TRIGGER_LATE:
@@ -247,7 +249,7 @@ def _gemv_silu_and_mul_kernel(
     g_ptrs = w_ptr + n_safe[:, None] * stride_w_n + kk[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = g_ptrs + INNER * stride_w_n
     x_ptrs = x_ptr + m[:, None] * stride_x_m + kk[None, :]  # [BLOCK_M, BLOCK_K]
-    if USE_PDL and PREFETCH_K > 0:
+    if PREFETCH_K > 0:
         prefetch_rows_l2(w_ptr, n_safe, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
         prefetch_rows_l2(w_ptr, n_safe + INNER, stride_w_n, 0, K, PREFETCH_K, PREFETCH_LINE)
     grid_dependency_wait(USE_PDL)
@@ -470,18 +472,24 @@ def gemv_silu_and_mul(
     return out if res_ret is None else (out, res_ret)
 
 
+def _prefetch_allowed(weight: torch.Tensor) -> bool:
+    """PTX prefetches: CUDA only (the interpreter cannot run inline assembly)."""
+    return weight.is_cuda and not interpreter_active()
+
+
 def _pdl_and_prefetch(weight: torch.Tensor) -> dict:
-    """Launch options: programmatic dependent launch (checks.pdl_options) and, with it, the
-    weight columns each program prefetches into L2 before its grid-dependency wait
-    (checks.gemv_prefetch_columns; at least one 128-byte line, else none) and where it lets
-    the next kernel launch (checks.gemv_pdl_trigger_late)."""
-    options = pdl_options(weight.device, "gemv")
-    if not options["USE_PDL"]:
-        return options
+    """Launch options: programmatic dependent launch (checks.pdl_options) and where it lets the
+    next kernel launch (checks.gemv_pdl_trigger_late); the weight columns each program
+    prefetches into L2 first, ahead of the grid-dependency wait and the norm prologue
+    (checks.gemv_prefetch_columns; at least one 128-byte line, else none; CUDA only)."""
+    options = dict(pdl_options(weight.device, "gemv"))
+    if options["USE_PDL"]:
+        options["TRIGGER_LATE"] = gemv_pdl_trigger_late()
+    columns = gemv_prefetch_columns() if _prefetch_allowed(weight) else 0
     line = 128 // weight.element_size()
-    columns = gemv_prefetch_columns()
-    return {**options, "PREFETCH_K": next_power_of_2(columns) if columns >= line else 0, "PREFETCH_LINE": line,
-            "TRIGGER_LATE": gemv_pdl_trigger_late()}
+    if columns >= line:
+        options.update(PREFETCH_K=next_power_of_2(columns), PREFETCH_LINE=line)
+    return options
 
 
 # H100 / H200 defaults per weight shape (N, K), for every M in 1..16 (the "dot" variant pads M

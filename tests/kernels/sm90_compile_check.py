@@ -181,6 +181,8 @@ def main() -> int:
     launch_all("pdl ")
     # And with the GEMVs' weight prefetch ahead of the wait (checks.gemv_prefetch_columns).
     os.environ["SHAPESHIFT_GEMV_PREFETCH"] = "512"
+    gemv_module = sys.modules["shapeshift.kernels.gemv"]
+    gemv_module._prefetch_allowed = lambda weight: True  # compiled for a GPU, launched from the CPU here
     launch_all("pdl prefetch ")
     os.environ["SHAPESHIFT_PDL_GEMV_TRIGGER"] = "late"  # ... letting the next kernel launch after the stream
     launch_all("pdl prefetch late ")

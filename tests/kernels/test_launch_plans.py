@@ -131,9 +131,9 @@ def test_pdl_families_parse_the_environment_value():
         checks.pdl_families("norm,gemm")
 
 
-def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch):
+def test_gemv_weight_prefetch_follows_the_environment(monkeypatch):
     """SHAPESHIFT_GEMV_PREFETCH: whole columns >= 0, rounded up to a power of two, at least one
-    128-byte line of the weight's dtype, and only with programmatic dependent launch on."""
+    128-byte line of the weight's dtype, on CUDA only; with or without PDL."""
     from shapeshift.kernels import checks, gemv
 
     monkeypatch.delenv("SHAPESHIFT_GEMV_PREFETCH", raising=False)
@@ -145,7 +145,9 @@ def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch)
     weight = torch.empty(8, 8, dtype=torch.bfloat16)
     monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "300")
     monkeypatch.setattr(gemv, "pdl_options", lambda device, family: {"USE_PDL": False})
-    assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": False}  # no wait to prefetch ahead of
+    assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": False}  # a CPU weight: no PTX prefetch
+    monkeypatch.setattr(gemv, "_prefetch_allowed", lambda weight: True)  # as on a GPU
+    assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": False, "PREFETCH_K": 512, "PREFETCH_LINE": 64}
     monkeypatch.setattr(gemv, "pdl_options", lambda device, family: {"USE_PDL": True, "launch_pdl": True})
     monkeypatch.delenv("SHAPESHIFT_PDL_GEMV_TRIGGER", raising=False)
     assert gemv._pdl_and_prefetch(weight) == {"USE_PDL": True, "launch_pdl": True, "PREFETCH_K": 512,
@@ -158,4 +160,4 @@ def test_gemv_weight_prefetch_follows_the_environment_and_needs_pdl(monkeypatch)
     monkeypatch.delenv("SHAPESHIFT_PDL_GEMV_TRIGGER")
     assert gemv._pdl_and_prefetch(weight.float())["PREFETCH_LINE"] == 32
     monkeypatch.setenv("SHAPESHIFT_GEMV_PREFETCH", "32")  # under one bf16 line: none
-    assert gemv._pdl_and_prefetch(weight)["PREFETCH_K"] == 0
+    assert "PREFETCH_K" not in gemv._pdl_and_prefetch(weight)
