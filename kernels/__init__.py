@@ -7,6 +7,7 @@ names, so the package itself does not re-export them):
     activation.silu_and_mul              SwiGLU gate
     rotary.rotary_kv_write               rotary embedding + paged KV-cache write
     decode_attention.decode_attention    paged GQA decode attention, split-K (flash-decoding)
+    decode_attention.decode_attention_rope  ... with the rotary embedding and the KV write fused in
     prefill_attention.prefill_attention  chunked-prefill attention over paged KV
     gemv.gemv                            batch-1..16 weight-streaming GEMV / skinny GEMM
     sampling.argmax / sampling.sample    greedy and temperature / top-k / top-p sampling

@@ -14,6 +14,11 @@ Data flow (two passes):
     writes its normalised partial output [B, Hq, S, D] and log2-sum-exp [B, Hq, S] (float32).
   pass 2, grid (B, Hq): merges the S partials with weights 2^(lse_s - max lse).
 With NUM_SPLITS == 1, pass 1 writes the final output directly and pass 2 is skipped.
+decode_attention_rope (FUSE_ROPE) takes q and the step's new key and value un-rotated: each
+program rotates q (and the new key) itself, reads only the tokens before the new one from the
+cache, and the program whose slice ends at the new token starts its softmax from that token
+(held in registers) and writes the rotated key and the value to the cache for later steps.
+That replaces kernels.rotary's launch in front of every decode attention.
 All grid sizes come from static shapes (B, Hkv, NUM_SPLITS), never from context_lens values,
 so the launcher can be captured in a CUDA graph; the split boundaries are computed on the
 device from context_lens.
@@ -62,6 +67,16 @@ def _decode_attention_split_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    # Rotary + KV write fused in (decode_attention_rope): q and the new token's k, v arrive
+    # un-rotated; the last token of the context is the new one and is taken from registers.
+    FUSE_ROPE: tl.constexpr = False,
+    k_new_ptr=None,  # [B, Hkv, D]
+    v_new_ptr=None,  # [B, Hkv, D]
+    positions_ptr=None,  # [B] int
+    cos_sin_ptr=None,  # [max_position, D] float32: cos | sin
+    slot_mapping_ptr=None,  # [B] int64
+    stride_kn_b=0, stride_kn_h=0, stride_vn_b=0, stride_vn_h=0, stride_cs=0,
+    HALF: tl.constexpr = 1,
 ):
     grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -81,15 +96,49 @@ def _decode_attention_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_q_b + q_head[:, None] * stride_q_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if not USE_DOT:
-        q = q.to(tl.float32)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    cached_end = end
+    if FUSE_ROPE:
+        # rope(x)[d] = x[d] cos[d % H] + sign(d) x[(d + H) % D] sin[d % H], sign = -1 below H: the
+        # rotate-half form of kernels/rotary.py in the [.., D] layout, rounded once to x's dtype.
+        position = tl.load(positions_ptr + b).to(tl.int64)
+        half_d = tl.where(d < HALF, d, d - HALF)
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        cos = tl.load(cos_sin_ptr + position * stride_cs + half_d, mask=d_mask, other=0.0)  # [BLOCK_D]
+        sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + half_d, mask=d_mask, other=0.0)
+        sin = tl.where(d < HALF, -sin, sin)
+        q_partner = tl.load(q_ptr + b * stride_q_b + q_head[:, None] * stride_q_h + partner[None, :],
+                            mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(q.dtype)
+        kn_row = k_new_ptr + b * stride_kn_b + kv_head * stride_kn_h
+        k_new = tl.load(kn_row + d, mask=d_mask, other=0.0).to(tl.float32)
+        k_partner = tl.load(kn_row + partner, mask=d_mask, other=0.0).to(tl.float32)
+        k_new = (k_new * cos + k_partner * sin).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_D]
+        v_new = tl.load(v_new_ptr + b * stride_vn_b + kv_head * stride_vn_h + d, mask=d_mask, other=0.0)
+        # The new token (position context_len - 1) belongs to the last non-empty split: that
+        # program writes its key and value to the cache for later steps and starts its softmax
+        # from it; every program reads only the tokens before it from the cache.
+        cached_end = tl.minimum(end, context_len - 1)
+        if (end == context_len) & (start < end):
+            slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+            write = d_mask & (slot >= 0)
+            slot = tl.maximum(slot, 0)
+            tl.store(k_cache_ptr + (slot // block_size) * stride_k_block + (slot % block_size) * stride_k_slot
+                     + kv_head * stride_k_head + d, k_new, mask=write)
+            tl.store(v_cache_ptr + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_slot
+                     + kv_head * stride_v_head + d, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
+            m_i = tl.where(g_mask, score, 0.0)
+            l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
+    if not USE_DOT:
+        q = q.to(tl.float32)
+
     for tile_start in range(start, end, BLOCK_N):
         tok = tile_start + tl.arange(0, BLOCK_N)
-        tok_mask = tok < end
+        tok_mask = tok < cached_end
         block_id = tl.load(block_tables_ptr + b * stride_bt_b + tok // block_size, mask=tok_mask, other=0).to(tl.int64)
         slot = tok % block_size
         kv_mask = tok_mask[:, None] & d_mask[None, :]
@@ -197,6 +246,7 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    _rope: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention for q [B, Hq, D] over paged caches [num_blocks, block_size, Hkv, D].
 
@@ -220,7 +270,7 @@ def decode_attention(
         float(scale) * LOG2E,
         *strides,
         block_size, num_q_heads,
-        **constexprs, **pdl_options(q.device, "attention"),
+        **constexprs, **pdl_options(q.device, "attention"), **(_rope or {}),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
@@ -228,6 +278,65 @@ def decode_attention(
             partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device, "attention"),
         )
     return out
+
+
+def decode_attention_rope_ref(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+                              block_tables, context_lens, scale):
+    """Plain-torch reference of decode_attention_rope: kernels.rotary's reference (writes the
+    caches), then decode_attention_ref."""
+    from .rotary import rotary_kv_write_ref
+
+    q_rot = rotary_kv_write_ref(q, k_new, v_new, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_rope(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Rotary embedding, the paged KV write and decode attention in one pass (one launch fewer
+    per layer than kernels.rotary.rotary_kv_write followed by decode_attention).
+
+    q [B, Hq, D], k_new / v_new [B, Hkv, D]: the step's un-rotated projections (strided views of
+    a fused qkv output are fine); positions [B]; cos_sin_cache [max_position, D] float32 (see
+    kernels.rotary.rope_cos_sin_cache); slot_mapping [B] (negative: no cache write). The new
+    token is the last of each sequence's context_lens (which count it). Writes the rotated key
+    and the value to the caches and returns out [B, Hq, D].
+    """
+    op = "decode_attention_rope"
+    B, num_q_heads, head_dim = q.shape if q.dim() == 3 else (None, None, None)
+    if head_dim is not None and head_dim % 2:
+        raise ValueError(f"{op}: head_dim must be even for rotate-half, got {head_dim}")
+    num_kv_heads = k_cache.shape[2] if k_cache.dim() == 4 else None
+    check_tensor(op, "k_new", k_new, shape=(B, num_kv_heads, head_dim), device=q.device)
+    check_tensor(op, "v_new", v_new, shape=(B, num_kv_heads, head_dim), device=q.device)
+    check_same_dtype(op, "q", q, k_new=k_new, v_new=v_new)
+    check_tensor(op, "positions", positions, shape=(B,), dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor(op, "cos_sin_cache", cos_sin_cache, shape=(None, head_dim), dtypes=(torch.float32,),
+                 device=q.device)
+    check_tensor(op, "slot_mapping", slot_mapping, shape=(B,), dtypes=(torch.int32, torch.int64), device=q.device)
+    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("cos_sin_cache", cos_sin_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} needs a unit last stride, got strides {tuple(t.stride())}")
+    rope = {"FUSE_ROPE": True, "k_new_ptr": k_new, "v_new_ptr": v_new, "positions_ptr": positions,
+            "cos_sin_ptr": cos_sin_cache, "slot_mapping_ptr": slot_mapping,
+            "stride_kn_b": k_new.stride(0), "stride_kn_h": k_new.stride(1),
+            "stride_vn_b": v_new.stride(0), "stride_vn_h": v_new.stride(1), "stride_cs": cos_sin_cache.stride(0),
+            "HALF": head_dim // 2}
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out, config=config,
+                            _rope=rope)
 
 
 # (argument metadata, config) -> launch plan (see _plan), see checks.LaunchPlans.

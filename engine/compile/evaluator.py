@@ -276,7 +276,8 @@ class EngineEvaluator:
                                   stock_recipe=stock_recipe, stock_source=self.stock_source,
                                   concurrency=self.profile.concurrency,
                                   max_model_len=self.settings.max_model_len,
-                                  engine_defaults=self.settings.engine_base)
+                                  engine_defaults=self.settings.engine_base,
+                                  qk_norm=bool(getattr(eng.model_config, "qk_norm", False)))
 
     def materialize(self, cand: Candidate) -> Path:
         """The candidate as a bundle folder with a manifest (cached by digest)."""

@@ -253,6 +253,14 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _constraint_rotary_fusion(recipe: Mapping[str, Any]) -> str | None:
+    if recipe.get("fuse_rotary_into_attention") and not (recipe.get("attention_backend") == "triton"
+                                                         and recipe.get("rotary_backend") == "triton"):
+        return ("fuse_rotary_into_attention=true needs attention_backend=triton and rotary_backend=triton "
+                "(the fusion lives in the Triton decode-attention kernel)")
+    return None
+
+
 def _constraint_activation_needs_fused(recipe: Mapping[str, Any]) -> str | None:
     if recipe.get("activation_backend") == "triton" and not recipe.get("fuse_gate_up"):
         return "activation_backend=triton needs fuse_gate_up=true (the kernel reads the fused [gate | up] rows)"
@@ -341,6 +349,7 @@ def build_search_space(
     include_kernels: bool | None = None,
     include_source_edits: bool = True,
     engine_defaults: Mapping[str, Any] | None = None,
+    qk_norm: bool = False,
 ) -> SearchSpace:
     """The space for one model family on one device.
 
@@ -349,6 +358,7 @@ def build_search_space(
     ``stock_source`` is the forward.py whose docstring declares them (default: the stock one);
     ``engine_defaults`` (EngineConfig field -> value, e.g. the deployment's engine.yaml) become
     the defaults of the ``engine.*`` knobs, so the stock candidate runs as the deployment does.
+    ``qk_norm``: the model normalises q and k per head (Qwen3), which the rotary fusion cannot take.
     """
     stock_recipe = dict(stock_recipe or {})
     cuda = device.startswith("cuda")
@@ -430,7 +440,14 @@ def build_search_space(
         knobs = [k for k in knobs if k.name not in needs_gemv]
         needs_gemv = []
 
+    # The rotary fusion needs both Triton backends and a model without q/k norm (its build refuses).
+    triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)
+    if not triton_attention or qk_norm:
+        knobs = [k for k in knobs if k.name != "fuse_rotary_into_attention"]
+
     constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
+    if any(k.name == "fuse_rotary_into_attention" for k in knobs):
+        constraints.append(("rotary fusion", _constraint_rotary_fusion))
     if any(k.name == "activation_backend" and "triton" in k.values for k in knobs):
         constraints.append(("activation", _constraint_activation_needs_fused))
     if needs_gemv:

@@ -137,6 +137,15 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
         assert fp.recipe == recipe
     assert "engine.decode_steps" in cuda_space.names and cuda_space.default()["engine.decode_steps"] == 1
     assert cuda_space.default()["engine.overlap_decode"] is False
+    # The rotary fusion is searched, constrained to the Triton attention and rotary backends,
+    # and absent for models with q/k norm.
+    assert "fuse_rotary_into_attention" in cuda_space.names
+    bad = {**cuda_space.default(), "fuse_rotary_into_attention": True, "attention_backend": "torch"}
+    assert any("fuse_rotary_into_attention" in problem for problem in cuda_space.validate(bad))
+    qk_space = build_search_space(device="cuda", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
+                                  stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
+                                  qk_norm=True)
+    assert "fuse_rotary_into_attention" not in qk_space.names
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)

@@ -28,8 +28,10 @@ SCRIPT = textwrap.dedent('''
     from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
-    preset, device, fuse_norm = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    fast = NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"]  # the measured knob sets
+    preset, device, fuse_norm, fuse_rope = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+    fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
+    if fuse_rope:
+        fast["fuse_rotary_into_attention"] = True
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
@@ -46,26 +48,29 @@ SCRIPT = textwrap.dedent('''
     result = {"ref": ref.generate(prompts, greedy), "fast": tri.generate(prompts, greedy),
               "ref_sampled": ref.generate(prompts, sampled), "fast_sampled": tri.generate(prompts, sampled),
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
-              "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None}
+              "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
+              "fused_rope": tri.forward_pass._decode_attention_rope is not None}
     print(json.dumps(result))
 ''')
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm", [("tiny-llama", True), ("tiny-qwen3", True), ("tiny-llama", False)])
-def test_fast_recipe_matches_stock(preset, fuse_norm):
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope", [("tiny-llama", True, False), ("tiny-qwen3", True, False),
+                                                         ("tiny-llama", False, False), ("tiny-llama", True, True)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0"],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
+                           "1" if fuse_rope else "0"],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["uses_gemv"] and result["gated"]
+    assert result["uses_gemv"] and result["gated"] and result["fused_rope"] == fuse_rope
     assert result["graphs"] > 0 and result["replays"] > 0  # decode went through the static path
     assert result["fast"] == result["ref"]
     assert len({tuple(t) for t in result["ref"]}) == 3  # distinct continuations: a real comparison
@@ -88,5 +93,8 @@ def test_fast_recipe_knob_errors():
         build_forward_pass(load_bundle(None, {"fuse_gate_up_activation": True, "fuse_gate_up": True}), cfg, weights)
     with pytest.raises(ValueError, match="fuse_norm_into_linear needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"fuse_norm_into_linear": True}), cfg, weights)
+    with pytest.raises(ValueError, match="fuse_rotary_into_attention needs attention_backend: triton"):
+        build_forward_pass(load_bundle(None, {"fuse_rotary_into_attention": True, "attention_backend": "triton"}),
+                           cfg, weights)
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)

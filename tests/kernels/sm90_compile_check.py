@@ -76,6 +76,15 @@ def launch_all(prefix: str = "") -> None:
             e(B, 32, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16),
             e(B, max_blocks, dtype=torch.int32), e(B, dtype=torch.int32), 0.125,
             config=sm90(decode_attention.DECODE_ATTENTION_SPEC, problem))
+    label("decode_attention_rope")  # rotary + KV write fused in, at batch 1 in a 512-token width
+    qkv = e(1, 48 * 64, dtype=BF16)
+    decode_attention.decode_attention_rope(
+        qkv[:, :2048].view(1, 32, 64), qkv[:, 2048:2560].view(1, 8, 64), qkv[:, 2560:].view(1, 8, 64),
+        e(1, dtype=torch.int64), e(4096, 64), e(1, dtype=torch.int64),
+        e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(1, 32, dtype=torch.int32),
+        e(1, dtype=torch.int32), 0.125,
+        config=sm90(decode_attention.DECODE_ATTENTION_SPEC, {"batch": 1, "q_heads": 32, "kv_heads": 8,
+                                                             "head_dim": 64, "max_context": 512}))
     label("decode_attention fma")
     decode_attention.decode_attention(
         e(4, 32, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16),
@@ -128,7 +137,7 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict):
     for index, param in enumerate(fn.params):
         name = param.name
         value = bound[name] if name in bound else param.default  # a defaulted constexpr left out
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # None arguments specialise as constexprs
             signature[name] = "constexpr"
             constexprs[name] = value
         elif isinstance(value, torch.Tensor):
@@ -208,6 +217,7 @@ def main() -> int:
             row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
             row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
             row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
+            row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
             row["ok"] = True
         except Exception as error:  # report every failure, keep compiling the rest
             row["ok"] = False

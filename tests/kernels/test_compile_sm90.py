@@ -45,3 +45,5 @@ def test_all_kernels_compile_for_sm90_without_spills():
     prefetching = {r["kernel"] for r in rows if r["l2_prefetch"]}
     assert prefetching == {"_gemv_kernel", "_gemv_silu_and_mul_kernel"}, prefetching
     assert all(r["l2_prefetch"] == bool(r["prefetch_k"]) for r in rows)
+    # Decode attention with the rotary + KV write fused in compiles as its own variant.
+    assert any(r["fuse_rope"] and r["kernel"] == "_decode_attention_split_kernel" for r in rows)

@@ -76,3 +76,61 @@ def test_decode_attention_h200_default_follows_the_tuning(batch, max_context, bl
                "block_size": 16, "dtype": "bfloat16"}
     config = DECODE_ATTENTION_SPEC.choose_default(problem, "sm90")
     assert (config["BLOCK_N"], config["NUM_SPLITS"]) == (block_n, splits)
+
+
+ROPE_CASES = [
+    # context lens (each counts the new token), Hq, Hkv, D, block_size, splits
+    ([1, 37, 16], 4, 2, 16, 4, 1),
+    ([1, 37, 16], 4, 2, 16, 4, 4),  # splits whose last one holds only the new token, or is empty
+    ([17, 5], 6, 2, 24, 8, 3),  # head_dim not a power of two
+    ([50], 3, 3, 32, 16, 2),  # MHA
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,hq,hkv,d,bs,splits", ROPE_CASES)
+@pytest.mark.parametrize("variant", ["dot", "fma"])
+def test_decode_attention_rope_matches_rotary_then_attention(lens, hq, hkv, d, bs, splits, variant, dtype, device):
+    """Rotary + KV write + attention in one pass: the output and both caches as
+    kernels.rotary's reference writing the caches and decode_attention's reference reading them."""
+    from shapeshift.kernels.decode_attention import decode_attention_rope, decode_attention_rope_ref
+    from shapeshift.kernels.rotary import rope_cos_sin_cache
+
+    q, kc, vc, bt, cl = _paged_problem(lens, hq, hkv, d, bs, dtype, device)
+    B = len(lens)
+    # The step's projections as strided views of one fused qkv row, as the forward pass has them.
+    qkv = torch.randn(B, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+    q, k_new, v_new = (t.view(B, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    positions = (cl.long() - 1).clamp(min=0) + 3  # positions need not equal context lengths
+    cos_sin = rope_cos_sin_cache(d, 128, 10000.0, device=device)
+    slots = torch.stack([bt[i, (n - 1) // bs].long() * bs + (n - 1) % bs for i, n in enumerate(cl.tolist())])
+    slots[-1] = -1 if B > 1 else slots[-1]  # a row with no cache write (its attention still sees the token)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = decode_attention_rope_ref(q, k_new, v_new, positions, cos_sin, slots, kc_ref, vc_ref, bt, cl, d ** -0.5)
+    out = poisoned(q.shape, dtype, device)
+    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=splits)
+    decode_attention_rope(q, k_new, v_new, positions, cos_sin, slots, kc, vc, bt, cl, d ** -0.5, out=out,
+                          config=config)
+    if B > 1:  # the skipped write: the reference attends to the cache's old content there, the kernel
+        ref = ref[:-1]  # to the new token (what a real step means), so compare the written rows only
+        out = out[:-1]
+    assert_close_norm(out, ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=0, rtol=0) if dtype == torch.float32 else \
+        assert_close_norm(kc, kc_ref, dtype)
+    assert torch.equal(vc, vc_ref)
+
+
+def test_decode_attention_rope_errors(device):
+    from shapeshift.kernels.decode_attention import decode_attention_rope
+    from shapeshift.kernels.rotary import rope_cos_sin_cache
+
+    q, kc, vc, bt, cl = _paged_problem([4], 4, 2, 16, 4, torch.float32, device)
+    k_new = v_new = torch.zeros(1, 2, 16, device=device)
+    pos, slots = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    cs = rope_cos_sin_cache(16, 8, 10000.0, device=device)
+    with pytest.raises(ValueError, match=r"k_new has shape \(1, 3, 16\)"):
+        decode_attention_rope(q, torch.zeros(1, 3, 16, device=device), v_new, pos, cs, slots, kc, vc, bt, cl, 1.0)
+    with pytest.raises(ValueError, match="cos_sin_cache has dtype torch.float16"):
+        decode_attention_rope(q, k_new, v_new, pos, cs.half(), slots, kc, vc, bt, cl, 1.0)
+    with pytest.raises(ValueError, match="v_new has dtype torch.float16"):
+        decode_attention_rope(q, k_new, v_new.half(), pos, cs, slots, kc, vc, bt, cl, 1.0)

@@ -34,6 +34,10 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv and
                                       gate/up GEMVs (decode, <= 16 rows; needs
                                       linear_backend: triton, fuse_qkv, fuse_gate_up)
+  fuse_rotary_into_attention: bool    decode: rotary, the KV-cache write and attention in one
+                                      kernel (kernels.decode_attention.decode_attention_rope;
+                                      needs attention_backend and rotary_backend: triton; models
+                                      without q/k norm)
   fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
   fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
   moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
@@ -224,7 +228,7 @@ class StockForwardPass:
         self.recipe = dict(recipe)
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
-                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs"}
+                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -260,6 +264,13 @@ class StockForwardPass:
             if not self.fuse_gate_up:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
+        self._decode_attention_rope = None
+        if self.recipe.get("fuse_rotary_into_attention", False):
+            if self._decode_attention is None or self._rotary_kv_write is None or cfg.qk_norm:
+                raise ValueError("recipe fuse_rotary_into_attention needs attention_backend: triton and "
+                                 "rotary_backend: triton on a model without q/k norm")
+            self._decode_attention_rope = _kernel("decode_attention", "decode_attention_rope",
+                                                  "fuse_rotary_into_attention")
         self._apply_kernel_configs(self.recipe.get("kernel_configs") or {})
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
         # Per-call state of forward() read by attention(); thread-local because the hot-reload
@@ -304,6 +315,8 @@ class StockForwardPass:
                 raise ValueError(f"recipe kernel_configs[{op!r}] must be a kernel config dict with a 'variant' and "
                                  f"its tile parameters ({exc})") from exc
             setattr(self, attribute, functools.partial(launcher, config=kernel_config))
+            if op == "decode_attention" and self._decode_attention_rope is not None:  # same kernel, same tiles
+                self._decode_attention_rope = functools.partial(self._decode_attention_rope, config=kernel_config)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -427,6 +440,11 @@ class StockForwardPass:
             q = self.head_norm(q, layer.q_norm)
             k = self.head_norm(k, layer.k_norm)
         k_cache, v_cache = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+        if self._decode_attention_rope is not None and not ctx.is_prefill:
+            # One launch: rotate q and the new key, write key and value to the cache, attend.
+            o = self._decode_attention_rope(q, k, v, positions, self.cos_sin, ctx.slot_mapping, k_cache, v_cache,
+                                            ctx.block_tables, ctx.context_lens, self.scale)
+            return self.linear(o.reshape(tokens, -1), layer.o_proj)
         if self._rotary_kv_write is not None:
             q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
         elif self.joint_rotary:
