@@ -25,17 +25,59 @@ from .sequence import Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
 
 
-@dataclass
 class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    output_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[float] | None = None  # logprobs of new_token_ids when requested
+    """One request's news from one step.
+
+    ``output_token_ids`` is the request's whole output so far. Copying it every step would
+    cost O(output length) per token, so the scheduler hands over the sequence's token list
+    and the length it had (``_token_source``, ``_num_tokens``); the copy is made on first
+    read, and since a sequence's token list only grows, it equals a copy made at the step.
+    """
+
+    __slots__ = ("request_id", "new_token_ids", "_output_token_ids", "text_delta", "finished", "finish_reason",
+                 "num_prompt_tokens", "num_cached_tokens", "logprobs", "_token_source", "_num_tokens")
+
+    def __init__(self, request_id: str, new_token_ids: list[int], output_token_ids: list[int] | None,
+                 text_delta: str, finished: bool, finish_reason: str | None,  # "stop" | "length" | "abort" | None
+                 num_prompt_tokens: int, num_cached_tokens: int,
+                 logprobs: list[float] | None = None) -> None:  # logprobs of new_token_ids when requested
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self._output_token_ids = output_token_ids
+        self.text_delta = text_delta
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.logprobs = logprobs
+        self._token_source: list[int] | None = None
+        self._num_tokens = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        ids = self._output_token_ids
+        if ids is None and self._token_source is not None:
+            ids = self._output_token_ids = self._token_source[self.num_prompt_tokens:self._num_tokens]
+            self._token_source = None
+        return ids
+
+    @output_token_ids.setter
+    def output_token_ids(self, ids: list[int]) -> None:
+        self._output_token_ids = ids
+        self._token_source = None
+
+    _FIELDS = ("request_id", "new_token_ids", "output_token_ids", "text_delta", "finished", "finish_reason",
+               "num_prompt_tokens", "num_cached_tokens", "logprobs")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value (as a dataclass)
+
+    def __repr__(self) -> str:
+        return f"RequestOutput({', '.join(f'{name}={getattr(self, name)!r}' for name in self._FIELDS)})"
 
 
 @dataclass
@@ -82,6 +124,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or [])
+        if tokenizer is not None and hasattr(tokenizer, "byte_decoding_table"):
+            tokenizer.byte_decoding_table()  # built now rather than on the first request
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -114,19 +158,23 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_append(seq, num_new):
-                victim = self.running.pop()  # the most recently admitted goes first
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            # Most steps fit in the last block; only a sequence that needs a new block can
+            # run short (can_append / append_slots do nothing more otherwise).
+            if -(-(seq.num_computed_tokens + num_new) // block_size) > len(seq.block_table):
+                while not bm.can_append(seq, num_new):
+                    victim = self.running.pop()  # the most recently admitted goes first
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-            bm.append_slots(seq, num_new)
+                bm.append_slots(seq, num_new)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -158,57 +206,86 @@ class Scheduler:
 
     # ------------------------------------------------------------------ postprocess
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput | None) -> list[RequestOutput]:
+        # The per-token host work of every step at large batches: locals instead of repeated
+        # attribute and property lookups, and nothing in it costs more than O(1) per token
+        # (see RequestOutput and IncrementalDetokenizer).
         outputs: list[RequestOutput] = []
-        for i, seq in enumerate(batch.seqs):
-            if seq.status is not SequenceStatus.RUNNING:
+        bm = self.block_manager
+        block_size = bm.block_size
+        token_ids = output.token_ids if output is not None else None
+        logprobs = output.logprobs if output is not None else None
+        running = SequenceStatus.RUNNING
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.status is not running:
                 continue  # aborted between schedule and postprocess
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            self.block_manager.commit(seq)
-            token = output.token_ids[i] if output is not None else None
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            if computed >= (len(seq.block_hashes) + 1) * block_size:
+                bm.commit(seq)  # a block filled up (commit has nothing to do otherwise)
+            if token_ids is None:
+                continue
+            token = token_ids[i]
             if token is None:
                 continue
             seq.token_ids.append(token)
             logprob = None
-            if seq.params.logprobs and output.logprobs is not None:
-                logprob = output.logprobs[i]
+            if logprobs is not None and seq.params.logprobs:
+                logprob = logprobs[i]
                 seq.logprobs.append(logprob)
             delta = self._append_text_and_check_stop(seq, token)
             if seq.finish_reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, seq.finish_reason)
-            outputs.append(RequestOutput(
-                request_id=seq.request_id, new_token_ids=[token], output_token_ids=seq.output_token_ids,
-                text_delta=delta, finished=seq.is_finished, finish_reason=seq.finish_reason,
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                logprobs=None if logprob is None else [logprob]))
+            out = RequestOutput(seq.request_id, [token], None, delta, seq.status is SequenceStatus.FINISHED,
+                                seq.finish_reason, len(seq.prompt_token_ids), seq.num_cached_tokens,
+                                None if logprob is None else [logprob])
+            out._token_source = seq.token_ids  # output_token_ids: copied on first read
+            out._num_tokens = len(seq.token_ids)
+            outputs.append(out)
         return outputs
 
     def _append_text_and_check_stop(self, seq: Sequence, token: int) -> str:
         """Update the sequence's text and finish_reason; return the text to emit now."""
         params = seq.params
+        stop = params.stop
         stop_by_token = (token in params.stop_token_ids
                          or (not params.ignore_eos and token in self.eos_token_ids))
+        piece = ""
         if seq.detokenizer is not None and not stop_by_token:
-            old_len = len(seq.text)
-            seq.text += seq.detokenizer.step([token])
-            if params.stop:
-                start = max(0, old_len - max(len(s) for s in params.stop) + 1)
-                found = [idx for idx in (seq.text.find(s, start) for s in params.stop) if idx >= 0]
+            piece = seq.detokenizer.step_one(token)
+        text = ""
+        if not stop:
+            if piece:
+                seq.append_text(piece)
+        else:
+            text = seq.text
+            if piece:
+                # Only a stop string reaching into the new piece can be new: the last
+                # step's search covered the rest (and, with an empty piece, everything).
+                start = max(0, len(text) - max(map(len, stop)) + 1)
+                text += piece
+                found = [idx for idx in (text.find(s, start) for s in stop) if idx >= 0]
                 if found:
-                    seq.text = seq.text[:min(found)]
+                    text = text[:min(found)]
                     seq.finish_reason = "stop"
+                seq.text = text
         if seq.finish_reason is None:
             if stop_by_token:
                 seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+            else:
+                num_tokens = len(seq.token_ids)
+                if num_tokens - len(seq.prompt_token_ids) >= params.max_tokens or num_tokens >= self.max_model_len:
+                    seq.finish_reason = "length"
+        if not stop:
+            # Nothing is held back without stop strings: every step emits all its text.
+            seq.num_text_emitted += len(piece)
+            return piece
         if seq.finish_reason is not None:
-            end = len(seq.text)
+            end = len(text)
         else:
             # Hold back a possible beginning of a stop string until it is decided.
-            holdback = max((len(s) for s in params.stop), default=1) - 1
-            end = max(seq.num_text_emitted, len(seq.text) - holdback)
-        delta = seq.text[seq.num_text_emitted:end]
+            end = max(seq.num_text_emitted, len(text) - max(map(len, stop)) + 1)
+        delta = text[seq.num_text_emitted:end]
         seq.num_text_emitted = end
         return delta
 

@@ -5,7 +5,11 @@ chat_template.jinja, generation_config.json) -> ``Tokenizer`` (a `tokenizers`
 library tokenizer plus a jinja2 chat template). Random presets get a generated
 byte-level tokenizer (``build_byte_level_tokenizer``) so they serve text too.
 ``IncrementalDetokenizer`` turns a growing list of ids into text deltas without
-splitting multi-byte characters.
+splitting multi-byte characters. For a byte-level decoder (the GPT-2 byte alphabet,
+SmolLM2 and the random presets) decoding is "concatenate each token's bytes, then
+decode UTF-8 with U+FFFD for invalid bytes", so ``Tokenizer.byte_decoding_table``
+gives every id its bytes once and the detokenizer works on bytes per token instead
+of calling the tokenizer's decode twice.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class Tokenizer:
                 ids.append(eos_id)
         self.eos_token_ids: list[int] = ids
         self._template = None
+        self._byte_table: ByteDecodingTable | None = None
+        self._byte_table_built = False
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -142,6 +148,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def byte_decoding_table(self) -> ByteDecodingTable | None:
+        """Each id's bytes under ``decode(..., skip_special_tokens=True)``, or None when the
+        decoder is not a plain byte-level one (then only ``decode`` is exact). Built once."""
+        if not self._byte_table_built:
+            self._byte_table = ByteDecodingTable.build(self._tok)
+            self._byte_table_built = True
+        return self._byte_table
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """Render the chat template; encode the result with ``add_special_tokens=False``."""
@@ -162,12 +176,75 @@ class Tokenizer:
                                      **extra)
 
 
+def utf8_replace(data: bytes) -> str:
+    """UTF-8 with one U+FFFD per maximal invalid subpart: what the tokenizers library's
+    lossy byte decoding produces (tests/engine/test_detokenizer.py pins the equality)."""
+    return data.decode("utf-8", "replace")
+
+
+class ByteDecodingTable:
+    """Per-id bytes of a byte-level tokenizer, for decoding without the tokenizer.
+
+    ``token_bytes[id]``: the bytes the ByteLevel decoder makes of that id (empty for a
+    special token, which decode skips). ``whole_text[id]``: its text when the bytes alone
+    decode to non-empty text that does not end in U+FFFD (a complete piece a detokenizer
+    can emit as is), else None. Ids at or past ``len(token_bytes)`` decode to nothing.
+    """
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self.token_bytes = token_bytes
+        self.whole_text: list[str | None] = []
+        for data in token_bytes:
+            text = utf8_replace(data)
+            self.whole_text.append(text if text and not text.endswith("\ufffd") else None)
+
+    @classmethod
+    def build(cls, tok: tokenizers.Tokenizer) -> ByteDecodingTable | None:
+        # Only a bare ByteLevel decoder maps tokens to bytes independently of each other
+        # (no Sequence, Metaspace, Strip or ByteFallback step that looks at neighbours).
+        if type(tok.decoder) is not tokenizers.decoders.ByteLevel:
+            return None
+        size = tok.get_vocab_size(with_added_tokens=True)
+        byte_to_char = _bytes_to_unicode()
+        alphabet = set(byte_to_char.values())
+        # alphabet char -> the latin-1 char of its byte, so translate + encode("latin-1") gives the bytes
+        to_latin1 = str.maketrans({char: chr(byte) for byte, char in byte_to_char.items()})
+        special = {i for i, added in tok.get_added_tokens_decoder().items() if added.special}
+        token_bytes: list[bytes] = []
+        for i in range(size):
+            token = tok.id_to_token(i)
+            if token is None or i in special:
+                token_bytes.append(b"")
+            elif alphabet.issuperset(token):
+                token_bytes.append(token.translate(to_latin1).encode("latin-1"))
+            else:  # a token outside the byte alphabet (an added token) decodes as its own UTF-8
+                token_bytes.append(token.encode())
+        table = cls(token_bytes)
+        # Guard against a tokenizers version that decodes some id differently: every id
+        # alone must decode as the table says, else the table is not used at all.
+        decoded = tok.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+        if any(text != utf8_replace(data) for text, data in zip(decoded, token_bytes)):
+            return None
+        return table
+
+
 class IncrementalDetokenizer:
     """Text deltas for a growing id list; holds back text that ends mid-character.
 
     Decoding only a short window (``prefix_offset:``) keeps the cost per token constant;
     the window starts a few tokens back because byte-level tokenizers need left context
-    to decide where a character or a leading space begins.
+    to decide where a character or a leading space begins. A delta is the window's text
+    past the text of its first part (``prefix_offset:read_offset``), emitted once the
+    window's text grows and does not end in U+FFFD.
+
+    With a byte-decoding table the same deltas come from bytes. After the first delta the
+    window's first part is the tokens of the last delta, and UTF-8 decoding ends their
+    bytes with no character half read (the delta ended in a whole character; at worst the
+    part holds only that character's last bytes, each a complete invalid subpart), so
+    decoding the window splits there: its new text is exactly the decoded bytes of the
+    tokens since the last delta (``pending``). Until the first delta the window's first
+    part is the prompt's tail, which may end mid-character, so those steps decode the
+    window with the tokenizer as described above.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
@@ -175,8 +252,43 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        table = tokenizer.byte_decoding_table() if hasattr(tokenizer, "byte_decoding_table") else None
+        self._table = table
+        # Bytes of the tokens since the last delta; None until the first delta (or always,
+        # without a table): then ``ids`` and the offsets are the state.
+        self.pending: bytes | None = None
 
     def step(self, new_ids: list[int]) -> str:
+        if len(new_ids) == 1:
+            return self.step_one(new_ids[0])
+        if self.pending is None:
+            return self._step_by_decoding(new_ids)
+        token_bytes = self._table.token_bytes
+        return self._emit(self.pending + b"".join(token_bytes[t] for t in new_ids if t < len(token_bytes)))
+
+    def step_one(self, token: int) -> str:
+        """``step([token])``, the scheduler's per-token call."""
+        pending = self.pending
+        if pending is None:
+            return self._step_by_decoding([token])
+        table = self._table
+        if token >= len(table.token_bytes):
+            return ""  # decode skips ids outside the vocabulary, so nothing changes
+        if not pending:
+            text = table.whole_text[token]
+            if text is not None:
+                return text
+        return self._emit(pending + table.token_bytes[token])
+
+    def _emit(self, pending: bytes) -> str:
+        text = utf8_replace(pending)
+        if text and not text.endswith("\ufffd"):
+            self.pending = b""
+            return text
+        self.pending = pending
+        return ""
+
+    def _step_by_decoding(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
@@ -184,5 +296,7 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+            if self._table is not None:
+                self.pending = b""  # from here on bytes, not ids and offsets (see the class docstring)
             return delta
         return ""
