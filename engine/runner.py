@@ -85,6 +85,7 @@ class ModelRunner:
         self._max_bs = 0
         self._staging_steps = 0  # decode steps the multi-step staging holds (sized on first use)
         self._graph_logits: dict[tuple[int, int], torch.Tensor] = {}  # each graph's logits output
+        self._capture_stream: Any = None  # torch.cuda.Stream of this runner's graph captures (CUDA)
         # CUDA event recorded once a launched chunk's host->device input copies are done: the
         # pinned host buffers they read are not rewritten before it (see launch_decode_steps).
         self._inputs_consumed: Any = None
@@ -400,6 +401,11 @@ class ModelRunner:
         greedy_argmax = _graph_argmax(capture)
         if capture:
             torch.cuda.synchronize(dev)
+            # This runner's own capture stream: another runner capturing at the same time (hot
+            # reload's off-path capture) never shares per-stream kernel state with it.
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(dev)
+            capture_stream = self._capture_stream
         for width in reversed(widths):
             for bs in reversed(sizes):
                 ctx = AttentionContext(
@@ -420,12 +426,14 @@ class ModelRunner:
                 if not capture:
                     self.graphs[(bs, width)] = _Graph(run_static, bs, width)
                     continue
-                # Warm-up outside the graph: lazy initialisation (cuBLAS handles, Triton
-                # autotuning) must not happen during capture.
-                run_static()
+                # Warm-up outside the graph, on the stream the capture will use: lazy
+                # initialisation (cuBLAS handles, Triton autotuning, the split-K GEMVs' tile
+                # counters, which are kept per stream) must not happen during capture.
+                with torch.cuda.stream(capture_stream):
+                    run_static()
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._graph_pool):
+                with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
                     run_static()
                 if self._graph_pool is None:
                     self._graph_pool = graph.pool()

@@ -678,6 +678,9 @@ def parse_args(argv: list[str] | None):
                              f"{BEST_RECIPE}; --profile: stock,triton,gemv,{BEST_RECIPE}), each optionally with "
                              "+knob=value overrides (fast+fuse_gate_up_activation=false); Triton recipes are "
                              "skipped without CUDA")
+    parser.add_argument("--recipe-file", default=None,
+                        help="JSON object {name: knobs} of more recipes to measure by name in --recipes (e.g. "
+                             "per-shape gemv_configs); they may also take +knob=value overrides")
     parser.add_argument("--decode-steps", default=None,
                         help="comma list of EngineConfig.decode_steps values measured per recipe (multi-step "
                              "decode: k greedy steps per host round trip), e.g. 1,8; a trailing o (8o) also "
@@ -719,6 +722,17 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = [args.profile_batch]
     default_recipes = {"table": f"stock,triton,{BEST_RECIPE}", "curve": BEST_RECIPE,
                        "profile": f"stock,triton,gemv,{BEST_RECIPE}"}[mode]
+    if args.recipe_file:
+        try:
+            extra = json.loads(Path(args.recipe_file).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            parser.error(f"--recipe-file {args.recipe_file}: {exc}")
+        if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+            parser.error(f"--recipe-file {args.recipe_file}: expected a JSON object of name -> knob object")
+        clash = sorted(set(extra) & set(NAMED_RECIPES))
+        if clash:
+            parser.error(f"--recipe-file {args.recipe_file}: {clash} would replace named recipes; rename them")
+        RECIPES.update(extra)
     recipes = [r for r in (args.recipes or default_recipes).split(",") if r]
     for r in recipes:
         try:

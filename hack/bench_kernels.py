@@ -166,7 +166,7 @@ def _time_graph(fns, quick):
 
     def capture(calls):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: per-stream kernel state
             for i in range(calls):
                 fns[i % len(fns)]()
         return graph

@@ -32,6 +32,8 @@ removes the separate RMSNorm launch in front of the qkv and gate/up projections.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -123,6 +125,8 @@ def _gemv_kernel(
     PREFETCH_K: tl.constexpr = 0,  # weight columns per row prefetched into L2 first (before the wait)
     PREFETCH_LINE: tl.constexpr = 64,  # elements per 128-byte line
     TRIGGER_LATE: tl.constexpr = False,  # with USE_PDL: the next kernel launches after the weight stream
+    FUSED_REDUCE: tl.constexpr = False,  # SPLIT_K > 1: the last split of each row tile reduces (one launch)
+    counter_ptr=None,  # [cdiv(N, BLOCK_N)] int32, zero between launches (FUSED_REDUCE)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -178,7 +182,25 @@ def _gemv_kernel(
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + m[:, None] * stride_y_m + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
-        tl.store(partial_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=out_mask)
+        partial_tile = partial_ptr + m[:, None] * N + n[None, :]  # split 0's [BLOCK_M, BLOCK_N] tile
+        tl.store(partial_tile + pid_k * M * N, acc, mask=out_mask)
+        if FUSED_REDUCE:
+            # Serial fix-up instead of a second launch: every split counts itself in on this row
+            # tile's counter; the last to arrive sums the partials (from zero, in split order,
+            # as _split_k_reduce_kernel does, so the result is the same bit for bit), writes y
+            # and resets the counter for the next launch (or graph replay).
+            tl.debug_barrier()  # the whole tile is stored before the release below
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tl.debug_barrier()
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(partial_tile + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + m[:, None] * stride_y_m + n[None, :], total.to(y_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -400,6 +422,11 @@ def gemv(
     upcast_dot, dot_precision = dot_flags(x.dtype)
     partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out
+    fused = {}
+    if split_k > 1 and split_k_fixup_enabled(x.device):
+        counters = _split_k_counters(x.device, cdiv(N, block_n))
+        if counters is not None:
+            fused = {"FUSED_REDUCE": True, "counter_ptr": counters}
     _gemv_kernel[(cdiv(N, block_n), split_k)](
         x, weight, bias_arg, out, partial,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0),
@@ -408,9 +435,9 @@ def gemv(
         EVEN_K=K % (split_k * block_k) == 0, USE_DOT=use_dot, HAS_BIAS=bias is not None,
         UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, **_prologue_shape(M, K),
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_and_prefetch(weight),
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_and_prefetch(weight), **fused,
     )
-    if split_k > 1:
+    if split_k > 1 and not fused:
         reduce_block = 1024
         _split_k_reduce_kernel[(M, cdiv(N, reduce_block))](
             partial, bias_arg, out, M, N, out.stride(0),
@@ -470,6 +497,34 @@ def gemv_silu_and_mul(
         num_warps=config.num_warps, num_stages=config.num_stages, **_pdl_and_prefetch(gate_up),
     )
     return out if res_ret is None else (out, res_ret)
+
+
+# (device type, device index, stream id) -> int32 counters for the split-K fix-up, zero between
+# launches (the last split of a tile resets its counter). One set per stream: kernels on two
+# streams may run at once, kernels on one stream never do.
+_SPLIT_K_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_k_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """This stream's zeroed tile counters (at least `tiles`), or None while a CUDA graph is being
+    captured on a stream that has none yet: zeroing them then would only be recorded, not done,
+    so that capture keeps the reduce launch. ModelRunner warms up on its capture stream, so its
+    decode graphs find theirs."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    counters = _SPLIT_K_COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _SPLIT_K_COUNTERS[key] = counters
+    return counters
+
+
+def split_k_fixup_enabled(device: torch.device) -> bool:
+    """Split-K GEMVs reduce in their last split (one launch) unless SHAPESHIFT_GEMV_SPLIT_K_FIXUP=0,
+    which brings back the separate reduce launch (to measure the difference)."""
+    return os.environ.get("SHAPESHIFT_GEMV_SPLIT_K_FIXUP", "1") != "0"
 
 
 def _prefetch_allowed(weight: torch.Tensor) -> bool:

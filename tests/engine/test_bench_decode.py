@@ -100,3 +100,19 @@ def test_profile_at_a_batch_with_an_overridden_recipe(tmp_path):
     profile = result["profiles"]["stock+fuse_qkv=true"]
     assert profile["batch"] == 3 and profile["mean_rows_per_step"] == 3 and profile["wall_ms_per_step"] > 0
     assert result["batch_sizes"] == [3]
+
+
+@pytest.mark.slow
+def test_recipes_from_a_file(tmp_path):
+    bench = load_bench()
+    recipes = tmp_path / "recipes.json"
+    recipes.write_text(json.dumps({"qkv-fused": {"fuse_qkv": True}}))
+    assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--profile", "--prompt-len", "8",
+                       "--recipe-file", str(recipes), "--recipes", "qkv-fused+fuse_gate_up=true",
+                       "--out-dir", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("decode-profile-tiny-llama-*.json")).read_text())
+    assert result["recipes"] == {"qkv-fused+fuse_gate_up=true": {"fuse_qkv": True, "fuse_gate_up": True}}
+    recipes.write_text(json.dumps({"fast": {"fuse_qkv": True}}))
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--model", "tiny-llama", "--profile", "--recipe-file", str(recipes),
+                    "--out-dir", str(tmp_path)])

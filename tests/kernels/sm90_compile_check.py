@@ -93,6 +93,15 @@ def launch_all(prefix: str = "") -> None:
     for m, n, k in ((1, 2048, 8192), (1, 128256, 2048), (16, 3072, 2048)):
         label(f"gemv M={m} N={n} K={k}")
         gemv.gemv(e(m, k, dtype=BF16), e(n, k, dtype=BF16), config=sm90(gemv.GEMV_SPEC, {"m": m, "n": n, "k": k}))
+    label("gemv split-K with its fix-up")  # the last split reduces: atomics with acquire/release
+    split = gemv.KernelConfig.make("dot", num_warps=2, num_stages=5, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2)
+    gemv.gemv(e(1, 8192, dtype=BF16), e(2048, 8192, dtype=BF16), config=split)
+    label("gemv split-K with a reduce launch")  # SHAPESHIFT_GEMV_SPLIT_K_FIXUP=0
+    os.environ["SHAPESHIFT_GEMV_SPLIT_K_FIXUP"] = "0"
+    try:
+        gemv.gemv(e(1, 8192, dtype=BF16), e(2048, 8192, dtype=BF16), config=split)
+    finally:
+        del os.environ["SHAPESHIFT_GEMV_SPLIT_K_FIXUP"]
     label("gemv_silu_and_mul M=1")
     gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16),
                            config=sm90(gemv.GEMV_SPEC, {"m": 1, "n": 8192, "k": 2048}))
@@ -218,6 +227,7 @@ def main() -> int:
             row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
             row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
             row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
+            row["split_k_fixup"] = bool(constexprs.get("FUSED_REDUCE", False))
             row["ok"] = True
         except Exception as error:  # report every failure, keep compiling the rest
             row["ok"] = False

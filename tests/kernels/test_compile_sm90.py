@@ -47,3 +47,5 @@ def test_all_kernels_compile_for_sm90_without_spills():
     assert all(r["l2_prefetch"] == bool(r["prefetch_k"]) for r in rows)
     # Decode attention with the rotary + KV write fused in compiles as its own variant.
     assert any(r["fuse_rope"] and r["kernel"] == "_decode_attention_split_kernel" for r in rows)
+    # Split-K GEMVs reduce in their last split (atomic counters) and compile so.
+    assert any(r["split_k_fixup"] and r["kernel"] == "_gemv_kernel" for r in rows)

@@ -21,7 +21,7 @@ def _capture(fn):
         fn()  # warm-up compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream (per-stream kernel state)
         fn()
     return graph
 
@@ -58,7 +58,13 @@ def test_decode_step_replays_in_a_cuda_graph():
         logits = attn.view(B, hq * d).float()
         out["attn"], out["greedy"] = attn, argmax(logits)
         out["sampled"] = sample(logits, temperature, top_k, top_p, seeds)
+        # A split-K GEMV whose last split reduces (tile counters reset inside every replay).
+        out["split"] = gemv(attn.view(B, hq * d), w_o, config=split_k)
 
+    from shapeshift.kernels.registry import KernelConfig
+
+    w_o = torch.randn(hidden, hq * d, device=dev, dtype=torch.bfloat16) / (hq * d) ** 0.5
+    split_k = KernelConfig.make("dot", num_warps=4, num_stages=3, BLOCK_N=16, BLOCK_K=64, SPLIT_K=4)
     graph = _capture(step)
     for trial in range(3):
         lens = torch.randint(1, bs * max_blocks, (B,), device=dev, dtype=torch.int32)
@@ -84,6 +90,8 @@ def test_decode_step_replays_in_a_cuda_graph():
         rel = ((out["attn"].double() - ref_attn.double()).norm() / ref_attn.double().norm()).item()
         assert rel < 3e-2, f"replay {trial}: relative error {rel:.2e}"
         assert torch.equal(out["greedy"], out["attn"].view(B, -1).float().argmax(-1))
+        split_ref = gemv_ref(out["attn"].view(B, hq * d), w_o).double()
+        assert ((out["split"].double() - split_ref).norm() / split_ref.norm()).item() < 2e-2
         assert ((out["sampled"] >= 0) & (out["sampled"] < hq * d)).all()
 
 

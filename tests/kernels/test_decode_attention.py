@@ -115,7 +115,8 @@ def test_decode_attention_rope_matches_rotary_then_attention(lens, hq, hkv, d, b
         ref = ref[:-1]  # to the new token (what a real step means), so compare the written rows only
         out = out[:-1]
     assert_close_norm(out, ref, dtype)
-    torch.testing.assert_close(kc, kc_ref, atol=0, rtol=0) if dtype == torch.float32 else \
+    # float32: within a rounding or two (the GPU may contract the rotation into FMAs differently).
+    torch.testing.assert_close(kc, kc_ref, atol=1e-6, rtol=1e-6) if dtype == torch.float32 else \
         assert_close_norm(kc, kc_ref, dtype)
     assert torch.equal(vc, vc_ref)
 

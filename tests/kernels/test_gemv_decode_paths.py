@@ -96,6 +96,30 @@ def test_gemv_rmsnorm_prologue_matches_separate_norm(dtype, with_residual, gated
         assert result is out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k,with_norm", [(2, False), (3, True), (4, False)])
+def test_split_k_fixup_equals_the_reduce_launch(dtype, split_k, with_norm, device, monkeypatch):
+    """The last split of each row tile reduces (one launch): bit for bit the separate reduce
+    kernel's result, with a bias and with the norm prologue, and the tile counters are back at
+    zero for the next launch."""
+    from shapeshift.kernels import gemv as gemv_module
+
+    m, k, n = 3, 200, 72  # a ragged last row tile and a K tail
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+    bias = torch.randn(n, dtype=dtype, device=device)
+    norm = dict(norm_weight=1 + 0.1 * torch.randn(k, dtype=dtype, device=device), eps=1e-5) if with_norm else {}
+    config = KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=split_k)
+    monkeypatch.setenv("SHAPESHIFT_GEMV_SPLIT_K_FIXUP", "0")
+    want = gemv(x, w, bias, config=config, **norm)
+    monkeypatch.setenv("SHAPESHIFT_GEMV_SPLIT_K_FIXUP", "1")
+    for _ in range(2):  # twice: the counters reset themselves
+        got = gemv(x, w, bias, config=config, **norm)
+        assert torch.equal(got, want)
+    counters = [c for key, c in gemv_module._SPLIT_K_COUNTERS.items() if key[0] == x.device.type]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
+
+
 def test_gemv_rmsnorm_prologue_errors(device):
     x = torch.randn(2, 32, device=device)
     w = torch.randn(8, 32, device=device)
