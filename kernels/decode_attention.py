@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, next_power_of_2, pdl_options)
-from .triton_helpers import dot, grid_dependency_sync
+                     dtype_name, interpreter_active, next_power_of_2, pdl_options)
+from .triton_helpers import dot, grid_dependency_sync, prefetch_share_l2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
@@ -77,11 +77,20 @@ def _decode_attention_split_kernel(
     slot_mapping_ptr=None,  # [B] int64
     stride_kn_b=0, stride_kn_h=0, stride_vn_b=0, stride_vn_h=0, stride_cs=0,
     HALF: tl.constexpr = 1,
+    # L2 prefetch of weights the next kernels read (l2_prefetch): attention leaves HBM idle.
+    PREFETCH: tl.constexpr = False,
+    pf_ptr0=None, pf_lines0=0, pf_ptr1=None, pf_lines1=0,
+    PF_LINE: tl.constexpr = 64,
 ):
     grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH:
+        pid = (tl.program_id(0) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        prefetch_share_l2(pf_ptr0, pf_lines0, pid, programs, PF_LINE, 256)
+        prefetch_share_l2(pf_ptr1, pf_lines1, pid, programs, PF_LINE, 256)
     context_len = tl.load(context_lens_ptr + b)
     # Split the context into NUM_SPLITS slices of whole BLOCK_N tiles (computed on the device).
     num_tiles = tl.cdiv(context_len, BLOCK_N)
@@ -246,12 +255,16 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    l2_prefetch: tuple[tuple[torch.Tensor, int], ...] = (),
     _rope: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention for q [B, Hq, D] over paged caches [num_blocks, block_size, Hkv, D].
 
     block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens in the cache, including
     the one just written). Returns out [B, Hq, D] (or writes `out`). No host syncs.
+    `l2_prefetch`: up to two (contiguous tensor, bytes) regions the kernel's programs ask to be
+    brought into L2 while they work, e.g. the weights of the projections that follow: at decode
+    batch sizes attention reads little and leaves HBM idle. CUDA only (ignored elsewhere).
     """
     config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = _PLANS.plan(
         _plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
@@ -270,7 +283,7 @@ def decode_attention(
         float(scale) * LOG2E,
         *strides,
         block_size, num_q_heads,
-        **constexprs, **pdl_options(q.device, "attention"), **(_rope or {}),
+        **constexprs, **pdl_options(q.device, "attention"), **(_rope or {}), **_prefetch_args(q, l2_prefetch),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
@@ -278,6 +291,32 @@ def decode_attention(
             partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device, "attention"),
         )
     return out
+
+
+def _prefetch_allowed(q: torch.Tensor) -> bool:
+    return q.is_cuda and not interpreter_active()
+
+
+def _prefetch_args(q: torch.Tensor, regions) -> dict:
+    """Kernel arguments for l2_prefetch: whole 128-byte lines of up to two regions (CUDA only:
+    PTX prefetches; the interpreter cannot run them)."""
+    if not regions or not _prefetch_allowed(q):
+        return {}
+    if len(regions) > 2:
+        raise ValueError(f"decode_attention: l2_prefetch takes at most 2 regions, got {len(regions)}")
+    args: dict = {"PREFETCH": True}
+    line_elements = None
+    for i, (tensor, max_bytes) in enumerate(list(regions) + [regions[0]] * (2 - len(regions))):
+        if not tensor.is_contiguous() or tensor.device != q.device:
+            raise ValueError("decode_attention: l2_prefetch regions must be contiguous tensors on q's device")
+        element = tensor.element_size()
+        if line_elements not in (None, 128 // element):
+            raise ValueError("decode_attention: l2_prefetch regions must share one element size")
+        line_elements = 128 // element
+        lines = min(tensor.numel() * element, int(max_bytes)) // 128 if i < len(regions) else 0
+        args[f"pf_ptr{i}"], args[f"pf_lines{i}"] = tensor, lines
+    args["PF_LINE"] = line_elements
+    return args
 
 
 def decode_attention_rope_ref(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
@@ -305,6 +344,7 @@ def decode_attention_rope(
     *,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    l2_prefetch: tuple[tuple[torch.Tensor, int], ...] = (),
 ) -> torch.Tensor:
     """Rotary embedding, the paged KV write and decode attention in one pass (one launch fewer
     per layer than kernels.rotary.rotary_kv_write followed by decode_attention).
@@ -336,7 +376,7 @@ def decode_attention_rope(
             "stride_vn_b": v_new.stride(0), "stride_vn_h": v_new.stride(1), "stride_cs": cos_sin_cache.stride(0),
             "HALF": head_dim // 2}
     return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out, config=config,
-                            _rope=rope)
+                            l2_prefetch=l2_prefetch, _rope=rope)
 
 
 # (argument metadata, config) -> launch plan (see _plan), see checks.LaunchPlans.

@@ -58,3 +58,15 @@ def prefetch_rows_l2(base_ptr, rows, stride_row, k_start, k_end, COLUMNS: tl.con
     kernel in front, so their stream can start while that kernel finishes."""
     cols = tl.minimum(k_start + tl.arange(0, COLUMNS // LINE) * LINE, k_end - 1)
     prefetch_l2(base_ptr + rows[:, None] * stride_row + cols[None, :])
+
+
+@triton.jit
+def prefetch_share_l2(base_ptr, lines, pid, num_programs, LINE: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's share of prefetching `lines` 128-byte lines (LINE elements each) from
+    base_ptr into L2: lines split evenly over num_programs programs, CHUNK requests at a time."""
+    per = tl.cdiv(lines, num_programs)
+    start = pid * per
+    end = tl.minimum(start + per, lines)
+    for first in range(start, end, CHUNK):
+        line = tl.minimum(first + tl.arange(0, CHUNK), end - 1).to(tl.int64)  # clamped: repeats are harmless
+        prefetch_l2(base_ptr + line * LINE)

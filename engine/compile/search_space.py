@@ -225,7 +225,7 @@ KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attentio
                        "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
 # the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
 KERNEL_CONFIGS_KNOB = "kernel_configs"
-INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256)}
+INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32)}
 
 
 def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
@@ -258,6 +258,8 @@ def _constraint_rotary_fusion(recipe: Mapping[str, Any]) -> str | None:
                                                          and recipe.get("rotary_backend") == "triton"):
         return ("fuse_rotary_into_attention=true needs attention_backend=triton and rotary_backend=triton "
                 "(the fusion lives in the Triton decode-attention kernel)")
+    if recipe.get("attention_l2_prefetch_mb") and recipe.get("attention_backend") != "triton":
+        return "attention_l2_prefetch_mb > 0 needs attention_backend=triton (the prefetch runs in that kernel)"
     return None
 
 
@@ -444,9 +446,11 @@ def build_search_space(
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)
     if not triton_attention or qk_norm:
         knobs = [k for k in knobs if k.name != "fuse_rotary_into_attention"]
+    if not triton_attention or not cuda:  # PTX prefetches: CUDA only
+        knobs = [k for k in knobs if k.name != "attention_l2_prefetch_mb"]
 
     constraints: list[tuple[str, Constraint]] = [("batch budget", _constraint_batch_budget)]
-    if any(k.name == "fuse_rotary_into_attention" for k in knobs):
+    if any(k.name in ("fuse_rotary_into_attention", "attention_l2_prefetch_mb") for k in knobs):
         constraints.append(("rotary fusion", _constraint_rotary_fusion))
     if any(k.name == "activation_backend" and "triton" in k.values for k in knobs):
         constraints.append(("activation", _constraint_activation_needs_fused))

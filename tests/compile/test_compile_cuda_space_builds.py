@@ -146,6 +146,10 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
                                   qk_norm=True)
     assert "fuse_rotary_into_attention" not in qk_space.names
+    # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
+    assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
+    bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
+    assert any("attention_l2_prefetch_mb" in problem for problem in cuda_space.validate(bad))
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
@@ -153,3 +157,4 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert [s.recipe for s in cpu_seeds] == [{**cpu_space.default(), "fuse_qkv": True, "fuse_gate_up": True}]
     assert "engine.decode_steps" not in cpu_space.names  # multi-step decode needs graph replays
     assert "engine.overlap_decode" not in cpu_space.names
+    assert "attention_l2_prefetch_mb" not in cpu_space.names

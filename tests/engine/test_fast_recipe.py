@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent('''
 
     preset, device, fuse_norm, fuse_rope = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
     fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
-    if fuse_rope:
-        fast["fuse_rotary_into_attention"] = True
+    if fuse_rope:  # and the L2 prefetch of the next weights from the attention kernel (a no-op on the CPU)
+        fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
@@ -96,5 +96,14 @@ def test_fast_recipe_knob_errors():
     with pytest.raises(ValueError, match="fuse_rotary_into_attention needs attention_backend: triton"):
         build_forward_pass(load_bundle(None, {"fuse_rotary_into_attention": True, "attention_backend": "triton"}),
                            cfg, weights)
+    with pytest.raises(ValueError, match="attention_l2_prefetch_mb needs attention_backend: triton"):
+        build_forward_pass(load_bundle(None, {"attention_l2_prefetch_mb": 8}), cfg, weights)
+    # The regions: o_proj whole, then the fused gate/up weight up to the budget.
+    fp = build_forward_pass(load_bundle(None, {"attention_backend": "triton", "fuse_gate_up": True,
+                                               "attention_l2_prefetch_mb": 1}), cfg, weights)
+    layer = fp.layers[0]
+    o_bytes = layer.o_proj.numel() * layer.o_proj.element_size()
+    assert [(t is layer.o_proj, t is layer.gate_up_proj, n) for t, n in fp._attention_prefetch(layer)] == \
+        [(True, False, 1 << 20), (False, True, (1 << 20) - o_bytes)]
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)

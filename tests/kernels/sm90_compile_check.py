@@ -85,6 +85,14 @@ def launch_all(prefix: str = "") -> None:
         e(1, dtype=torch.int32), 0.125,
         config=sm90(decode_attention.DECODE_ATTENTION_SPEC, {"batch": 1, "q_heads": 32, "kv_heads": 8,
                                                              "head_dim": 64, "max_context": 512}))
+    label("decode_attention with an L2 prefetch of the next weights")
+    decode_attention._prefetch_allowed = lambda q: True  # compiled for a GPU, launched from the CPU here
+    decode_attention.decode_attention(
+        e(1, 32, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16),
+        e(1, 32, dtype=torch.int32), e(1, dtype=torch.int32), 0.125,
+        config=sm90(decode_attention.DECODE_ATTENTION_SPEC, {"batch": 1, "q_heads": 32, "kv_heads": 8,
+                                                             "head_dim": 64, "max_context": 512}),
+        l2_prefetch=((e(2048, 2048, dtype=BF16), 8 << 20), (e(16384, 2048, dtype=BF16), 24 << 20)))
     label("decode_attention fma")
     decode_attention.decode_attention(
         e(4, 32, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16), e(100, 16, 8, 64, dtype=BF16),
@@ -228,6 +236,7 @@ def main() -> int:
             row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
             row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
             row["split_k_fixup"] = bool(constexprs.get("FUSED_REDUCE", False))
+            row["attention_prefetch"] = bool(constexprs.get("PREFETCH", False))
             row["ok"] = True
         except Exception as error:  # report every failure, keep compiling the rest
             row["ok"] = False

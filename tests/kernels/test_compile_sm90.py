@@ -42,10 +42,12 @@ def test_all_kernels_compile_for_sm90_without_spills():
         [(r["label"], r["kernel"]) for r in rows if r["grid_dependency_wait"] != bool(r.get("launch_pdl"))]
     # The GEMVs' weight prefetch (PDL on, SHAPESHIFT_GEMV_PREFETCH > 0) is in the code exactly
     # when asked for, in both GEMV kernels.
-    prefetching = {r["kernel"] for r in rows if r["l2_prefetch"]}
+    prefetching = {r["kernel"] for r in rows if r["l2_prefetch"] and not r["attention_prefetch"]}
     assert prefetching == {"_gemv_kernel", "_gemv_silu_and_mul_kernel"}, prefetching
-    assert all(r["l2_prefetch"] == bool(r["prefetch_k"]) for r in rows)
+    assert all(r["l2_prefetch"] == bool(r["prefetch_k"] or r["attention_prefetch"]) for r in rows)
     # Decode attention with the rotary + KV write fused in compiles as its own variant.
     assert any(r["fuse_rope"] and r["kernel"] == "_decode_attention_split_kernel" for r in rows)
+    # Decode attention with an L2 prefetch of the weights read after it compiles, and prefetches.
+    assert any(r["attention_prefetch"] and r["l2_prefetch"] for r in rows)
     # Split-K GEMVs reduce in their last split (atomic counters) and compile so.
     assert any(r["split_k_fixup"] and r["kernel"] == "_gemv_kernel" for r in rows)

@@ -38,6 +38,9 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       kernel (kernels.decode_attention.decode_attention_rope;
                                       needs attention_backend and rotary_backend: triton; models
                                       without q/k norm)
+  attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
+                                      weights read next (o_proj, then gate/up) into L2 while it
+                                      runs; 0 = off (needs attention_backend: triton; CUDA)
   fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
   fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
   moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
@@ -228,7 +231,8 @@ class StockForwardPass:
         self.recipe = dict(recipe)
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
-                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention"}
+                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
+                 "attention_l2_prefetch_mb"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -264,6 +268,9 @@ class StockForwardPass:
             if not self.fuse_gate_up:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
+        self.attention_prefetch_bytes = int(self.recipe.get("attention_l2_prefetch_mb", 0) or 0) << 20
+        if self.attention_prefetch_bytes < 0 or (self.attention_prefetch_bytes and self._decode_attention is None):
+            raise ValueError("recipe attention_l2_prefetch_mb needs attention_backend: triton and a size >= 0 (MB)")
         self._decode_attention_rope = None
         if self.recipe.get("fuse_rotary_into_attention", False):
             if self._decode_attention is None or self._rotary_kv_write is None or cfg.qk_norm:
@@ -443,7 +450,8 @@ class StockForwardPass:
         if self._decode_attention_rope is not None and not ctx.is_prefill:
             # One launch: rotate q and the new key, write key and value to the cache, attend.
             o = self._decode_attention_rope(q, k, v, positions, self.cos_sin, ctx.slot_mapping, k_cache, v_cache,
-                                            ctx.block_tables, ctx.context_lens, self.scale)
+                                            ctx.block_tables, ctx.context_lens, self.scale,
+                                            l2_prefetch=self._attention_prefetch(layer))
             return self.linear(o.reshape(tokens, -1), layer.o_proj)
         if self._rotary_kv_write is not None:
             q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
@@ -456,10 +464,25 @@ class StockForwardPass:
             k = apply_rotary(k, cos, sin)
             write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if not ctx.is_prefill and self._decode_attention is not None:
-            o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+            o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
+                                       l2_prefetch=self._attention_prefetch(layer))
         else:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
         return self.linear(o.reshape(tokens, -1), layer.o_proj)
+
+    def _attention_prefetch(self, layer: LayerWeights) -> tuple[tuple[torch.Tensor, int], ...]:
+        """(weight, bytes) regions decode attention prefetches into L2: o_proj, then as much of
+        the (fused) gate/up weight as attention_l2_prefetch_mb leaves. HBM is idle while
+        attention runs at decode batch sizes; the projections after it then read from L2."""
+        budget = self.attention_prefetch_bytes
+        if not budget:
+            return ()
+        regions = [(layer.o_proj, budget)]
+        following = layer.gate_up_proj if layer.gate_up_proj is not None else layer.gate_proj
+        left = budget - layer.o_proj.numel() * layer.o_proj.element_size()
+        if left > 0 and following is not None and layer.router is None:
+            regions.append((following, left))
+        return tuple(regions)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor | None, ctx: AttentionContext,
             activated: torch.Tensor | None = None) -> torch.Tensor:
