@@ -60,7 +60,8 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, config: Ke
         return out
     _silu_and_mul_kernel[(T, grid_n)](
         x, out, inner, x.stride(0), out.stride(0),
-        BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device, "activation"),
+        BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_options(x.device, "activation"),
     )
     return out
 

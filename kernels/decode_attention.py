@@ -288,7 +288,8 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_attention_reduce_kernel[(B, num_q_heads)](
-            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs, **pdl_options(q.device, "attention"),
+            partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs,
+            **pdl_options(q.device, "attention"),
         )
     return out
 

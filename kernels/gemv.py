@@ -441,7 +441,8 @@ def gemv(
         reduce_block = 1024
         _split_k_reduce_kernel[(M, cdiv(N, reduce_block))](
             partial, bias_arg, out, M, N, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_options(x.device, "gemv"),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
+            **pdl_options(x.device, "gemv"),
         )
     return out if res_ret is None else (out, res_ret)
 
