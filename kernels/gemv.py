@@ -483,7 +483,8 @@ def gemv_silu_and_mul(
     check_same_dtype(op, "x", x, out=out)
     res_arg, res_out_arg, norm_arg, res_ret = _norm_args(op, x, norm_weight, residual, residual_out)
     if config is None:
-        config = GEMV_SPEC.default_config({"m": M, "n": inner, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
+        config = GEMV_SPEC.default_config({"m": M, "n": inner, "k": K, "dtype": dtype_name(x.dtype), "gated": True},
+                                          x.device)
     if inner == 0:
         return out if res_ret is None else (out, res_ret)
     use_dot, block_m = _variant_rows(op, config, M)
@@ -574,10 +575,24 @@ SM90_GEMV_TABLE: dict[tuple[int, int], KernelConfig] = {
 }
 
 
+# The gated gate/up GEMV (gemv_silu_and_mul, problem "gated": True, n = I) streams two row tiles
+# per program; where its best tiles differ from the plain kernel's, they are listed here.
+SM90_GATED_GEMV_TABLE: dict[tuple[int, int], KernelConfig] = {
+    # Llama-3.2-1B gate/up: against the plain up_proj entry (32 x 128, 4 stages) in one process
+    # on an H200, batch-1 decode of the fast recipe 898.2 vs 889.6 / 894.5 tok/s single-step and
+    # 937.8 vs 913.3 / 913.5 with 8 overlapped steps (bench/results/decode-llama-3.2-1b-shape-
+    # nvidia-h200-20261130-012823.json; bench/recipes/decode-gated-gemv.json has the variants).
+    (8192, 2048): KernelConfig.make("dot", num_warps=4, num_stages=3, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1),
+}
+
+
 def _choose_default(problem, key: str) -> KernelConfig:
     n, k = int(problem["n"]), int(problem["k"])
     if key == "interpreter":
         return KernelConfig.make("dot", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1)
+    gated = SM90_GATED_GEMV_TABLE.get((n, k)) if key == "sm90" and problem.get("gated") else None
+    if gated is not None and _constraint(gated, problem):
+        return gated
     tabled = SM90_GEMV_TABLE.get((n, k)) if key == "sm90" else None
     if tabled is not None and _constraint(tabled, problem):
         return tabled

@@ -156,3 +156,16 @@ def test_decode_path_kernels_compile_for_sm90_without_spills():
     assert all(r["shared_bytes"] <= 227 * 1024 for r in rows), rows
     spilled = [r for r in rows if r["spill_store_bytes"]]
     assert not spilled, f"register spills: {spilled}"
+
+
+def test_gated_gemv_has_its_own_h200_tiles():
+    """The gated gate/up GEMV takes its own tuned tiles where listed; the plain GEMV of the same
+    (N, K) keeps the plain table's, and unlisted shapes fall back to the plain default."""
+    from shapeshift.kernels.gemv import GEMV_SPEC, SM90_GATED_GEMV_TABLE, SM90_GEMV_TABLE
+
+    problem = {"m": 1, "n": 8192, "k": 2048, "dtype": "bfloat16"}
+    assert GEMV_SPEC.choose_default({**problem, "gated": True}, "sm90") == SM90_GATED_GEMV_TABLE[(8192, 2048)]
+    assert GEMV_SPEC.choose_default(problem, "sm90") == SM90_GEMV_TABLE[(8192, 2048)]
+    assert SM90_GATED_GEMV_TABLE[(8192, 2048)] != SM90_GEMV_TABLE[(8192, 2048)]
+    other = {"m": 1, "n": 5632, "k": 2048, "dtype": "bfloat16"}
+    assert GEMV_SPEC.choose_default({**other, "gated": True}, "sm90") == GEMV_SPEC.choose_default(other, "sm90")

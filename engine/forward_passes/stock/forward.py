@@ -386,8 +386,10 @@ class StockForwardPass:
                 from shapeshift.kernels.checks import dtype_name
                 from shapeshift.kernels.gemv import GEMV_SPEC
 
-                config = GEMV_SPEC.default_config({"m": rows, "n": n, "k": k, "dtype": dtype_name(weight.dtype)},
-                                                  weight.device)
+                problem = {"m": rows, "n": n, "k": k, "dtype": dtype_name(weight.dtype)}
+                if gated:  # the gated kernel has tiles of its own where they differ
+                    problem["gated"] = True
+                config = GEMV_SPEC.default_config(problem, weight.device)
             self._gemv_config_cache[key] = config
         return config
 
