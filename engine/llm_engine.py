@@ -209,23 +209,31 @@ class LLMEngine:
         tokens per sequence; k never passes a sequence's max_tokens or max_model_len, so only
         a stop token or stop string can make a step's work go unused. Reserves the slots.
         """
-        k = self.config.decode_steps
-        if k <= 1 or not batch.is_decode or batch.preempted or self.scheduler.waiting:
+        if self.config.decode_steps <= 1 or not batch.is_decode or batch.preempted or self.scheduler.waiting:
             return 1
         if not self.runner.can_replay(len(batch.seqs)):
             return 1
-        for seq in batch.seqs:
-            if not seq.params.greedy or seq.params.logprobs:
-                return 1
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
-        if k <= 1:
+        if any(not seq.params.greedy or seq.params.logprobs for seq in batch.seqs):
             return 1
+        return self._reserve_steps(batch.seqs, ahead=0, least=2) or 1
+
+    def _reserve_steps(self, seqs: list[Sequence], ahead: int, least: int) -> int:
+        """Decode steps every one of ``seqs`` takes next, after the ``ahead`` it already has in
+        flight, with their KV slots reserved: at most config.decode_steps, never past a
+        sequence's max_tokens or max_model_len; 0 (nothing reserved) when fewer than
+        ``least`` fit or the KV cache lacks room for them."""
+        k = self.config.decode_steps
+        for seq in seqs:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - ahead,
+                    self.config.max_model_len - seq.num_tokens - ahead)
+        if k < least:
+            return 0
         bm = self.block_manager
-        needed = sum(bm.blocks_needed(seq.num_computed_tokens + k) - len(seq.block_table) for seq in batch.seqs)
+        needed = sum(bm.blocks_needed(seq.num_computed_tokens + ahead + k) - len(seq.block_table) for seq in seqs)
         if needed > bm.num_free_blocks:
-            return 1
-        for seq in batch.seqs:
-            bm.append_slots(seq, k)
+            return 0
+        for seq in seqs:
+            bm.append_slots(seq, ahead + k)
         return k
 
     def _decode_steps(self, batch: ScheduledBatch, k: int) -> list[RequestOutput]:
@@ -241,32 +249,21 @@ class LLMEngine:
         k = self._chain_lookahead(chunk)
         self._inflight = None
         if k:
-            bm = self.block_manager
-            for seq in chunk.batch.seqs:
-                bm.append_slots(seq, chunk.k + k)
             self._inflight = _InflightChunk(chunk.batch, k,
                                             self.runner.launch_decode_steps(chunk.batch, k, ahead=chunk.k))
         return self._postprocess_rows(chunk.batch, chunk.handle.tokens())
 
     def _chain_lookahead(self, chunk: "_InflightChunk") -> int:
         """Decode steps to chain onto ``chunk`` before reading it (0: none; read it and go back
-        to scheduling). As _decode_lookahead, counted from where the chunk leaves each sequence,
-        and only while the batch stays as it is: every sequence still running, nobody waiting
-        for admission, and KV room for the new steps."""
+        to scheduling), their slots reserved. As _decode_lookahead, counted from where the
+        chunk leaves each sequence, and only while the batch stays as it is: every sequence
+        still running and nobody waiting for admission."""
         if not self.config.overlap_decode or self.scheduler.waiting:
             return 0
         seqs = chunk.batch.seqs
         if len(self.scheduler.running) != len(seqs) or any(s.status is not SequenceStatus.RUNNING for s in seqs):
             return 0
-        k = self.config.decode_steps
-        for seq in seqs:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - chunk.k,
-                    self.config.max_model_len - seq.num_tokens - chunk.k)
-        if k < 1:
-            return 0
-        bm = self.block_manager
-        needed = sum(bm.blocks_needed(seq.num_computed_tokens + chunk.k + k) - len(seq.block_table) for seq in seqs)
-        return k if needed <= bm.num_free_blocks else 0
+        return self._reserve_steps(seqs, ahead=chunk.k, least=1)
 
     def drain_inflight(self) -> None:
         """Read and post-process a chunk in flight now (before anything else uses the runner);

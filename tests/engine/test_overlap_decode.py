@@ -53,6 +53,14 @@ def test_a_stop_inside_a_chunk_discards_the_chained_one():
     got, reasons, _, _ = run(engine, PROMPTS[:3], params)
     assert got == want and reasons == want_reasons and reasons[0] == "stop"
     assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+    # Alone, the request shows the discarded chunk: the overlapped engine replayed the steps
+    # chained after the stop, which multi-step decode without overlap never launches.
+    plain, alone = graph_engine(decode_steps=4), overlapped(4)
+    want_alone, _, _, _ = run(plain, PROMPTS[:1], params)
+    got_alone, _, _, _ = run(alone, PROMPTS[:1], params)
+    assert got_alone == want_alone == [got[0]]
+    assert alone.runner.num_graph_replays > plain.runner.num_graph_replays
+    assert alone.stats().num_free_blocks == alone.block_manager.num_blocks
 
 
 def test_discarded_chained_steps_leave_nothing_in_the_prefix_cache():

@@ -104,6 +104,7 @@ def test_split_k_fixup_equals_the_reduce_launch(dtype, split_k, with_norm, devic
     zero for the next launch."""
     from shapeshift.kernels import gemv as gemv_module
 
+    monkeypatch.setattr(gemv_module, "_SPLIT_K_COUNTERS", {})  # only this test's launches create counters
     m, k, n = 3, 200, 72  # a ragged last row tile and a K tail
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
@@ -112,6 +113,7 @@ def test_split_k_fixup_equals_the_reduce_launch(dtype, split_k, with_norm, devic
     config = KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=split_k)
     monkeypatch.setenv("SHAPESHIFT_GEMV_SPLIT_K_FIXUP", "0")
     want = gemv(x, w, bias, config=config, **norm)
+    assert not gemv_module._SPLIT_K_COUNTERS  # the reduce launch: no counters
     monkeypatch.setenv("SHAPESHIFT_GEMV_SPLIT_K_FIXUP", "1")
     for _ in range(2):  # twice: the counters reset themselves
         got = gemv(x, w, bias, config=config, **norm)
