@@ -356,6 +356,21 @@ def decode_attention_rope(
     token is the last of each sequence's context_lens (which count it). Writes the rotated key
     and the value to the caches and returns out [B, Hq, D].
     """
+    shape_args = _ROPE_PLANS.plan(_rope_plan, (q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache),
+                                  None)
+    rope = {"FUSE_ROPE": True, "k_new_ptr": k_new, "v_new_ptr": v_new, "positions_ptr": positions,
+            "cos_sin_ptr": cos_sin_cache, "slot_mapping_ptr": slot_mapping, **shape_args}
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out, config=config,
+                            l2_prefetch=l2_prefetch, _rope=rope)
+
+
+# (argument metadata) -> the rotary arguments' checks passed and their strides (see _rope_plan).
+_ROPE_PLANS = LaunchPlans()
+
+
+def _rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, _config) -> dict:
+    """The checks decode_attention_rope adds to decode_attention's, and the kernel's stride and
+    HALF arguments they imply (memoised per argument metadata, like decode_attention's plan)."""
     op = "decode_attention_rope"
     B, num_q_heads, head_dim = q.shape if q.dim() == 3 else (None, None, None)
     if head_dim is not None and head_dim % 2:
@@ -371,13 +386,8 @@ def decode_attention_rope(
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("cos_sin_cache", cos_sin_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} needs a unit last stride, got strides {tuple(t.stride())}")
-    rope = {"FUSE_ROPE": True, "k_new_ptr": k_new, "v_new_ptr": v_new, "positions_ptr": positions,
-            "cos_sin_ptr": cos_sin_cache, "slot_mapping_ptr": slot_mapping,
-            "stride_kn_b": k_new.stride(0), "stride_kn_h": k_new.stride(1),
-            "stride_vn_b": v_new.stride(0), "stride_vn_h": v_new.stride(1), "stride_cs": cos_sin_cache.stride(0),
-            "HALF": head_dim // 2}
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out, config=config,
-                            l2_prefetch=l2_prefetch, _rope=rope)
+    return {"stride_kn_b": k_new.stride(0), "stride_kn_h": k_new.stride(1), "stride_vn_b": v_new.stride(0),
+            "stride_vn_h": v_new.stride(1), "stride_cs": cos_sin_cache.stride(0), "HALF": head_dim // 2}
 
 
 # (argument metadata, config) -> launch plan (see _plan), see checks.LaunchPlans.

@@ -22,9 +22,8 @@ def grid_dependency_sync(USE_PDL: tl.constexpr):
     of this kernel reads or writes memory before), then lets the next kernel's programs launch:
     they in turn wait here, so at most one kernel runs ahead, and only up to this point.
     """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    grid_dependency_wait(USE_PDL)
+    launch_dependents(USE_PDL)
 
 
 @triton.jit

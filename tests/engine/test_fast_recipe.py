@@ -103,7 +103,7 @@ def test_fast_recipe_knob_errors():
                                                "attention_l2_prefetch_mb": 1}), cfg, weights)
     layer = fp.layers[0]
     o_bytes = layer.o_proj.numel() * layer.o_proj.element_size()
-    assert [(t is layer.o_proj, t is layer.gate_up_proj, n) for t, n in fp._attention_prefetch(layer)] == \
+    assert [(t is layer.o_proj, t is layer.gate_up_proj, n) for t, n in fp._attention_prefetch[0]] == \
         [(True, False, 1 << 20), (False, True, (1 << 20) - o_bytes)]
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)

@@ -268,9 +268,11 @@ class StockForwardPass:
             if not self.fuse_gate_up:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
-        self.attention_prefetch_bytes = int(self.recipe.get("attention_l2_prefetch_mb", 0) or 0) << 20
-        if self.attention_prefetch_bytes < 0 or (self.attention_prefetch_bytes and self._decode_attention is None):
+        prefetch_bytes = int(self.recipe.get("attention_l2_prefetch_mb", 0) or 0) << 20
+        if prefetch_bytes < 0 or (prefetch_bytes and self._decode_attention is None):
             raise ValueError("recipe attention_l2_prefetch_mb needs attention_backend: triton and a size >= 0 (MB)")
+        # Per layer: what its decode attention prefetches (fixed by the weights, so built once).
+        self._attention_prefetch = [_prefetch_regions(layer, prefetch_bytes) for layer in self.layers]
         self._decode_attention_rope = None
         if self.recipe.get("fuse_rotary_into_attention", False):
             if self._decode_attention is None or self._rotary_kv_write is None or cfg.qk_norm:
@@ -453,7 +455,7 @@ class StockForwardPass:
             # One launch: rotate q and the new key, write key and value to the cache, attend.
             o = self._decode_attention_rope(q, k, v, positions, self.cos_sin, ctx.slot_mapping, k_cache, v_cache,
                                             ctx.block_tables, ctx.context_lens, self.scale,
-                                            l2_prefetch=self._attention_prefetch(layer))
+                                            l2_prefetch=self._attention_prefetch[layer_idx])
             return self.linear(o.reshape(tokens, -1), layer.o_proj)
         if self._rotary_kv_write is not None:
             q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
@@ -467,24 +469,10 @@ class StockForwardPass:
             write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if not ctx.is_prefill and self._decode_attention is not None:
             o = self._decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, self.scale,
-                                       l2_prefetch=self._attention_prefetch(layer))
+                                       l2_prefetch=self._attention_prefetch[layer_idx])
         else:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
         return self.linear(o.reshape(tokens, -1), layer.o_proj)
-
-    def _attention_prefetch(self, layer: LayerWeights) -> tuple[tuple[torch.Tensor, int], ...]:
-        """(weight, bytes) regions decode attention prefetches into L2: o_proj, then as much of
-        the (fused) gate/up weight as attention_l2_prefetch_mb leaves. HBM is idle while
-        attention runs at decode batch sizes; the projections after it then read from L2."""
-        budget = self.attention_prefetch_bytes
-        if not budget:
-            return ()
-        regions = [(layer.o_proj, budget)]
-        following = layer.gate_up_proj if layer.gate_up_proj is not None else layer.gate_proj
-        left = budget - layer.o_proj.numel() * layer.o_proj.element_size()
-        if left > 0 and following is not None and layer.router is None:
-            regions.append((following, left))
-        return tuple(regions)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor | None, ctx: AttentionContext,
             activated: torch.Tensor | None = None) -> torch.Tensor:
@@ -564,6 +552,20 @@ KERNEL_CONFIG_OPS = {"rmsnorm": ("_triton_rmsnorm", "norm_backend"),
                      "decode_attention": ("_decode_attention", "attention_backend"),
                      "rotary_kv_write": ("_rotary_kv_write", "rotary_backend"),
                      "silu_and_mul": ("_silu_and_mul", "activation_backend")}
+
+
+def _prefetch_regions(layer: LayerWeights, budget: int) -> tuple[tuple[torch.Tensor, int], ...]:
+    """(weight, bytes) regions decode attention prefetches into L2 (attention_l2_prefetch_mb):
+    o_proj, then as much of the (fused) gate/up weight as the budget leaves. HBM is idle while
+    attention runs at decode batch sizes; the projections after it then read from L2."""
+    if not budget:
+        return ()
+    regions = [(layer.o_proj, budget)]
+    following = layer.gate_up_proj if layer.gate_up_proj is not None else layer.gate_proj
+    left = budget - layer.o_proj.numel() * layer.o_proj.element_size()
+    if left > 0 and following is not None and layer.router is None:
+        regions.append((following, left))
+    return tuple(regions)
 
 
 def _kernel_config(config: Any) -> Any:
