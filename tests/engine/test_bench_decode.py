@@ -84,6 +84,11 @@ def test_recipe_overrides_parse_and_reject_bad_specs():
     assert knobs["fuse_gate_up_activation"] is False and knobs["linear_backend"] == "torch"
     assert knobs["fuse_norm_into_linear"] is True  # the rest of the named recipe is kept
     assert bench.RECIPES["fast"]["fuse_gate_up_activation"] is True  # the named recipe is untouched
+    # Which recipes need CUDA is read from their knobs, so recipe files and overrides count too.
+    assert {n for n, k in bench.RECIPES.items() if bench.needs_triton(k)} == {"triton", "gemv", "fast"}
+    assert not bench.needs_triton(bench.recipe_with_overrides("fast+attention_backend=torch+norm_backend=torch"
+                                                              "+rotary_backend=torch+activation_backend=torch"
+                                                              "+linear_backend=torch"))
     with pytest.raises(ValueError, match="unknown recipe 'fastest'"):
         bench.recipe_with_overrides("fastest+fuse_qkv=true")
     with pytest.raises(ValueError, match="not knob=value"):
