@@ -88,22 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _git_commit() -> str | None:
-    """The commit of the source tree this runs from (benchmark records name it).
+    """The commit of the source tree this runs from (reports name it), None where unknown."""
+    from ..provenance import git_commit
 
-    SHAPESHIFT_GIT_COMMIT first: a copied tree (a GPU machine, an image) may carry stale or no
-    git metadata, so the caller names the commit; else ``git rev-parse HEAD`` when a checkout.
-    """
-    import os
-    import subprocess
-
-    if os.environ.get("SHAPESHIFT_GIT_COMMIT"):
-        return os.environ["SHAPESHIFT_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    commit, _ = git_commit()
+    return None if commit == "unknown" else commit
 
 
 def recipe_seeds(space: Any) -> list:
