@@ -156,16 +156,21 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Every running sequence's next tokens into ``batch`` while the budget lasts,
+        preempting from the back when KV blocks run out; returns the budget left."""
         bm = self.block_manager
-        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             # Most steps fit in the last block; only a sequence that needs a new block can
             # run short (can_append / append_slots do nothing more otherwise).
-            if -(-(seq.num_computed_tokens + num_new) // block_size) > len(seq.block_table):
+            if bm.blocks_needed(seq.num_computed_tokens + num_new) > len(seq.block_table):
                 while not bm.can_append(seq, num_new):
                     victim = self.running.pop()  # the most recently admitted goes first
                     self._preempt(victim)
@@ -179,8 +184,13 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
             i += 1
-        # Admit waiting sequences only when nothing was preempted: a preemption means
-        # memory is short, and admitting would only preempt again next step.
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting sequences into ``batch`` in order while the budget, the batch width and
+        the KV cache allow. Only when nothing was preempted: a preemption means memory is
+        short, and admitting would only preempt again next step."""
+        bm = self.block_manager
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -195,7 +205,6 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
-        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)

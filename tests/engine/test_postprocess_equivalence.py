@@ -31,9 +31,8 @@ class ReferenceScheduler(Scheduler):
         seq.detokenizer = DecodeTwiceDetokenizer(self.tokenizer, seq.prompt_token_ids)
         super().add(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        # Admission (Scheduler._admit_waiting) is shared: the running part is what changed.
         bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
@@ -52,21 +51,7 @@ class ReferenceScheduler(Scheduler):
             batch.num_new_tokens.append(num_new)
             budget -= num_new
             i += 1
-        while (self.waiting and budget > 0 and not batch.preempted
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            hits = bm.lookup(seq)
-            num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
-            if not bm.can_allocate(seq, num_new, hits):
-                break
-            bm.allocate(seq, num_new, hits)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-        return batch
+        return budget
 
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput | None) -> list[RequestOutput]:
         outputs = []
