@@ -28,14 +28,24 @@ SCRIPT = textwrap.dedent('''
     from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
-    preset, device, fuse_norm, fuse_rope = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+    preset, device, fuse_norm, fuse_rope, tail = sys.argv[1], sys.argv[2], *(a == "1" for a in sys.argv[3:6])
     fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
     if fuse_rope:  # and the L2 prefetch of the next weights from the attention kernel (a no-op on the CPU)
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
+    if tail:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
+        fast.update(fuse_layer_tail=True)
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
     tri = LLMEngine(EngineConfig(**base, forward_pass_recipe=fast))
+    tail_calls = [0]
+    if tail:
+        launcher = tri.forward_pass._layer_tail
+
+        def counted(*args, **kwargs):
+            tail_calls[0] += 1
+            return launcher(*args, **kwargs)
+        tri.forward_pass._layer_tail = counted
     if device == "cpu":
         tri.runner.emulate_graphs = True  # the static-buffer path with the in-graph argmax
         tri.runner.capture_cudagraphs()
@@ -47,6 +57,9 @@ SCRIPT = textwrap.dedent('''
                for i in range(3)]
     result = {"ref": ref.generate(prompts, greedy), "fast": tri.generate(prompts, greedy),
               "ref_sampled": ref.generate(prompts, sampled), "fast_sampled": tri.generate(prompts, sampled),
+              # one request at a time: batch-1 decode steps (the layer-tail kernel's batch)
+              "ref_single": [ref.generate([p], greedy)[0] for p in prompts],
+              "fast_single": [tri.generate([p], greedy)[0] for p in prompts], "tail_calls": tail_calls[0],
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
               "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
               "fused_rope": tri.forward_pass._decode_attention_rope is not None}
@@ -55,9 +68,10 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope", [("tiny-llama", True, False), ("tiny-qwen3", True, False),
-                                                         ("tiny-llama", False, False), ("tiny-llama", True, True)])
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope):
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail", [
+    ("tiny-llama", True, False, False), ("tiny-qwen3", True, False, False), ("tiny-llama", False, False, False),
+    ("tiny-llama", True, True, False), ("tiny-llama", True, True, True), ("tiny-qwen3", True, False, True)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +79,7 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope):
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
-                           "1" if fuse_rope else "0"],
+                           "1" if fuse_rope else "0", "1" if tail else "0"],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -73,6 +87,9 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope):
     assert result["uses_gemv"] and result["gated"] and result["fused_rope"] == fuse_rope
     assert result["graphs"] > 0 and result["replays"] > 0  # decode went through the static path
     assert result["fast"] == result["ref"]
+    assert result["fast_single"] == result["ref_single"]
+    # Batch-1 decode steps went through the layer-tail kernel: one call per layer and step.
+    assert (result["tail_calls"] > 0) == tail
     assert len({tuple(t) for t in result["ref"]}) == 3  # distinct continuations: a real comparison
     assert result["fast_sampled"] == result["ref_sampled"]  # seeded sampling falls back to the logits
     assert result["max_logit_diff"] < 1e-4
@@ -98,6 +115,8 @@ def test_fast_recipe_knob_errors():
                            cfg, weights)
     with pytest.raises(ValueError, match="attention_l2_prefetch_mb needs attention_backend: triton"):
         build_forward_pass(load_bundle(None, {"attention_l2_prefetch_mb": 8}), cfg, weights)
+    with pytest.raises(ValueError, match="fuse_layer_tail needs fuse_norm_into_linear"):
+        build_forward_pass(load_bundle(None, {"fuse_layer_tail": True, "linear_backend": "triton"}), cfg, weights)
     # The regions: o_proj whole, then the fused gate/up weight up to the budget.
     fp = build_forward_pass(load_bundle(None, {"attention_backend": "triton", "fuse_gate_up": True,
                                                "attention_l2_prefetch_mb": 1}), cfg, weights)

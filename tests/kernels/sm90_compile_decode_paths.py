@@ -1,5 +1,5 @@
 """Compile the decode-path GEMV variants (RMSNorm prologue, float32 logits, SiLU-and-mul
-epilogue) for sm_90 without a GPU, at the H200 default configs of the Llama-3.2-1B shapes.
+epilogue) and the batch-1 layer-tail kernel (kernels/decode_layer_tail.py) for sm_90 without a GPU, at the H200 default configs of the Llama-3.2-1B shapes.
 
 Data flow: reuses sm90_compile_check's recording launcher and compiler (imported, so its
 JITFunction patch is active), swaps in this file's launches, and runs its main(): one JSON
@@ -13,7 +13,7 @@ import sys
 import torch
 
 import sm90_compile_check as check  # noqa: E402  (patches JITFunction.run to record launches)
-from shapeshift.kernels import gemv  # noqa: E402
+from shapeshift.kernels import decode_layer_tail, gemv  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -44,6 +44,15 @@ def launch_decode_paths(prefix: str = "") -> None:
     gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), config=cfg(8192, 2048))
     check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
+    decode_layer_tail.check_runnable_device = lambda op, tensor: None
+    for name, sync, nxt in (("decode_layer_tail, one launch with grid barriers", True, True),
+                            ("decode_layer_tail, last layer", True, False),
+                            ("decode_layer_tail, a launch per phase", False, True)):
+        check._CURRENT["label"] = prefix + name
+        following = dict(next_input_norm=e(2048, dtype=BF16), next_qkv=e(3072, 2048, dtype=BF16)) if nxt else {}
+        decode_layer_tail.decode_layer_tail(
+            e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
+            e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=132, sync=sync, **following)
 
 
 check.launch_all = launch_decode_paths

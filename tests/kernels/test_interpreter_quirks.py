@@ -47,3 +47,22 @@ def test_interpreter_bf16_dot():
     error = (c - a.float() @ b.float()).abs().max().item()
     if error > 1e-2:
         pytest.xfail(f"triton {triton.__version__} interpreter computes bf16 tl.dot wrongly (max error {error:.3g})")
+
+
+@triton.jit
+def _to_bf16(x_ptr, y_ptr):
+    offs = tl.arange(0, 1024)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+
+def test_interpreter_float32_to_bf16_rounds_to_nearest_even():
+    """A GPU rounds float32 -> bfloat16 to nearest even; an interpreter that truncates makes
+    chains of bf16 rounding points drift further from a torch reference than on the GPU, so
+    bf16 tests of such chains (tests/kernels/test_decode_layer_tail.py) run on CUDA only."""
+    x = torch.randn(1024)
+    y = torch.empty(1024, dtype=torch.bfloat16)
+    _to_bf16[(1,)](x, y)
+    matching = (y == x.to(torch.bfloat16)).float().mean().item()
+    if matching < 1.0:
+        pytest.xfail(f"triton {triton.__version__} interpreter rounds float32 -> bf16 differently from torch "
+                     f"({matching:.1%} of values equal; truncation gives ~50%)")

@@ -101,6 +101,9 @@ class ParallelForwardPass(stock.StockForwardPass):
         _check_sharded(cfg, self.layout, weights)
         # The stock pass sees the rank's view: local heads (so its views and its paged
         # attention work on the local shards); experts and vocabulary stay global.
+        if recipe.get("fuse_layer_tail", False):
+            raise ValueError("recipe fuse_layer_tail runs a layer's o_proj and MLP in one kernel, with no place for "
+                             "the tensor-parallel all-reduces between them; the parallel pass refuses it")
         super().__init__(self.layout.rank_model_config(cfg), weights, recipe)
         if "lm_head.weight" in weights:  # tied embeddings under tp > 1: the head is a shard, the table is not
             self.lm_head = weights["lm_head.weight"]

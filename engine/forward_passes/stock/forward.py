@@ -38,6 +38,10 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       kernel (kernels.decode_attention.decode_attention_rope;
                                       needs attention_backend and rotary_backend: triton; models
                                       without q/k norm)
+  fuse_layer_tail: bool               batch-1 decode: each layer's o_proj, MLP and the next layer's
+                                      qkv projection in one persistent kernel with grid barriers
+                                      (kernels.decode_layer_tail; needs fuse_norm_into_linear;
+                                      CUDA; larger batches keep the separate GEMVs)
   attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
                                       weights read next (o_proj, then gate/up) into L2 while it
                                       runs; 0 = off (needs attention_backend: triton; CUDA)
@@ -232,7 +236,7 @@ class StockForwardPass:
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
-                 "attention_l2_prefetch_mb"}
+                 "attention_l2_prefetch_mb", "fuse_layer_tail"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -305,6 +309,12 @@ class StockForwardPass:
                                or cfg.family == "moe"):
             raise ValueError("recipe fuse_norm_into_linear needs linear_backend: triton, fuse_qkv: true and "
                              "fuse_gate_up: true on a dense model")
+        self._layer_tail = None
+        if self.recipe.get("fuse_layer_tail", False):
+            if not self.fuse_norm:
+                raise ValueError("recipe fuse_layer_tail needs fuse_norm_into_linear: true (and with it "
+                                 "linear_backend: triton, fuse_qkv, fuse_gate_up, a dense model)")
+            self._layer_tail = _kernel("decode_layer_tail", "decode_layer_tail", "fuse_layer_tail")
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -432,6 +442,13 @@ class StockForwardPass:
         ``attn_bias`` defaults to the decode mask the current forward built once for all layers
         (so subclasses overriding this method with the 8-argument signature keep working).
         """
+        o = self.attend(layer_idx, layer, x, positions, cos, sin, ctx, kv_cache, attn_bias, qkv)
+        return self.linear(o, layer.o_proj)
+
+    def attend(self, layer_idx: int, layer: LayerWeights, x: torch.Tensor | None, positions: torch.Tensor,
+               cos: torch.Tensor | None, sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
+               attn_bias: torch.Tensor | None = None, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """attention() up to the o_proj: projections, rotary, KV write, attention -> [T, q_dim]."""
         cfg = self.cfg
         if attn_bias is None:
             attn_bias = getattr(self._call, "attn_bias", None)
@@ -456,7 +473,7 @@ class StockForwardPass:
             o = self._decode_attention_rope(q, k, v, positions, self.cos_sin, ctx.slot_mapping, k_cache, v_cache,
                                             ctx.block_tables, ctx.context_lens, self.scale,
                                             l2_prefetch=self._attention_prefetch[layer_idx])
-            return self.linear(o.reshape(tokens, -1), layer.o_proj)
+            return o.reshape(tokens, -1)
         if self._rotary_kv_write is not None:
             q = self._rotary_kv_write(q, k, v, positions, self.cos_sin, k_cache, v_cache, ctx.slot_mapping)
         elif self.joint_rotary:
@@ -472,7 +489,7 @@ class StockForwardPass:
                                        l2_prefetch=self._attention_prefetch[layer_idx])
         else:
             o = paged_attention(q, k_cache, v_cache, ctx, self.scale, attn_bias)  # [T, Hq, D]
-        return self.linear(o.reshape(tokens, -1), layer.o_proj)
+        return o.reshape(tokens, -1)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor | None, ctx: AttentionContext,
             activated: torch.Tensor | None = None) -> torch.Tensor:
@@ -517,6 +534,8 @@ class StockForwardPass:
             width = ctx.block_tables.shape[1] * kv_cache.block_size
             self._call.attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S]
         residual = None
+        if self._layer_tail is not None and h.shape[0] == 1 and not ctx.is_prefill:
+            return self._decode_one_token(h, positions, cos, sin, ctx, kv_cache)
         if self.fuse_norm and h.shape[0] <= self._gemv_max_rows and not ctx.is_prefill:
             # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
             for i, layer in enumerate(self.layers):
@@ -545,6 +564,27 @@ class StockForwardPass:
         # Decode: one token per sequence, so every row is a last row (no gather launches).
         x, _ = self.norm(h, self.final_norm, residual)
         return self.linear(x, self.lm_head, float32_out=True)  # [B, V] float32
+
+    def _decode_one_token(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+                          sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
+        """Batch-1 decode with fuse_layer_tail: the first qkv projection (norm prologue), then per
+        layer its attention and one persistent kernel for o_proj, the MLP and the next layer's
+        qkv projection (2 launches per layer)."""
+        first = self.layers[0]
+        qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
+        eps = self.cfg.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
+            following = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if following is None:
+                h, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
+                                               layer.down_proj, eps)
+            else:
+                qkv, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
+                                                 layer.down_proj, eps, following.input_norm, following.qkv_proj,
+                                                 following.qkv_bias)
+        x, _ = self.norm(h, self.final_norm, residual)
+        return self.linear(x, self.lm_head, float32_out=True)
 
 
 # kernel_configs op -> (attribute holding its launcher, the recipe knob that switches it on)

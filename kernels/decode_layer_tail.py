@@ -1,0 +1,320 @@
+"""Batch-1 decode: a layer's o_proj, its MLP and the next layer's qkv projection in one
+persistent kernel, with grid-wide barriers between the four weight streams.
+
+Math (one token, dense Llama-family layer, rounding points of the unfused GEMV path):
+    y1   = attn @ Wo^T                                     phase 1   [H]
+    h2   = y1 + res                 (written to res2)
+    act  = silu(rms(h2) * post_w @ Wg^T) * (... @ Wu^T)    phase 2   [I]
+    y3   = act @ Wd^T                                      phase 3   [H]
+    h3   = y3 + h2                  (written to res3)
+    qkv  = rms(h3) * in_w @ Wqkv^T (+ bias)                phase 4   [NQKV]  (the next layer's)
+The launcher returns (qkv, res3) with the next layer's weights, else (y3, res2) for the final
+norm and the lm_head.
+
+Why one kernel: at batch 1 each of these GEMVs streams 8-67 MB, and the separate kernels pay a
+launch, a ramp (the first weight bytes are an HBM latency away) and a tail (the slowest program)
+each; those fixed ~3-5 us are what kept the small projections at 34-58% of copy bandwidth
+(docs/decode-performance.md). Here a grid of one program per SM walks the phases; between two
+phases every program must see all of the previous phase's output, so a barrier (an atomic
+counter every program adds to and spins on) separates them. Weights never depend on the
+previous phase, so each program loads its first weight tile of the next phase *before* it
+waits at the barrier: HBM stays busy through the barrier and the ramp.
+
+Data flow in a phase: the input vector x (attn, or the normalised h2 / h3, or act) is read once
+per program into registers (float32, [K]); the program then walks its row tiles t = pid,
+pid + G, ... of the weight, [BLOCK_N, K] each (whole rows, ~32 KB), keeping the next tile's
+load in flight while it reduces the current one, and writes its BLOCK_N outputs. Loads of data
+that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg).
+
+The barriers need every program resident at once: the grid is at most one program per SM
+(of the device's SM count, which a MIG slice reports as its own). Under the Triton interpreter
+programs run one after another, so there (and whenever ``sync=False``) the launcher runs each
+phase as a launch of its own instead; the arithmetic is the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, interpreter_active,
+                     next_power_of_2)
+
+TILE_ELEMENTS = 16384  # weight elements per row tile: 32 KB of bf16
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Wait until `target` arrivals are counted (every program adds one per barrier)."""
+    tl.debug_barrier()  # every thread's stores of the phase are issued before the release below
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _row_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr):
+    """Rows [row0 + t*BLOCK_N, +BLOCK_N) of a row-major [*, K] weight as [BLOCK_N, KP]; nothing
+    is read for rows past N (so a tile index past the last tile loads nothing)."""
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, KP)
+    mask = (rows < N)[:, None] & (kk < K)[None, :]
+    ptrs = w_ptr + (row0 + rows).to(tl.int64)[:, None] * K + kk[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _vector(ptr, K: tl.constexpr, KP: tl.constexpr, COHERENT: tl.constexpr):
+    """A [K] activation vector as float32 [KP] (zeros past K); COHERENT: written by other
+    programs of this launch, so read through L2."""
+    kk = tl.arange(0, KP)
+    if COHERENT:
+        v = tl.load(ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg")
+    else:
+        v = tl.load(ptr + kk, mask=kk < K, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.constexpr, KP: tl.constexpr):
+    """round(round(h * 1/rms(h)) * norm_w) for h = round(x + res), as float32 [KP]; h is written
+    to res_out when WRITE (one program). Same rounding points as kernels/gemv.py's prologue."""
+    kk = tl.arange(0, KP)
+    mask = kk < K
+    x = tl.load(x_ptr + kk, mask=mask, other=0.0, cache_modifier=".cg")
+    r = tl.load(res_ptr + kk, mask=mask, other=0.0, cache_modifier=".cg")
+    dtype = x_ptr.dtype.element_ty
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(res_out_ptr + kk, h, mask=mask & WRITE)
+    hf = h.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    nw = tl.load(norm_w_ptr + kk, mask=mask, other=0.0).to(tl.float32)
+    normed = (hf * inv_rms).to(dtype).to(tl.float32)
+    return (normed * nw).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, first, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[n] = x . w[n] (+ bias) for this program's row tiles; `first` is its first tile, loaded
+    already (before the barrier in front of this phase)."""
+    w = first
+    for t in range(pid, tl.cdiv(N, BLOCK_N), G):
+        w_next = _row_tile(w_ptr, t + G, 0, N, K, BLOCK_N, KP)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
+        w = w_next
+
+
+@triton.jit
+def _stream_gated(w_ptr, x, y_ptr, pid, first_g, first_u, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
+    """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
+    points of kernels/gemv.py's gated epilogue."""
+    wg = first_g
+    wu = first_u
+    dtype = y_ptr.dtype.element_ty
+    for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
+        g_next = _row_tile(w_ptr, t + G, 0, INNER, K, BLOCK_N, KP)
+        u_next = _row_tile(w_ptr, t + G, INNER, INNER, K, BLOCK_N, KP)
+        gate = tl.sum(wg.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(wu.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
+        wg = g_next
+        wu = u_next
+
+
+@triton.jit
+def _decode_layer_tail_kernel(
+    attn_ptr, wo_ptr, y1_ptr,
+    res_ptr, post_w_ptr, res2_ptr, wgu_ptr, act_ptr,
+    wd_ptr, y3_ptr,
+    in_w_ptr, res3_ptr, wqkv_ptr, bqkv_ptr, qkv_ptr,
+    counter_ptr,  # int32 [2]: arrivals, exits; zero between launches
+    eps,
+    H: tl.constexpr, QD: tl.constexpr, INNER: tl.constexpr, NQKV: tl.constexpr,
+    HP: tl.constexpr, QDP: tl.constexpr, IP: tl.constexpr,
+    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BN_QKV: tl.constexpr,
+    G: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr,  # phases run by this launch (1..4)
+    SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
+    HAS_QKV_BIAS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if FIRST <= 1 and LAST >= 1:
+        first = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
+        x = _vector(attn_ptr, QD, QDP, False)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, first, G, H, QD, BN_O, QDP, False)
+    if FIRST <= 2 and LAST >= 2:
+        first_g = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
+        first_u = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
+        if SYNC:
+            _grid_barrier(counter_ptr, G)
+        x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, first_g, first_u, G, INNER, H, BN_GU, HP)
+    if FIRST <= 3 and LAST >= 3:
+        first = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
+        if SYNC:
+            _grid_barrier(counter_ptr, 2 * G)
+        x = _vector(act_ptr, INNER, IP, True)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, first, G, H, INNER, BN_D, IP, False)
+    if FIRST <= 4 and LAST >= 4:
+        first = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
+        if SYNC:
+            _grid_barrier(counter_ptr, 3 * G)
+        x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, first, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
+    if SYNC:
+        # The last program out resets the counters for the next launch (or graph replay): every
+        # other program has passed its last barrier by then.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+def _rows_per_tile(k: int) -> int:
+    return max(1, TILE_ELEMENTS // next_power_of_2(k))
+
+
+# (device type, index, stream id) -> int32 [2] barrier counters, zero between launches. Kernels
+# on one stream never overlap, so one pair per stream serves every layer.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_layer_tail: first call on this stream is inside a CUDA graph capture; "
+                               "run the kernel once on the stream before capturing (its barrier counters are "
+                               "allocated and zeroed then)")
+        counters = torch.zeros(2, dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+def default_programs(device: torch.device) -> int:
+    """One program per SM on CUDA (the barriers need all of them resident); 3 in the
+    interpreter, enough to exercise the tile striding."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
+
+def decode_layer_tail(
+    attn: torch.Tensor,
+    residual: torch.Tensor,
+    o_proj: torch.Tensor,
+    post_norm: torch.Tensor,
+    gate_up: torch.Tensor,
+    down_proj: torch.Tensor,
+    eps: float,
+    next_input_norm: torch.Tensor | None = None,
+    next_qkv: torch.Tensor | None = None,
+    next_qkv_bias: torch.Tensor | None = None,
+    *,
+    programs: int | None = None,
+    sync: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's layer tail (see the module doc).
+
+    attn [1, QD] (attention output), residual [1, H] (the layer's residual stream), o_proj
+    [H, QD], post_norm [H], gate_up [2I, H] (= [gate; up]), down_proj [H, I]; with the next
+    layer's next_input_norm [H] and next_qkv [NQKV, H] (+ next_qkv_bias [NQKV]) returns
+    (qkv [1, NQKV], residual_out [1, H]), else (mlp_out [1, H], residual_out [1, H]) where
+    residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
+    output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
+    launch with grid barriers; otherwise each phase is a launch.
+    """
+    op = "decode_layer_tail"
+    check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_runnable_device(op, attn)
+    if attn.shape[0] != 1:
+        raise ValueError(f"{op}: serves one token (batch-1 decode), got attn with {attn.shape[0]} rows")
+    qd = attn.shape[1]
+    check_tensor(op, "o_proj", o_proj, ndim=2, device=attn.device, contiguous=True)
+    hidden = o_proj.shape[0]
+    check_tensor(op, "o_proj", o_proj, shape=(hidden, qd), device=attn.device, contiguous=True)
+    check_tensor(op, "residual", residual, shape=(1, hidden), device=attn.device, contiguous=True)
+    check_tensor(op, "post_norm", post_norm, shape=(hidden,), device=attn.device, contiguous=True)
+    check_tensor(op, "gate_up", gate_up, ndim=2, device=attn.device, contiguous=True)
+    if gate_up.shape[1] != hidden or gate_up.shape[0] % 2:
+        raise ValueError(f"{op}: gate_up must be [2I, {hidden}] (= [gate; up]), got {tuple(gate_up.shape)}")
+    inner = gate_up.shape[0] // 2
+    check_tensor(op, "down_proj", down_proj, shape=(hidden, inner), device=attn.device, contiguous=True)
+    check_same_dtype(op, "attn", attn, residual=residual, o_proj=o_proj, post_norm=post_norm, gate_up=gate_up,
+                     down_proj=down_proj)
+    has_next = next_qkv is not None
+    if has_next != (next_input_norm is not None) or (next_qkv_bias is not None and not has_next):
+        raise ValueError(f"{op}: next_input_norm and next_qkv come together (next_qkv_bias only with them)")
+    nqkv = 1
+    if has_next:
+        check_tensor(op, "next_input_norm", next_input_norm, shape=(hidden,), device=attn.device, contiguous=True)
+        check_tensor(op, "next_qkv", next_qkv, ndim=2, device=attn.device, contiguous=True)
+        nqkv = next_qkv.shape[0]
+        check_tensor(op, "next_qkv", next_qkv, shape=(nqkv, hidden), device=attn.device, contiguous=True)
+        check_same_dtype(op, "attn", attn, next_input_norm=next_input_norm, next_qkv=next_qkv)
+        if next_qkv_bias is not None:
+            check_tensor(op, "next_qkv_bias", next_qkv_bias, shape=(nqkv,), device=attn.device, contiguous=True)
+            check_same_dtype(op, "attn", attn, next_qkv_bias=next_qkv_bias)
+    device, dtype = attn.device, attn.dtype
+    empty = torch.empty
+    y1, res2, y3 = (empty((1, hidden), dtype=dtype, device=device) for _ in range(3))
+    act = empty((1, inner), dtype=dtype, device=device)
+    res3 = empty((1, hidden), dtype=dtype, device=device) if has_next else y1
+    qkv = empty((1, nqkv), dtype=dtype, device=device) if has_next else y1
+    if sync is None:
+        sync = device.type == "cuda" and not interpreter_active()
+    G = programs or default_programs(device)
+    counters = _counters(device) if sync else y1
+    last = 4 if has_next else 3
+    args = (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
+            next_input_norm if has_next else post_norm, res3, next_qkv if has_next else o_proj,
+            next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
+    meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
+                IP=next_power_of_2(inner), BN_O=_rows_per_tile(qd), BN_GU=max(1, _rows_per_tile(hidden) // 2),
+                BN_D=_rows_per_tile(inner), BN_QKV=_rows_per_tile(hidden), G=G, SYNC=sync,
+                HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=8)
+    phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
+    for first, final in phases:
+        _decode_layer_tail_kernel[(G,)](*args, FIRST=first, LAST=final, **meta)
+    return (qkv, res3) if has_next else (y3, res2)
+
+
+def decode_layer_tail_ref(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm=None,
+                          next_qkv=None, next_qkv_bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch in float32 with the same rounding points (each projection output, the
+    residual sums, the norm's two roundings, silu(gate) and the product, in the input dtype)."""
+    dtype = attn.dtype
+
+    def linear(x, w, b=None):
+        y = x.float() @ w.float().t()
+        return (y + b.float() if b is not None else y).to(dtype)
+
+    def norm(h, w):
+        hf = h.float()
+        inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return ((hf * inv).to(dtype).float() * w.float()).to(dtype)
+
+    y1 = linear(attn, o_proj)
+    h2 = (y1.float() + residual.float()).to(dtype)
+    gu = linear(norm(h2, post_norm), gate_up)
+    inner = gate_up.shape[0] // 2
+    gate, up = gu[:, :inner].float(), gu[:, inner:].float()
+    act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    y3 = linear(act, down_proj)
+    if next_qkv is None:
+        return y3, h2
+    h3 = (y3.float() + h2.float()).to(dtype)
+    return linear(norm(h3, next_input_norm), next_qkv, next_qkv_bias), h3

@@ -1,0 +1,98 @@
+"""kernels/decode_layer_tail.py: o_proj -> MLP -> next layer's qkv in one persistent kernel.
+
+On the CPU (interpreter) each phase runs as a launch of its own; on CUDA the tests also run
+all four phases in one launch with grid barriers, and check that one launch equals the
+per-phase launches bit for bit, inside CUDA graphs replayed many times (the barrier counters
+must reset themselves after each launch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_test_utils import assert_close_norm
+from shapeshift.kernels.decode_layer_tail import decode_layer_tail, decode_layer_tail_ref
+
+pytest.importorskip("triton")
+
+
+def _layer(hidden, q_dim, inner, nqkv, dtype, device, bias):
+    def rand(*shape, scale):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    weights = dict(o_proj=rand(hidden, q_dim, scale=q_dim ** -0.5), post_norm=1 + rand(hidden, scale=0.1),
+                   gate_up=rand(2 * inner, hidden, scale=hidden ** -0.5), down_proj=rand(hidden, inner, scale=inner ** -0.5))
+    following = dict(next_input_norm=1 + rand(hidden, scale=0.1), next_qkv=rand(nqkv, hidden, scale=hidden ** -0.5),
+                     next_qkv_bias=rand(nqkv, scale=0.1) if bias else None)
+    return rand(1, q_dim, scale=1.0), rand(1, hidden, scale=1.0), weights, following
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(64, 64, 128, 96), (96, 80, 176, 144)])  # the second: no power of two
+@pytest.mark.parametrize("with_next,bias", [(True, False), (True, True), (False, False)])
+def test_layer_tail_matches_reference(dtype, dims, with_next, bias, device):
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("the interpreter truncates float32 -> bf16 (test_interpreter_quirks.py); the GPU rounds to nearest")
+    hidden, q_dim, inner, nqkv = dims
+    attn, residual, weights, following = _layer(hidden, q_dim, inner, nqkv, dtype, device, bias)
+    nxt = following if with_next else {}
+    out, res_out = decode_layer_tail(attn, residual, **weights, eps=1e-5, **nxt)
+    ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **nxt)
+    assert out.shape == (1, nqkv if with_next else hidden) and res_out.shape == (1, hidden)
+    assert_close_norm(out, ref, dtype, "qkv" if with_next else "mlp output")
+    assert_close_norm(res_out, ref_res, dtype, "residual out")
+    if not with_next:  # the layer's output is mlp_out + residual_out, as the separate kernels give
+        layer_out = out.float() + res_out.float()
+        assert_close_norm(layer_out, ref.float() + ref_res.float(), torch.float32 if dtype == torch.float32 else dtype)
+
+
+def test_layer_tail_programs_stride_over_every_tile(device):
+    """With 1, 2 and 5 programs (tiles per program from many to one) the result is the same:
+    each program walks its tiles pid, pid + G, ... and none is skipped or done twice."""
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
+    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=g, sync=False)
+               for g in (1, 2, 5)]
+    for out, res_out in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(res_out, results[0][1], rtol=0, atol=0)
+
+
+def test_layer_tail_errors(device):
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
+    with pytest.raises(ValueError, match="serves one token"):
+        decode_layer_tail(attn.expand(2, -1).contiguous(), residual, **weights, eps=1e-5)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        decode_layer_tail(attn, residual, **{**weights, "gate_up": weights["gate_up"][:-1]}, eps=1e-5)
+    with pytest.raises(ValueError, match="next_input_norm and next_qkv come together"):
+        decode_layer_tail(attn, residual, **weights, eps=1e-5, next_qkv=following["next_qkv"])
+    with pytest.raises(ValueError, match="dtype"):
+        decode_layer_tail(attn, residual.half(), **weights, eps=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs():
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
+        first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            # 16 layers' worth of launches in one graph, as a decode step has.
+            outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True) for _ in range(16)]
+    stream.synchronize()
+    for got in first:
+        assert not torch.isnan(got).any()
+    torch.testing.assert_close(first[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(first[1], expected[1], rtol=0, atol=0)
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for qkv, res_out in outs:
+        torch.testing.assert_close(qkv, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(res_out, expected[1], rtol=0, atol=0)
+    ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
+    assert_close_norm(expected[0], ref, dtype, "qkv")
