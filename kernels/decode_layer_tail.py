@@ -17,13 +17,14 @@ each; those fixed ~3-5 us are what kept the small projections at 34-58% of copy 
 (docs/decode-performance.md). Here a grid of one program per SM walks the phases; between two
 phases every program must see all of the previous phase's output, so a barrier (an atomic
 counter every program adds to and spins on) separates them. Weights never depend on the
-previous phase, so each program loads its first weight tile of the next phase *before* it
-waits at the barrier: HBM stays busy through the barrier and the ramp.
+previous phase, so each program loads its first two weight tiles of the next phase *before*
+it waits at the barrier: HBM stays busy through the barrier and the ramp.
 
 Data flow in a phase: the input vector x (attn, or the normalised h2 / h3, or act) is read once
 per program into registers (float32, [K]); the program then walks its row tiles t = pid,
-pid + G, ... of the weight, [BLOCK_N, K] each (whole rows, ~32 KB), keeping the next tile's
-load in flight while it reduces the current one, and writes its BLOCK_N outputs. Loads of data
+pid + G, ... of the weight, [BLOCK_N, K] each (whole rows, ~32 KB), keeping the next two tiles'
+loads in flight while it reduces the current one (~96 KB per SM: HBM latency times bandwidth
+is ~4-8 MB over the 132 SMs), and writes its BLOCK_N outputs. Loads of data
 that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg).
 
 The barriers need every program resident at once: the grid is at most one program per SM
@@ -42,6 +43,7 @@ from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, chec
                      next_power_of_2)
 
 TILE_ELEMENTS = 16384  # weight elements per row tile: 32 KB of bf16
+NUM_WARPS = 16  # 512 threads: a 32 KB tile is 64 bytes (4 vector loads) per thread
 
 
 @triton.jit
@@ -97,39 +99,40 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 
 @triton.jit
-def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, first, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                  BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[n] = x . w[n] (+ bias) for this program's row tiles; `first` is its first tile, loaded
-    already (before the barrier in front of this phase)."""
-    w = first
+    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
+    are its first two tiles, loaded already (before the barrier in front of this phase). Three
+    tiles are in flight while one is reduced: the one reduced and the next two."""
     for t in range(pid, tl.cdiv(N, BLOCK_N), G):
-        w_next = _row_tile(w_ptr, t + G, 0, N, K, BLOCK_N, KP)
-        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
+        acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-        w = w_next
+        w0 = w1
+        w1 = w2
 
 
 @triton.jit
-def _stream_gated(w_ptr, x, y_ptr, pid, first_g, first_u, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
+def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
                   BLOCK_N: tl.constexpr, KP: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
-    points of kernels/gemv.py's gated epilogue."""
-    wg = first_g
-    wu = first_u
+    points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
     for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
-        g_next = _row_tile(w_ptr, t + G, 0, INNER, K, BLOCK_N, KP)
-        u_next = _row_tile(w_ptr, t + G, INNER, INNER, K, BLOCK_N, KP)
-        gate = tl.sum(wg.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
-        up = tl.sum(wu.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
+        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
+        gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
-        wg = g_next
-        wu = u_next
+        g0 = g1
+        u0 = u1
+        g1 = g2
+        u1 = u2
 
 
 @triton.jit
@@ -150,28 +153,33 @@ def _decode_layer_tail_kernel(
 ):
     pid = tl.program_id(0)
     if FIRST <= 1 and LAST >= 1:
-        first = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
+        w0 = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
+        w1 = _row_tile(wo_ptr, pid + G, 0, H, QD, BN_O, QDP)
         x = _vector(attn_ptr, QD, QDP, False)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, first, G, H, QD, BN_O, QDP, False)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
     if FIRST <= 2 and LAST >= 2:
-        first_g = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
-        first_u = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
+        g0 = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
+        u0 = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
+        g1 = _row_tile(wgu_ptr, pid + G, 0, INNER, H, BN_GU, HP)
+        u1 = _row_tile(wgu_ptr, pid + G, INNER, INNER, H, BN_GU, HP)
         if SYNC:
             _grid_barrier(counter_ptr, G)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, first_g, first_u, G, INNER, H, BN_GU, HP)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
     if FIRST <= 3 and LAST >= 3:
-        first = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
+        w0 = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
+        w1 = _row_tile(wd_ptr, pid + G, 0, H, INNER, BN_D, IP)
         if SYNC:
             _grid_barrier(counter_ptr, 2 * G)
         x = _vector(act_ptr, INNER, IP, True)
-        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, first, G, H, INNER, BN_D, IP, False)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
     if FIRST <= 4 and LAST >= 4:
-        first = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
+        w0 = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
+        w1 = _row_tile(wqkv_ptr, pid + G, 0, NQKV, H, BN_QKV, HP)
         if SYNC:
             _grid_barrier(counter_ptr, 3 * G)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, first, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
     if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then.
@@ -179,10 +187,6 @@ def _decode_layer_tail_kernel(
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-def _rows_per_tile(k: int) -> int:
-    return max(1, TILE_ELEMENTS // next_power_of_2(k))
 
 
 # (device type, index, stream id) -> int32 [2] barrier counters, zero between launches. Kernels
@@ -226,6 +230,8 @@ def decode_layer_tail(
     *,
     programs: int | None = None,
     sync: bool | None = None,
+    num_warps: int = NUM_WARPS,
+    tile_elements: int = TILE_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -235,7 +241,9 @@ def decode_layer_tail(
     (qkv [1, NQKV], residual_out [1, H]), else (mlp_out [1, H], residual_out [1, H]) where
     residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
     output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
-    launch with grid barriers; otherwise each phase is a launch.
+    launch with grid barriers; otherwise each phase is a launch. ``num_warps`` and
+    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs
+    (hack/bench_layer_tail.py measures them).
     """
     op = "decode_layer_tail"
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -282,10 +290,12 @@ def decode_layer_tail(
     args = (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
             next_input_norm if has_next else post_norm, res3, next_qkv if has_next else o_proj,
             next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
+    def rows(k: int) -> int:  # rows per tile: whole rows, tile_elements elements (a power of two)
+        return max(1, next_power_of_2(tile_elements) // next_power_of_2(k))
+
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
-                IP=next_power_of_2(inner), BN_O=_rows_per_tile(qd), BN_GU=max(1, _rows_per_tile(hidden) // 2),
-                BN_D=_rows_per_tile(inner), BN_QKV=_rows_per_tile(hidden), G=G, SYNC=sync,
-                HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=8)
+                IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
+                BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps)
     phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
     for first, final in phases:
         _decode_layer_tail_kernel[(G,)](*args, FIRST=first, LAST=final, **meta)

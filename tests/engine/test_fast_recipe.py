@@ -46,6 +46,8 @@ SCRIPT = textwrap.dedent('''
             tail_calls[0] += 1
             return launcher(*args, **kwargs)
         tri.forward_pass._layer_tail = counted
+        if device == "cuda":  # graphs were captured with the engine: capture again through the counter
+            tri.runner.capture_cudagraphs()
     if device == "cpu":
         tri.runner.emulate_graphs = True  # the static-buffer path with the in-graph argmax
         tri.runner.capture_cudagraphs()

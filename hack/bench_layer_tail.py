@@ -1,0 +1,134 @@
+"""Time the batch-1 layer tail (o_proj -> MLP -> next qkv) as one persistent kernel
+(kernels/decode_layer_tail.py) against the four GEMV launches of the `fast` recipe, per layer,
+on the Llama-3.2-1B shapes.
+
+Data flow: 16 layers of random bf16 weights (1.94 GB, far past L2) -> one CUDA graph per
+variant holding the 16 layers' launches in sequence, as a decode step has them -> replayed
+`--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
+(GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
+kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements).
+Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
+
+    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--replays 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmeta import REPO_ROOT, git_commit  # noqa: E402  (sibling module)
+
+HIDDEN, Q_DIM, INNER, NQKV, LAYERS = 2048, 2048, 8192, 3072, 16
+
+
+def _copy_gbps(device) -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def _time_graph(step, replays: int) -> float:
+    """us per replay of a graph of `step()` (captured on a side stream after a warm-up there)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warps", default="8,16")
+    parser.add_argument("--tiles", default="8192,16384,32768", help="weight elements per row tile")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from shapeshift.kernels.decode_layer_tail import decode_layer_tail
+    from shapeshift.kernels.gemv import gemv, gemv_silu_and_mul
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=dev) * shape[-1] ** -0.5).to(dt)
+
+    layers = [dict(o_proj=rand(HIDDEN, Q_DIM), post_norm=torch.ones(HIDDEN, device=dev, dtype=dt),
+                   gate_up=rand(2 * INNER, HIDDEN), down_proj=rand(HIDDEN, INNER),
+                   next_input_norm=torch.ones(HIDDEN, device=dev, dtype=dt), next_qkv=rand(NQKV, HIDDEN))
+              for _ in range(LAYERS)]
+    attn, residual = rand(1, Q_DIM), rand(1, HIDDEN)
+    layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
+    copy = _copy_gbps(dev)
+
+    def separate():
+        for w in layers:
+            y1 = gemv(attn, w["o_proj"])
+            act, res2 = gemv_silu_and_mul(y1, w["gate_up"], norm_weight=w["post_norm"], eps=1e-5, residual=residual)
+            y3 = gemv(act, w["down_proj"])
+            gemv(y3, w["next_qkv"], norm_weight=w["next_input_norm"], eps=1e-5, residual=res2)
+
+    rows = []
+
+    def record(name, us_per_step, **extra):
+        per_layer = us_per_step / LAYERS
+        gbps = layer_bytes / (per_layer * 1e-6) / 1e9
+        rows.append(dict(variant=name, us_per_layer=per_layer, gbps=gbps, share_of_copy=gbps / copy, **extra))
+        print(f"{name:<40} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
+
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
+    record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
+    for warps in (int(w) for w in args.warps.split(",")):
+        for tile in (int(t) for t in args.tiles.split(",")):
+            def fused(warps=warps, tile=tile):
+                for w in layers:
+                    decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, **w)
+            try:
+                record(f"layer tail, {warps} warps, {tile} elements/tile", _time_graph(fused, args.replays),
+                       num_warps=warps, tile_elements=tile)
+            except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
+                print(f"layer tail, {warps} warps, {tile}: failed: {exc}", flush=True)
+                rows.append(dict(variant=f"layer tail {warps}/{tile}", error=str(exc)[:500]))
+    result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
+                  torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
+                  utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
+                  layers=LAYERS, replays=args.replays, rows=rows)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"layer-tail-{result['gpu'].replace(' ', '-')}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
