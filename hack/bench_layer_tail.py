@@ -6,10 +6,11 @@ Data flow: 16 layers of random bf16 weights (1.94 GB, far past L2) -> one CUDA g
 variant holding the 16 layers' launches in sequence, as a decode step has them -> replayed
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
-kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements).
+kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
+tiles asked into L2 ahead).
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
-    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--replays 20]
+    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--ahead 0,4] [--replays 20]
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="8,16")
     parser.add_argument("--tiles", default="8192,16384,32768", help="weight elements per row tile")
+    parser.add_argument("--ahead", default="4", help="tiles asked into L2 ahead (kernel l2_ahead; <= 2: none)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
@@ -102,21 +104,23 @@ def main(argv=None) -> int:
         per_layer = us_per_step / LAYERS
         gbps = layer_bytes / (per_layer * 1e-6) / 1e9
         rows.append(dict(variant=name, us_per_layer=per_layer, gbps=gbps, share_of_copy=gbps / copy, **extra))
-        print(f"{name:<40} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
+        print(f"{name:<48} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
 
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
-    for warps in (int(w) for w in args.warps.split(",")):
-        for tile in (int(t) for t in args.tiles.split(",")):
-            def fused(warps=warps, tile=tile):
-                for w in layers:
-                    decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, **w)
-            try:
-                record(f"layer tail, {warps} warps, {tile} elements/tile", _time_graph(fused, args.replays),
-                       num_warps=warps, tile_elements=tile)
-            except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
-                print(f"layer tail, {warps} warps, {tile}: failed: {exc}", flush=True)
-                rows.append(dict(variant=f"layer tail {warps}/{tile}", error=str(exc)[:500]))
+    grid = [(int(w), int(t), int(a)) for w in args.warps.split(",") for t in args.tiles.split(",")
+            for a in args.ahead.split(",")]
+    for warps, tile, ahead in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, L2 {ahead}"
+
+        def fused(warps=warps, tile=tile, ahead=ahead):
+            for w in layers:
+                decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, l2_ahead=ahead, **w)
+        try:
+            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, l2_ahead=ahead)
+        except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
+            print(f"{name}: failed: {exc}", flush=True)
+            rows.append(dict(variant=name, error=str(exc)[:500]))
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,

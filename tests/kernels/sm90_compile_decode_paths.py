@@ -45,6 +45,7 @@ def launch_decode_paths(prefix: str = "") -> None:
     check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
     decode_layer_tail.check_runnable_device = lambda op, tensor: None
+    decode_layer_tail._prefetch_allowed = lambda tensor: True  # compiled for a GPU, launched from the CPU here
     for name, sync, nxt in (("decode_layer_tail, one launch with grid barriers", True, True),
                             ("decode_layer_tail, last layer", True, False),
                             ("decode_layer_tail, a launch per phase", False, True)):
