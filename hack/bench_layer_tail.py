@@ -7,10 +7,11 @@ variant holding the 16 layers' launches in sequence, as a decode step has them -
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
-tiles asked into L2 ahead).
+tiles in flight per program, programs per SM).
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
-    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--ahead 0,4] [--replays 20]
+    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--depth 3,4] [--programs 1,2]
+                                       [--replays 20]
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="8,16")
     parser.add_argument("--tiles", default="8192,16384,32768", help="weight elements per row tile")
-    parser.add_argument("--ahead", default="4", help="tiles asked into L2 ahead (kernel l2_ahead; <= 2: none)")
+    parser.add_argument("--depth", default="3,4", help="weight tiles in flight per program (3 or 4)")
+    parser.add_argument("--programs", default="1", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
@@ -108,16 +110,23 @@ def main(argv=None) -> int:
 
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
-    grid = [(int(w), int(t), int(a)) for w in args.warps.split(",") for t in args.tiles.split(",")
-            for a in args.ahead.split(",")]
-    for warps, tile, ahead in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, L2 {ahead}"
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = [(int(w), int(t), int(d), int(p)) for w in args.warps.split(",") for t in args.tiles.split(",")
+            for d in args.depth.split(",") for p in args.programs.split(",")]
+    # Two programs per SM must fit in its registers, or the grid barrier waits forever on programs
+    # that never start: only the lightest variant (8 warps, <= 8192 elements, depth 3: < 128
+    # registers a thread) runs two per SM.
+    grid = [g for g in grid if g[3] == 1 or (g[0] <= 8 and g[1] <= 8192 and g[2] == 3)]
+    for warps, tile, depth, per_sm in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, depth {depth}, {per_sm}/SM"
 
-        def fused(warps=warps, tile=tile, ahead=ahead):
+        def fused(warps=warps, tile=tile, depth=depth, programs=per_sm * sms):
             for w in layers:
-                decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, l2_ahead=ahead, **w)
+                decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, depth=depth,
+                                  programs=programs, **w)
         try:
-            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, l2_ahead=ahead)
+            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, depth=depth,
+                   programs=per_sm * sms)
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))

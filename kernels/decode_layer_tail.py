@@ -41,11 +41,10 @@ import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, interpreter_active,
                      next_power_of_2)
-from .triton_helpers import prefetch_l2
 
 TILE_ELEMENTS = 16384  # weight elements per row tile: 32 KB of bf16
 NUM_WARPS = 16  # 512 threads: a 32 KB tile is 64 bytes (4 vector loads) per thread
-L2_AHEAD = 4  # tiles 2 and 3 ahead of the one reduced are asked into L2 (0 and 1 are in registers)
+DEPTH = 3  # weight tiles in flight per program: the one reduced and the next two
 
 
 @triton.jit
@@ -68,25 +67,6 @@ def _row_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.cons
     mask = (rows < N)[:, None] & (kk < K)[None, :]
     ptrs = w_ptr + (row0 + rows).to(tl.int64)[:, None] * K + kk[None, :]
     return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _prefetch_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                   LINE: tl.constexpr):
-    """Ask for tile t's 128-byte lines (LINE elements each) to be brought into L2 (no registers,
-    nothing waits). Past the last tile, the last row is asked for again (harmless)."""
-    rows = tl.minimum(t * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-    cols = tl.minimum(tl.arange(0, KP // LINE) * LINE, K - 1)
-    prefetch_l2(w_ptr + (row0 + rows).to(tl.int64)[:, None] * K + cols[None, :])
-
-
-@triton.jit
-def _prefetch_ahead(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KP: tl.constexpr, AHEAD: tl.constexpr, LINE: tl.constexpr):
-    """Before a phase: its tiles 2 .. AHEAD - 1 into L2 (tiles 0 and 1 are loaded into registers;
-    the loop asks for tile i + AHEAD while it reduces tile i)."""
-    for i in tl.static_range(2, AHEAD):
-        _prefetch_tile(w_ptr, pid + i * G, row0, N, K, BLOCK_N, KP, LINE)
 
 
 @triton.jit
@@ -120,46 +100,70 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 
 @triton.jit
-def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr,
-                 LINE: tl.constexpr):
-    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
-    are its first two tiles, loaded already (before the barrier in front of this phase). Three
-    tiles are in flight while one is reduced: the one reduced and the next two."""
+def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KP: tl.constexpr, DEPTH: tl.constexpr):
+    """A program's first DEPTH - 1 tiles (pid, pid + G, ...), loaded ahead of the phase; with
+    DEPTH 3 the third is the second again (never used)."""
+    w0 = _row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP)
+    w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
+    if DEPTH == 4:
+        w2 = _row_tile(w_ptr, pid + 2 * G, row0, N, K, BLOCK_N, KP)
+    else:
+        w2 = w1
+    return w0, w1, w2
+
+
+@triton.jit
+def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, w2, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, DEPTH: tl.constexpr):
+    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0.. are its
+    first tiles (_first_tiles, loaded before the barrier in front of this phase). DEPTH tiles
+    are in flight while one is reduced: the one reduced and the next DEPTH - 1."""
     for t in range(pid, tl.cdiv(N, BLOCK_N), G):
-        if AHEAD > 2:
-            _prefetch_tile(w_ptr, t + AHEAD * G, 0, N, K, BLOCK_N, KP, LINE)
-        w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
+        w_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, 0, N, K, BLOCK_N, KP)
         acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-        w0 = w1
-        w1 = w2
+        if DEPTH == 4:
+            w0 = w1
+            w1 = w2
+            w2 = w_new
+        else:
+            w0 = w1
+            w1 = w_new
+            w2 = w_new
 
 
 @triton.jit
-def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KP: tl.constexpr, AHEAD: tl.constexpr, LINE: tl.constexpr):
+def _stream_gated(w_ptr, x, y_ptr, pid, g0, g1, g2, u0, u1, u2, G: tl.constexpr, INNER: tl.constexpr,
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, DEPTH: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
     points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
     for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
-        if AHEAD > 2:
-            _prefetch_tile(w_ptr, t + AHEAD * G, 0, INNER, K, BLOCK_N, KP, LINE)
-            _prefetch_tile(w_ptr, t + AHEAD * G, INNER, INNER, K, BLOCK_N, KP, LINE)
-        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
-        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
+        g_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, 0, INNER, K, BLOCK_N, KP)
+        u_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, INNER, INNER, K, BLOCK_N, KP)
         gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
-        g0 = g1
-        u0 = u1
-        g1 = g2
-        u1 = u2
+        if DEPTH == 4:
+            g0 = g1
+            g1 = g2
+            g2 = g_new
+            u0 = u1
+            u1 = u2
+            u2 = u_new
+        else:
+            g0 = g1
+            g1 = g_new
+            g2 = g_new
+            u0 = u1
+            u1 = u_new
+            u2 = u_new
 
 
 @triton.jit
@@ -177,47 +181,32 @@ def _decode_layer_tail_kernel(
     FIRST: tl.constexpr, LAST: tl.constexpr,  # phases run by this launch (1..4)
     SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
     HAS_QKV_BIAS: tl.constexpr,
-    AHEAD: tl.constexpr,  # > 2: tiles up to AHEAD - 1 ahead are asked into L2 (PTX prefetch; CUDA only)
-    LINE: tl.constexpr,  # elements per 128-byte line
+    DEPTH: tl.constexpr,  # weight tiles in flight per program (3 or 4)
 ):
     pid = tl.program_id(0)
     if FIRST <= 1 and LAST >= 1:
-        w0 = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
-        w1 = _row_tile(wo_ptr, pid + G, 0, H, QD, BN_O, QDP)
-        if AHEAD > 2:
-            _prefetch_ahead(wo_ptr, pid, 0, G, H, QD, BN_O, QDP, AHEAD, LINE)
+        w0, w1, w2 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP, DEPTH)
         x = _vector(attn_ptr, QD, QDP, False)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False, AHEAD, LINE)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, w2, G, H, QD, BN_O, QDP, False, DEPTH)
     if FIRST <= 2 and LAST >= 2:
-        g0 = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
-        u0 = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
-        g1 = _row_tile(wgu_ptr, pid + G, 0, INNER, H, BN_GU, HP)
-        u1 = _row_tile(wgu_ptr, pid + G, INNER, INNER, H, BN_GU, HP)
-        if AHEAD > 2:
-            _prefetch_ahead(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, AHEAD, LINE)
-            _prefetch_ahead(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, AHEAD, LINE)
+        g0, g1, g2 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, DEPTH)
+        u0, u1, u2 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, DEPTH)
         if SYNC:
             _grid_barrier(counter_ptr, G)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP, AHEAD, LINE)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, g1, g2, u0, u1, u2, G, INNER, H, BN_GU, HP, DEPTH)
     if FIRST <= 3 and LAST >= 3:
-        w0 = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
-        w1 = _row_tile(wd_ptr, pid + G, 0, H, INNER, BN_D, IP)
-        if AHEAD > 2:
-            _prefetch_ahead(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, AHEAD, LINE)
+        w0, w1, w2 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, DEPTH)
         if SYNC:
             _grid_barrier(counter_ptr, 2 * G)
         x = _vector(act_ptr, INNER, IP, True)
-        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False, AHEAD, LINE)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, w2, G, H, INNER, BN_D, IP, False, DEPTH)
     if FIRST <= 4 and LAST >= 4:
-        w0 = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
-        w1 = _row_tile(wqkv_ptr, pid + G, 0, NQKV, H, BN_QKV, HP)
-        if AHEAD > 2:
-            _prefetch_ahead(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, AHEAD, LINE)
+        w0, w1, w2 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, DEPTH)
         if SYNC:
             _grid_barrier(counter_ptr, 3 * G)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS, AHEAD, LINE)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, w2, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS, DEPTH)
     if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then.
@@ -246,11 +235,6 @@ def _counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def _prefetch_allowed(tensor: torch.Tensor) -> bool:
-    """PTX prefetches: CUDA only (the interpreter cannot run inline assembly)."""
-    return tensor.is_cuda and not interpreter_active()
-
-
 def default_programs(device: torch.device) -> int:
     """One program per SM on CUDA (the barriers need all of them resident); 3 in the
     interpreter, enough to exercise the tile striding."""
@@ -275,7 +259,7 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
-    l2_ahead: int = L2_AHEAD,
+    depth: int = DEPTH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -286,11 +270,12 @@ def decode_layer_tail(
     residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
     output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
     launch with grid barriers; otherwise each phase is a launch. ``num_warps`` and
-    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs, ``l2_ahead``
-    how many tiles ahead a program asks for into L2 (<= 2: none; CUDA only); hack/
-    bench_layer_tail.py measures them.
+    ``tile_elements`` (weight elements per row tile) and ``depth`` (tiles in flight per
+    program, 3 or 4) are the kernel's tile knobs; hack/bench_layer_tail.py measures them.
     """
     op = "decode_layer_tail"
+    if depth not in (3, 4):
+        raise ValueError(f"{op}: depth (weight tiles in flight per program) must be 3 or 4, got {depth}")
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, attn)
     if attn.shape[0] != 1:
@@ -341,8 +326,7 @@ def decode_layer_tail(
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                AHEAD=l2_ahead if _prefetch_allowed(attn) else 0,
-                LINE=128 // attn.element_size())
+                DEPTH=depth)
     phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
     for first, final in phases:
         _decode_layer_tail_kernel[(G,)](*args, FIRST=first, LAST=final, **meta)
