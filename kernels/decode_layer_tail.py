@@ -235,6 +235,30 @@ def _counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+# (device index, launch constexprs) -> programs of that kernel variant one SM holds at once
+_RESIDENT_PER_SM: dict[tuple, int] = {}
+
+
+def _check_resident(device: torch.device, programs: int, args: tuple, meta: dict) -> None:
+    """Refuse a grid whose programs cannot all be resident at once: the grid barrier would wait
+    forever on programs that never start. Reads the compiled variant's registers once."""
+    key = (device.index, tuple(sorted(meta.items())))
+    per_sm = _RESIDENT_PER_SM.get(key)
+    if per_sm is None:
+        kernel = _decode_layer_tail_kernel.warmup(*args, grid=(programs,), **meta)
+        kernel._init_handles()  # loads the module, which fills n_regs
+        props = torch.cuda.get_device_properties(device)
+        threads = meta["num_warps"] * 32
+        regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        per_program = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocated in units of 8 a thread
+        per_sm = min(regs_per_sm // per_program, props.max_threads_per_multi_processor // threads)
+        _RESIDENT_PER_SM[key] = per_sm
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs > per_sm * sms:
+        raise ValueError(f"decode_layer_tail: {programs} programs cannot all be resident ({per_sm} per SM fit by "
+                         f"registers x {sms} SMs); the grid barriers need them all at once")
+
+
 def default_programs(device: torch.device) -> int:
     """One program per SM on CUDA (the barriers need all of them resident); 3 in the
     interpreter, enough to exercise the tile striding."""
@@ -327,6 +351,8 @@ def decode_layer_tail(
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 DEPTH=depth)
+    if sync and device.type == "cuda":
+        _check_resident(device, G, args, dict(meta, FIRST=1, LAST=last))
     phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
     for first, final in phases:
         _decode_layer_tail_kernel[(G,)](*args, FIRST=first, LAST=final, **meta)

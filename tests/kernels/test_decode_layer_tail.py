@@ -97,3 +97,16 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs()
         torch.testing.assert_close(res_out, expected[1], rtol=0, atol=0)
     ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
     assert_close_norm(expected[0], ref, dtype, "qkv")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="residency is read from the compiled kernel (CUDA)")
+def test_a_grid_that_cannot_be_resident_is_refused_not_launched():
+    """More programs than the SMs hold at once would leave the barrier waiting forever."""
+    device = torch.device("cuda")
+    attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, torch.bfloat16, device, False)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    with pytest.raises(ValueError, match="cannot all be resident"):
+        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=64 * sms, sync=True)
+    out = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=sms, sync=True)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out[0]).any()
