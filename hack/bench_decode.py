@@ -698,6 +698,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--compile-batch-sizes", default="1",
                         help="batch sizes of the torch.compile baseline (each one compiles anew); '' = --batch-sizes")
     parser.add_argument("--skip-check", action="store_true", help="skip the float32 agreement check")
+    parser.add_argument("--check-recipe", default=None,
+                        help=f"recipe spec the agreement check runs (default: {BEST_RECIPE} when measured, else the "
+                             "first of triton, fused, stock measured, else the last recipe)")
     parser.add_argument("--check-prompts", type=int, default=4)
     parser.add_argument("--check-tokens", type=int, default=32)
     parser.add_argument("--check-tolerance", type=float, default=0.05,
@@ -849,11 +852,12 @@ def main(argv: list[str] | None = None) -> int:
                          "error": "greedy tokens differ from single steps"})
         engine.config.decode_steps, engine.config.overlap_decode = 1, False
 
-    best = next((r for r in (BEST_RECIPE, "triton", "fused", "stock") if r in recipes), recipes[-1])
+    best = args.check_recipe or next((r for r in (BEST_RECIPE, "triton", "fused", "stock") if r in recipes),
+                                     recipes[-1])
     if not args.skip_check and mode == "table":
         t0 = time.perf_counter()
         if recipes[-1] != best:
-            engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[best]))
+            engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, recipe_with_overrides(best)))
         try:
             check = agreement_check(engine, best, args, device)
         except Exception as exc:  # keep the throughput figures

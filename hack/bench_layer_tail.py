@@ -7,10 +7,10 @@ variant holding the 16 layers' launches in sequence, as a decode step has them -
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
-tiles in flight per program, programs per SM).
+programs per SM).
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
-    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--depth 3,4] [--programs 1,2]
+    python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
                                        [--replays 20]
 """
 
@@ -66,10 +66,9 @@ def _time_graph(step, replays: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warps", default="8,16")
-    parser.add_argument("--tiles", default="8192,16384,32768", help="weight elements per row tile")
-    parser.add_argument("--depth", default="3,4", help="weight tiles in flight per program (3 or 4)")
-    parser.add_argument("--programs", default="1", help="programs per SM (the barriers need them all resident)")
+    parser.add_argument("--warps", default="4,8,16")
+    parser.add_argument("--tiles", default="8192,16384", help="weight elements per row tile")
+    parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
@@ -111,20 +110,19 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = [(int(w), int(t), int(d), int(p)) for w in args.warps.split(",") for t in args.tiles.split(",")
-            for d in args.depth.split(",") for p in args.programs.split(",")]
+    grid = [(int(w), int(t), int(p)) for w in args.warps.split(",") for t in args.tiles.split(",")
+            for p in args.programs.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, depth, per_sm in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, depth {depth}, {per_sm}/SM"
+    for warps, tile, per_sm in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM"
 
-        def fused(warps=warps, tile=tile, depth=depth, programs=per_sm * sms):
+        def fused(warps=warps, tile=tile, programs=per_sm * sms):
             for w in layers:
-                decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, depth=depth,
-                                  programs=programs, **w)
+                decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
+                                  **w)
         try:
-            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, depth=depth,
-                   programs=per_sm * sms)
+            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=per_sm * sms)
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))

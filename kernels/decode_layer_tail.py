@@ -14,7 +14,7 @@ norm and the lm_head.
 Why one kernel: at batch 1 each of these GEMVs streams 8-67 MB, and the separate kernels pay a
 launch, a ramp (the first weight bytes are an HBM latency away) and a tail (the slowest program)
 each; those fixed ~3-5 us are what kept the small projections at 34-58% of copy bandwidth
-(docs/decode-performance.md). Here a grid of one program per SM walks the phases; between two
+(docs/decode-performance.md). Here a grid of two programs per SM walks the phases; between two
 phases every program must see all of the previous phase's output, so a barrier (an atomic
 counter every program adds to and spins on) separates them. Weights never depend on the
 previous phase, so each program loads its first two weight tiles of the next phase *before*
@@ -27,8 +27,10 @@ loads in flight while it reduces the current one (~96 KB per SM: HBM latency tim
 is ~4-8 MB over the 132 SMs), and writes its BLOCK_N outputs. Loads of data
 that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg).
 
-The barriers need every program resident at once: the grid is at most one program per SM
-(of the device's SM count, which a MIG slice reports as its own). Under the Triton interpreter
+The barriers need every program resident at once: the launcher reads the compiled variant's
+registers, threads and shared memory, takes two programs per SM where they fit (else one; SM
+count as the device reports it, a MIG slice its own) and refuses an explicit grid that cannot
+be resident. Under the Triton interpreter
 programs run one after another, so there (and whenever ``sync=False``) the launcher runs each
 phase as a launch of its own instead; the arithmetic is the same code.
 """
@@ -42,9 +44,12 @@ import triton.language as tl
 from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, interpreter_active,
                      next_power_of_2)
 
-TILE_ELEMENTS = 16384  # weight elements per row tile: 32 KB of bf16
-NUM_WARPS = 16  # 512 threads: a 32 KB tile is 64 bytes (4 vector loads) per thread
-DEPTH = 3  # weight tiles in flight per program: the one reduced and the next two
+# Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
+# NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
+# 16-warp program per SM with 32 KB tiles and 48.6 for the fast recipe's four GEMV launches.
+TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
+NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
+PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
 
 
 @triton.jit
@@ -100,70 +105,40 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 
 @triton.jit
-def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KP: tl.constexpr, DEPTH: tl.constexpr):
-    """A program's first DEPTH - 1 tiles (pid, pid + G, ...), loaded ahead of the phase; with
-    DEPTH 3 the third is the second again (never used)."""
-    w0 = _row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP)
-    w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
-    if DEPTH == 4:
-        w2 = _row_tile(w_ptr, pid + 2 * G, row0, N, K, BLOCK_N, KP)
-    else:
-        w2 = w1
-    return w0, w1, w2
-
-
-@triton.jit
-def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, w2, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, DEPTH: tl.constexpr):
-    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0.. are its
-    first tiles (_first_tiles, loaded before the barrier in front of this phase). DEPTH tiles
-    are in flight while one is reduced: the one reduced and the next DEPTH - 1."""
+def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
+    are its first two tiles, loaded already (before the barrier in front of this phase). Three
+    tiles are in flight while one is reduced: the one reduced and the next two."""
     for t in range(pid, tl.cdiv(N, BLOCK_N), G):
-        w_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, 0, N, K, BLOCK_N, KP)
+        w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
         acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-        if DEPTH == 4:
-            w0 = w1
-            w1 = w2
-            w2 = w_new
-        else:
-            w0 = w1
-            w1 = w_new
-            w2 = w_new
+        w0 = w1
+        w1 = w2
 
 
 @triton.jit
-def _stream_gated(w_ptr, x, y_ptr, pid, g0, g1, g2, u0, u1, u2, G: tl.constexpr, INNER: tl.constexpr,
-                  K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, DEPTH: tl.constexpr):
+def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
     points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
     for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
-        g_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, 0, INNER, K, BLOCK_N, KP)
-        u_new = _row_tile(w_ptr, t + (DEPTH - 1) * G, INNER, INNER, K, BLOCK_N, KP)
+        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
+        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
         gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
-        if DEPTH == 4:
-            g0 = g1
-            g1 = g2
-            g2 = g_new
-            u0 = u1
-            u1 = u2
-            u2 = u_new
-        else:
-            g0 = g1
-            g1 = g_new
-            g2 = g_new
-            u0 = u1
-            u1 = u_new
-            u2 = u_new
+        g0 = g1
+        u0 = u1
+        g1 = g2
+        u1 = u2
 
 
 @triton.jit
@@ -181,32 +156,36 @@ def _decode_layer_tail_kernel(
     FIRST: tl.constexpr, LAST: tl.constexpr,  # phases run by this launch (1..4)
     SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
     HAS_QKV_BIAS: tl.constexpr,
-    DEPTH: tl.constexpr,  # weight tiles in flight per program (3 or 4)
 ):
     pid = tl.program_id(0)
     if FIRST <= 1 and LAST >= 1:
-        w0, w1, w2 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP, DEPTH)
+        w0 = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
+        w1 = _row_tile(wo_ptr, pid + G, 0, H, QD, BN_O, QDP)
         x = _vector(attn_ptr, QD, QDP, False)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, w2, G, H, QD, BN_O, QDP, False, DEPTH)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
     if FIRST <= 2 and LAST >= 2:
-        g0, g1, g2 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, DEPTH)
-        u0, u1, u2 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, DEPTH)
+        g0 = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
+        u0 = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
+        g1 = _row_tile(wgu_ptr, pid + G, 0, INNER, H, BN_GU, HP)
+        u1 = _row_tile(wgu_ptr, pid + G, INNER, INNER, H, BN_GU, HP)
         if SYNC:
             _grid_barrier(counter_ptr, G)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, g1, g2, u0, u1, u2, G, INNER, H, BN_GU, HP, DEPTH)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
     if FIRST <= 3 and LAST >= 3:
-        w0, w1, w2 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, DEPTH)
+        w0 = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
+        w1 = _row_tile(wd_ptr, pid + G, 0, H, INNER, BN_D, IP)
         if SYNC:
             _grid_barrier(counter_ptr, 2 * G)
         x = _vector(act_ptr, INNER, IP, True)
-        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, w2, G, H, INNER, BN_D, IP, False, DEPTH)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
     if FIRST <= 4 and LAST >= 4:
-        w0, w1, w2 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, DEPTH)
+        w0 = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
+        w1 = _row_tile(wqkv_ptr, pid + G, 0, NQKV, H, BN_QKV, HP)
         if SYNC:
             _grid_barrier(counter_ptr, 3 * G)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, w2, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS, DEPTH)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
     if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then.
@@ -239,20 +218,29 @@ def _counters(device: torch.device) -> torch.Tensor:
 _RESIDENT_PER_SM: dict[tuple, int] = {}
 
 
-def _check_resident(device: torch.device, programs: int, args: tuple, meta: dict) -> None:
-    """Refuse a grid whose programs cannot all be resident at once: the grid barrier would wait
-    forever on programs that never start. Reads the compiled variant's registers once."""
+def _resident_per_sm(device: torch.device, args: tuple, meta: dict) -> int:
+    """Programs of this compiled variant one SM holds at once (registers, threads, shared memory)."""
     key = (device.index, tuple(sorted(meta.items())))
     per_sm = _RESIDENT_PER_SM.get(key)
     if per_sm is None:
-        kernel = _decode_layer_tail_kernel.warmup(*args, grid=(programs,), **meta)
+        kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), **meta)
         kernel._init_handles()  # loads the module, which fills n_regs
         props = torch.cuda.get_device_properties(device)
         threads = meta["num_warps"] * 32
         regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
         per_program = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocated in units of 8 a thread
         per_sm = min(regs_per_sm // per_program, props.max_threads_per_multi_processor // threads)
+        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+        if shared:
+            per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
         _RESIDENT_PER_SM[key] = per_sm
+    return per_sm
+
+
+def _check_resident(device: torch.device, programs: int, args: tuple, meta: dict) -> None:
+    """Refuse a grid whose programs cannot all be resident at once: the grid barrier would wait
+    forever on programs that never start. Reads the compiled variant's registers once."""
+    per_sm = _resident_per_sm(device, args, meta)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if programs > per_sm * sms:
         raise ValueError(f"decode_layer_tail: {programs} programs cannot all be resident ({per_sm} per SM fit by "
@@ -260,8 +248,8 @@ def _check_resident(device: torch.device, programs: int, args: tuple, meta: dict
 
 
 def default_programs(device: torch.device) -> int:
-    """One program per SM on CUDA (the barriers need all of them resident); 3 in the
-    interpreter, enough to exercise the tile striding."""
+    """One program per SM on CUDA (the launcher doubles it where two fit: PROGRAMS_PER_SM); 3
+    in the interpreter, enough to exercise the tile striding."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 3
@@ -283,7 +271,6 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
-    depth: int = DEPTH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -294,12 +281,10 @@ def decode_layer_tail(
     residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
     output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
     launch with grid barriers; otherwise each phase is a launch. ``num_warps`` and
-    ``tile_elements`` (weight elements per row tile) and ``depth`` (tiles in flight per
-    program, 3 or 4) are the kernel's tile knobs; hack/bench_layer_tail.py measures them.
+    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs;
+    hack/bench_layer_tail.py measures them with ``programs``.
     """
     op = "decode_layer_tail"
-    if depth not in (3, 4):
-        raise ValueError(f"{op}: depth (weight tiles in flight per program) must be 3 or 4, got {depth}")
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, attn)
     if attn.shape[0] != 1:
@@ -338,8 +323,8 @@ def decode_layer_tail(
     qkv = empty((1, nqkv), dtype=dtype, device=device) if has_next else y1
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
-    G = programs or default_programs(device)
     counters = _counters(device) if sync else y1
+    G = programs or default_programs(device)
     last = 4 if has_next else 3
     args = (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
             next_input_norm if has_next else post_norm, res3, next_qkv if has_next else o_proj,
@@ -349,9 +334,12 @@ def decode_layer_tail(
 
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
-                BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                DEPTH=depth)
+                BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps)
     if sync and device.type == "cuda":
+        if programs is None:  # PROGRAMS_PER_SM where they fit, else one per SM
+            per_sm = _resident_per_sm(device, args, dict(meta, FIRST=1, LAST=last, G=G * PROGRAMS_PER_SM))
+            if per_sm >= PROGRAMS_PER_SM:
+                G = meta["G"] = G * PROGRAMS_PER_SM
         _check_resident(device, G, args, dict(meta, FIRST=1, LAST=last))
     phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
     for first, final in phases:

@@ -47,14 +47,12 @@ def launch_decode_paths(prefix: str = "") -> None:
     decode_layer_tail.check_runnable_device = lambda op, tensor: None
     for name, sync, nxt in (("decode_layer_tail, one launch with grid barriers", True, True),
                             ("decode_layer_tail, last layer", True, False),
-                            ("decode_layer_tail, a launch per phase", False, True),
-                            ("decode_layer_tail, 4 tiles in flight", True, True)):
+                            ("decode_layer_tail, a launch per phase", False, True)):
         check._CURRENT["label"] = prefix + name
         following = dict(next_input_norm=e(2048, dtype=BF16), next_qkv=e(3072, 2048, dtype=BF16)) if nxt else {}
         decode_layer_tail.decode_layer_tail(
             e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
-            e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=132, sync=sync,
-            depth=4 if "4 tiles" in name else 3, **following)
+            e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync, **following)
 
 
 check.launch_all = launch_decode_paths

@@ -48,12 +48,11 @@ def test_layer_tail_matches_reference(dtype, dims, with_next, bias, device):
 
 
 def test_layer_tail_programs_stride_over_every_tile(device):
-    """With 1, 2 and 5 programs (tiles per program from many to one) and 3 or 4 tiles in
-    flight, the result is the same: each program walks its tiles pid, pid + G, ... and none is
-    skipped or done twice."""
+    """With 1, 2 and 5 programs (tiles per program from many to one) the result is the same:
+    each program walks its tiles pid, pid + G, ... and none is skipped or done twice."""
     attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
-    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=g, sync=False, depth=d)
-               for g in (1, 2, 5) for d in (3, 4)]
+    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=g, sync=False)
+               for g in (1, 2, 5)]
     for out, res_out in results[1:]:
         torch.testing.assert_close(out, results[0][0], rtol=0, atol=0)
         torch.testing.assert_close(res_out, results[0][1], rtol=0, atol=0)
