@@ -7,10 +7,11 @@ variant holding the 16 layers' launches in sequence, as a decode step has them -
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
-programs per SM).
+programs per SM, barrier polling, programmatic dependent launch).
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
+                                       [--poll atomic,load] [--pdl off,on]
                                        [--replays 20]
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="4,8,16")
     parser.add_argument("--tiles", default="8192,16384", help="weight elements per row tile")
+    parser.add_argument("--poll", default="atomic", help="how a barrier waits: atomic, load (comma list)")
+    parser.add_argument("--pdl", default="off", help="programmatic dependent launch of the layer tails: off, on")
     parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
@@ -105,24 +109,26 @@ def main(argv=None) -> int:
         per_layer = us_per_step / LAYERS
         gbps = layer_bytes / (per_layer * 1e-6) / 1e9
         rows.append(dict(variant=name, us_per_layer=per_layer, gbps=gbps, share_of_copy=gbps / copy, **extra))
-        print(f"{name:<48} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
+        print(f"{name:<62} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
 
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = [(int(w), int(t), int(p)) for w in args.warps.split(",") for t in args.tiles.split(",")
-            for p in args.programs.split(",")]
+    grid = [(int(w), int(t), int(p), poll, pdl) for w in args.warps.split(",") for t in args.tiles.split(",")
+            for p in args.programs.split(",") for poll in args.poll.split(",") for pdl in args.pdl.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, per_sm in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM"
+    for warps, tile, per_sm, poll, pdl in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM, poll {poll}, PDL {pdl}"
+        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=per_sm * sms):
+        def fused(warps=warps, tile=tile, programs=per_sm * sms, poll=poll):
             for w in layers:
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  **w)
+                                  poll=poll, **w)
         try:
-            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=per_sm * sms)
+            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=per_sm * sms,
+                   poll=poll, pdl=pdl)
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))

@@ -198,7 +198,7 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 
 _PDL: dict[Any, dict[str, bool]] = {}
 # Kernel families that can launch with programmatic dependent launch (each launcher names its own).
-PDL_FAMILIES = ("gemv", "norm", "rotary", "activation", "attention", "sampling")
+PDL_FAMILIES = ("gemv", "norm", "rotary", "activation", "attention", "sampling", "layer_tail")
 
 
 def pdl_families(raw: str | None = None) -> frozenset[str]:

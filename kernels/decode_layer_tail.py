@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, interpreter_active,
-                     next_power_of_2)
+                     next_power_of_2, pdl_options)
+from .triton_helpers import grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
@@ -50,16 +51,25 @@ from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, chec
 TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
 NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
 PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
+POLL = "atomic"  # how a barrier waits: "atomic" (acquire atomics) or "load" (volatile loads)
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Wait until `target` arrivals are counted (every program adds one per barrier)."""
+def _grid_barrier(counter_ptr, target, POLL_LOAD: tl.constexpr):
+    """Wait until `target` arrivals are counted (every program adds one per barrier). The wait
+    polls with acquire atomics, or (POLL_LOAD) with volatile loads and one acquire atomic once
+    the count is reached, which keeps the polling off the atomic unit the arrivals need."""
     tl.debug_barrier()  # every thread's stores of the phase are issued before the release below
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    if POLL_LOAD:
+        seen = tl.load(counter_ptr, volatile=True)
+        while seen < target:
+            seen = tl.load(counter_ptr, volatile=True)
+        tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    else:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -156,11 +166,14 @@ def _decode_layer_tail_kernel(
     FIRST: tl.constexpr, LAST: tl.constexpr,  # phases run by this launch (1..4)
     SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
     HAS_QKV_BIAS: tl.constexpr,
+    POLL_LOAD: tl.constexpr = False,  # barrier polling: volatile loads instead of atomics
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (checks.pdl_options "layer_tail")
 ):
     pid = tl.program_id(0)
     if FIRST <= 1 and LAST >= 1:
         w0 = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
         w1 = _row_tile(wo_ptr, pid + G, 0, H, QD, BN_O, QDP)
+        grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
         x = _vector(attn_ptr, QD, QDP, False)
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
     if FIRST <= 2 and LAST >= 2:
@@ -169,21 +182,24 @@ def _decode_layer_tail_kernel(
         g1 = _row_tile(wgu_ptr, pid + G, 0, INNER, H, BN_GU, HP)
         u1 = _row_tile(wgu_ptr, pid + G, INNER, INNER, H, BN_GU, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, G)
+            _grid_barrier(counter_ptr, G, POLL_LOAD)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
     if FIRST <= 3 and LAST >= 3:
         w0 = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
         w1 = _row_tile(wd_ptr, pid + G, 0, H, INNER, BN_D, IP)
         if SYNC:
-            _grid_barrier(counter_ptr, 2 * G)
+            _grid_barrier(counter_ptr, 2 * G, POLL_LOAD)
+        if LAST == 3:
+            launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         x = _vector(act_ptr, INNER, IP, True)
         _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
     if FIRST <= 4 and LAST >= 4:
         w0 = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
         w1 = _row_tile(wqkv_ptr, pid + G, 0, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, 3 * G)
+            _grid_barrier(counter_ptr, 3 * G, POLL_LOAD)
+        launch_dependents(USE_PDL)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
     if SYNC:
@@ -271,6 +287,7 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
+    poll: str = POLL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -281,10 +298,14 @@ def decode_layer_tail(
     residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
     output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
     launch with grid barriers; otherwise each phase is a launch. ``num_warps`` and
-    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs;
-    hack/bench_layer_tail.py measures them with ``programs``.
+    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs, ``poll``
+    ("atomic" or "load") how a barrier waits; hack/bench_layer_tail.py measures them with
+    ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
+    one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     """
     op = "decode_layer_tail"
+    if poll not in ("atomic", "load"):
+        raise ValueError(f"{op}: poll must be 'atomic' or 'load', got {poll!r}")
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, attn)
     if attn.shape[0] != 1:
@@ -334,7 +355,8 @@ def decode_layer_tail(
 
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
-                BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps)
+                BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
+                POLL_LOAD=poll == "load", **(pdl_options(device, "layer_tail") if sync else {"USE_PDL": False}))
     if sync and device.type == "cuda":
         if programs is None:  # PROGRAMS_PER_SM where they fit, else one per SM
             per_sm = _resident_per_sm(device, args, dict(meta, FIRST=1, LAST=last, G=G * PROGRAMS_PER_SM))

@@ -193,7 +193,7 @@ def _ptxas_report(ptx: str) -> dict:
             "spill_load_bytes": int(spill_loads.group(1)) if spill_loads else None}
 
 
-PDL_MODULES = ("activation", "decode_attention", "gemv", "rmsnorm", "rotary", "sampling")
+PDL_MODULES = ("activation", "decode_attention", "decode_layer_tail", "gemv", "rmsnorm", "rotary", "sampling")
 
 
 def main() -> int:
