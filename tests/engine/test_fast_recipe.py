@@ -32,8 +32,8 @@ SCRIPT = textwrap.dedent('''
     fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
     if fuse_rope:  # and the L2 prefetch of the next weights from the attention kernel (a no-op on the CPU)
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
-    if tail:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
-        fast.update(fuse_layer_tail=True)
+    if fuse_norm:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
+        fast.update(fuse_layer_tail=tail)
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))

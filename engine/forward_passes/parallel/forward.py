@@ -28,7 +28,8 @@ with no parallel state the pass runs single-process (tp = ep = 1) and equals the
 pass. Weights must be sharded for the layout (``ParallelLLMEngine`` does that once).
 
 Recipe knobs (recipe.yaml): those of the stock pass (``attention_backend``,
-``moe_decode_gather_max_rows``).
+``moe_decode_gather_max_rows``); under tp > 1 ``fuse_layer_tail`` is turned off (its kernel
+has no place for the all-reduces).
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ class ParallelForwardPass(stock.StockForwardPass):
         _check_sharded(cfg, self.layout, weights)
         # The stock pass sees the rank's view: local heads (so its views and its paged
         # attention work on the local shards); experts and vocabulary stay global.
-        if recipe.get("fuse_layer_tail", False):
-            raise ValueError("recipe fuse_layer_tail runs a layer's o_proj and MLP in one kernel, with no place for "
-                             "the tensor-parallel all-reduces between them; the parallel pass refuses it")
+        if self.layout.tp > 1:
+            # fuse_layer_tail runs a layer's o_proj, MLP and the next qkv in one kernel: no place for
+            # the all-reduces between them, so the separate GEMVs run instead (same recipe elsewhere).
+            recipe = {**recipe, "fuse_layer_tail": False}
         super().__init__(self.layout.rank_model_config(cfg), weights, recipe)
         if "lm_head.weight" in weights:  # tied embeddings under tp > 1: the head is a shard, the table is not
             self.lm_head = weights["lm_head.weight"]

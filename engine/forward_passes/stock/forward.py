@@ -41,7 +41,8 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   fuse_layer_tail: bool               batch-1 decode: each layer's o_proj, MLP and the next layer's
                                       qkv projection in one persistent kernel with grid barriers
                                       (kernels.decode_layer_tail; needs fuse_norm_into_linear;
-                                      CUDA; larger batches keep the separate GEMVs)
+                                      a launch per phase in the interpreter; larger batches keep
+                                      the separate GEMVs)
   attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
                                       weights read next (o_proj, then gate/up) into L2 while it
                                       runs; 0 = off (needs attention_backend: triton; CUDA)
