@@ -139,6 +139,20 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
+def claim_result_name(out_dir: Path, base_name: str) -> str:
+    """`base_name`, or base_name-2, -3, ... when a run started in the same second (one per GPU
+    of a host, say) holds it: the .json is created exclusively, so no run overwrites another's."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        name = base_name if n == 1 else f"{base_name}-{n}"
+        try:
+            os.close(os.open(out_dir / f"{name}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return name
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free result name for {base_name} in {out_dir}")
+
+
 # ----------------------------------------------------------------------------- ceilings, floor
 def measure_ceilings(device: torch.device) -> dict[str, Any]:
     """Copy bandwidth (bytes read + written per second) and, on CUDA, the bf16 matmul rate."""
@@ -772,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-") or "device"
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
-    base_name = f"decode{'' if mode == 'table' else '-' + mode}-{args.model}-{slug}-{stamp}"
+    base_name = claim_result_name(out_dir, f"decode{'' if mode == 'table' else '-' + mode}-{args.model}-{slug}-{stamp}")
     out_json = out_dir / f"{base_name}.json"
     max_batch = max(batch_sizes)
     max_model_len = int(math.ceil((args.prompt_len + max(args.new_tokens, args.check_tokens) + 1) / 16) * 16)

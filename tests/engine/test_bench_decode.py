@@ -121,3 +121,13 @@ def test_recipes_from_a_file(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--model", "tiny-llama", "--profile", "--recipe-file", str(recipes),
                     "--out-dir", str(tmp_path)])
+
+
+def test_result_names_of_runs_started_in_the_same_second_differ(tmp_path):
+    """Two benchmark processes (one per GPU of a host) starting in the same second must not
+    write the same results file."""
+    bench = load_bench()
+    first = bench.claim_result_name(tmp_path, "decode-x-20261130-032720")
+    second = bench.claim_result_name(tmp_path, "decode-x-20261130-032720")
+    assert first == "decode-x-20261130-032720" and second == "decode-x-20261130-032720-2"
+    assert (tmp_path / f"{first}.json").exists() and (tmp_path / f"{second}.json").exists()
