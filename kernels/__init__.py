@@ -10,6 +10,7 @@ names, so the package itself does not re-export them):
     decode_attention.decode_attention_rope  ... with the rotary embedding and the KV write fused in
     prefill_attention.prefill_attention  chunked-prefill attention over paged KV
     gemv.gemv                            batch-1..16 weight-streaming GEMV / skinny GEMM
+    decode_layer_tail.decode_layer_tail  batch 1: o_proj, MLP and the next qkv in one persistent kernel
     sampling.argmax / sampling.sample    greedy and temperature / top-k / top-p sampling
     moe.topk_routing / moe_align / moe_grouped_gemm / fused_moe
 Each module also holds `<op>_ref()` in plain torch. `registry.all_specs()` lists every op's
