@@ -7,11 +7,11 @@ variant holding the 16 layers' launches in sequence, as a decode step has them -
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
-programs per SM, barrier polling, programmatic dependent launch).
+programs per SM, programmatic dependent launch).
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
-                                       [--poll atomic,load] [--pdl off,on]
+                                       [--pdl off,on]
                                        [--replays 20]
 """
 
@@ -70,7 +70,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warps", default="4,8,16")
     parser.add_argument("--tiles", default="8192,16384", help="weight elements per row tile")
-    parser.add_argument("--poll", default="atomic", help="how a barrier waits: atomic, load (comma list)")
     parser.add_argument("--pdl", default="off", help="programmatic dependent launch of the layer tails: off, on")
     parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--replays", type=int, default=20)
@@ -114,21 +113,21 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = [(int(w), int(t), int(p), poll, pdl) for w in args.warps.split(",") for t in args.tiles.split(",")
-            for p in args.programs.split(",") for poll in args.poll.split(",") for pdl in args.pdl.split(",")]
+    grid = [(int(w), int(t), int(p), pdl) for w in args.warps.split(",") for t in args.tiles.split(",")
+            for p in args.programs.split(",") for pdl in args.pdl.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, per_sm, poll, pdl in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM, poll {poll}, PDL {pdl}"
+    for warps, tile, per_sm, pdl in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM, PDL {pdl}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=per_sm * sms, poll=poll):
+        def fused(warps=warps, tile=tile, programs=per_sm * sms):
             for w in layers:
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  poll=poll, **w)
+                                  **w)
         try:
             record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=per_sm * sms,
-                   poll=poll, pdl=pdl)
+                   pdl=pdl)
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))

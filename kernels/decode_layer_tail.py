@@ -22,17 +22,19 @@ it waits at the barrier: HBM stays busy through the barrier and the ramp.
 
 Data flow in a phase: the input vector x (attn, or the normalised h2 / h3, or act) is read once
 per program into registers (float32, [K]); the program then walks its row tiles t = pid,
-pid + G, ... of the weight, [BLOCK_N, K] each (whole rows, ~32 KB), keeping the next two tiles'
-loads in flight while it reduces the current one (~96 KB per SM: HBM latency times bandwidth
-is ~4-8 MB over the 132 SMs), and writes its BLOCK_N outputs. Loads of data
-that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg).
+pid + G, ... of the weight, [BLOCK_N, K] each (whole rows, 16 KB), keeping the next two tiles'
+loads in flight while it reduces the current one (3 tiles x 2 programs = 96 KB per SM: HBM
+latency times bandwidth is ~4-8 MB over the 132 SMs), and writes its BLOCK_N outputs. Loads of
+data that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg).
 
 The barriers need every program resident at once: the launcher reads the compiled variant's
 registers, threads and shared memory, takes two programs per SM where they fit (else one; SM
 count as the device reports it, a MIG slice its own) and refuses an explicit grid that cannot
-be resident. Under the Triton interpreter
-programs run one after another, so there (and whenever ``sync=False``) the launcher runs each
-phase as a launch of its own instead; the arithmetic is the same code.
+be resident. Other work sharing the GPU (another stream, MPS with a thread limit the device
+properties do not show) can delay programs; the barrier then waits for them, and an MPS limit
+below the grid's needs would hang it: the knob (fuse_layer_tail) turns the kernel off. Under
+the Triton interpreter programs run one after another, so there (and whenever ``sync=False``)
+the launcher runs each phase as a launch of its own instead; the arithmetic is the same code.
 """
 
 from __future__ import annotations
@@ -51,25 +53,18 @@ from .triton_helpers import grid_dependency_wait, launch_dependents
 TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
 NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
 PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
-POLL = "atomic"  # how a barrier waits: "atomic" (acquire atomics) or "load" (volatile loads)
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target, POLL_LOAD: tl.constexpr):
-    """Wait until `target` arrivals are counted (every program adds one per barrier). The wait
-    polls with acquire atomics, or (POLL_LOAD) with volatile loads and one acquire atomic once
-    the count is reached, which keeps the polling off the atomic unit the arrivals need."""
+def _grid_barrier(counter_ptr, target):
+    """Wait until `target` arrivals are counted (every program adds one per barrier). Polling
+    with acquire atomics measured faster than volatile loads plus one acquire at the end
+    (40.5 against 46.1 us a layer on an H200, docs/decode-performance.md)."""
     tl.debug_barrier()  # every thread's stores of the phase are issued before the release below
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    if POLL_LOAD:
-        seen = tl.load(counter_ptr, volatile=True)
-        while seen < target:
-            seen = tl.load(counter_ptr, volatile=True)
-        tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    else:
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -82,6 +77,13 @@ def _row_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.cons
     mask = (rows < N)[:, None] & (kk < K)[None, :]
     ptrs = w_ptr + (row0 + rows).to(tl.int64)[:, None] * K + kk[None, :]
     return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KP: tl.constexpr):
+    """A program's first two row tiles of a phase (pid and pid + G), loaded ahead of the phase."""
+    return (_row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP), _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP))
 
 
 @triton.jit
@@ -166,39 +168,33 @@ def _decode_layer_tail_kernel(
     FIRST: tl.constexpr, LAST: tl.constexpr,  # phases run by this launch (1..4)
     SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
     HAS_QKV_BIAS: tl.constexpr,
-    POLL_LOAD: tl.constexpr = False,  # barrier polling: volatile loads instead of atomics
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (checks.pdl_options "layer_tail")
 ):
     pid = tl.program_id(0)
     if FIRST <= 1 and LAST >= 1:
-        w0 = _row_tile(wo_ptr, pid, 0, H, QD, BN_O, QDP)
-        w1 = _row_tile(wo_ptr, pid + G, 0, H, QD, BN_O, QDP)
+        w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
         x = _vector(attn_ptr, QD, QDP, False)
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
     if FIRST <= 2 and LAST >= 2:
-        g0 = _row_tile(wgu_ptr, pid, 0, INNER, H, BN_GU, HP)
-        u0 = _row_tile(wgu_ptr, pid, INNER, INNER, H, BN_GU, HP)
-        g1 = _row_tile(wgu_ptr, pid + G, 0, INNER, H, BN_GU, HP)
-        u1 = _row_tile(wgu_ptr, pid + G, INNER, INNER, H, BN_GU, HP)
+        g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
+        u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, G, POLL_LOAD)
+            _grid_barrier(counter_ptr, G)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
     if FIRST <= 3 and LAST >= 3:
-        w0 = _row_tile(wd_ptr, pid, 0, H, INNER, BN_D, IP)
-        w1 = _row_tile(wd_ptr, pid + G, 0, H, INNER, BN_D, IP)
+        w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
-            _grid_barrier(counter_ptr, 2 * G, POLL_LOAD)
+            _grid_barrier(counter_ptr, 2 * G)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         x = _vector(act_ptr, INNER, IP, True)
         _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
     if FIRST <= 4 and LAST >= 4:
-        w0 = _row_tile(wqkv_ptr, pid, 0, NQKV, H, BN_QKV, HP)
-        w1 = _row_tile(wqkv_ptr, pid + G, 0, NQKV, H, BN_QKV, HP)
+        w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, 3 * G, POLL_LOAD)
+            _grid_barrier(counter_ptr, 3 * G)
         launch_dependents(USE_PDL)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
@@ -287,7 +283,6 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
-    poll: str = POLL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -298,14 +293,11 @@ def decode_layer_tail(
     residual_out is the residual stream after attention (mlp_out + residual_out is the layer's
     output). ``sync`` (default: on CUDA outside the interpreter) runs the four phases in one
     launch with grid barriers; otherwise each phase is a launch. ``num_warps`` and
-    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs, ``poll``
-    ("atomic" or "load") how a barrier waits; hack/bench_layer_tail.py measures them with
-    ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
+    ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs;
+    hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     """
     op = "decode_layer_tail"
-    if poll not in ("atomic", "load"):
-        raise ValueError(f"{op}: poll must be 'atomic' or 'load', got {poll!r}")
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, attn)
     if attn.shape[0] != 1:
@@ -356,7 +348,7 @@ def decode_layer_tail(
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                POLL_LOAD=poll == "load", **(pdl_options(device, "layer_tail") if sync else {"USE_PDL": False}))
+                **(pdl_options(device, "layer_tail") if sync else {"USE_PDL": False}))
     if sync and device.type == "cuda":
         if programs is None:  # PROGRAMS_PER_SM where they fit, else one per SM
             per_sm = _resident_per_sm(device, args, dict(meta, FIRST=1, LAST=last, G=G * PROGRAMS_PER_SM))
