@@ -36,10 +36,11 @@ def _record(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = _record
 
-from shapeshift.kernels import (activation, decode_attention, gemv, moe, prefill_attention, rmsnorm,  # noqa: E402
-                                rotary, sampling)
+from shapeshift.kernels import (activation, decode_attention, decode_layer_tail, gemv, moe,  # noqa: E402
+                                prefill_attention, rmsnorm, rotary, sampling)
 
-for module in (activation, decode_attention, gemv, moe, prefill_attention, rmsnorm, rotary, sampling):
+for module in (activation, decode_attention, decode_layer_tail, gemv, moe, prefill_attention, rmsnorm, rotary,
+               sampling):
     module.check_runnable_device = lambda op, tensor: None
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
