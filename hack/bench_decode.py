@@ -62,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINES_SCRIPT = Path(__file__).resolve().parent / "decode_baselines.py"
 sys.path.insert(0, str(BASELINES_SCRIPT.parent))
 import decode_baselines as baselines  # noqa: E402  (sibling script: prompts, fingerprint, percentiles)
-from benchmeta import git_commit  # noqa: E402  (sibling module)
+from benchmeta import claim_result_name, git_commit  # noqa: E402  (sibling module)
 
 # The serving recipes (engine/recipes.py); the plain-torch one is "stock" here, the name its
 # rows carry in recorded results.
@@ -137,20 +137,6 @@ class Recorder:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
         os.replace(tmp, self.path)
-
-
-def claim_result_name(out_dir: Path, base_name: str) -> str:
-    """`base_name`, or base_name-2, -3, ... when a run started in the same second (one per GPU
-    of a host, say) holds it: the .json is created exclusively, so no run overwrites another's."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        name = base_name if n == 1 else f"{base_name}-{n}"
-        try:
-            os.close(os.open(out_dir / f"{name}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return name
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"no free result name for {base_name} in {out_dir}")
 
 
 # ----------------------------------------------------------------------------- ceilings, floor

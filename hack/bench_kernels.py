@@ -56,7 +56,7 @@ import traceback
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "hack"))
-from benchmeta import git_commit  # noqa: E402  (sibling module)
+from benchmeta import claim_result_name, git_commit  # noqa: E402  (sibling module)
 
 GROUPS = ("ceilings", "rmsnorm", "silu_and_mul", "rotary", "decode_attention", "gemv", "sampling",
           "prefill_attention", "moe", "host")
@@ -1105,7 +1105,8 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = (env.get("gpu") or "nogpu").replace(" ", "-")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out_dir / f"kernels-{gpu}-{stamp}{'-quick' if args.quick else ''}{'-tune' if args.tune else ''}.json"
+    kind = f"{'-quick' if args.quick else ''}{'-tune' if args.tune else ''}"
+    path = out_dir / (claim_result_name(out_dir, f"kernels-{gpu}-{stamp}{kind}") + ".json")
     rows, tuning, group_status = [], [], {}
 
     def assemble(complete):

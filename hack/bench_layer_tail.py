@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmeta import REPO_ROOT, git_commit  # noqa: E402  (sibling module)
+from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402  (sibling module)
 
 HIDDEN, Q_DIM, INNER, NQKV, LAYERS = 2048, 2048, 8192, 3072, 16
 
@@ -136,9 +136,8 @@ def main(argv=None) -> int:
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
                   layers=LAYERS, replays=args.replays, rows=rows)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out / f"layer-tail-{result['gpu'].replace(' ', '-')}-{stamp}.json"
+    path = out / (claim_result_name(out, f"layer-tail-{result['gpu'].replace(' ', '-')}-{stamp}") + ".json")
     path.write_text(json.dumps(result, indent=1))
     print(f"saved {path}")
     return 0

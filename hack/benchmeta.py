@@ -1,16 +1,35 @@
-"""Provenance of benchmark results: which commit of the repository produced them.
+"""Provenance of benchmark results: which commit of the repository produced them, and where
+they are written.
 
 ``git_commit`` is shapeshift.engine.provenance's, shared with the compile loop's reports
 (SHAPESHIFT_GIT_COMMIT, exported by hack/gpu_run.sh whose GPU machine has the tree but no
-git, else git itself); ``REPO_ROOT`` is the checkout the hack/ scripts write results into.
+git, else git itself); ``REPO_ROOT`` is the checkout the hack/ scripts write results into;
+``claim_result_name`` gives each run a results file of its own.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shapeshift.engine.provenance import git_commit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "git_commit"]
+
+
+def claim_result_name(out_dir: Path, base_name: str) -> str:
+    """`base_name`, or base_name-2, -3, ... when a run started in the same second (one per GPU
+    of a host, say) holds it: the .json is created exclusively, so no run overwrites another's."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        name = base_name if n == 1 else f"{base_name}-{n}"
+        try:
+            os.close(os.open(out_dir / f"{name}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return name
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free result name for {base_name} in {out_dir}")
+
+
+__all__ = ["REPO_ROOT", "claim_result_name", "git_commit"]
