@@ -30,9 +30,14 @@ data that other programs wrote in this launch (y1, act, y3, res2) bypass L1 (.cg
 The barriers need every program resident at once: the launcher reads the compiled variant's
 registers, threads and shared memory, takes two programs per SM where they fit (else one; SM
 count as the device reports it, a MIG slice its own) and refuses an explicit grid that cannot
-be resident. Other work sharing the GPU (another stream, MPS with a thread limit the device
-properties do not show) can delay programs; the barrier then waits for them, and an MPS limit
-below the grid's needs would hang it: the knob (fuse_layer_tail) turns the kernel off. Under
+be resident. The launch is an ordinary one, not a cooperative launch, so residency rests on
+that count and on the GPU dispatching a grid's programs before a later grid's of the same
+priority; two of these kernels on streams of different priorities, or MPS with a thread limit
+the device properties do not show, could leave a barrier waiting for programs that never get
+an SM. The engine's streams (serving, and a hot reload's warm-up off the serving path) all
+have the default priority; the recipe knob (fuse_layer_tail) turns the kernel off where that
+does not hold. Triton's cooperative launch (launch_cooperative_grid) would make residency the
+driver's guarantee; it has not been measured here. Under
 the Triton interpreter programs run one after another, so there (and whenever ``sync=False``)
 the launcher runs each phase as a launch of its own instead; the arithmetic is the same code.
 """
@@ -236,15 +241,22 @@ def _resident_per_sm(device: torch.device, args: tuple, meta: dict) -> int:
     per_sm = _RESIDENT_PER_SM.get(key)
     if per_sm is None:
         kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), **meta)
-        kernel._init_handles()  # loads the module, which fills n_regs
+        try:
+            kernel._init_handles()  # loads the module, which fills n_regs (Triton 3.x)
+            registers = int(kernel.n_regs)
+        except (AttributeError, TypeError, ValueError):
+            registers = 0
         props = torch.cuda.get_device_properties(device)
         threads = meta["num_warps"] * 32
-        regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        per_program = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocated in units of 8 a thread
-        per_sm = min(regs_per_sm // per_program, props.max_threads_per_multi_processor // threads)
-        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
-        if shared:
-            per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
+        if registers <= 0:  # a Triton that does not say: assume only one program per SM fits
+            per_sm = 1
+        else:
+            regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+            per_program = -(-registers // 8) * 8 * threads  # allocated in units of 8 a thread
+            per_sm = min(regs_per_sm // per_program, props.max_threads_per_multi_processor // threads)
+            shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+            if shared:
+                per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
         _RESIDENT_PER_SM[key] = per_sm
     return per_sm
 
