@@ -176,6 +176,32 @@ class LaunchPlans(dict):
         return plan
 
 
+class StreamCounters(dict):
+    """Int32 counters a kernel's programs coordinate through with atomics (split-K fix-up tiles,
+    grid barriers), zero between launches because each launch resets what it used.
+
+    One set per (device type, device index, stream): kernels on one stream never overlap, so
+    they can share a set; kernels on two streams may run at once, so each stream has its own."""
+
+    def __init__(self, min_size: int = 1):
+        super().__init__()
+        self.min_size = min_size
+
+    def for_stream(self, device: torch.device, size: int) -> torch.Tensor | None:
+        """The current stream's zeroed counters (at least `size`), or None while a CUDA graph is
+        being captured on a stream that has none yet: zeroing them then would only be recorded,
+        not done. (ModelRunner warms up on its capture stream, so its graphs find theirs.)"""
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        key = (device.type, device.index, stream)
+        counters = self.get(key)
+        if counters is None or counters.numel() < size:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            counters = torch.zeros(max(size, self.min_size), dtype=torch.int32, device=device)
+            self[key] = counters
+        return counters
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of ints (triton.cdiv is a constexpr function: ~1 us per host call)."""
     return -(-a // b)

@@ -44,12 +44,16 @@ the launcher runs each phase as a launch of its own instead; the arithmetic is t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, check_runnable_device, check_same_dtype, check_tensor, interpreter_active,
-                     next_power_of_2, pdl_options)
+from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
+                     interpreter_active, next_power_of_2, pdl_options)
+from .gemv import gemv_ref, gemv_silu_and_mul_ref
+from .rmsnorm import rmsnorm_ref
 from .triton_helpers import grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
@@ -212,63 +216,32 @@ def _decode_layer_tail_kernel(
             tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
-# (device type, index, stream id) -> int32 [2] barrier counters, zero between launches. Kernels
-# on one stream never overlap, so one pair per stream serves every layer.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+# Barrier counters [arrivals, exits]: one pair per stream serves every layer (kernels on one
+# stream never overlap).
+_COUNTERS = StreamCounters()
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_layer_tail: first call on this stream is inside a CUDA graph capture; "
-                               "run the kernel once on the stream before capturing (its barrier counters are "
-                               "allocated and zeroed then)")
-        counters = torch.zeros(2, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
-
-
-# (device index, launch constexprs) -> programs of that kernel variant one SM holds at once
-_RESIDENT_PER_SM: dict[tuple, int] = {}
-
-
-def _resident_per_sm(device: torch.device, args: tuple, meta: dict) -> int:
-    """Programs of this compiled variant one SM holds at once (registers, threads, shared memory)."""
-    key = (device.index, tuple(sorted(meta.items())))
-    per_sm = _RESIDENT_PER_SM.get(key)
-    if per_sm is None:
-        kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), **meta)
-        try:
-            kernel._init_handles()  # loads the module, which fills n_regs (Triton 3.x)
-            registers = int(kernel.n_regs)
-        except (AttributeError, TypeError, ValueError):
-            registers = 0
-        props = torch.cuda.get_device_properties(device)
-        threads = meta["num_warps"] * 32
-        if registers <= 0:  # a Triton that does not say: assume only one program per SM fits
-            per_sm = 1
-        else:
-            regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-            per_program = -(-registers // 8) * 8 * threads  # allocated in units of 8 a thread
-            per_sm = min(regs_per_sm // per_program, props.max_threads_per_multi_processor // threads)
-            shared = int(getattr(kernel.metadata, "shared", 0) or 0)
-            if shared:
-                per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
-        _RESIDENT_PER_SM[key] = per_sm
+def _resident_per_sm(args: tuple, meta: dict, last: int) -> int:
+    """Programs of this compiled variant one SM holds at once (registers, threads, shared memory);
+    compiles the variant (the launch that follows reuses it)."""
+    device = args[0].device
+    kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), FIRST=1, LAST=last, **meta)
+    try:
+        kernel._init_handles()  # loads the module, which fills n_regs (Triton 3.x)
+        registers = int(kernel.n_regs)
+    except (AttributeError, TypeError, ValueError):
+        registers = 0
+    if registers <= 0:  # a Triton that does not say: assume only one program per SM fits
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    threads = meta["num_warps"] * 32
+    per_program = -(-registers // 8) * 8 * threads  # allocated in units of 8 a thread
+    per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // per_program,
+                 props.max_threads_per_multi_processor // threads)
+    shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+    if shared:
+        per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
     return per_sm
-
-
-def _check_resident(device: torch.device, programs: int, args: tuple, meta: dict) -> None:
-    """Refuse a grid whose programs cannot all be resident at once: the grid barrier would wait
-    forever on programs that never start. Reads the compiled variant's registers once."""
-    per_sm = _resident_per_sm(device, args, meta)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs > per_sm * sms:
-        raise ValueError(f"decode_layer_tail: {programs} programs cannot all be resident ({per_sm} per SM fit by "
-                         f"registers x {sms} SMs); the grid barriers need them all at once")
 
 
 def default_programs(device: torch.device) -> int:
@@ -309,6 +282,41 @@ def decode_layer_tail(
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     """
+    # Launch options; PDL (SHAPESHIFT_PDL, read by checks.pdl_options) may change between calls.
+    options = (programs, sync, num_warps, tile_elements, pdl_options(attn.device, "layer_tail")["USE_PDL"])
+    plan = _PLANS.plan(_plan, (attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
+                               next_qkv_bias), options)
+    outputs = _outputs(plan, attn)
+    counters = _launch_counters(attn.device) if plan.sync else outputs[0]
+    args = _kernel_args(plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
+                        next_qkv_bias, outputs, counters, eps)
+    for first, final in plan.phases:
+        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta)
+    y1, res2, act, y3, res3, qkv = outputs
+    return (qkv, res3) if plan.has_next else (y3, res2)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a launch on one argument metadata needs, derived (and checked) once."""
+    hidden: int
+    inner: int
+    nqkv: int
+    has_next: bool
+    sync: bool
+    programs: int
+    phases: tuple[tuple[int, int], ...]
+    meta: dict
+
+
+# (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
+_PLANS = LaunchPlans()
+
+
+def _plan(attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
+          options) -> _Plan:
+    """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
+    programs, sync, num_warps, tile_elements, _use_pdl = options
     op = "decode_layer_tail"
     check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, attn)
@@ -340,62 +348,75 @@ def decode_layer_tail(
         if next_qkv_bias is not None:
             check_tensor(op, "next_qkv_bias", next_qkv_bias, shape=(nqkv,), device=attn.device, contiguous=True)
             check_same_dtype(op, "attn", attn, next_qkv_bias=next_qkv_bias)
-    device, dtype = attn.device, attn.dtype
-    empty = torch.empty
-    y1, res2, y3 = (empty((1, hidden), dtype=dtype, device=device) for _ in range(3))
-    act = empty((1, inner), dtype=dtype, device=device)
-    res3 = empty((1, hidden), dtype=dtype, device=device) if has_next else y1
-    qkv = empty((1, nqkv), dtype=dtype, device=device) if has_next else y1
+    device = attn.device
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
-    counters = _counters(device) if sync else y1
-    G = programs or default_programs(device)
-    last = 4 if has_next else 3
-    args = (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
-            next_input_norm if has_next else post_norm, res3, next_qkv if has_next else o_proj,
-            next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
+
     def rows(k: int) -> int:  # rows per tile: whole rows, tile_elements elements (a power of two)
         return max(1, next_power_of_2(tile_elements) // next_power_of_2(k))
 
+    G = programs or default_programs(device)
+    last = 4 if has_next else 3
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 **(pdl_options(device, "layer_tail") if sync else {"USE_PDL": False}))
+    plan = _Plan(hidden, inner, nqkv, has_next, sync, G, ((1, last),) if sync else tuple((p, p) for p in
+                                                                                          range(1, last + 1)), meta)
     if sync and device.type == "cuda":
-        if programs is None:  # PROGRAMS_PER_SM where they fit, else one per SM
-            per_sm = _resident_per_sm(device, args, dict(meta, FIRST=1, LAST=last, G=G * PROGRAMS_PER_SM))
-            if per_sm >= PROGRAMS_PER_SM:
-                G = meta["G"] = G * PROGRAMS_PER_SM
-        _check_resident(device, G, args, dict(meta, FIRST=1, LAST=last))
-    phases = [(1, last)] if sync else [(p, p) for p in range(1, last + 1)]
-    for first, final in phases:
-        _decode_layer_tail_kernel[(G,)](*args, FIRST=first, LAST=final, **meta)
-    return (qkv, res3) if has_next else (y3, res2)
+        # Compile the variant (once per plan) to read what one SM holds: PROGRAMS_PER_SM programs
+        # where they fit, else one per SM; an explicit grid that cannot be resident is refused.
+        outputs = _outputs(plan, attn)
+        args = _kernel_args(plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
+                            next_qkv_bias, outputs, _launch_counters(device), 1e-6)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if programs is None and _resident_per_sm(args, dict(meta, G=G * PROGRAMS_PER_SM), last) >= PROGRAMS_PER_SM:
+            G = G * PROGRAMS_PER_SM
+            plan = replace(plan, programs=G, meta=dict(meta, G=G))
+        per_sm = _resident_per_sm(args, plan.meta, last)
+        if G > per_sm * sms:
+            raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "
+                             f"{sms} SMs); the grid barriers need them all at once")
+    return plan
+
+
+def _outputs(plan: _Plan, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(y1, res2, act, y3, res3, qkv); without a next layer res3 and qkv stand in as y1 (unused)."""
+    device, dtype = attn.device, attn.dtype
+    y1, res2, y3 = (torch.empty((1, plan.hidden), dtype=dtype, device=device) for _ in range(3))
+    act = torch.empty((1, plan.inner), dtype=dtype, device=device)
+    if not plan.has_next:
+        return y1, res2, act, y3, y1, y1
+    return (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),
+            torch.empty((1, plan.nqkv), dtype=dtype, device=device))
+
+
+def _kernel_args(plan: _Plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
+                 next_qkv_bias, outputs, counters, eps) -> tuple:
+    """The kernel's positional arguments (stand-ins where a phase is not run)."""
+    y1, res2, act, y3, res3, qkv = outputs
+    return (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
+            next_input_norm if plan.has_next else post_norm, res3, next_qkv if plan.has_next else o_proj,
+            next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
+
+
+def _launch_counters(device: torch.device) -> torch.Tensor:
+    counters = _COUNTERS.for_stream(device, 2)
+    if counters is None:
+        raise RuntimeError("decode_layer_tail: first call on this stream is inside a CUDA graph capture; run the "
+                           "kernel once on the stream before capturing (its barrier counters are allocated and "
+                           "zeroed then)")
+    return counters
 
 
 def decode_layer_tail_ref(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm=None,
                           next_qkv=None, next_qkv_bias=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch in float32 with the same rounding points (each projection output, the
-    residual sums, the norm's two roundings, silu(gate) and the product, in the input dtype)."""
-    dtype = attn.dtype
-
-    def linear(x, w, b=None):
-        y = x.float() @ w.float().t()
-        return (y + b.float() if b is not None else y).to(dtype)
-
-    def norm(h, w):
-        hf = h.float()
-        inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-        return ((hf * inv).to(dtype).float() * w.float()).to(dtype)
-
-    y1 = linear(attn, o_proj)
-    h2 = (y1.float() + residual.float()).to(dtype)
-    gu = linear(norm(h2, post_norm), gate_up)
-    inner = gate_up.shape[0] // 2
-    gate, up = gu[:, :inner].float(), gu[:, inner:].float()
-    act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
-    y3 = linear(act, down_proj)
+    """The unfused ops' references in sequence (kernels.gemv, kernels.rmsnorm): float32 math with
+    the same rounding points (each projection output, the residual sums, the norm's two
+    roundings, silu(gate) and the product, in the input dtype)."""
+    x, h2 = rmsnorm_ref(gemv_ref(attn, o_proj), post_norm, eps, residual)
+    y3 = gemv_ref(gemv_silu_and_mul_ref(x, gate_up), down_proj)
     if next_qkv is None:
         return y3, h2
-    h3 = (y3.float() + h2.float()).to(dtype)
-    return linear(norm(h3, next_input_norm), next_qkv, next_qkv_bias), h3
+    x, h3 = rmsnorm_ref(y3, next_input_norm, eps, h2)
+    return gemv_ref(x, next_qkv, next_qkv_bias), h3

@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active, next_power_of_2,
-                     pdl_options)
+from .checks import (FLOAT_DTYPES, StreamCounters, cdiv, check_runnable_device, check_same_dtype, check_tensor,
+                     dot_flags, dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active,
+                     next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 from .triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
@@ -424,7 +424,7 @@ def gemv(
     bias_arg = bias if bias is not None else out
     fused = {}
     if split_k > 1 and split_k_fixup_enabled(x.device):
-        counters = _split_k_counters(x.device, cdiv(N, block_n))
+        counters = _SPLIT_K_COUNTERS.for_stream(x.device, cdiv(N, block_n))
         if counters is not None:
             fused = {"FUSED_REDUCE": True, "counter_ptr": counters}
     _gemv_kernel[(cdiv(N, block_n), split_k)](
@@ -501,26 +501,9 @@ def gemv_silu_and_mul(
     return out if res_ret is None else (out, res_ret)
 
 
-# (device type, device index, stream id) -> int32 counters for the split-K fix-up, zero between
-# launches (the last split of a tile resets its counter). One set per stream: kernels on two
-# streams may run at once, kernels on one stream never do.
-_SPLIT_K_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _split_k_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """This stream's zeroed tile counters (at least `tiles`), or None while a CUDA graph is being
-    captured on a stream that has none yet: zeroing them then would only be recorded, not done,
-    so that capture keeps the reduce launch. ModelRunner warms up on its capture stream, so its
-    decode graphs find theirs."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    counters = _SPLIT_K_COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _SPLIT_K_COUNTERS[key] = counters
-    return counters
+# Tile counters of the split-K fix-up (the last split of a tile resets its counter). While a CUDA
+# graph is captured on a stream that has none yet, the capture keeps the reduce launch.
+_SPLIT_K_COUNTERS = StreamCounters(min_size=4096)
 
 
 def split_k_fixup_enabled(device: torch.device) -> bool:

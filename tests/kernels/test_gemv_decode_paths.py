@@ -103,8 +103,10 @@ def test_split_k_fixup_equals_the_reduce_launch(dtype, split_k, with_norm, devic
     kernel's result, with a bias and with the norm prologue, and the tile counters are back at
     zero for the next launch."""
     from shapeshift.kernels import gemv as gemv_module
+    from shapeshift.kernels.checks import StreamCounters
 
-    monkeypatch.setattr(gemv_module, "_SPLIT_K_COUNTERS", {})  # only this test's launches create counters
+    # only this test's launches create counters
+    monkeypatch.setattr(gemv_module, "_SPLIT_K_COUNTERS", StreamCounters(min_size=4096))
     m, k, n = 3, 200, 72  # a ragged last row tile and a K tail
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
