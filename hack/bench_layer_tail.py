@@ -27,23 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import measure_ceilings  # noqa: E402  (sibling script: the copy bandwidth it divides by)
 from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402  (sibling module)
 
 HIDDEN, Q_DIM, INNER, NQKV, LAYERS = 2048, 2048, 8192, 3072, 16
-
-
-def _copy_gbps(device) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def _time_graph(step, replays: int) -> float:
@@ -93,7 +80,7 @@ def main(argv=None) -> int:
               for _ in range(LAYERS)]
     attn, residual = rand(1, Q_DIM), rand(1, HIDDEN)
     layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
-    copy = _copy_gbps(dev)
+    copy = measure_ceilings(dev)["copy_gbps"]
 
     def separate():
         for w in layers:

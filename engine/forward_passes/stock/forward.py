@@ -576,15 +576,12 @@ class StockForwardPass:
         eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
-            following = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            if following is None:
-                h, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
-                                               layer.down_proj, eps)
-            else:
-                qkv, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
-                                                 layer.down_proj, eps, following.input_norm, following.qkv_proj,
-                                                 following.qkv_bias)
-        x, _ = self.norm(h, self.final_norm, residual)
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            # The next layer's qkv; after the last layer, its MLP output.
+            qkv, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
+                                             layer.down_proj, eps, nxt and nxt.input_norm, nxt and nxt.qkv_proj,
+                                             nxt and nxt.qkv_bias)
+        x, _ = self.norm(qkv, self.final_norm, residual)
         return self.linear(x, self.lm_head, float32_out=True)
 
 
