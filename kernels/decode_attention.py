@@ -91,6 +91,28 @@ def _decode_attention_split_kernel(
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         prefetch_share_l2(pf_ptr0, pf_lines0, pid, programs, PF_LINE, 256)
         prefetch_share_l2(pf_ptr1, pf_lines1, pid, programs, PF_LINE, 256)
+    attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr,
+                 partial_lse_ptr, scale_log2, b, kv_head, split,
+                 stride_q_b, stride_q_h, stride_k_block, stride_k_slot, stride_k_head,
+                 stride_v_block, stride_v_slot, stride_v_head, stride_bt_b, stride_o_b, stride_o_h,
+                 block_size, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS,
+                 USE_DOT, UPCAST_DOT, DOT_PRECISION, FUSE_ROPE, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr,
+                 slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_cs, HALF)
+
+
+@triton.jit
+def attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr,
+                 partial_lse_ptr, scale_log2, b, kv_head, split,
+                 stride_q_b, stride_q_h, stride_k_block, stride_k_slot, stride_k_head,
+                 stride_v_block, stride_v_slot, stride_v_head, stride_bt_b, stride_o_b, stride_o_h,
+                 block_size, num_q_heads, QUERY_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_ROPE: tl.constexpr, k_new_ptr,
+                 v_new_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b,
+                 stride_vn_h, stride_cs, HALF: tl.constexpr):
+    """Pass 1 for one (sequence b, kv head, split): every query head of the kv group over one
+    slice of the context (see the module doc). Shared by the split kernel and the batch-1 layer
+    kernel (kernels/decode_layer_tail.py), which runs it as its attention phase."""
     context_len = tl.load(context_lens_ptr + b)
     # Split the context into NUM_SPLITS slices of whole BLOCK_N tiles (computed on the device).
     num_tiles = tl.cdiv(context_len, BLOCK_N)
@@ -181,6 +203,7 @@ def _decode_attention_split_kernel(
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
+
 
 
 @triton.jit

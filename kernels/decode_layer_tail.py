@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
-                     interpreter_active, next_power_of_2, pdl_options)
+                     dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
+from .decode_attention import DECODE_ATTENTION_SPEC, LOG2E, attend_split, decode_attention_rope_ref
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
 from .triton_helpers import grid_dependency_wait, launch_dependents
@@ -163,6 +164,35 @@ def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: 
 
 
 @triton.jit
+def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.constexpr, HQP: tl.constexpr,
+                  S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+    """The attention output [HQ * D] (as float32 [HQP * D], rounded to dtype like the output of
+    kernels/decode_attention.py's merge pass) from the S split partials of every query head:
+    out = sum_s 2^(lse_s - max lse) part_s / sum_s 2^(lse_s - max lse). Written by other
+    programs of this launch, so read through L2. One split's [HQP, D] at a time (unrolled, so
+    the loads are all issued up front): the whole [HQP, S, D] block at once took 220 registers
+    a thread at S = 8 (one program per SM instead of two)."""
+    h = tl.arange(0, HQP)
+    d = tl.arange(0, D)
+    head_ok = h < HQ
+    s = tl.arange(0, SP)
+    lse = tl.load(partial_lse_ptr + h[:, None] * S + s[None, :], mask=head_ok[:, None] & (s < S)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # [HQP, SP]
+    top = tl.max(lse, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: zeros, as the merge pass
+    denom = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
+    acc = tl.zeros([HQP, D], tl.float32)
+    for split in tl.static_range(S):
+        weight = tl.exp2(tl.load(partial_lse_ptr + h * S + split, mask=head_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        part = tl.load(partial_out_ptr + (h * S + split)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += part * weight[:, None]
+    merged = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    return tl.reshape(merged.to(dtype).to(tl.float32), [HQP * D])
+
+
+@triton.jit
 def _decode_layer_tail_kernel(
     attn_ptr, wo_ptr, y1_ptr,
     res_ptr, post_w_ptr, res2_ptr, wgu_ptr, act_ptr,
@@ -178,24 +208,52 @@ def _decode_layer_tail_kernel(
     SYNC: tl.constexpr,  # grid barriers between phases (all phases in one launch)
     HAS_QKV_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (checks.pdl_options "layer_tail")
+    # Phase 0, attention (decode_layer): this layer's qkv [1, HQ*D + 2*HKV*D] -> rotary, KV-cache
+    # write and attention per (kv head, split) item; phase 1 merges the splits into its input.
+    HAS_ATTENTION: tl.constexpr = False,
+    qkv_in_ptr=None, k_cache_ptr=None, v_cache_ptr=None, block_tables_ptr=None, context_lens_ptr=None,
+    positions_ptr=None, cos_sin_ptr=None, slot_mapping_ptr=None, partial_out_ptr=None, partial_lse_ptr=None,
+    scale_log2=1.0, stride_k_block=0, stride_k_slot=0, stride_k_head=0, stride_v_block=0, stride_v_slot=0,
+    stride_v_head=0, stride_cs=0, block_size=1,
+    HQ: tl.constexpr = 1, HQP: tl.constexpr = 1, HKV: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 16,
+    BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
+    USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
 ):
     pid = tl.program_id(0)
+    if FIRST <= 0 and LAST >= 0:
+        # A program per (kv head, split) item (the rest go straight to phase 1's first tiles);
+        # q, k and v are the qkv row's three parts, un-rotated.
+        for item in range(pid, HKV * SPLITS, G):
+            attend_split(qkv_in_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, attn_ptr,
+                         partial_out_ptr, partial_lse_ptr, scale_log2, 0, item // SPLITS, item % SPLITS,
+                         0, HEAD_DIM, stride_k_block, stride_k_slot, stride_k_head,
+                         stride_v_block, stride_v_slot, stride_v_head, 0, 0, HEAD_DIM,
+                         block_size, HQ, HQ // HKV, BLOCK_G, HEAD_DIM, HEAD_DIM, BLOCK_N_ATT, SPLITS,
+                         USE_DOT, UPCAST_DOT, DOT_PRECISION, True, qkv_in_ptr + HQ * HEAD_DIM,
+                         qkv_in_ptr + (HQ + HKV) * HEAD_DIM, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+                         0, HEAD_DIM, 0, HEAD_DIM, stride_cs, HEAD_DIM // 2)
     if FIRST <= 1 and LAST >= 1:
         w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
+        if SYNC and FIRST <= 0:
+            _grid_barrier(counter_ptr, (1 - FIRST) * G)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
-        x = _vector(attn_ptr, QD, QDP, False)
+        if HAS_ATTENTION and SPLITS > 1:
+            x = _merged_heads(partial_out_ptr, partial_lse_ptr, attn_ptr.dtype.element_ty, HQ, HQP, SPLITS, SPLITS_P,
+                              HEAD_DIM)
+        else:
+            x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
     if FIRST <= 2 and LAST >= 2:
         g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
         u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, G)
+            _grid_barrier(counter_ptr, (2 - FIRST) * G)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
     if FIRST <= 3 and LAST >= 3:
         w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
-            _grid_barrier(counter_ptr, 2 * G)
+            _grid_barrier(counter_ptr, (3 - FIRST) * G)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         x = _vector(act_ptr, INNER, IP, True)
@@ -203,7 +261,7 @@ def _decode_layer_tail_kernel(
     if FIRST <= 4 and LAST >= 4:
         w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, 3 * G)
+            _grid_barrier(counter_ptr, (4 - FIRST) * G)
         launch_dependents(USE_PDL)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
@@ -221,11 +279,12 @@ def _decode_layer_tail_kernel(
 _COUNTERS = StreamCounters()
 
 
-def _resident_per_sm(args: tuple, meta: dict, last: int) -> int:
+def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention: dict) -> int:
     """Programs of this compiled variant one SM holds at once (registers, threads, shared memory);
     compiles the variant (the launch that follows reuses it)."""
     device = args[0].device
-    kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), FIRST=1, LAST=last, **meta)
+    kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), FIRST=phases[0], LAST=phases[1], **meta,
+                                              **attention)
     try:
         kernel._init_handles()  # loads the module, which fills n_regs (Triton 3.x)
         registers = int(kernel.n_regs)
@@ -282,17 +341,74 @@ def decode_layer_tail(
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     """
-    # Launch options; PDL (SHAPESHIFT_PDL, read by checks.pdl_options) may change between calls.
-    options = (programs, sync, num_warps, tile_elements, pdl_options(attn.device, "layer_tail")["USE_PDL"])
-    plan = _PLANS.plan(_plan, (attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
-                               next_qkv_bias), options)
-    outputs = _outputs(plan, attn)
-    counters = _launch_counters(attn.device) if plan.sync else outputs[0]
-    args = _kernel_args(plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
-                        next_qkv_bias, outputs, counters, eps)
+    return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
+                   next_qkv_bias, (None,) * 7, 1.0,
+                   (programs, sync, num_warps, tile_elements, False, None,
+                    pdl_options(attn.device, "layer_tail")["USE_PDL"]))
+
+
+def decode_layer(
+    qkv: torch.Tensor,
+    residual: torch.Tensor,
+    o_proj: torch.Tensor,
+    post_norm: torch.Tensor,
+    gate_up: torch.Tensor,
+    down_proj: torch.Tensor,
+    eps: float,
+    next_input_norm: torch.Tensor | None = None,
+    next_qkv: torch.Tensor | None = None,
+    next_qkv_bias: torch.Tensor | None = None,
+    *,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    attention_splits: int | None = None,
+    programs: int | None = None,
+    sync: bool | None = None,
+    num_warps: int = NUM_WARPS,
+    tile_elements: int = TILE_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
+    write, attention over the paged cache) in front of decode_layer_tail's four phases, one
+    launch with five barriers-separated phases (on CUDA outside the interpreter).
+
+    qkv [1, HQ*D + 2*HKV*D]: this layer's un-rotated projections (q | k | v); the caches
+    [num_blocks, block_size, HKV, D] (D a power of two >= 16), block_tables [1, M] int32,
+    context_lens [1] int32 (counting the new token), positions [1], slot_mapping [1] (negative:
+    no cache write), cos_sin_cache [max_position, D] float32 (kernels.rotary). Writes the rotated
+    key and the value to the caches; returns what decode_layer_tail returns. ``attention_splits``
+    (a power of two <= MAX_ATTENTION_SPLITS) cuts each kv head's context into that many slices
+    run by different programs; every program merges them as phase 1 reads its input (default:
+    decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS).
+    """
+    return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
+                   next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
+                                   context_lens), scale,
+                   (programs, sync, num_warps, tile_elements, True, attention_splits, False))
+
+
+# Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
+# float32 read from L2 per program): more splits make phase 0 shorter and that merge longer.
+MAX_ATTENTION_SPLITS = 8
+
+
+def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
+            next_qkv_bias, attention_tensors, scale, options):
+    plan = _PLANS.plan(_plan, (first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
+                               next_qkv, next_qkv_bias, *attention_tensors), options)
+    outputs = _outputs(plan, first_input)
+    counters = _launch_counters(first_input.device) if plan.sync else outputs[0]
+    args = _kernel_args(plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
+                        next_qkv, next_qkv_bias, outputs, counters, eps)
+    attention = _attention_args(plan, first_input, attention_tensors, outputs, scale)
     for first, final in plan.phases:
-        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta)
-    y1, res2, act, y3, res3, qkv = outputs
+        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
+    y1, res2, act, y3, res3, qkv = outputs[:6]
     return (qkv, res3) if plan.has_next else (y3, res2)
 
 
@@ -300,6 +416,7 @@ def decode_layer_tail(
 class _Plan:
     """What a launch on one argument metadata needs, derived (and checked) once."""
     hidden: int
+    q_dim: int
     inner: int
     nqkv: int
     has_next: bool
@@ -307,48 +424,54 @@ class _Plan:
     programs: int
     phases: tuple[tuple[int, int], ...]
     meta: dict
+    attention: dict | None  # decode_layer: phase 0's constexprs and strides (+ "partials" shapes)
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
 _PLANS = LaunchPlans()
 
 
-def _plan(attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
-          options) -> _Plan:
+def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
+          positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    programs, sync, num_warps, tile_elements, _use_pdl = options
-    op = "decode_layer_tail"
-    check_tensor(op, "attn", attn, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
-    check_runnable_device(op, attn)
-    if attn.shape[0] != 1:
-        raise ValueError(f"{op}: serves one token (batch-1 decode), got attn with {attn.shape[0]} rows")
-    qd = attn.shape[1]
-    check_tensor(op, "o_proj", o_proj, ndim=2, device=attn.device, contiguous=True)
-    hidden = o_proj.shape[0]
-    check_tensor(op, "o_proj", o_proj, shape=(hidden, qd), device=attn.device, contiguous=True)
-    check_tensor(op, "residual", residual, shape=(1, hidden), device=attn.device, contiguous=True)
-    check_tensor(op, "post_norm", post_norm, shape=(hidden,), device=attn.device, contiguous=True)
-    check_tensor(op, "gate_up", gate_up, ndim=2, device=attn.device, contiguous=True)
+    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl = options
+    op = "decode_layer" if has_attention else "decode_layer_tail"
+    first_name = "qkv" if has_attention else "attn"
+    check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_runnable_device(op, first_input)
+    if first_input.shape[0] != 1:
+        raise ValueError(f"{op}: serves one token (batch-1 decode), got {first_name} with {first_input.shape[0]} rows")
+    device = first_input.device
+    check_tensor(op, "o_proj", o_proj, ndim=2, device=device, contiguous=True)
+    hidden, qd = o_proj.shape
+    if not has_attention:
+        check_tensor(op, "o_proj", o_proj, shape=(hidden, first_input.shape[1]), device=device, contiguous=True)
+    check_tensor(op, "residual", residual, shape=(1, hidden), device=device, contiguous=True)
+    check_tensor(op, "post_norm", post_norm, shape=(hidden,), device=device, contiguous=True)
+    check_tensor(op, "gate_up", gate_up, ndim=2, device=device, contiguous=True)
     if gate_up.shape[1] != hidden or gate_up.shape[0] % 2:
         raise ValueError(f"{op}: gate_up must be [2I, {hidden}] (= [gate; up]), got {tuple(gate_up.shape)}")
     inner = gate_up.shape[0] // 2
-    check_tensor(op, "down_proj", down_proj, shape=(hidden, inner), device=attn.device, contiguous=True)
-    check_same_dtype(op, "attn", attn, residual=residual, o_proj=o_proj, post_norm=post_norm, gate_up=gate_up,
-                     down_proj=down_proj)
+    check_tensor(op, "down_proj", down_proj, shape=(hidden, inner), device=device, contiguous=True)
+    check_same_dtype(op, first_name, first_input, residual=residual, o_proj=o_proj, post_norm=post_norm,
+                     gate_up=gate_up, down_proj=down_proj)
     has_next = next_qkv is not None
     if has_next != (next_input_norm is not None) or (next_qkv_bias is not None and not has_next):
         raise ValueError(f"{op}: next_input_norm and next_qkv come together (next_qkv_bias only with them)")
     nqkv = 1
     if has_next:
-        check_tensor(op, "next_input_norm", next_input_norm, shape=(hidden,), device=attn.device, contiguous=True)
-        check_tensor(op, "next_qkv", next_qkv, ndim=2, device=attn.device, contiguous=True)
+        check_tensor(op, "next_input_norm", next_input_norm, shape=(hidden,), device=device, contiguous=True)
+        check_tensor(op, "next_qkv", next_qkv, ndim=2, device=device, contiguous=True)
         nqkv = next_qkv.shape[0]
-        check_tensor(op, "next_qkv", next_qkv, shape=(nqkv, hidden), device=attn.device, contiguous=True)
-        check_same_dtype(op, "attn", attn, next_input_norm=next_input_norm, next_qkv=next_qkv)
+        check_tensor(op, "next_qkv", next_qkv, shape=(nqkv, hidden), device=device, contiguous=True)
+        check_same_dtype(op, first_name, first_input, next_input_norm=next_input_norm, next_qkv=next_qkv)
         if next_qkv_bias is not None:
-            check_tensor(op, "next_qkv_bias", next_qkv_bias, shape=(nqkv,), device=attn.device, contiguous=True)
-            check_same_dtype(op, "attn", attn, next_qkv_bias=next_qkv_bias)
-    device = attn.device
+            check_tensor(op, "next_qkv_bias", next_qkv_bias, shape=(nqkv,), device=device, contiguous=True)
+            check_same_dtype(op, first_name, first_input, next_qkv_bias=next_qkv_bias)
+    attention = None
+    if has_attention:
+        attention = _attention_plan(op, first_input, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+                                    block_tables, context_lens, splits)
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -356,48 +479,119 @@ def _plan(attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm
         return max(1, next_power_of_2(tile_elements) // next_power_of_2(k))
 
     G = programs or default_programs(device)
+    first = 0 if has_attention else 1
     last = 4 if has_next else 3
+    pdl = {"USE_PDL": bool(use_pdl) and sync and not has_attention}
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                **(pdl_options(device, "layer_tail") if sync else {"USE_PDL": False}))
-    plan = _Plan(hidden, inner, nqkv, has_next, sync, G, ((1, last),) if sync else tuple((p, p) for p in
-                                                                                          range(1, last + 1)), meta)
+                **pdl)
+    phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
+    plan = _Plan(hidden, qd, inner, nqkv, has_next, sync, G, phases, meta, attention)
     if sync and device.type == "cuda":
         # Compile the variant (once per plan) to read what one SM holds: PROGRAMS_PER_SM programs
         # where they fit, else one per SM; an explicit grid that cannot be resident is refused.
-        outputs = _outputs(plan, attn)
-        args = _kernel_args(plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
-                            next_qkv_bias, outputs, _launch_counters(device), 1e-6)
+        outputs = _outputs(plan, first_input)
+        args = _kernel_args(plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
+                            next_qkv, next_qkv_bias, outputs, _launch_counters(device), 1e-6)
+        extra = _attention_args(plan, first_input, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+                                                    block_tables, context_lens), outputs, 1.0)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if programs is None and _resident_per_sm(args, dict(meta, G=G * PROGRAMS_PER_SM), last) >= PROGRAMS_PER_SM:
+        doubled = dict(meta, G=G * PROGRAMS_PER_SM)
+        if programs is None and _resident_per_sm(args, doubled, phases[0], extra) >= PROGRAMS_PER_SM:
             G = G * PROGRAMS_PER_SM
             plan = replace(plan, programs=G, meta=dict(meta, G=G))
-        per_sm = _resident_per_sm(args, plan.meta, last)
+        per_sm = _resident_per_sm(args, plan.meta, phases[0], extra)
         if G > per_sm * sms:
             raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "
                              f"{sms} SMs); the grid barriers need them all at once")
     return plan
 
 
-def _outputs(plan: _Plan, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(y1, res2, act, y3, res3, qkv); without a next layer res3 and qkv stand in as y1 (unused)."""
-    device, dtype = attn.device, attn.dtype
+def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
+                    context_lens, splits) -> dict:
+    """decode_layer's phase-0 checks and the constexprs / strides they imply."""
+    device = qkv.device
+    check_tensor(op, "k_cache", k_cache, ndim=4, device=device)
+    num_blocks, block_size, hkv, head_dim = k_cache.shape
+    check_tensor(op, "v_cache", v_cache, shape=tuple(k_cache.shape), device=device)
+    check_same_dtype(op, "qkv", qkv, k_cache=k_cache, v_cache=v_cache)
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"{op}: head_dim must be a power of two >= 16 (phase 1 reads the heads as one vector), "
+                         f"got {head_dim}")
+    if hkv == 0 or qd % head_dim or (qd // head_dim) % hkv:
+        raise ValueError(f"{op}: o_proj's input width {qd} is not a multiple of the cache's {hkv} kv heads x "
+                         f"head_dim {head_dim}")
+    hq = qd // head_dim
+    width = (hq + 2 * hkv) * head_dim
+    check_tensor(op, "qkv", qkv, shape=(1, width), device=device, contiguous=True)
+    check_tensor(op, "positions", positions, shape=(1,), dtypes=(torch.int32, torch.int64), device=device)
+    check_tensor(op, "slot_mapping", slot_mapping, shape=(1,), dtypes=(torch.int32, torch.int64), device=device)
+    check_tensor(op, "cos_sin_cache", cos_sin_cache, shape=(None, head_dim), dtypes=(torch.float32,),
+                 device=device)
+    check_tensor(op, "block_tables", block_tables, shape=(1, None), dtypes=(torch.int32,), device=device)
+    check_tensor(op, "context_lens", context_lens, shape=(1,), dtypes=(torch.int32,), device=device)
+    max_context = block_tables.shape[1] * block_size
+    problem = {"batch": 1, "q_heads": hq, "kv_heads": hkv, "head_dim": head_dim, "max_context": max_context,
+               "block_size": block_size, "dtype": dtype_name(qkv.dtype)}
+    config = DECODE_ATTENTION_SPEC.default_config(problem, device)
+    if splits is None:
+        splits = min(config["NUM_SPLITS"], MAX_ATTENTION_SPLITS)
+    elif splits < 1 or splits > MAX_ATTENTION_SPLITS or splits & (splits - 1):
+        raise ValueError(f"{op}: attention_splits must be a power of two in [1, {MAX_ATTENTION_SPLITS}], "
+                         f"got {splits}")
+    use_dot = config.variant == "dot"
+    group = hq // hkv
+    upcast_dot, dot_precision = dot_flags(qkv.dtype)
+    return dict(HAS_ATTENTION=True, HQ=hq, HQP=next_power_of_2(hq), HKV=hkv, HEAD_DIM=head_dim,
+                BLOCK_G=max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group),
+                BLOCK_N_ATT=config["BLOCK_N"], SPLITS=splits, SPLITS_P=max(2, next_power_of_2(splits)),
+                USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+                stride_k_block=k_cache.stride(0), stride_k_slot=k_cache.stride(1), stride_k_head=k_cache.stride(2),
+                stride_v_block=v_cache.stride(0), stride_v_slot=v_cache.stride(1), stride_v_head=v_cache.stride(2),
+                stride_cs=cos_sin_cache.stride(0), block_size=block_size)
+
+
+def _outputs(plan: _Plan, first_input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(y1, res2, act, y3, res3, qkv[, attn, partial_out, partial_lse]); without a next layer res3
+    and qkv stand in as y1 (unused); decode_layer adds its attention output and split partials."""
+    device, dtype = first_input.device, first_input.dtype
     y1, res2, y3 = (torch.empty((1, plan.hidden), dtype=dtype, device=device) for _ in range(3))
     act = torch.empty((1, plan.inner), dtype=dtype, device=device)
-    if not plan.has_next:
-        return y1, res2, act, y3, y1, y1
-    return (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),
-            torch.empty((1, plan.nqkv), dtype=dtype, device=device))
+    if plan.has_next:
+        tail = (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),
+                torch.empty((1, plan.nqkv), dtype=dtype, device=device))
+    else:
+        tail = (y1, res2, act, y3, y1, y1)
+    if plan.attention is None:
+        return tail
+    hq, splits, head_dim = plan.attention["HQ"], plan.attention["SPLITS"], plan.attention["HEAD_DIM"]
+    attn = torch.empty((1, plan.q_dim), dtype=dtype, device=device)
+    if splits == 1:
+        return (*tail, attn, attn, attn)  # phase 0 writes attn itself; no partials
+    return (*tail, attn, torch.empty((hq, splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((hq, splits), dtype=torch.float32, device=device))
 
 
-def _kernel_args(plan: _Plan, attn, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv,
-                 next_qkv_bias, outputs, counters, eps) -> tuple:
+def _kernel_args(plan: _Plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
+                 next_qkv, next_qkv_bias, outputs, counters, eps) -> tuple:
     """The kernel's positional arguments (stand-ins where a phase is not run)."""
-    y1, res2, act, y3, res3, qkv = outputs
+    y1, res2, act, y3, res3, qkv = outputs[:6]
+    attn = first_input if plan.attention is None else outputs[6]
     return (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
             next_input_norm if plan.has_next else post_norm, res3, next_qkv if plan.has_next else o_proj,
             next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
+
+
+def _attention_args(plan: _Plan, qkv, attention_tensors, outputs, scale) -> dict:
+    """decode_layer's phase-0 keyword arguments (none for decode_layer_tail)."""
+    if plan.attention is None:
+        return {}
+    positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens = attention_tensors
+    return dict(plan.attention, qkv_in_ptr=qkv, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+                block_tables_ptr=block_tables, context_lens_ptr=context_lens, positions_ptr=positions,
+                cos_sin_ptr=cos_sin_cache, slot_mapping_ptr=slot_mapping, partial_out_ptr=outputs[7],
+                partial_lse_ptr=outputs[8], scale_log2=float(scale) * LOG2E)
 
 
 def _launch_counters(device: torch.device) -> torch.Tensor:
@@ -420,3 +614,17 @@ def decode_layer_tail_ref(attn, residual, o_proj, post_norm, gate_up, down_proj,
         return y3, h2
     x, h3 = rmsnorm_ref(y3, next_input_norm, eps, h2)
     return gemv_ref(x, next_qkv, next_qkv_bias), h3
+
+
+def decode_layer_ref(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm=None, next_qkv=None,
+                     next_qkv_bias=None, *, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
+                     context_lens, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_attention_rope's reference (which writes the caches), then decode_layer_tail_ref."""
+    k_cache_heads = k_cache.shape[2]
+    head_dim = k_cache.shape[3]
+    q, k, v = qkv.split([o_proj.shape[1], k_cache_heads * head_dim, k_cache_heads * head_dim], dim=-1)
+    attn = decode_attention_rope_ref(q.reshape(1, -1, head_dim), k.reshape(1, -1, head_dim),
+                                     v.reshape(1, -1, head_dim), positions, cos_sin_cache, slot_mapping, k_cache,
+                                     v_cache, block_tables, context_lens, scale)
+    return decode_layer_tail_ref(attn.reshape(1, -1), residual, o_proj, post_norm, gate_up, down_proj, eps,
+                                 next_input_norm, next_qkv, next_qkv_bias)

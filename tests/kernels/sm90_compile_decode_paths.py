@@ -1,5 +1,5 @@
 """Compile the decode-path GEMV variants (RMSNorm prologue, float32 logits, SiLU-and-mul
-epilogue) and the batch-1 layer-tail kernel (kernels/decode_layer_tail.py) for sm_90 without a GPU, at the H200 default configs of the Llama-3.2-1B shapes.
+epilogue) and the batch-1 layer-tail and whole-layer kernels (kernels/decode_layer_tail.py) for sm_90 without a GPU, at the H200 default configs of the Llama-3.2-1B shapes.
 
 Data flow: reuses sm90_compile_check's recording launcher and compiler (imported, so its
 JITFunction patch is active), swaps in this file's launches, and runs its main(): one JSON
@@ -53,6 +53,19 @@ def launch_decode_paths(prefix: str = "") -> None:
         decode_layer_tail.decode_layer_tail(
             e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync, **following)
+    if prefix:  # decode_layer never launches with PDL (its phase 0 reads the kernel ahead's qkv first)
+        return
+    for name, sync, splits in (("decode_layer, attention + tail in one launch, 8 splits", True, 8),
+                               ("decode_layer, 1 split", True, 1), ("decode_layer, 4 splits", True, 4),
+                               ("decode_layer, a launch per phase", False, 4)):
+        check._CURRENT["label"] = name
+        attention = dict(positions=e(1, dtype=torch.int64), cos_sin_cache=e(4096, 64), slot_mapping=e(1, dtype=torch.int64),
+                         k_cache=e(64, 16, 8, 64, dtype=BF16), v_cache=e(64, 16, 8, 64, dtype=BF16),
+                         block_tables=e(1, 32, dtype=torch.int32), context_lens=e(1, dtype=torch.int32), scale=0.125)
+        decode_layer_tail.decode_layer(
+            e(1, 3072, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
+            e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16),
+            e(3072, 2048, dtype=BF16), programs=264, sync=sync, attention_splits=splits, **attention)
 
 
 check.launch_all = launch_decode_paths

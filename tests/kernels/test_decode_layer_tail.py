@@ -109,3 +109,125 @@ def test_a_grid_that_cannot_be_resident_is_refused_not_launched():
     out = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=sms, sync=True)
     torch.cuda.synchronize()
     assert not torch.isnan(out[0]).any()
+
+
+# ---------------------------------------------------------------- decode_layer (attention first)
+
+def _attention_problem(context_len, hq, hkv, d, block_size, dtype, device):
+    """A paged cache holding context_len - 1 tokens of one sequence (scattered blocks), the
+    step's un-rotated qkv row and the slot its new token goes to."""
+    from shapeshift.kernels.rotary import rope_cos_sin_cache
+
+    max_blocks = -(-context_len // block_size) + 1
+    num_blocks = max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    block_tables = torch.randperm(num_blocks, device=device)[:max_blocks].view(1, -1).to(torch.int32)
+    n = context_len
+    slot = block_tables[0, (n - 1) // block_size].long() * block_size + (n - 1) % block_size
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+    return dict(positions=torch.tensor([n - 1 + 5], device=device), cos_sin_cache=rope_cos_sin_cache(d, 512, 1e4,
+                                                                                                     device=device),
+                slot_mapping=slot.view(1), k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                context_lens=torch.tensor([n], dtype=torch.int32, device=device), scale=d ** -0.5), qkv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("context_len,splits", [(1, 1), (37, 1), (37, 4), (150, 8), (9, None)])
+@pytest.mark.parametrize("with_next", [True, False])
+def test_decode_layer_matches_attention_then_tail(dtype, context_len, splits, with_next, device):
+    """Phase 0 (rotary, KV write, split attention) merged into phase 1's input: the outputs and
+    both caches as decode_attention_rope's reference followed by the tail's. Splits past the
+    context's tiles are empty (lse -inf) and must weigh nothing."""
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("the interpreter truncates float32 -> bf16 (test_interpreter_quirks.py); the GPU rounds to nearest")
+    from shapeshift.kernels.decode_layer_tail import decode_layer, decode_layer_ref
+
+    hq, hkv, d, hidden, inner = 4, 2, 16, 48, 80
+    attention, qkv = _attention_problem(context_len, hq, hkv, d, 4, dtype, device)
+    _, residual, weights, following = _layer(hidden, hq * d, inner, (hq + 2 * hkv) * d, dtype, device, True)
+    nxt = following if with_next else {}
+    ref_attention = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
+    ref, ref_res = decode_layer_ref(qkv, residual, **weights, eps=1e-5, **nxt, **ref_attention)
+    out, res_out = decode_layer(qkv, residual, **weights, eps=1e-5, **nxt, **attention, attention_splits=splits)
+    assert_close_norm(out, ref, dtype, "qkv" if with_next else "mlp output")
+    assert_close_norm(res_out, ref_res, dtype, "residual out")
+    assert torch.equal(attention["v_cache"], ref_attention["v_cache"])
+    if dtype == torch.float32:
+        torch.testing.assert_close(attention["k_cache"], ref_attention["k_cache"], atol=1e-6, rtol=1e-6)
+    else:
+        assert_close_norm(attention["k_cache"], ref_attention["k_cache"], dtype, "k cache")
+
+
+def test_decode_layer_programs_and_splits_give_one_answer(device):
+    """1, 2 and 5 programs walk the (kv head, split) items and the tiles without skipping or
+    repeating any (bit for bit); 1, 2 and 8 splits agree to float32 rounding."""
+    from shapeshift.kernels.decode_layer_tail import decode_layer
+
+    attention, qkv = _attention_problem(70, 8, 2, 16, 8, torch.float32, device)
+    _, residual, weights, following = _layer(32, 128, 64, 192, torch.float32, device, False)
+    results = {}
+    for programs, splits in ((1, 2), (2, 2), (5, 2), (3, 1), (3, 8)):
+        caches = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
+        results[programs, splits] = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **caches,
+                                                 attention_splits=splits, programs=programs, sync=False)
+    for key in ((2, 2), (5, 2)):
+        for got, want in zip(results[key], results[1, 2]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for key in ((3, 1), (3, 8)):
+        for got, want in zip(results[key], results[1, 2]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_layer_errors(device):
+    from shapeshift.kernels.decode_layer_tail import decode_layer
+
+    attention, qkv = _attention_problem(9, 4, 2, 16, 4, torch.float32, device)
+    _, residual, weights, following = _layer(48, 64, 80, 128, torch.float32, device, False)
+    with pytest.raises(ValueError, match=r"qkv has shape \(1, 127\)"):
+        decode_layer(qkv[:, :-1].contiguous(), residual, **weights, eps=1e-5, **attention)
+    with pytest.raises(ValueError, match="attention_splits must be a power of two"):
+        decode_layer(qkv, residual, **weights, eps=1e-5, **attention, attention_splits=3)
+    odd, odd_qkv = _attention_problem(9, 4, 2, 24, 4, torch.float32, device)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        decode_layer(odd_qkv, residual, **{**weights, "o_proj": torch.randn(48, 96, device=device)}, eps=1e-5,
+                     **odd)
+    with pytest.raises(ValueError, match="context_lens has dtype torch.int64"):
+        decode_layer(qkv, residual, **weights, eps=1e-5, **dict(attention, context_lens=attention["context_lens"].long()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
+@pytest.mark.parametrize("splits", [1, 8])
+def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(splits):
+    """Llama-3.2-1B shapes: the five phases with barriers in one launch give the per-phase
+    launches' result bit for bit, in a graph of 16 layers replayed 50 times (the counters reset
+    after each launch; the cache write is the same each time), and the reference's within bf16."""
+    from shapeshift.kernels.decode_layer_tail import decode_layer, decode_layer_ref
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    attention, qkv = _attention_problem(300, 32, 8, 64, 16, dtype, device)
+    _, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, False)
+    ref_attention = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        expected = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
+                                sync=False)
+        first = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
+                             sync=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention,
+                                 attention_splits=splits, sync=True) for _ in range(16)]
+    stream.synchronize()
+    for got, want in zip(first, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref, ref_res = decode_layer_ref(qkv, residual, **weights, eps=1e-5, **following, **ref_attention)
+    assert_close_norm(expected[0], ref, dtype, "qkv")
+    assert_close_norm(expected[1], ref_res, dtype, "residual out")
+    assert torch.equal(attention["v_cache"], ref_attention["v_cache"])
