@@ -7,11 +7,14 @@ variant holding the 16 layers' launches in sequence, as a decode step has them -
 `--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
 (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
-programs per SM, programmatic dependent launch).
+programs per SM, programmatic dependent launch). With --layer-splits, the whole layer as well:
+the `fast+fuse_rotary_into_attention` recipe's attention launch(es) followed by the tail,
+against decode_layer (attention as the persistent kernel's phase 0) at each split count, over a
+paged KV cache holding --context tokens per layer.
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
-                                       [--pdl off,on]
+                                       [--pdl off,on] [--layer-splits 1,2,4,8 --context 256]
                                        [--replays 20]
 """
 
@@ -60,6 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pdl", default="off", help="programmatic dependent launch of the layer tails: off, on")
     parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--layer-splits", default="",
+                        help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
+    parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -118,16 +124,58 @@ def main(argv=None) -> int:
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
+    if args.layer_splits:
+        _whole_layers(args, layers, residual, record, rand, dev, dt)
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
-                  layers=LAYERS, replays=args.replays, rows=rows)
+                  layers=LAYERS, replays=args.replays, context=args.context if args.layer_splits else None,
+                  rows=rows)
     out = Path(args.out_dir)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = out / (claim_result_name(out, f"layer-tail-{result['gpu'].replace(' ', '-')}-{stamp}") + ".json")
     path.write_text(json.dumps(result, indent=1))
     print(f"saved {path}")
     return 0
+
+
+def _whole_layers(args, layers, residual, record, rand, dev, dt) -> None:
+    """Attention + tail per layer: the fused-rotary attention launch(es) then decode_layer_tail
+    (the recipe's two kernels a layer), against decode_layer at each split count."""
+    from shapeshift.kernels.decode_attention import decode_attention_rope
+    from shapeshift.kernels.decode_layer_tail import decode_layer, decode_layer_tail
+    from shapeshift.kernels.rotary import rope_cos_sin_cache
+
+    heads, kv_heads, head_dim, block = Q_DIM // 64, 8, 64, 16
+    blocks = -(-args.context // block) + 1
+    caches = [(torch.randn(blocks, block, kv_heads, head_dim, device=dev, dtype=dt),
+               torch.randn(blocks, block, kv_heads, head_dim, device=dev, dtype=dt)) for _ in range(LAYERS)]
+    step = dict(positions=torch.tensor([args.context - 1], device=dev),
+                cos_sin_cache=rope_cos_sin_cache(head_dim, 8192, 5e5, device=dev),
+                slot_mapping=torch.tensor([args.context - 1], device=dev),
+                block_tables=torch.arange(blocks, device=dev, dtype=torch.int32).view(1, -1),
+                context_lens=torch.tensor([args.context], device=dev, dtype=torch.int32), scale=head_dim ** -0.5)
+    qkv = rand(1, NQKV)
+    q, k, v = (t.view(1, -1, head_dim) for t in qkv.split([Q_DIM, kv_heads * head_dim, kv_heads * head_dim], -1))
+
+    def separate():
+        for w, (kc, vc) in zip(layers, caches):
+            o = decode_attention_rope(q, k, v, step["positions"], step["cos_sin_cache"], step["slot_mapping"], kc, vc,
+                                      step["block_tables"], step["context_lens"], step["scale"])
+            decode_layer_tail(o.view(1, -1), residual, eps=1e-5, **w)
+
+    os.environ["SHAPESHIFT_PDL"] = "0"
+    record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
+           context=args.context)
+    for splits in (int(x) for x in args.layer_splits.split(",")):
+        def whole(splits=splits):
+            for w, (kc, vc) in zip(layers, caches):
+                decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits)
+        name = f"decode_layer (attention phase 0), {splits} splits, {args.context} tokens"
+        try:
+            record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits)
+        except Exception as exc:  # report, go on
+            print(f"{name}: failed: {exc}", flush=True)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,8 @@ def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
 # recipe knob -> what the stock forward pass requires for it (its build() refuses otherwise)
 GEMV_FUSION_NEEDS = {"fuse_gate_up_activation": ("fuse_gate_up",),
                      "fuse_norm_into_linear": ("fuse_qkv", "fuse_gate_up"),
-                     "fuse_layer_tail": ("fuse_norm_into_linear", "fuse_qkv", "fuse_gate_up")}
+                     "fuse_layer_tail": ("fuse_norm_into_linear", "fuse_qkv", "fuse_gate_up"),
+                     "fuse_attention_into_layer": ("fuse_layer_tail", "fuse_rotary_into_attention")}
 
 
 def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:

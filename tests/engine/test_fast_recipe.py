@@ -28,24 +28,25 @@ SCRIPT = textwrap.dedent('''
     from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
-    preset, device, fuse_norm, fuse_rope, tail = sys.argv[1], sys.argv[2], *(a == "1" for a in sys.argv[3:6])
+    preset, device, fuse_norm, fuse_rope, tail, whole = sys.argv[1], sys.argv[2], *(a == "1" for a in sys.argv[3:7])
     fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
     if fuse_rope:  # and the L2 prefetch of the next weights from the attention kernel (a no-op on the CPU)
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
     if fuse_norm:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
-        fast.update(fuse_layer_tail=tail)
+        fast.update(fuse_layer_tail=tail, fuse_attention_into_layer=whole)
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
     tri = LLMEngine(EngineConfig(**base, forward_pass_recipe=fast))
     tail_calls = [0]
-    if tail:
-        launcher = tri.forward_pass._layer_tail
+    if tail:  # the layer kernel in use: attention and tail (whole), or the tail alone
+        name = "_whole_layer" if whole else "_layer_tail"
+        launcher = getattr(tri.forward_pass, name)
 
         def counted(*args, **kwargs):
             tail_calls[0] += 1
             return launcher(*args, **kwargs)
-        tri.forward_pass._layer_tail = counted
+        setattr(tri.forward_pass, name, counted)
         if device == "cuda":  # graphs were captured with the engine: capture again through the counter
             tri.runner.capture_cudagraphs()
     if device == "cpu":
@@ -70,10 +71,12 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail", [
-    ("tiny-llama", True, False, False), ("tiny-qwen3", True, False, False), ("tiny-llama", False, False, False),
-    ("tiny-llama", True, True, False), ("tiny-llama", True, True, True), ("tiny-qwen3", True, False, True)])
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail):
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole", [
+    ("tiny-llama", True, False, False, False), ("tiny-qwen3", True, False, False, False),
+    ("tiny-llama", False, False, False, False), ("tiny-llama", True, True, False, False),
+    ("tiny-llama", True, True, True, False), ("tiny-qwen3", True, False, True, False),
+    ("tiny-llama", True, True, True, True)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,7 +84,7 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail):
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
-                           "1" if fuse_rope else "0", "1" if tail else "0"],
+                           "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0"],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,6 +107,7 @@ def test_fast_recipe_knob_errors():
     from shapeshift.engine.forward_pass import load_bundle, build_forward_pass
     from shapeshift.engine.loader import random_weights
     from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.recipes import NAMED_RECIPES
     import torch
 
     cfg = ModelConfig.from_hf(PRESETS["tiny-llama"].hf_config)
@@ -119,6 +123,10 @@ def test_fast_recipe_knob_errors():
         build_forward_pass(load_bundle(None, {"attention_l2_prefetch_mb": 8}), cfg, weights)
     with pytest.raises(ValueError, match="fuse_layer_tail needs fuse_norm_into_linear"):
         build_forward_pass(load_bundle(None, {"fuse_layer_tail": True, "linear_backend": "triton"}), cfg, weights)
+    with pytest.raises(ValueError, match="fuse_attention_into_layer needs fuse_layer_tail: true and "
+                                         "fuse_rotary_into_attention: true"):
+        build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_attention_into_layer": True}), cfg,
+                           weights)
     # The regions: o_proj whole, then the fused gate/up weight up to the budget.
     fp = build_forward_pass(load_bundle(None, {"attention_backend": "triton", "fuse_gate_up": True,
                                                "attention_l2_prefetch_mb": 1}), cfg, weights)

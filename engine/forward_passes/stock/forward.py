@@ -43,6 +43,11 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       (kernels.decode_layer_tail; needs fuse_norm_into_linear;
                                       a launch per phase in the interpreter; larger batches keep
                                       the separate GEMVs)
+  fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
+                                      split attention) as the first phase of the layer-tail kernel,
+                                      one launch a layer (kernels.decode_layer_tail.decode_layer;
+                                      needs fuse_layer_tail and fuse_rotary_into_attention; a
+                                      kernel_configs decode_attention entry is not applied there)
   attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
                                       weights read next (o_proj, then gate/up) into L2 while it
                                       runs; 0 = off (needs attention_backend: triton; CUDA)
@@ -237,7 +242,7 @@ class StockForwardPass:
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
-                 "attention_l2_prefetch_mb", "fuse_layer_tail"}
+                 "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -316,6 +321,12 @@ class StockForwardPass:
                 raise ValueError("recipe fuse_layer_tail needs fuse_norm_into_linear: true (and with it "
                                  "linear_backend: triton, fuse_qkv, fuse_gate_up, a dense model)")
             self._layer_tail = _kernel("decode_layer_tail", "decode_layer_tail", "fuse_layer_tail")
+        self._whole_layer = None
+        if self.recipe.get("fuse_attention_into_layer", False):
+            if self._layer_tail is None or self._decode_attention_rope is None:
+                raise ValueError("recipe fuse_attention_into_layer needs fuse_layer_tail: true and "
+                                 "fuse_rotary_into_attention: true")
+            self._whole_layer = _kernel("decode_layer_tail", "decode_layer", "fuse_attention_into_layer")
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -570,14 +581,22 @@ class StockForwardPass:
                           sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
         """Batch-1 decode with fuse_layer_tail: the first qkv projection (norm prologue), then per
         layer its attention and one persistent kernel for o_proj, the MLP and the next layer's
-        qkv projection (2 launches per layer)."""
+        qkv projection (2 launches per layer; 1 with fuse_attention_into_layer)."""
         first = self.layers[0]
         qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
         eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             # The next layer's qkv; after the last layer, its MLP output.
+            if self._whole_layer is not None:  # attention as the kernel's first phase: one launch
+                qkv, residual = self._whole_layer(
+                    qkv, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj, layer.down_proj, eps,
+                    nxt and nxt.input_norm, nxt and nxt.qkv_proj, nxt and nxt.qkv_bias, positions=positions,
+                    cos_sin_cache=self.cos_sin, slot_mapping=ctx.slot_mapping, k_cache=kv_cache.k[i],
+                    v_cache=kv_cache.v[i], block_tables=ctx.block_tables, context_lens=ctx.context_lens,
+                    scale=self.scale)
+                continue
+            o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
             qkv, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
                                              layer.down_proj, eps, nxt and nxt.input_norm, nxt and nxt.qkv_proj,
                                              nxt and nxt.qkv_bias)
