@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
     if args.layer_splits:
-        _whole_layers(args, layers, residual, record, rand, dev, dt)
+        _whole_layers(args, layers, residual, record, rows, rand, dev, dt)
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _whole_layers(args, layers, residual, record, rand, dev, dt) -> None:
+def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     """Attention + tail per layer: the fused-rotary attention launch(es) then decode_layer_tail
     (the recipe's two kernels a layer), against decode_layer at each split count."""
     from shapeshift.kernels.decode_attention import decode_attention_rope
@@ -176,6 +176,7 @@ def _whole_layers(args, layers, residual, record, rand, dev, dt) -> None:
             record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits)
         except Exception as exc:  # report, go on
             print(f"{name}: failed: {exc}", flush=True)
+            rows.append(dict(variant=name, error=str(exc)[:500]))
 
 
 if __name__ == "__main__":
