@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also replay the default tail (and decode_layer at each --layer-splits, o_proj tiles "
+                             "early and late) with per-phase GPU clock stamps and print where a layer's time goes")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -126,6 +129,11 @@ def main(argv=None) -> int:
             rows.append(dict(variant=name, error=str(exc)[:500]))
     if args.layer_splits:
         _whole_layers(args, layers, residual, record, rows, rand, dev, dt)
+    if args.phases:
+        def tail_stamped(stamps):
+            for w, t in zip(layers, stamps):
+                decode_layer_tail(attn, residual, eps=1e-5, timestamps=t, **w)
+        rows.append(_phases("layer tail (defaults)", tail_stamped, args, layer_bytes, copy))
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
@@ -167,16 +175,68 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     os.environ["SHAPESHIFT_PDL"] = "0"
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
            context=args.context)
-    for splits in (int(x) for x in args.layer_splits.split(",")):
-        def whole(splits=splits):
-            for w, (kc, vc) in zip(layers, caches):
-                decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits)
-        name = f"decode_layer (attention phase 0), {splits} splits, {args.context} tokens"
-        try:
-            record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits)
-        except Exception as exc:  # report, go on
-            print(f"{name}: failed: {exc}", flush=True)
-            rows.append(dict(variant=name, error=str(exc)[:500]))
+    splits_list = [int(x) for x in args.layer_splits.split(",")]
+    for splits in splits_list:
+        for early in (True, False):
+            def whole(splits=splits, early=early, stamps=None):
+                for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
+                    decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
+                                 early_o_proj_tiles=early, timestamps=None if stamps is None else stamps[i])
+            name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
+                    f"{args.context} tokens")
+            try:
+                record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
+                       early_o_proj_tiles=early)
+                if args.phases:
+                    rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args,
+                                        sum(t.numel() * t.element_size() for t in layers[0].values()), None))
+            except Exception as exc:  # report, go on
+                print(f"{name}: failed: {exc}", flush=True)
+                rows.append(dict(variant=name, error=str(exc)[:500]))
+
+
+PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")
+PHASE_BYTES = {1: HIDDEN * Q_DIM * 2, 2: 2 * INNER * HIDDEN * 2, 3: HIDDEN * INNER * 2, 4: NQKV * HIDDEN * 2}
+
+
+def _phases(name, step, args, layer_bytes, copy) -> dict:
+    """Replay `step(stamps)` (16 layers, each writing its programs' GPU clock stamps) in a graph and
+    print, averaged over the layers, when each phase begins (median program) and ends (last
+    program) from the kernel's start, its work time per program (median, max), the barrier's
+    latency (last arrival to median exit) and the phase's weight stream rate (GB/s)."""
+    from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS
+
+    stamps = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    _time_graph(lambda: step(stamps), args.replays)  # the last replay's stamps stay
+    table = {}
+    for t in stamps:
+        t = t[t[:, 0] > 0].double().cpu() / 1e3  # us; rows of programs that ran
+        t0 = t[:, 0].min()
+        for p in range(5):
+            begin, end = (t[:, 0], t[:, 1]) if p == 0 else (t[:, 2 * p], t[:, 2 * p + 1])
+            if (end == 0).all():
+                continue
+            row = table.setdefault(p, {"begin": [], "end": [], "work_med": [], "work_max": [], "barrier": []})
+            row["begin"].append(float(begin.median() - t0))
+            row["end"].append(float(end.max() - t0))
+            row["work_med"].append(float((end - begin).median()))
+            row["work_max"].append(float((end - begin).max()))
+            prev = 2 * p - 1 if p > 1 else 1
+            if p > 0 and (t[:, prev] > 0).all():  # a barrier ends the previous phase in this launch
+                row["barrier"].append(float(begin.median() - t[:, prev].max()))
+    mean = {PHASES[p]: {k: (sum(v) / len(v) if v else None) for k, v in row.items()} for p, row in table.items()}
+    print(f"-- {name}: per phase, us from the kernel's start (mean of {LAYERS} layers)")
+    for p, (phase, row) in enumerate((PHASES[p], mean[PHASES[p]]) for p in sorted(table)):
+        rate = ""
+        p_index = PHASES.index(phase)
+        if p_index in PHASE_BYTES:
+            gbps = PHASE_BYTES[p_index] / ((row["end"] - row["begin"]) * 1e-6) / 1e9
+            row["gbps"] = gbps
+            rate = f"{gbps:6.0f} GB/s"
+        barrier = f"barrier {row['barrier']:5.2f}" if row["barrier"] is not None else " " * 13
+        print(f"   {phase:<9} begins {row['begin']:6.2f} ends {row['end']:6.2f}  work med {row['work_med']:6.2f} "
+              f"max {row['work_max']:6.2f}  {barrier}  {rate}", flush=True)
+    return dict(variant=name, phases=mean)
 
 
 if __name__ == "__main__":

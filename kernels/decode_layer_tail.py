@@ -192,6 +192,20 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
     return tl.reshape(merged.to(dtype).to(tl.float32), [HQP * D])
 
 
+STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused]
+
+
+@triton.jit
+def _stamp(stamps_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
+    """With TIMING, store the GPU's nanosecond clock (%globaltimer, one clock for every SM) as
+    this program's stamp `slot`; phase p's work begins at slot 2p and ends at slot 2p + 1 (phase
+    0 begins with the kernel). CUDA only: the benchmark's view of where a layer's time goes."""
+    if TIMING:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(stamps_ptr + pid * 16 + slot, now)  # STAMP_SLOTS a program
+
+
 @triton.jit
 def _decode_layer_tail_kernel(
     attn_ptr, wo_ptr, y1_ptr,
@@ -218,8 +232,11 @@ def _decode_layer_tail_kernel(
     HQ: tl.constexpr = 1, HQP: tl.constexpr = 1, HKV: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 16,
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
+    EARLY_O: tl.constexpr = True,  # decode_layer: o_proj's first tiles load before the attention barrier
+    TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
 ):
     pid = tl.program_id(0)
+    _stamp(stamps_ptr, pid, 0, TIMING)
     if FIRST <= 0 and LAST >= 0:
         # A program per (kv head, split) item (the rest go straight to phase 1's first tiles);
         # q, k and v are the qkv row's three parts, un-rotated.
@@ -232,39 +249,51 @@ def _decode_layer_tail_kernel(
                          USE_DOT, UPCAST_DOT, DOT_PRECISION, True, qkv_in_ptr + HQ * HEAD_DIM,
                          qkv_in_ptr + (HQ + HKV) * HEAD_DIM, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
                          0, HEAD_DIM, 0, HEAD_DIM, stride_cs, HEAD_DIM // 2)
+        _stamp(stamps_ptr, pid, 1, TIMING)
     if FIRST <= 1 and LAST >= 1:
-        w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
+        if EARLY_O or FIRST > 0:
+            w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         if SYNC and FIRST <= 0:
             _grid_barrier(counter_ptr, (1 - FIRST) * G)
+        if not (EARLY_O or FIRST > 0):
+            w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
+        _stamp(stamps_ptr, pid, 2, TIMING)
         if HAS_ATTENTION and SPLITS > 1:
             x = _merged_heads(partial_out_ptr, partial_lse_ptr, attn_ptr.dtype.element_ty, HQ, HQP, SPLITS, SPLITS_P,
                               HEAD_DIM)
         else:
             x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
+        _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
         u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
             _grid_barrier(counter_ptr, (2 - FIRST) * G)
+        _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
+        _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
             _grid_barrier(counter_ptr, (3 - FIRST) * G)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
+        _stamp(stamps_ptr, pid, 6, TIMING)
         x = _vector(act_ptr, INNER, IP, True)
         _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
+        _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
         w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
             _grid_barrier(counter_ptr, (4 - FIRST) * G)
         launch_dependents(USE_PDL)
+        _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
+        _stamp(stamps_ptr, pid, 9, TIMING)
     if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then.
@@ -327,6 +356,7 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
+    timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -340,11 +370,13 @@ def decode_layer_tail(
     ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs;
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
+    ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
+    begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     """
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
                    (programs, sync, num_warps, tile_elements, False, None,
-                    pdl_options(attn.device, "layer_tail")["USE_PDL"]))
+                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None), timestamps)
 
 
 def decode_layer(
@@ -372,6 +404,8 @@ def decode_layer(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
+    early_o_proj_tiles: bool = True,
+    timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
     write, attention over the paged cache) in front of decode_layer_tail's four phases, one
@@ -384,12 +418,16 @@ def decode_layer(
     key and the value to the caches; returns what decode_layer_tail returns. ``attention_splits``
     (a power of two <= MAX_ATTENTION_SPLITS) cuts each kv head's context into that many slices
     run by different programs; every program merges them as phase 1 reads its input (default:
-    decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS).
+    decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
+    every program loads its first two o_proj tiles before the barrier that ends the attention
+    phase (HBM busy during attention) rather than after it (attention's loads alone in HBM's
+    queues). ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
-                   (programs, sync, num_warps, tile_elements, True, attention_splits, False))
+                   (programs, sync, num_warps, tile_elements, True, attention_splits, False, early_o_proj_tiles,
+                    timestamps is not None), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -398,7 +436,7 @@ MAX_ATTENTION_SPLITS = 8
 
 
 def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
-            next_qkv_bias, attention_tensors, scale, options):
+            next_qkv_bias, attention_tensors, scale, options, timestamps):
     plan = _PLANS.plan(_plan, (first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                                next_qkv, next_qkv_bias, *attention_tensors), options)
     outputs = _outputs(plan, first_input)
@@ -406,6 +444,9 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
     args = _kernel_args(plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                         next_qkv, next_qkv_bias, outputs, counters, eps)
     attention = _attention_args(plan, first_input, attention_tensors, outputs, scale)
+    if timestamps is not None:
+        _check_timestamps(timestamps, plan, first_input.device)
+        attention["stamps_ptr"] = timestamps
     for first, final in plan.phases:
         _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
     y1, res2, act, y3, res3, qkv = outputs[:6]
@@ -434,7 +475,7 @@ _PLANS = LaunchPlans()
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
           positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl = options
+    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing = options
     op = "decode_layer" if has_attention else "decode_layer_tail"
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -485,7 +526,9 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                **pdl)
+                EARLY_O=bool(early_o), TIMING=bool(timing), **pdl)
+    if timing and interpreter_active():
+        raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
     plan = _Plan(hidden, qd, inner, nqkv, has_next, sync, G, phases, meta, attention)
     if sync and device.type == "cuda":
@@ -497,6 +540,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
         extra = _attention_args(plan, first_input, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
                                                     block_tables, context_lens), outputs, 1.0)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if timing:
+            extra["stamps_ptr"] = torch.empty((G * PROGRAMS_PER_SM, STAMP_SLOTS), dtype=torch.int64, device=device)
         doubled = dict(meta, G=G * PROGRAMS_PER_SM)
         if programs is None and _resident_per_sm(args, doubled, phases[0], extra) >= PROGRAMS_PER_SM:
             G = G * PROGRAMS_PER_SM
@@ -592,6 +637,13 @@ def _attention_args(plan: _Plan, qkv, attention_tensors, outputs, scale) -> dict
                 block_tables_ptr=block_tables, context_lens_ptr=context_lens, positions_ptr=positions,
                 cos_sin_ptr=cos_sin_cache, slot_mapping_ptr=slot_mapping, partial_out_ptr=outputs[7],
                 partial_lse_ptr=outputs[8], scale_log2=float(scale) * LOG2E)
+
+
+def _check_timestamps(timestamps: torch.Tensor, plan: _Plan, device: torch.device) -> None:
+    if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64 or timestamps.dim() != 2
+            or timestamps.shape[0] < plan.programs or timestamps.shape[1] != STAMP_SLOTS
+            or not timestamps.is_contiguous() or timestamps.device != device):
+        raise ValueError(f"timestamps must be a contiguous int64 [>= {plan.programs}, {STAMP_SLOTS}] tensor on the GPU")
 
 
 def _launch_counters(device: torch.device) -> torch.Tensor:

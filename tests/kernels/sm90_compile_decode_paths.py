@@ -55,9 +55,13 @@ def launch_decode_paths(prefix: str = "") -> None:
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync, **following)
     if prefix:  # decode_layer never launches with PDL (its phase 0 reads the kernel ahead's qkv first)
         return
-    for name, sync, splits in (("decode_layer, attention + tail in one launch, 8 splits", True, 8),
-                               ("decode_layer, 1 split", True, 1), ("decode_layer, 4 splits", True, 4),
-                               ("decode_layer, a launch per phase", False, 4)):
+    for name, sync, splits, extra in (
+            ("decode_layer, attention + tail in one launch, 8 splits", True, 8, {}),
+            ("decode_layer, 1 split", True, 1, {}), ("decode_layer, 4 splits", True, 4, {}),
+            ("decode_layer, a launch per phase", False, 4, {}),
+            ("decode_layer, o_proj tiles after the attention barrier", True, 4, {"early_o_proj_tiles": False}),
+            ("decode_layer, per-phase timestamps", True, 4,
+             {"timestamps": e(264, decode_layer_tail.STAMP_SLOTS, dtype=torch.int64)})):
         check._CURRENT["label"] = name
         attention = dict(positions=e(1, dtype=torch.int64), cos_sin_cache=e(4096, 64), slot_mapping=e(1, dtype=torch.int64),
                          k_cache=e(64, 16, 8, 64, dtype=BF16), v_cache=e(64, 16, 8, 64, dtype=BF16),
@@ -65,7 +69,7 @@ def launch_decode_paths(prefix: str = "") -> None:
         decode_layer_tail.decode_layer(
             e(1, 3072, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16),
-            e(3072, 2048, dtype=BF16), programs=264, sync=sync, attention_splits=splits, **attention)
+            e(3072, 2048, dtype=BF16), programs=264, sync=sync, attention_splits=splits, **attention, **extra)
 
 
 check.launch_all = launch_decode_paths

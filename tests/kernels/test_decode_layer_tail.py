@@ -231,3 +231,25 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
     assert_close_norm(expected[0], ref, dtype, "qkv")
     assert_close_norm(expected[1], ref_res, dtype, "residual out")
     assert torch.equal(attention["v_cache"], ref_attention["v_cache"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stamps read the GPU clock (%globaltimer)")
+def test_timestamps_are_each_programs_phases_in_order():
+    """Every program stamps its kernel start, then each phase's begin and end, in time order; the
+    results equal the unstamped launch's."""
+    from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS, decode_layer
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    attention, qkv = _attention_problem(100, 32, 8, 64, 16, dtype, device)
+    _, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, False)
+    plain = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention)
+    stamps = torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device=device)
+    stamped = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, timestamps=stamps)
+    torch.cuda.synchronize()
+    for got, want in zip(stamped, plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ran = stamps[stamps[:, 0] > 0][:, :10]
+    assert ran.shape[0] >= torch.cuda.get_device_properties(device).multi_processor_count
+    assert (ran[:, 1:] >= ran[:, :-1]).all(), "a program's stamps go back in time"
+    with pytest.raises(ValueError, match="timestamps must be"):
+        decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, timestamps=stamps[:4])
