@@ -62,6 +62,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", default="8192,16384", help="weight elements per row tile")
     parser.add_argument("--pdl", default="off", help="programmatic dependent launch of the layer tails: off, on")
     parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
+    parser.add_argument("--grid", default="", help="total programs to time instead of --programs (e.g. 256,264: "
+                                                   "a grid dividing every phase's tile count leaves no short last round)")
+    parser.add_argument("--split-barrier", default="off", help="off, on: arrive before the next phase's first "
+                                                              "tile loads, wait after them")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
@@ -109,31 +113,31 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
     record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = [(int(w), int(t), int(p), pdl) for w in args.warps.split(",") for t in args.tiles.split(",")
-            for p in args.programs.split(",") for pdl in args.pdl.split(",")]
+    totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
+              [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
+    grid = [(int(w), int(t), programs, label, pdl, split) for w in args.warps.split(",")
+            for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
+            for split in args.split_barrier.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, per_sm, pdl in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {per_sm}/SM, PDL {pdl}"
+    for warps, tile, programs, label, pdl, split in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=per_sm * sms):
-            for w in layers:
+        def fused(warps=warps, tile=tile, programs=programs, split=split, stamps=None):
+            for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  **w)
+                                  split_barrier=split == "on", timestamps=None if stamps is None else stamps[i], **w)
         try:
-            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=per_sm * sms,
-                   pdl=pdl)
+            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=programs,
+                   pdl=pdl, split_barrier=split)
+            if args.phases and pdl == "off":
+                rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps), args))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
     if args.layer_splits:
         _whole_layers(args, layers, residual, record, rows, rand, dev, dt)
-    if args.phases:
-        def tail_stamped(stamps):
-            for w, t in zip(layers, stamps):
-                decode_layer_tail(attn, residual, eps=1e-5, timestamps=t, **w)
-        rows.append(_phases("layer tail (defaults)", tail_stamped, args, layer_bytes, copy))
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
@@ -176,30 +180,30 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
            context=args.context)
     splits_list = [int(x) for x in args.layer_splits.split(",")]
-    for splits in splits_list:
-        for early in (True, False):
-            def whole(splits=splits, early=early, stamps=None):
-                for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
-                    decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
-                                 early_o_proj_tiles=early, timestamps=None if stamps is None else stamps[i])
-            name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
-                    f"{args.context} tokens")
-            try:
-                record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
-                       early_o_proj_tiles=early)
-                if args.phases:
-                    rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args,
-                                        sum(t.numel() * t.element_size() for t in layers[0].values()), None))
-            except Exception as exc:  # report, go on
-                print(f"{name}: failed: {exc}", flush=True)
-                rows.append(dict(variant=name, error=str(exc)[:500]))
+    for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
+                                 for b in args.split_barrier.split(",")):
+        def whole(splits=splits, early=early, split=split, stamps=None):
+            for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
+                decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
+                             early_o_proj_tiles=early, split_barrier=split == "on",
+                             timestamps=None if stamps is None else stamps[i])
+        name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
+                f"split barrier {split}, {args.context} tokens")
+        try:
+            record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
+                   early_o_proj_tiles=early, split_barrier=split)
+            if args.phases:
+                rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args))
+        except Exception as exc:  # report, go on
+            print(f"{name}: failed: {exc}", flush=True)
+            rows.append(dict(variant=name, error=str(exc)[:500]))
 
 
 PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")
 PHASE_BYTES = {1: HIDDEN * Q_DIM * 2, 2: 2 * INNER * HIDDEN * 2, 3: HIDDEN * INNER * 2, 4: NQKV * HIDDEN * 2}
 
 
-def _phases(name, step, args, layer_bytes, copy) -> dict:
+def _phases(name, step, args) -> dict:
     """Replay `step(stamps)` (16 layers, each writing its programs' GPU clock stamps) in a graph and
     print, averaged over the layers, when each phase begins (median program) and ends (last
     program) from the kernel's start, its work time per program (median, max), the barrier's

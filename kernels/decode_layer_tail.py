@@ -70,8 +70,20 @@ def _grid_barrier(counter_ptr, target):
     """Wait until `target` arrivals are counted (every program adds one per barrier). Polling
     with acquire atomics measured faster than volatile loads plus one acquire at the end
     (40.5 against 46.1 us a layer on an H200, docs/decode-performance.md)."""
+    _barrier_arrive(counter_ptr)
+    _barrier_wait(counter_ptr, target)
+
+
+@triton.jit
+def _barrier_arrive(counter_ptr):
+    """This program's arrival: its stores so far are visible to whoever sees the count."""
     tl.debug_barrier()  # every thread's stores of the phase are issued before the release below
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _barrier_wait(counter_ptr, target):
+    """Spin until `target` arrivals are counted; later loads see the arrivals' stores."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
@@ -192,6 +204,17 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
     return tl.reshape(merged.to(dtype).to(tl.float32), [HQP * D])
 
 
+@triton.jit
+def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
+    """The grid barrier in front of a phase; ARRIVED (split barrier): this program arrived
+    before loading the phase's first tiles, so only the wait is left (the arrival's release
+    then orders only the phase's stores, not the tile loads issued after it)."""
+    if ARRIVED:
+        _barrier_wait(counter_ptr, target)
+    else:
+        _grid_barrier(counter_ptr, target)
+
+
 STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused]
 
 
@@ -232,6 +255,7 @@ def _decode_layer_tail_kernel(
     HQ: tl.constexpr = 1, HQP: tl.constexpr = 1, HKV: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 16,
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
+    SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
     EARLY_O: tl.constexpr = True,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
 ):
@@ -251,10 +275,12 @@ def _decode_layer_tail_kernel(
                          0, HEAD_DIM, 0, HEAD_DIM, stride_cs, HEAD_DIM // 2)
         _stamp(stamps_ptr, pid, 1, TIMING)
     if FIRST <= 1 and LAST >= 1:
+        if SYNC and SPLIT_BARRIER and FIRST <= 0:
+            _barrier_arrive(counter_ptr)
         if EARLY_O or FIRST > 0:
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         if SYNC and FIRST <= 0:
-            _grid_barrier(counter_ptr, (1 - FIRST) * G)
+            _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER)
         if not (EARLY_O or FIRST > 0):
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
@@ -267,18 +293,22 @@ def _decode_layer_tail_kernel(
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
+        if SYNC and SPLIT_BARRIER:
+            _barrier_arrive(counter_ptr)
         g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
         u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, (2 - FIRST) * G)
+            _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
+        if SYNC and SPLIT_BARRIER:
+            _barrier_arrive(counter_ptr)
         w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
-            _grid_barrier(counter_ptr, (3 - FIRST) * G)
+            _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
@@ -286,9 +316,11 @@ def _decode_layer_tail_kernel(
         _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
         _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
+        if SYNC and SPLIT_BARRIER:
+            _barrier_arrive(counter_ptr)
         w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _grid_barrier(counter_ptr, (4 - FIRST) * G)
+            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
@@ -356,6 +388,7 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
+    split_barrier: bool = False,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
@@ -370,13 +403,16 @@ def decode_layer_tail(
     ``tile_elements`` (weight elements per row tile) are the kernel's tile knobs;
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
+    ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
+    tiles and waits after, instead of arriving after the loads are issued.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     """
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
                    (programs, sync, num_warps, tile_elements, False, None,
-                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None), timestamps)
+                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier),
+                   timestamps)
 
 
 def decode_layer(
@@ -405,6 +441,7 @@ def decode_layer(
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
     early_o_proj_tiles: bool = True,
+    split_barrier: bool = False,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
@@ -421,13 +458,13 @@ def decode_layer(
     decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
     every program loads its first two o_proj tiles before the barrier that ends the attention
     phase (HBM busy during attention) rather than after it (attention's loads alone in HBM's
-    queues). ``timestamps`` as decode_layer_tail's.
+    queues). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
                    (programs, sync, num_warps, tile_elements, True, attention_splits, False, early_o_proj_tiles,
-                    timestamps is not None), timestamps)
+                    timestamps is not None, split_barrier), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -475,7 +512,7 @@ _PLANS = LaunchPlans()
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
           positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing = options
+    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier = options
     op = "decode_layer" if has_attention else "decode_layer_tail"
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -526,7 +563,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                EARLY_O=bool(early_o), TIMING=bool(timing), **pdl)
+                EARLY_O=bool(early_o), TIMING=bool(timing), SPLIT_BARRIER=bool(split_barrier), **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))

@@ -71,18 +71,21 @@ def test_layer_tail_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs():
+@pytest.mark.parametrize("split_barrier", [False, True])
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier):
     device = torch.device("cuda")
     dtype = torch.bfloat16
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
-        first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True)  # warm-up
+        first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
+                                  split_barrier=split_barrier)  # warm-up
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             # 16 layers' worth of launches in one graph, as a decode step has.
-            outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True) for _ in range(16)]
+            outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
+                                      split_barrier=split_barrier) for _ in range(16)]
     stream.synchronize()
     for got in first:
         assert not torch.isnan(got).any()
