@@ -64,8 +64,10 @@ def main(argv=None) -> int:
     parser.add_argument("--programs", default="1,2", help="programs per SM (the barriers need them all resident)")
     parser.add_argument("--grid", default="", help="total programs to time instead of --programs (e.g. 256,264: "
                                                    "a grid dividing every phase's tile count leaves no short last round)")
-    parser.add_argument("--split-barrier", default="off", help="off, on: arrive before the next phase's first "
-                                                              "tile loads, wait after them")
+    parser.add_argument("--split-barrier", default="on", help="off, on: arrive before the next phase's first "
+                                                             "tile loads, wait after them")
+    parser.add_argument("--flag-barrier", default="off", help="off, on: waiters poll a flag the last arrival "
+                                                             "raises, not the arrivals' counter")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
@@ -115,22 +117,23 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split, flag) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",")]
+            for split in args.split_barrier.split(",") for flag in args.flag_barrier.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}"
+    for warps, tile, programs, label, pdl, split, flag in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, flag {flag}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, flag=flag, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  split_barrier=split == "on", timestamps=None if stamps is None else stamps[i], **w)
+                                  split_barrier=split == "on", flag_barrier=flag == "on",
+                                  timestamps=None if stamps is None else stamps[i], **w)
         try:
             record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split)
+                   pdl=pdl, split_barrier=split, flag_barrier=flag)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps), args))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
@@ -180,18 +183,18 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
            context=args.context)
     splits_list = [int(x) for x in args.layer_splits.split(",")]
-    for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
-                                 for b in args.split_barrier.split(",")):
-        def whole(splits=splits, early=early, split=split, stamps=None):
+    for splits, early, split, flag in ((n, e, b, f) for n in splits_list for e in (True, False)
+                                       for b in args.split_barrier.split(",") for f in args.flag_barrier.split(",")):
+        def whole(splits=splits, early=early, split=split, flag=flag, stamps=None):
             for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
                 decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
-                             early_o_proj_tiles=early, split_barrier=split == "on",
+                             early_o_proj_tiles=early, split_barrier=split == "on", flag_barrier=flag == "on",
                              timestamps=None if stamps is None else stamps[i])
         name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
-                f"split barrier {split}, {args.context} tokens")
+                f"split barrier {split}, flag {flag}, {args.context} tokens")
         try:
             record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
-                   early_o_proj_tiles=early, split_barrier=split)
+                   early_o_proj_tiles=early, split_barrier=split, flag_barrier=flag)
             if args.phases:
                 rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args))
         except Exception as exc:  # report, go on

@@ -63,31 +63,55 @@ from .triton_helpers import grid_dependency_wait, launch_dependents
 TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
 NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
 PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
+# Barriers: arrive before loading the next phase's first tiles, wait after (40.29 -> 38.78 us a
+# layer, layer-tail-NVIDIA-H200-20261130T052122Z.json); FLAG_BARRIER: see _barrier_arrive.
+SPLIT_BARRIER = True
+FLAG_BARRIER = False
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Wait until `target` arrivals are counted (every program adds one per barrier). Polling
-    with acquire atomics measured faster than volatile loads plus one acquire at the end
-    (40.5 against 46.1 us a layer on an H200, docs/decode-performance.md)."""
-    _barrier_arrive(counter_ptr)
-    _barrier_wait(counter_ptr, target)
+def _grid_barrier(counter_ptr, target, FLAG: tl.constexpr):
+    """Wait until `target` arrivals are counted (every program adds one per barrier)."""
+    _barrier_arrive(counter_ptr, target, FLAG)
+    _barrier_wait(counter_ptr, target, FLAG)
 
 
 @triton.jit
-def _barrier_arrive(counter_ptr):
-    """This program's arrival: its stores so far are visible to whoever sees the count."""
+def _barrier_arrive(counter_ptr, target, FLAG: tl.constexpr):
+    """This program's arrival: its stores so far are visible to whoever sees the count. FLAG: the
+    arrival that completes the count raises the flag (counter_ptr + 2) to `target`, which the
+    waiters read with plain acquire loads, instead of polling the counter the arrivals add to."""
     tl.debug_barrier()  # every thread's stores of the phase are issued before the release below
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    if FLAG:
+        # acq_rel: the last arrival acquires every earlier one, and its release of the flag passes
+        # their stores on to the waiters (release is cumulative).
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == target - 1:
+            tl.atomic_xchg(counter_ptr + 2, target, sem="release", scope="gpu")
+    else:
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _barrier_wait(counter_ptr, target):
-    """Spin until `target` arrivals are counted; later loads see the arrivals' stores."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+def _barrier_wait(counter_ptr, target, FLAG: tl.constexpr):
+    """Spin until `target` arrivals are counted; later loads see the arrivals' stores. Polling
+    the counter with acquire atomics measured faster than volatile loads of it plus one acquire at
+    the end (40.5 against 46.1 us a layer on an H200, docs/decode-performance.md)."""
+    if FLAG:
+        seen = _load_acquire(counter_ptr + 2)
+        while seen < target:
+            seen = _load_acquire(counter_ptr + 2)
+    else:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _load_acquire(ptr):
+    """An int32 load with acquire semantics at GPU scope (PTX ld.acquire.gpu); CUDA only."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -205,14 +229,14 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
 
 
 @triton.jit
-def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
+def _barrier(counter_ptr, target, ARRIVED: tl.constexpr, FLAG: tl.constexpr):
     """The grid barrier in front of a phase; ARRIVED (split barrier): this program arrived
     before loading the phase's first tiles, so only the wait is left (the arrival's release
     then orders only the phase's stores, not the tile loads issued after it)."""
     if ARRIVED:
-        _barrier_wait(counter_ptr, target)
+        _barrier_wait(counter_ptr, target, FLAG)
     else:
-        _grid_barrier(counter_ptr, target)
+        _grid_barrier(counter_ptr, target, FLAG)
 
 
 STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused]
@@ -235,7 +259,7 @@ def _decode_layer_tail_kernel(
     res_ptr, post_w_ptr, res2_ptr, wgu_ptr, act_ptr,
     wd_ptr, y3_ptr,
     in_w_ptr, res3_ptr, wqkv_ptr, bqkv_ptr, qkv_ptr,
-    counter_ptr,  # int32 [2]: arrivals, exits; zero between launches
+    counter_ptr,  # int32 [3]: arrivals, exits, flag; zero between launches
     eps,
     H: tl.constexpr, QD: tl.constexpr, INNER: tl.constexpr, NQKV: tl.constexpr,
     HP: tl.constexpr, QDP: tl.constexpr, IP: tl.constexpr,
@@ -256,6 +280,7 @@ def _decode_layer_tail_kernel(
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
+    FLAG_BARRIER: tl.constexpr = False,  # waiters poll a flag the last arrival raises (_barrier_arrive)
     EARLY_O: tl.constexpr = True,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
 ):
@@ -276,11 +301,11 @@ def _decode_layer_tail_kernel(
         _stamp(stamps_ptr, pid, 1, TIMING)
     if FIRST <= 1 and LAST >= 1:
         if SYNC and SPLIT_BARRIER and FIRST <= 0:
-            _barrier_arrive(counter_ptr)
+            _barrier_arrive(counter_ptr, (1 - FIRST) * G, FLAG_BARRIER)
         if EARLY_O or FIRST > 0:
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         if SYNC and FIRST <= 0:
-            _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER)
+            _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER, FLAG_BARRIER)
         if not (EARLY_O or FIRST > 0):
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
@@ -294,21 +319,21 @@ def _decode_layer_tail_kernel(
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
-            _barrier_arrive(counter_ptr)
+            _barrier_arrive(counter_ptr, (2 - FIRST) * G, FLAG_BARRIER)
         g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
         u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
-            _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
+            _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER, FLAG_BARRIER)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
-            _barrier_arrive(counter_ptr)
+            _barrier_arrive(counter_ptr, (3 - FIRST) * G, FLAG_BARRIER)
         w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
-            _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
+            _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER, FLAG_BARRIER)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
@@ -317,10 +342,10 @@ def _decode_layer_tail_kernel(
         _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
-            _barrier_arrive(counter_ptr)
+            _barrier_arrive(counter_ptr, (4 - FIRST) * G, FLAG_BARRIER)
         w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
+            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER, FLAG_BARRIER)
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
@@ -333,9 +358,10 @@ def _decode_layer_tail_kernel(
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
-# Barrier counters [arrivals, exits]: one pair per stream serves every layer (kernels on one
+# Barrier counters [arrivals, exits, flag]: one pair per stream serves every layer (kernels on one
 # stream never overlap).
 _COUNTERS = StreamCounters()
 
@@ -388,7 +414,8 @@ def decode_layer_tail(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
-    split_barrier: bool = False,
+    split_barrier: bool = SPLIT_BARRIER,
+    flag_barrier: bool = FLAG_BARRIER,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
@@ -404,15 +431,16 @@ def decode_layer_tail(
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
-    tiles and waits after, instead of arriving after the loads are issued.
+    tiles and waits after, instead of arriving after the loads are issued. ``flag_barrier``: the
+    waiters poll a flag that the last arrival raises rather than the arrivals' counter.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     """
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
                    (programs, sync, num_warps, tile_elements, False, None,
-                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier),
-                   timestamps)
+                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier,
+                    flag_barrier), timestamps)
 
 
 def decode_layer(
@@ -441,7 +469,8 @@ def decode_layer(
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
     early_o_proj_tiles: bool = True,
-    split_barrier: bool = False,
+    split_barrier: bool = SPLIT_BARRIER,
+    flag_barrier: bool = FLAG_BARRIER,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
@@ -458,13 +487,13 @@ def decode_layer(
     decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
     every program loads its first two o_proj tiles before the barrier that ends the attention
     phase (HBM busy during attention) rather than after it (attention's loads alone in HBM's
-    queues). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
+    queues). ``split_barrier``, ``flag_barrier`` and ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
                    (programs, sync, num_warps, tile_elements, True, attention_splits, False, early_o_proj_tiles,
-                    timestamps is not None, split_barrier), timestamps)
+                    timestamps is not None, split_barrier, flag_barrier), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -512,7 +541,8 @@ _PLANS = LaunchPlans()
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
           positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier = options
+    (programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier,
+     flag_barrier) = options
     op = "decode_layer" if has_attention else "decode_layer_tail"
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -563,7 +593,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                EARLY_O=bool(early_o), TIMING=bool(timing), SPLIT_BARRIER=bool(split_barrier), **pdl)
+                EARLY_O=bool(early_o), TIMING=bool(timing), SPLIT_BARRIER=bool(split_barrier),
+                FLAG_BARRIER=bool(flag_barrier), **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -684,7 +715,7 @@ def _check_timestamps(timestamps: torch.Tensor, plan: _Plan, device: torch.devic
 
 
 def _launch_counters(device: torch.device) -> torch.Tensor:
-    counters = _COUNTERS.for_stream(device, 2)
+    counters = _COUNTERS.for_stream(device, 3)
     if counters is None:
         raise RuntimeError("decode_layer_tail: first call on this stream is inside a CUDA graph capture; run the "
                            "kernel once on the stream before capturing (its barrier counters are allocated and "

@@ -71,8 +71,8 @@ def test_layer_tail_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("split_barrier", [False, True])
-def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier):
+@pytest.mark.parametrize("split_barrier,flag_barrier", [(False, False), (True, False), (True, True), (False, True)])
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier, flag_barrier):
     device = torch.device("cuda")
     dtype = torch.bfloat16
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
@@ -80,12 +80,12 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     with torch.cuda.stream(stream):
         expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
         first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                  split_barrier=split_barrier)  # warm-up
+                                  split_barrier=split_barrier, flag_barrier=flag_barrier)  # warm-up
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             # 16 layers' worth of launches in one graph, as a decode step has.
             outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                      split_barrier=split_barrier) for _ in range(16)]
+                                      split_barrier=split_barrier, flag_barrier=flag_barrier) for _ in range(16)]
     stream.synchronize()
     for got in first:
         assert not torch.isnan(got).any()
@@ -200,8 +200,8 @@ def test_decode_layer_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("splits", [1, 8])
-def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(splits):
+@pytest.mark.parametrize("splits,flag_barrier", [(1, False), (8, False), (8, True)])
+def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(splits, flag_barrier):
     """Llama-3.2-1B shapes: the five phases with barriers in one launch give the per-phase
     launches' result bit for bit, in a graph of 16 layers replayed 50 times (the counters reset
     after each launch; the cache write is the same each time), and the reference's within bf16."""
@@ -216,11 +216,11 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
         expected = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
                                 sync=False)
         first = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
-                             sync=True)
+                             sync=True, flag_barrier=flag_barrier)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             outs = [decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention,
-                                 attention_splits=splits, sync=True) for _ in range(16)]
+                                 attention_splits=splits, sync=True, flag_barrier=flag_barrier) for _ in range(16)]
     stream.synchronize()
     for got, want in zip(first, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
