@@ -66,8 +66,9 @@ def main(argv=None) -> int:
                                                    "a grid dividing every phase's tile count leaves no short last round)")
     parser.add_argument("--split-barrier", default="on", help="off, on: arrive before the next phase's first "
                                                              "tile loads, wait after them")
-    parser.add_argument("--flag-barrier", default="off", help="off, on: waiters poll a flag the last arrival "
-                                                             "raises, not the arrivals' counter")
+    parser.add_argument("--barrier-sleep", default="0", help="ns each program sleeps between a barrier's polls")
+    parser.add_argument("--dynamic-tiles", default="off", help="off, on: tiles past each program's first two by "
+                                                              "atomic ticket")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
@@ -119,21 +120,23 @@ def main(argv=None) -> int:
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
     grid = [(int(w), int(t), programs, label, pdl, split, flag) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for flag in args.flag_barrier.split(",")]
+            for split in args.split_barrier.split(",") for flag in _knob_pairs(args)]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
     for warps, tile, programs, label, pdl, split, flag in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, flag {flag}"
+        name = (f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, "
+                f"sleep {flag[0]} ns, dynamic tiles {flag[1]}")
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
         def fused(warps=warps, tile=tile, programs=programs, split=split, flag=flag, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  split_barrier=split == "on", flag_barrier=flag == "on",
+                                  split_barrier=split == "on", barrier_sleep_ns=int(flag[0]),
+                                  dynamic_tiles=flag[1] == "on",
                                   timestamps=None if stamps is None else stamps[i], **w)
         try:
             record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, flag_barrier=flag)
+                   pdl=pdl, split_barrier=split, barrier_sleep_ns=int(flag[0]), dynamic_tiles=flag[1])
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps), args))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
@@ -184,22 +187,28 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
            context=args.context)
     splits_list = [int(x) for x in args.layer_splits.split(",")]
     for splits, early, split, flag in ((n, e, b, f) for n in splits_list for e in (True, False)
-                                       for b in args.split_barrier.split(",") for f in args.flag_barrier.split(",")):
+                                       for b in args.split_barrier.split(",") for f in _knob_pairs(args)):
         def whole(splits=splits, early=early, split=split, flag=flag, stamps=None):
             for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
                 decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
-                             early_o_proj_tiles=early, split_barrier=split == "on", flag_barrier=flag == "on",
+                             early_o_proj_tiles=early, split_barrier=split == "on", barrier_sleep_ns=int(flag[0]),
+                             dynamic_tiles=flag[1] == "on",
                              timestamps=None if stamps is None else stamps[i])
         name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
-                f"split barrier {split}, flag {flag}, {args.context} tokens")
+                f"split barrier {split}, sleep {flag[0]} ns, dynamic tiles {flag[1]}, {args.context} tokens")
         try:
             record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
-                   early_o_proj_tiles=early, split_barrier=split, flag_barrier=flag)
+                   early_o_proj_tiles=early, split_barrier=split, barrier_sleep_ns=int(flag[0]), dynamic_tiles=flag[1])
             if args.phases:
                 rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args))
         except Exception as exc:  # report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
+
+
+def _knob_pairs(args) -> list[tuple[str, str]]:
+    """(barrier sleep ns, dynamic tiles) combinations asked for."""
+    return [(sleep, dyn) for sleep in args.barrier_sleep.split(",") for dyn in args.dynamic_tiles.split(",")]
 
 
 PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")

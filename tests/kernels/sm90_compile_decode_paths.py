@@ -45,19 +45,20 @@ def launch_decode_paths(prefix: str = "") -> None:
     check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
     decode_layer_tail.check_runnable_device = lambda op, tensor: None
-    for name, sync, nxt, split, flag in (
-            ("decode_layer_tail, one launch with grid barriers", True, True, True, False),
-            ("decode_layer_tail, last layer", True, False, True, False),
-            ("decode_layer_tail, a launch per phase", False, True, True, False),
-            ("decode_layer_tail, barriers without split", True, True, False, False),
-            ("decode_layer_tail, flag barriers", True, True, True, True),
-            ("decode_layer_tail, flag barriers without split", True, True, False, True)):
+    for name, sync, nxt, split, extra in (
+            ("decode_layer_tail, one launch with grid barriers", True, True, True, {}),
+            ("decode_layer_tail, last layer", True, False, True, {}),
+            ("decode_layer_tail, a launch per phase", False, True, True, {}),
+            ("decode_layer_tail, barriers without split", True, True, False, {}),
+            ("decode_layer_tail, sleeping barrier polls", True, True, True, {"barrier_sleep_ns": 200}),
+            ("decode_layer_tail, dynamic tiles", True, True, True, {"dynamic_tiles": True}),
+            ("decode_layer_tail, dynamic tiles, a launch per phase", False, True, True, {"dynamic_tiles": True})):
         check._CURRENT["label"] = prefix + name
         following = dict(next_input_norm=e(2048, dtype=BF16), next_qkv=e(3072, 2048, dtype=BF16)) if nxt else {}
         decode_layer_tail.decode_layer_tail(
             e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync,
-            split_barrier=split, flag_barrier=flag, **following)
+            split_barrier=split, **extra, **following)
     if prefix:  # decode_layer never launches with PDL (its phase 0 reads the kernel ahead's qkv first)
         return
     for name, sync, splits, extra in (
@@ -66,7 +67,7 @@ def launch_decode_paths(prefix: str = "") -> None:
             ("decode_layer, a launch per phase", False, 4, {}),
             ("decode_layer, o_proj tiles after the attention barrier", True, 4, {"early_o_proj_tiles": False}),
             ("decode_layer, barriers without split", True, 4, {"split_barrier": False}),
-            ("decode_layer, flag barriers", True, 4, {"flag_barrier": True}),
+            ("decode_layer, dynamic tiles", True, 4, {"dynamic_tiles": True}),
             ("decode_layer, per-phase timestamps", True, 4,
              {"timestamps": e(264, decode_layer_tail.STAMP_SLOTS, dtype=torch.int64)})):
         check._CURRENT["label"] = name
