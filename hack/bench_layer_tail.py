@@ -120,7 +120,7 @@ def main(argv=None) -> int:
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
     grid = [(int(w), int(t), programs, label, pdl, split, knobs) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for flag in _knob_pairs(args)]
+            for split in args.split_barrier.split(",") for knobs in _knob_pairs(args)]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
     for warps, tile, programs, label, pdl, split, knobs in grid:
