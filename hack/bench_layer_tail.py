@@ -66,9 +66,6 @@ def main(argv=None) -> int:
                                                    "a grid dividing every phase's tile count leaves no short last round)")
     parser.add_argument("--split-barrier", default="on", help="off, on: arrive before the next phase's first "
                                                              "tile loads, wait after them")
-    parser.add_argument("--barrier-sleep", default="0", help="ns each program sleeps between a barrier's polls")
-    parser.add_argument("--dynamic-tiles", default="off", help="off, on: tiles past each program's first two by "
-                                                              "atomic ticket")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
@@ -118,25 +115,22 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, knobs) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for knobs in _knob_pairs(args)]
+            for split in args.split_barrier.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split, knobs in grid:
-        name = (f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, "
-                f"sleep {knobs[0]} ns, dynamic tiles {knobs[1]}")
+    for warps, tile, programs, label, pdl, split in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, knobs=knobs, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  split_barrier=split == "on", barrier_sleep_ns=int(knobs[0]),
-                                  dynamic_tiles=knobs[1] == "on",
-                                  timestamps=None if stamps is None else stamps[i], **w)
+                                  split_barrier=split == "on", timestamps=None if stamps is None else stamps[i], **w)
         try:
             record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, barrier_sleep_ns=int(knobs[0]), dynamic_tiles=knobs[1])
+                   pdl=pdl, split_barrier=split)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps), args))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
@@ -186,29 +180,23 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
            context=args.context)
     splits_list = [int(x) for x in args.layer_splits.split(",")]
-    for splits, early, split, knobs in ((n, e, b, f) for n in splits_list for e in (True, False)
-                                       for b in args.split_barrier.split(",") for f in _knob_pairs(args)):
-        def whole(splits=splits, early=early, split=split, knobs=knobs, stamps=None):
+    for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
+                                 for b in args.split_barrier.split(",")):
+        def whole(splits=splits, early=early, split=split, stamps=None):
             for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
                 decode_layer(qkv, residual, eps=1e-5, **w, **step, k_cache=kc, v_cache=vc, attention_splits=splits,
-                             early_o_proj_tiles=early, split_barrier=split == "on", barrier_sleep_ns=int(knobs[0]),
-                             dynamic_tiles=knobs[1] == "on",
+                             early_o_proj_tiles=early, split_barrier=split == "on",
                              timestamps=None if stamps is None else stamps[i])
         name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
-                f"split barrier {split}, sleep {knobs[0]} ns, dynamic tiles {knobs[1]}, {args.context} tokens")
+                f"split barrier {split}, {args.context} tokens")
         try:
             record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
-                   early_o_proj_tiles=early, split_barrier=split, barrier_sleep_ns=int(knobs[0]), dynamic_tiles=knobs[1])
+                   early_o_proj_tiles=early, split_barrier=split)
             if args.phases:
                 rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args))
         except Exception as exc:  # report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
-
-
-def _knob_pairs(args) -> list[tuple[str, str]]:
-    """(barrier sleep ns, dynamic tiles) combinations asked for."""
-    return [(sleep, dyn) for sleep in args.barrier_sleep.split(",") for dyn in args.dynamic_tiles.split(",")]
 
 
 PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")

@@ -64,17 +64,15 @@ TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
 NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
 PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
 # Barriers: arrive before loading the next phase's first tiles, wait after (40.29 -> 38.78 us a
-# layer, layer-tail-NVIDIA-H200-20261130T052122Z.json); BARRIER_SLEEP_NS: see _barrier_wait.
+# layer, layer-tail-NVIDIA-H200-20261130T052122Z.json).
 SPLIT_BARRIER = True
-BARRIER_SLEEP_NS = 0
-DYNAMIC_TILES = False
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target, SLEEP_NS: tl.constexpr):
+def _grid_barrier(counter_ptr, target):
     """Wait until `target` arrivals are counted (every program adds one per barrier)."""
     _barrier_arrive(counter_ptr)
-    _barrier_wait(counter_ptr, target, SLEEP_NS)
+    _barrier_wait(counter_ptr, target)
 
 
 @triton.jit
@@ -85,24 +83,16 @@ def _barrier_arrive(counter_ptr):
 
 
 @triton.jit
-def _barrier_wait(counter_ptr, target, SLEEP_NS: tl.constexpr):
+def _barrier_wait(counter_ptr, target):
     """Spin until `target` arrivals are counted; later loads see the arrivals' stores. Polling
     the counter with acquire atomics measured faster than volatile loads of it plus one acquire at
-    the end (40.5 against 46.1 us a layer on an H200), and than acquire loads of a flag the last
-    arrival raises (3-3.8 against 0.9-1.9 us a barrier; docs/decode-performance.md). SLEEP_NS > 0:
-    each program sleeps that long between polls (fewer atomics queued on the counter's line)."""
+    the end (40.5 against 46.1 us a layer on an H200), than acquire loads of a flag the last
+    arrival raises (3-3.8 against 0.9-1.9 us a barrier), and no slower than polls 100-300 ns
+    apart (docs/decode-performance.md)."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
-        if SLEEP_NS > 0:
-            _nanosleep(seen, SLEEP_NS)
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _nanosleep(dummy, NS: tl.constexpr):
-    """PTX nanosleep (an upper bound of NS nanoseconds); CUDA only."""
-    tl.inline_asm_elementwise(f"nanosleep.u32 {NS}; // $0 $1", "=r,r", [dummy], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -154,70 +144,40 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 
 @triton.jit
-def _next_tile(ticket_ptr, static_next, G: tl.constexpr, DYNAMIC: tl.constexpr):
-    """The row tile a program takes after its current ones: static striding (pid, pid + G, ...),
-    or DYNAMIC: tiles 0 .. 2G-1 go out statically (each program's first two, loaded ahead of the
-    phase) and the rest in the order programs ask for them (an atomic ticket counter), so a
-    program on a slower SM takes fewer. Relaxed: tickets only need to be distinct."""
-    if DYNAMIC:
-        return 2 * G + tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        return static_next
-
-
-@triton.jit
 def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, ticket_ptr, DYNAMIC: tl.constexpr):
-    """y[n] = x . w[n] (+ bias) for this program's row tiles (pid, pid + G, then _next_tile's);
-    w0 and w1 are its first two tiles, loaded already (before the barrier in front of this
-    phase). Three tiles are in flight while one is reduced: the one reduced and the next two.
-    The next tile's number is asked for before the reduction, which hides its latency."""
-    num_tiles = tl.cdiv(N, BLOCK_N)
-    t0 = pid
-    t1 = pid + G
-    t2 = _next_tile(ticket_ptr, pid + 2 * G, G, DYNAMIC)
-    while t0 < num_tiles:
-        w2 = _row_tile(w_ptr, t2, 0, N, K, BLOCK_N, KP)
-        t3 = _next_tile(ticket_ptr, t2 + G, G, DYNAMIC)
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
+    are its first two tiles, loaded already (before the barrier in front of this phase). Three
+    tiles are in flight while one is reduced: the one reduced and the next two."""
+    for t in range(pid, tl.cdiv(N, BLOCK_N), G):
+        w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
         acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
-        rows = t0 * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
         w0 = w1
         w1 = w2
-        t0 = t1
-        t1 = t2
-        t2 = t3
 
 
 @triton.jit
 def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KP: tl.constexpr, ticket_ptr, DYNAMIC: tl.constexpr):
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
-    points of kernels/gemv.py's gated epilogue; tiles in flight and their order as in
-    _stream_rows."""
+    points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
-    num_tiles = tl.cdiv(INNER, BLOCK_N)
-    t0 = pid
-    t1 = pid + G
-    t2 = _next_tile(ticket_ptr, pid + 2 * G, G, DYNAMIC)
-    while t0 < num_tiles:
-        g2 = _row_tile(w_ptr, t2, 0, INNER, K, BLOCK_N, KP)
-        u2 = _row_tile(w_ptr, t2, INNER, INNER, K, BLOCK_N, KP)
-        t3 = _next_tile(ticket_ptr, t2 + G, G, DYNAMIC)
+    for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
+        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
+        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
         gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        rows = t0 * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
         g0 = g1
         u0 = u1
         g1 = g2
         u1 = u2
-        t0 = t1
-        t1 = t2
-        t2 = t3
 
 
 @triton.jit
@@ -250,14 +210,14 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
 
 
 @triton.jit
-def _barrier(counter_ptr, target, ARRIVED: tl.constexpr, SLEEP_NS: tl.constexpr):
+def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
     """The grid barrier in front of a phase; ARRIVED (split barrier): this program arrived
     before loading the phase's first tiles, so only the wait is left (the arrival's release
     then orders only the phase's stores, not the tile loads issued after it)."""
     if ARRIVED:
-        _barrier_wait(counter_ptr, target, SLEEP_NS)
+        _barrier_wait(counter_ptr, target)
     else:
-        _grid_barrier(counter_ptr, target, SLEEP_NS)
+        _grid_barrier(counter_ptr, target)
 
 
 STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused]
@@ -280,7 +240,7 @@ def _decode_layer_tail_kernel(
     res_ptr, post_w_ptr, res2_ptr, wgu_ptr, act_ptr,
     wd_ptr, y3_ptr,
     in_w_ptr, res3_ptr, wqkv_ptr, bqkv_ptr, qkv_ptr,
-    counter_ptr,  # int32 [6]: arrivals, exits, phase 1-4 tile tickets; zero between launches
+    counter_ptr,  # int32 [2]: arrivals, exits; zero between launches
     eps,
     H: tl.constexpr, QD: tl.constexpr, INNER: tl.constexpr, NQKV: tl.constexpr,
     HP: tl.constexpr, QDP: tl.constexpr, IP: tl.constexpr,
@@ -301,8 +261,6 @@ def _decode_layer_tail_kernel(
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
-    BARRIER_SLEEP_NS: tl.constexpr = 0,  # sleep between a barrier's polls (_barrier_wait)
-    DYNAMIC_TILES: tl.constexpr = False,  # tiles past each program's first two by ticket (_next_tile)
     EARLY_O: tl.constexpr = True,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
 ):
@@ -327,7 +285,7 @@ def _decode_layer_tail_kernel(
         if EARLY_O or FIRST > 0:
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         if SYNC and FIRST <= 0:
-            _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER, BARRIER_SLEEP_NS)
+            _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER)
         if not (EARLY_O or FIRST > 0):
             w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
@@ -337,8 +295,7 @@ def _decode_layer_tail_kernel(
                               HEAD_DIM)
         else:
             x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False, counter_ptr + 2,
-                     DYNAMIC_TILES)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
@@ -346,49 +303,47 @@ def _decode_layer_tail_kernel(
         g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
         u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
         if SYNC:
-            _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER, BARRIER_SLEEP_NS)
+            _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP, counter_ptr + 3,
-                      DYNAMIC_TILES)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
         w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
         if SYNC:
-            _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER, BARRIER_SLEEP_NS)
+            _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
         x = _vector(act_ptr, INNER, IP, True)
-        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False, counter_ptr + 4,
-                     DYNAMIC_TILES)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
         _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
         w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
         if SYNC:
-            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER, BARRIER_SLEEP_NS)
+            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS,
-                     counter_ptr + 5, DYNAMIC_TILES)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
         _stamp(stamps_ptr, pid, 9, TIMING)
-    if SYNC or DYNAMIC_TILES:
+    if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
-        # other program has passed its last barrier and taken its last ticket by then.
+        # other program has passed its last barrier by then (its exit add, acq_rel, comes after).
+        # Plain stores: atomic exchanges, one round trip each in sequence, kept the kernel running
+        # ~0.7 us per counter after its last weight byte (layer-tail-...-052914Z.json); the
+        # kernel's end makes the stores visible to the next launch.
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
-            for slot in tl.static_range(6):
-                if slot != 1:
-                    tl.atomic_xchg(counter_ptr + slot, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
+            slot = tl.arange(0, 2)
+            tl.store(counter_ptr + slot, tl.zeros([2], tl.int32))
 
 
-# Counters [arrivals, exits, tile tickets x 4]: one pair per stream serves every layer (kernels on one
+# Barrier counters [arrivals, exits]: one pair per stream serves every layer (kernels on one
 # stream never overlap).
 _COUNTERS = StreamCounters()
 
@@ -442,8 +397,6 @@ def decode_layer_tail(
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
     split_barrier: bool = SPLIT_BARRIER,
-    barrier_sleep_ns: int = BARRIER_SLEEP_NS,
-    dynamic_tiles: bool = DYNAMIC_TILES,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
@@ -459,9 +412,7 @@ def decode_layer_tail(
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
-    tiles and waits after, instead of arriving after the loads are issued. ``barrier_sleep_ns``:
-    each program sleeps that long between a barrier's polls (0: none). ``dynamic_tiles``: past
-    its first two tiles of a phase, a program takes the next untaken one (an atomic ticket).
+    tiles and waits after, instead of arriving after the loads are issued.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     """
@@ -469,7 +420,7 @@ def decode_layer_tail(
                    next_qkv_bias, (None,) * 7, 1.0,
                    (programs, sync, num_warps, tile_elements, False, None,
                     pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier,
-                    barrier_sleep_ns, dynamic_tiles), timestamps)
+), timestamps)
 
 
 def decode_layer(
@@ -499,8 +450,6 @@ def decode_layer(
     tile_elements: int = TILE_ELEMENTS,
     early_o_proj_tiles: bool = True,
     split_barrier: bool = SPLIT_BARRIER,
-    barrier_sleep_ns: int = BARRIER_SLEEP_NS,
-    dynamic_tiles: bool = DYNAMIC_TILES,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
@@ -517,13 +466,13 @@ def decode_layer(
     decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
     every program loads its first two o_proj tiles before the barrier that ends the attention
     phase (HBM busy during attention) rather than after it (attention's loads alone in HBM's
-    queues). ``split_barrier``, ``barrier_sleep_ns``, ``dynamic_tiles`` and ``timestamps`` as decode_layer_tail's.
+    queues). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
                    (programs, sync, num_warps, tile_elements, True, attention_splits, False, early_o_proj_tiles,
-                    timestamps is not None, split_barrier, barrier_sleep_ns, dynamic_tiles), timestamps)
+                    timestamps is not None, split_barrier), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -536,7 +485,7 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
     plan = _PLANS.plan(_plan, (first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                                next_qkv, next_qkv_bias, *attention_tensors), options)
     outputs = _outputs(plan, first_input)
-    counters = _launch_counters(first_input.device) if plan.sync or plan.meta["DYNAMIC_TILES"] else outputs[0]
+    counters = _launch_counters(first_input.device) if plan.sync else outputs[0]
     args = _kernel_args(plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                         next_qkv, next_qkv_bias, outputs, counters, eps)
     attention = _attention_args(plan, first_input, attention_tensors, outputs, scale)
@@ -571,8 +520,7 @@ _PLANS = LaunchPlans()
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
           positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    (programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier,
-     sleep_ns, dynamic_tiles) = options
+    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier = options
     op = "decode_layer" if has_attention else "decode_layer_tail"
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -624,7 +572,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(early_o), TIMING=bool(timing), SPLIT_BARRIER=bool(split_barrier),
-                BARRIER_SLEEP_NS=int(sleep_ns), DYNAMIC_TILES=bool(dynamic_tiles), **pdl)
+                **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -745,7 +693,7 @@ def _check_timestamps(timestamps: torch.Tensor, plan: _Plan, device: torch.devic
 
 
 def _launch_counters(device: torch.device) -> torch.Tensor:
-    counters = _COUNTERS.for_stream(device, 6)
+    counters = _COUNTERS.for_stream(device, 2)
     if counters is None:
         raise RuntimeError("decode_layer_tail: first call on this stream is inside a CUDA graph capture; run the "
                            "kernel once on the stream before capturing (its barrier counters are allocated and "

@@ -49,10 +49,7 @@ def launch_decode_paths(prefix: str = "") -> None:
             ("decode_layer_tail, one launch with grid barriers", True, True, True, {}),
             ("decode_layer_tail, last layer", True, False, True, {}),
             ("decode_layer_tail, a launch per phase", False, True, True, {}),
-            ("decode_layer_tail, barriers without split", True, True, False, {}),
-            ("decode_layer_tail, sleeping barrier polls", True, True, True, {"barrier_sleep_ns": 200}),
-            ("decode_layer_tail, dynamic tiles", True, True, True, {"dynamic_tiles": True}),
-            ("decode_layer_tail, dynamic tiles, a launch per phase", False, True, True, {"dynamic_tiles": True})):
+            ("decode_layer_tail, barriers without split", True, True, False, {})):
         check._CURRENT["label"] = prefix + name
         following = dict(next_input_norm=e(2048, dtype=BF16), next_qkv=e(3072, 2048, dtype=BF16)) if nxt else {}
         decode_layer_tail.decode_layer_tail(
@@ -67,7 +64,6 @@ def launch_decode_paths(prefix: str = "") -> None:
             ("decode_layer, a launch per phase", False, 4, {}),
             ("decode_layer, o_proj tiles after the attention barrier", True, 4, {"early_o_proj_tiles": False}),
             ("decode_layer, barriers without split", True, 4, {"split_barrier": False}),
-            ("decode_layer, dynamic tiles", True, 4, {"dynamic_tiles": True}),
             ("decode_layer, per-phase timestamps", True, 4,
              {"timestamps": e(264, decode_layer_tail.STAMP_SLOTS, dtype=torch.int64)})):
         check._CURRENT["label"] = name

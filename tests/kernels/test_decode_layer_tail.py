@@ -47,16 +47,12 @@ def test_layer_tail_matches_reference(dtype, dims, with_next, bias, device):
         assert_close_norm(layer_out, ref.float() + ref_res.float(), torch.float32 if dtype == torch.float32 else dtype)
 
 
-@pytest.mark.parametrize("dynamic_tiles", [False, True])
-def test_layer_tail_programs_stride_over_every_tile(dynamic_tiles, device):
+def test_layer_tail_programs_stride_over_every_tile(device):
     """With 1, 2 and 5 programs (tiles per program from many to one) the result is the same:
-    each program walks its tiles (pid, pid + G, ... or by ticket) and none is skipped or done
-    twice; twice in a row, so the tickets were reset after the first call."""
+    each program walks its tiles pid, pid + G, ... and none is skipped or done twice."""
     attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
-    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=g, sync=False,
-                                 dynamic_tiles=dynamic_tiles) for g in (1, 2, 5, 5)]
-    reference = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=3, sync=False)
-    torch.testing.assert_close(results[0][0], reference[0], rtol=0, atol=0)
+    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=g, sync=False)
+               for g in (1, 2, 5)]
     for out, res_out in results[1:]:
         torch.testing.assert_close(out, results[0][0], rtol=0, atol=0)
         torch.testing.assert_close(res_out, results[0][1], rtol=0, atol=0)
@@ -75,9 +71,8 @@ def test_layer_tail_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("split_barrier,sleep_ns,dynamic", [(False, 0, False), (True, 0, False), (True, 200, False),
-                                                            (True, 0, True)])
-def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier, sleep_ns, dynamic):
+@pytest.mark.parametrize("split_barrier", [False, True])
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier):
     device = torch.device("cuda")
     dtype = torch.bfloat16
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
@@ -85,14 +80,12 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     with torch.cuda.stream(stream):
         expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
         first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                  split_barrier=split_barrier, barrier_sleep_ns=sleep_ns,
-                                  dynamic_tiles=dynamic)  # warm-up
+                                  split_barrier=split_barrier)  # warm-up
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             # 16 layers' worth of launches in one graph, as a decode step has.
             outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                      split_barrier=split_barrier, barrier_sleep_ns=sleep_ns, dynamic_tiles=dynamic)
-                    for _ in range(16)]
+                                      split_barrier=split_barrier) for _ in range(16)]
     stream.synchronize()
     for got in first:
         assert not torch.isnan(got).any()
@@ -177,13 +170,11 @@ def test_decode_layer_programs_and_splits_give_one_answer(device):
     attention, qkv = _attention_problem(70, 8, 2, 16, 8, torch.float32, device)
     _, residual, weights, following = _layer(32, 128, 64, 192, torch.float32, device, False)
     results = {}
-    for programs, splits, dynamic in ((1, 2, False), (2, 2, False), (5, 2, False), (5, 2, True), (3, 1, False),
-                                      (3, 8, False)):
+    for programs, splits in ((1, 2), (2, 2), (5, 2), (3, 1), (3, 8)):
         caches = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
-        results["dynamic" if dynamic else (programs, splits)] = decode_layer(
-            qkv, residual, **weights, eps=1e-5, **following, **caches, attention_splits=splits, programs=programs,
-            sync=False, dynamic_tiles=dynamic)
-    for key in ((2, 2), (5, 2), "dynamic"):
+        results[programs, splits] = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **caches,
+                                                 attention_splits=splits, programs=programs, sync=False)
+    for key in ((2, 2), (5, 2)):
         for got, want in zip(results[key], results[1, 2]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     for key in ((3, 1), (3, 8)):
@@ -209,8 +200,8 @@ def test_decode_layer_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("splits,dynamic", [(1, False), (8, False), (8, True)])
-def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(splits, dynamic):
+@pytest.mark.parametrize("splits,split_barrier", [(1, True), (8, True), (8, False)])
+def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(splits, split_barrier):
     """Llama-3.2-1B shapes: the five phases with barriers in one launch give the per-phase
     launches' result bit for bit, in a graph of 16 layers replayed 50 times (the counters reset
     after each launch; the cache write is the same each time), and the reference's within bf16."""
@@ -225,11 +216,11 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
         expected = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
                                 sync=False)
         first = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
-                             sync=True, dynamic_tiles=dynamic)
+                             sync=True, split_barrier=split_barrier)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             outs = [decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention,
-                                 attention_splits=splits, sync=True, dynamic_tiles=dynamic) for _ in range(16)]
+                                 attention_splits=splits, sync=True, split_barrier=split_barrier) for _ in range(16)]
     stream.synchronize()
     for got, want in zip(first, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
