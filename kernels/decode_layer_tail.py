@@ -448,7 +448,7 @@ def decode_layer(
     sync: bool | None = None,
     num_warps: int = NUM_WARPS,
     tile_elements: int = TILE_ELEMENTS,
-    early_o_proj_tiles: bool = True,
+    early_o_proj_tiles: bool = False,
     split_barrier: bool = SPLIT_BARRIER,
     timestamps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,8 +465,9 @@ def decode_layer(
     run by different programs; every program merges them as phase 1 reads its input (default:
     decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
     every program loads its first two o_proj tiles before the barrier that ends the attention
-    phase (HBM busy during attention) rather than after it (attention's loads alone in HBM's
-    queues). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
+    phase (HBM busy during attention) rather than after it (default: attention's loads alone in
+    HBM's queues; on the H200 a 3.8 against 5.4 us attention phase, 47.5 against 48.1 us a
+    layer). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
