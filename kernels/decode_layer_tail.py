@@ -9,7 +9,11 @@ Math (one token, dense Llama-family layer, rounding points of the unfused GEMV p
     h3   = y3 + h2                  (written to res3)
     qkv  = rms(h3) * in_w @ Wqkv^T (+ bias)                phase 4   [NQKV]  (the next layer's)
 The launcher returns (qkv, res3) with the next layer's weights, else (y3, res2) for the final
-norm and the lm_head.
+norm and the lm_head. decode_layer puts the layer's attention in front as phase 0 (rotary, the
+KV-cache write and split attention, kernels/decode_attention.py's pass 1 per (kv head, split)
+item; phase 1 merges the splits as it reads its input): one launch a layer instead of two or
+three, measured slower on the H200 (47.5 against 44.7 us a layer at 256 tokens, see
+docs/decode-performance.md), so the recipe knob fuse_attention_into_layer is off in `fast`.
 
 Why one kernel: at batch 1 each of these GEMVs streams 8-67 MB, and the separate kernels pay a
 launch, a ramp (the first weight bytes are an HBM latency away) and a tail (the slowest program)
@@ -17,8 +21,11 @@ each; those fixed ~3-5 us are what kept the small projections at 34-58% of copy 
 (docs/decode-performance.md). Here a grid of two programs per SM walks the phases; between two
 phases every program must see all of the previous phase's output, so a barrier (an atomic
 counter every program adds to and spins on) separates them. Weights never depend on the
-previous phase, so each program loads its first two weight tiles of the next phase *before*
-it waits at the barrier: HBM stays busy through the barrier and the ramp.
+previous phase, so each program arrives at the barrier, loads its first two weight tiles of
+the next phase, and only then waits: HBM stays busy through the barrier and the ramp. (Arriving
+after those loads were issued made each arrival wait for them: barriers of 1.0-2.5 us against
+0.8-2.1, 40.3 against 38.8 us a layer.) With ``timestamps`` every program records when each
+phase begins and ends (the GPU's global clock), which hack/bench_layer_tail.py --phases prints.
 
 Data flow in a phase: the input vector x (attn, or the normalised h2 / h3, or act) is read once
 per program into registers (float32, [K]); the program then walks its row tiles t = pid,
