@@ -62,7 +62,7 @@ def launch_decode_paths(prefix: str = "") -> None:
             ("decode_layer, attention + tail in one launch, 8 splits", True, 8, {}),
             ("decode_layer, 1 split", True, 1, {}), ("decode_layer, 4 splits", True, 4, {}),
             ("decode_layer, a launch per phase", False, 4, {}),
-            ("decode_layer, o_proj tiles after the attention barrier", True, 4, {"early_o_proj_tiles": False}),
+            ("decode_layer, o_proj tiles before the attention barrier", True, 4, {"early_o_proj_tiles": True}),
             ("decode_layer, barriers without split", True, 4, {"split_barrier": False}),
             ("decode_layer, per-phase timestamps", True, 4,
              {"timestamps": e(264, decode_layer_tail.STAMP_SLOTS, dtype=torch.int64)})):
