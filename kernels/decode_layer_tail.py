@@ -23,8 +23,8 @@ phases every program must see all of the previous phase's output, so a barrier (
 counter every program adds to and spins on) separates them. Weights never depend on the
 previous phase, so each program arrives at the barrier, loads its first two weight tiles of
 the next phase, and only then waits: HBM stays busy through the barrier and the ramp. (Arriving
-after those loads were issued made each arrival wait for them: barriers of 1.0-2.5 us against
-0.8-2.1, 40.3 against 38.8 us a layer.) With ``timestamps`` every program records when each
+after those loads were issued made each arrival wait for them: barriers of 1.2-2.5 us against
+1.0-2.1, 40.3 against 38.8 us a layer.) With ``timestamps`` every program records when each
 phase begins and ends (the GPU's global clock), which hack/bench_layer_tail.py --phases prints.
 
 Data flow in a phase: the input vector x (attn, or the normalised h2 / h3, or act) is read once
@@ -94,7 +94,7 @@ def _barrier_wait(counter_ptr, target):
     """Spin until `target` arrivals are counted; later loads see the arrivals' stores. Polling
     the counter with acquire atomics measured faster than volatile loads of it plus one acquire at
     the end (40.5 against 46.1 us a layer on an H200), than acquire loads of a flag the last
-    arrival raises (3-3.8 against 0.9-1.9 us a barrier), and no slower than polls 100-300 ns
+    arrival raises (2.8-3.8 against 0.9-2.0 us a barrier), and no slower than polls 100-300 ns
     apart (docs/decode-performance.md)."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
@@ -268,7 +268,7 @@ def _decode_layer_tail_kernel(
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
-    EARLY_O: tl.constexpr = True,  # decode_layer: o_proj's first tiles load before the attention barrier
+    EARLY_O: tl.constexpr = False,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
 ):
     pid = tl.program_id(0)
@@ -426,8 +426,8 @@ def decode_layer_tail(
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
                    (programs, sync, num_warps, tile_elements, False, None,
-                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier,
-), timestamps)
+                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier),
+                   timestamps)
 
 
 def decode_layer(
@@ -499,6 +499,9 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
     attention = _attention_args(plan, first_input, attention_tensors, outputs, scale)
     if timestamps is not None:
         _check_timestamps(timestamps, plan, first_input.device)
+        if not plan.sync:
+            raise ValueError("timestamps need the phases in one launch (sync): a launch per phase would overwrite "
+                             "each program's kernel-start stamp")
         attention["stamps_ptr"] = timestamps
     for first, final in plan.phases:
         _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
@@ -518,7 +521,7 @@ class _Plan:
     programs: int
     phases: tuple[tuple[int, int], ...]
     meta: dict
-    attention: dict | None  # decode_layer: phase 0's constexprs and strides (+ "partials" shapes)
+    attention: dict | None  # decode_layer: phase 0's constexprs and strides
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -575,7 +578,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     G = programs or default_programs(device)
     first = 0 if has_attention else 1
     last = 4 if has_next else 3
-    pdl = {"USE_PDL": bool(use_pdl) and sync and not has_attention}
+    # PDL's launch options whole (USE_PDL and launch_pdl), for the tail in one launch only.
+    pdl = pdl_options(device, "layer_tail") if (use_pdl and sync and not has_attention) else {"USE_PDL": False}
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,

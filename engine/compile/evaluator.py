@@ -277,7 +277,8 @@ class EngineEvaluator:
                                   concurrency=self.profile.concurrency,
                                   max_model_len=self.settings.max_model_len,
                                   engine_defaults=self.settings.engine_base,
-                                  qk_norm=bool(getattr(eng.model_config, "qk_norm", False)))
+                                  qk_norm=bool(getattr(eng.model_config, "qk_norm", False)),
+                                  head_dim=getattr(eng.model_config, "head_dim", None))
 
     def materialize(self, cand: Candidate) -> Path:
         """The candidate as a bundle folder with a manifest (cached by digest)."""

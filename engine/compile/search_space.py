@@ -354,6 +354,7 @@ def build_search_space(
     include_source_edits: bool = True,
     engine_defaults: Mapping[str, Any] | None = None,
     qk_norm: bool = False,
+    head_dim: int | None = None,
 ) -> SearchSpace:
     """The space for one model family on one device.
 
@@ -363,6 +364,8 @@ def build_search_space(
     ``engine_defaults`` (EngineConfig field -> value, e.g. the deployment's engine.yaml) become
     the defaults of the ``engine.*`` knobs, so the stock candidate runs as the deployment does.
     ``qk_norm``: the model normalises q and k per head (Qwen3), which the rotary fusion cannot take.
+    ``head_dim``: the model's; the whole-layer kernel (fuse_attention_into_layer) takes only powers
+    of two >= 16.
     """
     stock_recipe = dict(stock_recipe or {})
     cuda = device.startswith("cuda")
@@ -448,6 +451,10 @@ def build_search_space(
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)
     if not triton_attention or qk_norm:
         knobs = [k for k in knobs if k.name != "fuse_rotary_into_attention"]
+    # The whole-layer kernel runs the rotary-fused attention and reads the heads as one vector.
+    if (not any(k.name == "fuse_rotary_into_attention" for k in knobs)
+            or (head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)))):
+        knobs = [k for k in knobs if k.name != "fuse_attention_into_layer"]
     if not triton_attention or not cuda:  # PTX prefetches: CUDA only
         knobs = [k for k in knobs if k.name != "attention_l2_prefetch_mb"]
 

@@ -146,6 +146,15 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
                                   qk_norm=True)
     assert "fuse_rotary_into_attention" not in qk_space.names
+    # The whole-layer kernel: searched with the rotary fusion and a power-of-two head_dim >= 16 only.
+    assert "fuse_attention_into_layer" in cuda_space.names
+    assert "fuse_attention_into_layer" not in qk_space.names
+    odd_space = build_search_space(device="cuda", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
+                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
+                                   head_dim=24)
+    assert "fuse_attention_into_layer" not in odd_space.names and "fuse_rotary_into_attention" in odd_space.names
+    bad = {**cuda_space.default(), "fuse_attention_into_layer": True, "fuse_rotary_into_attention": False}
+    assert any("fuse_attention_into_layer" in problem for problem in cuda_space.validate(bad))
     # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}

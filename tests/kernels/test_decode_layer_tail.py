@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernel_test_utils import assert_close_norm
-from shapeshift.kernels.decode_layer_tail import decode_layer_tail, decode_layer_tail_ref
+from shapeshift.kernels.decode_layer_tail import _COUNTERS, decode_layer_tail, decode_layer_tail_ref
 
 pytest.importorskip("triton")
 
@@ -97,6 +97,8 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     for qkv, res_out in outs:
         torch.testing.assert_close(qkv, expected[0], rtol=0, atol=0)
         torch.testing.assert_close(res_out, expected[1], rtol=0, atol=0)
+    with torch.cuda.stream(stream):  # the last program out of every launch zeroed the counters
+        assert _COUNTERS.for_stream(device, 2).tolist() == [0, 0]
     ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
     assert_close_norm(expected[0], ref, dtype, "qkv")
 
@@ -230,6 +232,8 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
     for out in outs:
         for got, want in zip(out, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.cuda.stream(stream):
+        assert _COUNTERS.for_stream(device, 2).tolist() == [0, 0]
     ref, ref_res = decode_layer_ref(qkv, residual, **weights, eps=1e-5, **following, **ref_attention)
     assert_close_norm(expected[0], ref, dtype, "qkv")
     assert_close_norm(expected[1], ref_res, dtype, "residual out")
@@ -254,5 +258,24 @@ def test_timestamps_are_each_programs_phases_in_order():
     ran = stamps[stamps[:, 0] > 0][:, :10]
     assert ran.shape[0] >= torch.cuda.get_device_properties(device).multi_processor_count
     assert (ran[:, 1:] >= ran[:, :-1]).all(), "a program's stamps go back in time"
+    for phase in range(1, 5):  # the barriers: no program begins a phase before every program ended the last
+        assert ran[:, 2 * phase].min() >= ran[:, 2 * phase - 1].max(), phase
     with pytest.raises(ValueError, match="timestamps must be"):
         decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, timestamps=stamps[:4])
+
+
+def test_pdl_launch_options_reach_the_launch(monkeypatch, device):
+    """Under programmatic dependent launch the plan carries pdl_options' launch options whole
+    (USE_PDL for the kernel and launch_pdl for the launch), for the one-launch tail only."""
+    from shapeshift.kernels import decode_layer_tail as module
+
+    monkeypatch.setattr(module, "pdl_options", lambda dev, family: {"USE_PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(module, "_resident_per_sm", lambda *args: 2)  # no compile for the residency check
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
+    args = (attn, residual, weights["o_proj"], weights["post_norm"], weights["gate_up"], weights["down_proj"],
+            following["next_input_norm"], following["next_qkv"], None, *(None,) * 7)
+    # options: programs, sync, num_warps, tile_elements, attention, splits, PDL, early tiles, stamps, split barrier
+    one_launch = module._plan(*args, (3, True, 8, 8192, False, None, True, False, False, True))
+    assert one_launch.meta["USE_PDL"] and one_launch.meta["launch_pdl"]
+    per_phase = module._plan(*args, (3, False, 8, 8192, False, None, True, False, False, True))
+    assert not per_phase.meta["USE_PDL"] and "launch_pdl" not in per_phase.meta

@@ -46,8 +46,10 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
                                       split attention) as the first phase of the layer-tail kernel,
                                       one launch a layer (kernels.decode_layer_tail.decode_layer;
-                                      needs fuse_layer_tail and fuse_rotary_into_attention; a
-                                      kernel_configs decode_attention entry is not applied there)
+                                      needs fuse_layer_tail and fuse_rotary_into_attention and a
+                                      head_dim that is a power of two >= 16; a kernel_configs
+                                      decode_attention entry and attention_l2_prefetch_mb are not
+                                      applied there)
   attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
                                       weights read next (o_proj, then gate/up) into L2 while it
                                       runs; 0 = off (needs attention_backend: triton; CUDA)
