@@ -88,3 +88,23 @@ def channel_roundtrip(rank: int, world_size: int, device: str) -> list[Any] | No
             channel.send(message)
         return None
     return [channel.receive() for _ in CHANNEL_MESSAGES]
+
+
+def fused_layer_kernels(rank: int, world_size: int, layout_name: str, recipe: dict[str, Any]) -> dict[str, bool]:
+    """Build this rank's parallel forward pass with ``recipe`` (tiny Llama, its shard of the
+    weights) and say which batch-1 layer kernels it kept: the layer tail and the whole-layer
+    kernel run a layer's projections without the all-reduces between them."""
+    import torch
+
+    from shapeshift.engine.config import ModelConfig
+    from shapeshift.engine.forward_passes.parallel.forward import ParallelForwardPass
+    from shapeshift.engine.loader import random_weights
+    from shapeshift.engine.parallel.sharding import shard_weights
+    from shapeshift.engine.presets import PRESETS
+
+    layout = ParallelLayout.parse(layout_name)
+    state = init_parallel(layout, rank, world_size, device="cpu")
+    cfg = ModelConfig.from_hf(PRESETS["tiny-llama"].hf_config)
+    weights = shard_weights(random_weights(cfg, seed=1, dtype=torch.float32, device="cpu"), cfg, layout, state.coords)
+    fp = ParallelForwardPass(cfg, weights, recipe)
+    return {"layer_tail": fp._layer_tail is not None, "whole_layer": fp._whole_layer is not None}

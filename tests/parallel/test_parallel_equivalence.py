@@ -89,3 +89,16 @@ def test_launch_reports_a_rank_failure_with_its_cause():
 
 def test_control_channel_carries_small_and_oversized_messages(parallel_results):
     assert parallel_results["rank1"]["channel"] == CHANNEL_MESSAGES
+
+
+@pytest.mark.parametrize("layout,kept", [("tp2", False), ("dp2", True)])
+def test_tensor_parallel_turns_the_fused_layer_kernels_off(layout, kept):
+    """Under tp > 1 the all-reduces sit between a layer's projections, so the pass builds without
+    the layer tail and the whole-layer kernel (same recipe); without tensor parallelism it keeps
+    both. Real 2-rank gloo world, construction only."""
+    from parallel_cases import fused_layer_kernels
+    from shapeshift.engine.recipes import NAMED_RECIPES
+
+    recipe = {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True, "fuse_attention_into_layer": True}
+    ranks = launch(fused_layer_kernels, 2, layout, recipe, timeout_s=240)
+    assert ranks == [{"layer_tail": kept, "whole_layer": kept}] * 2
