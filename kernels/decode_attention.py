@@ -205,7 +205,6 @@ def attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
 
 
-
 @triton.jit
 def _decode_attention_reduce_kernel(
     partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32
@@ -290,7 +289,7 @@ def decode_attention(
     batch sizes attention reads little and leaves HBM idle. CUDA only (ignored elsewhere).
     """
     config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = _PLANS.plan(
-        _plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
+        attention_plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     B, num_q_heads, head_dim = q.shape
@@ -379,7 +378,7 @@ def decode_attention_rope(
     token is the last of each sequence's context_lens (which count it). Writes the rotated key
     and the value to the caches and returns out [B, Hq, D].
     """
-    shape_args = _ROPE_PLANS.plan(_rope_plan, (q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache),
+    shape_args = _ROPE_PLANS.plan(rope_plan, (q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache),
                                   None)
     rope = {"FUSE_ROPE": True, "k_new_ptr": k_new, "v_new_ptr": v_new, "positions_ptr": positions,
             "cos_sin_ptr": cos_sin_cache, "slot_mapping_ptr": slot_mapping, **shape_args}
@@ -387,11 +386,11 @@ def decode_attention_rope(
                             l2_prefetch=l2_prefetch, _rope=rope)
 
 
-# (argument metadata) -> the rotary arguments' checks passed and their strides (see _rope_plan).
+# (argument metadata) -> the rotary arguments' checks passed and their strides (see rope_plan).
 _ROPE_PLANS = LaunchPlans()
 
 
-def _rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, _config) -> dict:
+def rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, _config) -> dict:
     """The checks decode_attention_rope adds to decode_attention's, and the kernel's stride and
     HALF arguments they imply (memoised per argument metadata, like decode_attention's plan)."""
     op = "decode_attention_rope"
@@ -413,11 +412,11 @@ def _rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache,
             "stride_vn_h": v_new.stride(1), "stride_cs": cos_sin_cache.stride(0), "HALF": head_dim // 2}
 
 
-# (argument metadata, config) -> launch plan (see _plan), see checks.LaunchPlans.
+# (argument metadata, config) -> launch plan (see attention_plan), see checks.LaunchPlans.
 _PLANS = LaunchPlans()
 
 
-def _plan(q, k_cache, v_cache, block_tables, context_lens, out, config):
+def attention_plan(q, k_cache, v_cache, block_tables, context_lens, out, config):
     """All argument checks of decode_attention, the config, and the constexprs they imply."""
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES)

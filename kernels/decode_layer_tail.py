@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
-                     dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
-from .decode_attention import DECODE_ATTENTION_SPEC, LOG2E, attend_split, decode_attention_rope_ref
+                     interpreter_active, next_power_of_2, pdl_options)
+from .decode_attention import LOG2E, attend_split, attention_plan, decode_attention_rope_ref, rope_plan
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
 from .triton_helpers import grid_dependency_wait, launch_dependents
@@ -611,48 +611,44 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     return plan
 
 
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why decode_layer cannot take this head_dim, or None: phase 1 reads the heads' outputs as one
+    [next_power_of_2(Hq) * D] vector, so D must be a power of two (and >= 16 for the dots)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim must be a power of two >= 16 (phase 1 reads the heads as one vector), got {head_dim}"
+    return None
+
+
 def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                     context_lens, splits) -> dict:
-    """decode_layer's phase-0 checks and the constexprs / strides they imply."""
-    device = qkv.device
-    check_tensor(op, "k_cache", k_cache, ndim=4, device=device)
-    num_blocks, block_size, hkv, head_dim = k_cache.shape
-    check_tensor(op, "v_cache", v_cache, shape=tuple(k_cache.shape), device=device)
-    check_same_dtype(op, "qkv", qkv, k_cache=k_cache, v_cache=v_cache)
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"{op}: head_dim must be a power of two >= 16 (phase 1 reads the heads as one vector), "
-                         f"got {head_dim}")
-    if hkv == 0 or qd % head_dim or (qd // head_dim) % hkv:
-        raise ValueError(f"{op}: o_proj's input width {qd} is not a multiple of the cache's {hkv} kv heads x "
-                         f"head_dim {head_dim}")
-    hq = qd // head_dim
-    width = (hq + 2 * hkv) * head_dim
-    check_tensor(op, "qkv", qkv, shape=(1, width), device=device, contiguous=True)
-    check_tensor(op, "positions", positions, shape=(1,), dtypes=(torch.int32, torch.int64), device=device)
-    check_tensor(op, "slot_mapping", slot_mapping, shape=(1,), dtypes=(torch.int32, torch.int64), device=device)
-    check_tensor(op, "cos_sin_cache", cos_sin_cache, shape=(None, head_dim), dtypes=(torch.float32,),
-                 device=device)
-    check_tensor(op, "block_tables", block_tables, shape=(1, None), dtypes=(torch.int32,), device=device)
-    check_tensor(op, "context_lens", context_lens, shape=(1,), dtypes=(torch.int32,), device=device)
-    max_context = block_tables.shape[1] * block_size
-    problem = {"batch": 1, "q_heads": hq, "kv_heads": hkv, "head_dim": head_dim, "max_context": max_context,
-               "block_size": block_size, "dtype": dtype_name(qkv.dtype)}
-    config = DECODE_ATTENTION_SPEC.default_config(problem, device)
+    """decode_layer's phase-0 checks and constexprs: decode_attention_rope's own (its planners run
+    on q, k and v as views of the qkv row), plus the qkv width and the split count."""
+    check_tensor(op, "k_cache", k_cache, ndim=4, device=qkv.device)
+    hkv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    problem = head_dim_problem(head_dim)
+    if problem:
+        raise ValueError(f"{op}: {problem}")
+    if hkv == 0 or qd % head_dim:
+        raise ValueError(f"{op}: o_proj's input width {qd} is not a multiple of the cache's head_dim {head_dim}")
+    check_tensor(op, "qkv", qkv, shape=(1, qd + 2 * hkv * head_dim), device=qkv.device, contiguous=True)
+    q, k_new, v_new = (t.view(1, -1, head_dim) for t in qkv.split([qd, hkv * head_dim, hkv * head_dim], dim=-1))
+    _, strides, _, block_size, default_splits, constexprs, _ = attention_plan(q, k_cache, v_cache, block_tables,
+                                                                              context_lens, None, None)
+    rope = rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, None)
     if splits is None:
-        splits = min(config["NUM_SPLITS"], MAX_ATTENTION_SPLITS)
+        splits = min(default_splits, MAX_ATTENTION_SPLITS)
     elif splits < 1 or splits > MAX_ATTENTION_SPLITS or splits & (splits - 1):
         raise ValueError(f"{op}: attention_splits must be a power of two in [1, {MAX_ATTENTION_SPLITS}], "
                          f"got {splits}")
-    use_dot = config.variant == "dot"
-    group = hq // hkv
-    upcast_dot, dot_precision = dot_flags(qkv.dtype)
+    hq = qd // head_dim
+    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head = strides[2:8]
     return dict(HAS_ATTENTION=True, HQ=hq, HQP=next_power_of_2(hq), HKV=hkv, HEAD_DIM=head_dim,
-                BLOCK_G=max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group),
-                BLOCK_N_ATT=config["BLOCK_N"], SPLITS=splits, SPLITS_P=max(2, next_power_of_2(splits)),
-                USE_DOT=use_dot, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-                stride_k_block=k_cache.stride(0), stride_k_slot=k_cache.stride(1), stride_k_head=k_cache.stride(2),
-                stride_v_block=v_cache.stride(0), stride_v_slot=v_cache.stride(1), stride_v_head=v_cache.stride(2),
-                stride_cs=cos_sin_cache.stride(0), block_size=block_size)
+                BLOCK_G=constexprs["BLOCK_G"], BLOCK_N_ATT=constexprs["BLOCK_N"], SPLITS=splits,
+                SPLITS_P=max(2, next_power_of_2(splits)), USE_DOT=constexprs["USE_DOT"],
+                UPCAST_DOT=constexprs["UPCAST_DOT"], DOT_PRECISION=constexprs["DOT_PRECISION"],
+                stride_k_block=stride_k_block, stride_k_slot=stride_k_slot, stride_k_head=stride_k_head,
+                stride_v_block=stride_v_block, stride_v_slot=stride_v_slot, stride_v_head=stride_v_head,
+                stride_cs=rope["stride_cs"], block_size=block_size)
 
 
 def _outputs(plan: _Plan, first_input: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -271,6 +271,17 @@ def _constraint_activation_needs_fused(recipe: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _whole_layer_takes(head_dim: int | None) -> bool:
+    """Whether kernels.decode_layer_tail.decode_layer takes this head_dim (unknown: assume so)."""
+    if head_dim is None:
+        return True
+    try:
+        from shapeshift.kernels.decode_layer_tail import head_dim_problem
+    except ImportError:  # no Triton: the kernel cannot run here at all
+        return False
+    return head_dim_problem(head_dim) is None
+
+
 def stock_recipe_knobs(source: str) -> dict[str, tuple[str, tuple[Any, ...]]]:
     """The knobs a forward.py declares in its docstring's "Recipe knobs" section.
 
@@ -451,9 +462,8 @@ def build_search_space(
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)
     if not triton_attention or qk_norm:
         knobs = [k for k in knobs if k.name != "fuse_rotary_into_attention"]
-    # The whole-layer kernel runs the rotary-fused attention and reads the heads as one vector.
-    if (not any(k.name == "fuse_rotary_into_attention" for k in knobs)
-            or (head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)))):
+    # The whole-layer kernel runs the rotary-fused attention, on the head sizes it takes.
+    if not any(k.name == "fuse_rotary_into_attention" for k in knobs) or not _whole_layer_takes(head_dim):
         knobs = [k for k in knobs if k.name != "fuse_attention_into_layer"]
     if not triton_attention or not cuda:  # PTX prefetches: CUDA only
         knobs = [k for k in knobs if k.name != "attention_l2_prefetch_mb"]

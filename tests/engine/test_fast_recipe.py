@@ -128,7 +128,7 @@ def test_fast_recipe_knob_errors():
         build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_attention_into_layer": True}), cfg,
                            weights)
     odd = ModelConfig.from_hf({**PRESETS["tiny-llama"].hf_config, "head_dim": 24})
-    with pytest.raises(ValueError, match="fuse_attention_into_layer needs a head_dim that is a power of two"):
+    with pytest.raises(ValueError, match="fuse_attention_into_layer: the model's head_dim must be a power of two"):
         build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True,
                                               "fuse_attention_into_layer": True}), odd,
                            random_weights(odd, seed=1, dtype=torch.float32, device="cpu"))

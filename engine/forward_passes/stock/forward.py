@@ -328,9 +328,9 @@ class StockForwardPass:
             if self._layer_tail is None or self._decode_attention_rope is None:
                 raise ValueError("recipe fuse_attention_into_layer needs fuse_layer_tail: true and "
                                  "fuse_rotary_into_attention: true")
-            if cfg.head_dim < 16 or cfg.head_dim & (cfg.head_dim - 1):
-                raise ValueError(f"recipe fuse_attention_into_layer needs a head_dim that is a power of two >= 16 "
-                                 f"(the kernel reads the heads as one vector), got {cfg.head_dim}")
+            problem = _kernel("decode_layer_tail", "head_dim_problem", "fuse_attention_into_layer")(cfg.head_dim)
+            if problem:
+                raise ValueError(f"recipe fuse_attention_into_layer: the model's {problem}")
             self._whole_layer = _kernel("decode_layer_tail", "decode_layer", "fuse_attention_into_layer")
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
