@@ -511,17 +511,19 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a launch on one argument metadata needs, derived (and checked) once."""
-    hidden: int
-    q_dim: int
-    inner: int
-    nqkv: int
+    """What a launch on one argument metadata needs, derived (and checked) once; the shapes are
+    the kernel's constexprs (meta)."""
     has_next: bool
     sync: bool
     programs: int
     phases: tuple[tuple[int, int], ...]
     meta: dict
     attention: dict | None  # decode_layer: phase 0's constexprs and strides
+
+    hidden = property(lambda self: self.meta["H"])
+    q_dim = property(lambda self: self.meta["QD"])
+    inner = property(lambda self: self.meta["INNER"])
+    nqkv = property(lambda self: self.meta["NQKV"])
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -588,7 +590,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
-    plan = _Plan(hidden, qd, inner, nqkv, has_next, sync, G, phases, meta, attention)
+    plan = _Plan(has_next, sync, G, phases, meta, attention)
     if sync and device.type == "cuda":
         # Compile the variant (once per plan) to read what one SM holds: PROGRAMS_PER_SM programs
         # where they fit, else one per SM; an explicit grid that cannot be resident is refused.
