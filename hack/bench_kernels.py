@@ -147,7 +147,7 @@ def _rotation_count(nbytes):
     return max(1, min(16, -(-3 * _l2_bytes() // int(nbytes))))
 
 
-def _time_graph(fns, quick):
+def time_graph(fns, quick):
     """Graph timing: capture calls cycling through `fns` (one per input copy) into one CUDA
     graph, replay it, and divide the event time by the calls per replay. No host launch cost
     is in the figure, only the kernels and the GPU's back-to-back launch gaps, as inside the
@@ -234,7 +234,7 @@ def _measure_case(case, quick):
         runs, torch_runs = ([case.run], [case.torch_fn]) if not case.graph else _rotated_runs(case)
         if case.graph:
             try:
-                row["graph"] = _time_graph(runs, quick)
+                row["graph"] = time_graph(runs, quick)
                 row["kernel"], row["timing"] = row["graph"], "graph"
             except Exception as error:
                 row["graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -256,7 +256,7 @@ def _measure_case(case, quick):
             row["torch"] = row["torch_eager"]
             if case.graph and case.torch_graph:
                 try:
-                    row["torch"] = row["torch_graph"] = _time_graph(torch_runs, quick)
+                    row["torch"] = row["torch_graph"] = time_graph(torch_runs, quick)
                 except Exception as error:
                     row["torch_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     _sync()
@@ -296,7 +296,7 @@ def _tune_case(case, spec, budget_s, max_configs, quick):
             case.run(config)
             _sync()
             if case.graph:
-                entry.update(_time_graph([lambda run=run: run(config) for run in runs], True))
+                entry.update(time_graph([lambda run=run: run(config) for run in runs], True))
             else:
                 entry.update(_time(lambda: case.run(config), True))
         except Exception as error:

@@ -3,9 +3,9 @@
 on the Llama-3.2-1B shapes.
 
 Data flow: 16 layers of random bf16 weights (1.94 GB, far past L2) -> one CUDA graph per
-variant holding the 16 layers' launches in sequence, as a decode step has them -> replayed
-`--replays` times between CUDA events -> us per layer and the weight bytes streamed per us
-(GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
+variant holding the 16 layers' launches in sequence, as a decode step has them, timed by
+bench_kernels.time_graph (the median of 25 replays between CUDA events) -> us per layer and the
+weight bytes streamed per us (GB/s) against the measured copy bandwidth. Variants: the separate GEMVs (the `fast` recipe's
 kernels at their default tiles), then the persistent kernel at each (num_warps, tile elements,
 programs per SM, programmatic dependent launch). With --layer-splits, the whole layer as well:
 the `fast+fuse_rotary_into_attention` recipe's attention launch(es) followed by the tail,
@@ -14,8 +14,8 @@ paged KV cache holding --context tokens per layer.
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
-                                       [--pdl off,on] [--layer-splits 1,2,4,8 --context 256]
-                                       [--replays 20]
+                                       [--pdl off,on] [--split-barrier off,on] [--grid 256,264]
+                                       [--layer-splits 1,2,4,8 --context 256] [--phases]
 """
 
 from __future__ import annotations
@@ -31,29 +31,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import measure_ceilings  # noqa: E402  (sibling script: the copy bandwidth it divides by)
+from bench_kernels import time_graph  # noqa: E402  (sibling script: graph timing of the kernel benchmarks)
 from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402  (sibling module)
 
 HIDDEN, Q_DIM, INNER, NQKV, LAYERS = 2048, 2048, 8192, 3072, 16
 
 
-def _time_graph(step, replays: int) -> float:
-    """us per replay of a graph of `step()` (captured on a side stream after a warm-up there)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
+def _graph_us(step) -> float:
+    """us per call of `step()` (16 layers) replayed in a CUDA graph (bench_kernels.time_graph)."""
+    return time_graph([step], quick=False)["median_us"]
 
 
 def main(argv=None) -> int:
@@ -66,7 +52,6 @@ def main(argv=None) -> int:
                                                    "a grid dividing every phase's tile count leaves no short last round)")
     parser.add_argument("--split-barrier", default="on", help="off, on: arrive before the next phase's first "
                                                              "tile loads, wait after them")
-    parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
@@ -111,7 +96,7 @@ def main(argv=None) -> int:
         print(f"{name:<62} {per_layer:8.2f} us/layer {gbps:8.0f} GB/s {gbps / copy:6.1%} of copy", flush=True)
 
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {layer_bytes / 1e6:.1f} MB of weights per layer")
-    record("separate GEMVs (fast recipe)", _time_graph(separate, args.replays))
+    record("separate GEMVs (fast recipe)", _graph_us(separate))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
@@ -129,10 +114,10 @@ def main(argv=None) -> int:
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
                                   split_barrier=split == "on", timestamps=None if stamps is None else stamps[i], **w)
         try:
-            record(name, _time_graph(fused, args.replays), num_warps=warps, tile_elements=tile, programs=programs,
+            record(name, _graph_us(fused), num_warps=warps, tile_elements=tile, programs=programs,
                    pdl=pdl, split_barrier=split)
             if args.phases and pdl == "off":
-                rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps), args))
+                rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps)))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
@@ -141,7 +126,7 @@ def main(argv=None) -> int:
     result = dict(benchmark="layer-tail", git_commit=git_commit(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, command=" ".join([sys.executable, *sys.argv]),
                   utc=_dt.datetime.now(_dt.timezone.utc).isoformat(), copy_gbps=copy, layer_weight_bytes=layer_bytes,
-                  layers=LAYERS, replays=args.replays, context=args.context if args.layer_splits else None,
+                  layers=LAYERS, timing="bench_kernels.time_graph median", context=args.context if args.layer_splits else None,
                   rows=rows)
     out = Path(args.out_dir)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -177,7 +162,7 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
             decode_layer_tail(o.view(1, -1), residual, eps=1e-5, **w)
 
     os.environ["SHAPESHIFT_PDL"] = "0"
-    record(f"attention (rope fused) + layer tail, {args.context} tokens", _time_graph(separate, args.replays),
+    record(f"attention (rope fused) + layer tail, {args.context} tokens", _graph_us(separate),
            context=args.context)
     splits_list = [int(x) for x in args.layer_splits.split(",")]
     for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
@@ -190,10 +175,10 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
         name = (f"decode_layer (attention phase 0), {splits} splits, o_proj tiles {'early' if early else 'late'}, "
                 f"split barrier {split}, {args.context} tokens")
         try:
-            record(name, _time_graph(whole, args.replays), context=args.context, attention_splits=splits,
+            record(name, _graph_us(whole), context=args.context, attention_splits=splits,
                    early_o_proj_tiles=early, split_barrier=split)
             if args.phases:
-                rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps), args))
+                rows.append(_phases(name, lambda stamps, whole=whole: whole(stamps=stamps)))
         except Exception as exc:  # report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
@@ -203,7 +188,7 @@ PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")
 PHASE_BYTES = {1: HIDDEN * Q_DIM * 2, 2: 2 * INNER * HIDDEN * 2, 3: HIDDEN * INNER * 2, 4: NQKV * HIDDEN * 2}
 
 
-def _phases(name, step, args) -> dict:
+def _phases(name, step) -> dict:
     """Replay `step(stamps)` (16 layers, each writing its programs' GPU clock stamps) in a graph and
     print, averaged over the layers, when each phase begins (median program) and ends (last
     program) from the kernel's start, its work time per program (median, max), the barrier's
@@ -211,7 +196,7 @@ def _phases(name, step, args) -> dict:
     from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS
 
     stamps = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
-    _time_graph(lambda: step(stamps), args.replays)  # the last replay's stamps stay
+    _graph_us(lambda: step(stamps))  # the last replay's stamps stay
     table = {}
     for t in stamps:
         t = t[t[:, 0] > 0].double().cpu() / 1e3  # us; rows of programs that ran

@@ -279,3 +279,20 @@ def test_pdl_launch_options_reach_the_launch(monkeypatch, device):
     assert one_launch.meta["USE_PDL"] and one_launch.meta["launch_pdl"]
     per_phase = module._plan(*args, (3, False, 8, 8192, False, None, True, False, False, True))
     assert not per_phase.meta["USE_PDL"] and "launch_pdl" not in per_phase.meta
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script measures (minutes)")
+def test_bench_layer_tail_imports_its_siblings_and_refuses_without_a_gpu():
+    """hack/bench_layer_tail.py imports its sibling scripts' helpers (copy ceiling, graph timing)
+    and says why it cannot measure here, with exit status 2."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "hack" / "bench_layer_tail.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(script), "--phases"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "needs a CUDA GPU" in result.stderr
