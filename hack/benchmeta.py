@@ -17,7 +17,6 @@ from shapeshift.engine.provenance import git_commit
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def claim_result_name(out_dir: Path, base_name: str) -> str:
     """`base_name`, or base_name-2, -3, ... when a run started in the same second (one per GPU
     of a host, say) holds it: the .json is created exclusively, so no run overwrites another's."""

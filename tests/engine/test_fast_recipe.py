@@ -63,6 +63,7 @@ SCRIPT = textwrap.dedent('''
               # one request at a time: batch-1 decode steps (the layer-tail kernel's batch)
               "ref_single": [ref.generate([p], greedy)[0] for p in prompts],
               "fast_single": [tri.generate([p], greedy)[0] for p in prompts], "tail_calls": tail_calls[0],
+              "layers": len(tri.forward_pass.layers),
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
               "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
               "fused_rope": tri.forward_pass._decode_attention_rope is not None}
@@ -95,6 +96,7 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole):
     assert result["fast_single"] == result["ref_single"]
     # Batch-1 decode steps went through the layer-tail kernel: one call per layer and step.
     assert (result["tail_calls"] > 0) == tail
+    assert result["tail_calls"] % result["layers"] == 0
     assert len({tuple(t) for t in result["ref"]}) == 3  # distinct continuations: a real comparison
     assert result["fast_sampled"] == result["ref_sampled"]  # seeded sampling falls back to the logits
     assert result["max_logit_diff"] < 1e-4
