@@ -52,6 +52,7 @@ the launcher runs each phase as a launch of its own instead; the arithmetic is t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -425,8 +426,8 @@ def decode_layer_tail(
     """
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
-                   (programs, sync, num_warps, tile_elements, False, None,
-                    pdl_options(attn.device, "layer_tail")["USE_PDL"], True, timestamps is not None, split_barrier),
+                   _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
+                            use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"]),
                    timestamps)
 
 
@@ -479,8 +480,9 @@ def decode_layer(
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
-                   (programs, sync, num_warps, tile_elements, True, attention_splits, False, early_o_proj_tiles,
-                    timestamps is not None, split_barrier), timestamps)
+                   _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
+                            attention=True, attention_splits=attention_splits,
+                            early_o_proj_tiles=early_o_proj_tiles), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -526,14 +528,30 @@ class _Plan:
     nqkv = property(lambda self: self.meta["NQKV"])
 
 
+class _Options(NamedTuple):
+    """A launch's options (part of its plan's key, with the arguments' metadata)."""
+    programs: int | None
+    sync: bool | None
+    num_warps: int
+    tile_elements: int
+    split_barrier: bool
+    timing: bool
+    use_pdl: bool = False  # decode_layer_tail only
+    attention: bool = False  # decode_layer: phase 0 runs the attention
+    attention_splits: int | None = None
+    early_o_proj_tiles: bool = False
+
+
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
 _PLANS = LaunchPlans()
 
 
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
-          positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens, options) -> _Plan:
+          positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens,
+          options: _Options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
-    programs, sync, num_warps, tile_elements, has_attention, splits, use_pdl, early_o, timing, split_barrier = options
+    programs, sync, num_warps, tile_elements = options.programs, options.sync, options.num_warps, options.tile_elements
+    has_attention, timing = options.attention, options.timing
     op = "decode_layer" if has_attention else "decode_layer_tail"
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
@@ -570,7 +588,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     attention = None
     if has_attention:
         attention = _attention_plan(op, first_input, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
-                                    block_tables, context_lens, splits)
+                                    block_tables, context_lens, options.attention_splits)
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -581,11 +599,12 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     first = 0 if has_attention else 1
     last = 4 if has_next else 3
     # PDL's launch options whole (USE_PDL and launch_pdl), for the tail in one launch only.
-    pdl = pdl_options(device, "layer_tail") if (use_pdl and sync and not has_attention) else {"USE_PDL": False}
+    pdl = pdl_options(device, "layer_tail") if (options.use_pdl and sync and not has_attention) else {"USE_PDL": False}
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
-                EARLY_O=bool(early_o), TIMING=bool(timing), SPLIT_BARRIER=bool(split_barrier),
+                EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
+                SPLIT_BARRIER=bool(options.split_barrier),
                 **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")

@@ -274,10 +274,9 @@ def test_pdl_launch_options_reach_the_launch(monkeypatch, device):
     attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
     args = (attn, residual, weights["o_proj"], weights["post_norm"], weights["gate_up"], weights["down_proj"],
             following["next_input_norm"], following["next_qkv"], None, *(None,) * 7)
-    # options: programs, sync, num_warps, tile_elements, attention, splits, PDL, early tiles, stamps, split barrier
-    one_launch = module._plan(*args, (3, True, 8, 8192, False, None, True, False, False, True))
+    one_launch = module._plan(*args, module._Options(3, True, 8, 8192, True, False, use_pdl=True))
     assert one_launch.meta["USE_PDL"] and one_launch.meta["launch_pdl"]
-    per_phase = module._plan(*args, (3, False, 8, 8192, False, None, True, False, False, True))
+    per_phase = module._plan(*args, module._Options(3, False, 8, 8192, True, False, use_pdl=True))
     assert not per_phase.meta["USE_PDL"] and "launch_pdl" not in per_phase.meta
 
 
