@@ -2,7 +2,7 @@
 # One whole GPU measurement session on a CUDA machine that already has torch,
 # triton and transformers (no network): make the `shapeshift` namespace
 # importable without installing, run the CUDA tests, then the benchmarks.
-#   hack/gpu_run.sh [tests] [kernels] [tune] [layer-tail] [decode] [curve] [profile] [reload] [pdl] [compile] [parallel-tests] [parallel]
+#   hack/gpu_run.sh [tests] [kernels] [tune] [layer-tail] [agreement] [decode] [curve] [profile] [reload] [pdl] [compile] [parallel-tests] [parallel]
 #   (default: tests kernels decode reload; the parallel ones need 2 or more GPUs)
 # Results land in bench/results/; logs and a tarball of the results go to
 # $OUT when it is set. Every step runs even when an earlier one fails; the exit
@@ -49,6 +49,7 @@ for step in "${steps[@]}"; do
               timeout "${TUNE_TIMEOUT_S:-200}" python3 hack/bench_kernels.py --tune --ops "${TUNE_OPS:-gemv}" \
                 --budget-s "${TUNE_BUDGET_S:-180}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     layer-tail) timeout "${LAYER_TAIL_TIMEOUT_S:-200}" python3 hack/bench_layer_tail.py ${LAYER_TAIL_ARGS:-} 2>&1 | tee "$OUT/layer-tail.log" ;;
+    agreement) timeout "${AGREEMENT_TIMEOUT_S:-300}" python3 hack/bench_agreement.py ${AGREEMENT_ARGS:-} 2>&1 | tee "$OUT/agreement.log" ;;
     decode)   timeout "${DECODE_TIMEOUT_S:-300}" python3 hack/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" ;;
     curve)    timeout "${CURVE_TIMEOUT_S:-300}" python3 hack/bench_decode.py --curve ${CURVE_ARGS:-} 2>&1 | tee "$OUT/curve.log" ;;
     profile)  timeout "${PROFILE_TIMEOUT_S:-240}" python3 hack/bench_decode.py --profile ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
