@@ -16,7 +16,9 @@ teacher-forced on one trajectory, so each position is scored for every path:
      margin above --clear-margin), the worst deficit of its argmax under the reference logits,
      logit error against the reference (max and RMS, relative to each row's logit spread), and
      per layer the relative RMS error of the hidden state (batched decode only: the batch-1
-     layer-tail path runs whole layers inside one kernel)
+     layer-tail path runs whole layers inside one kernel), and the verdict of
+     engine/verify/agreement.judge against the stock pass at the same batch shape (the rule
+     bench_decode's agreement check applies)
   -> a table on stdout and JSON under bench/results/ (commit, device, command).
 
 The stock pass in the model's dtype is the control: what rounding alone does on these
@@ -46,8 +48,8 @@ from shapeshift.engine.config import EngineConfig
 from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
 from shapeshift.engine.loader import load_model
 from shapeshift.engine.presets import PRESETS
-from shapeshift.engine.verify.driver import PagedDriver, Seq
-from shapeshift.engine.verify.gates import compare
+from shapeshift.engine.verify.agreement import judge, score, teacher_forced
+from shapeshift.engine.verify.driver import PagedDriver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import RECIPES, Recorder, log, needs_triton, recipe_with_overrides  # noqa: E402  (sibling)
@@ -93,44 +95,6 @@ class LayerProbe:
             self._residual = out[1]
             return out
         return wrapped
-
-
-def decode(fp: Any, driver: PagedDriver, prompts: list[list[int]], steps: int, batch: int,
-           forced: list[list[int]] | None) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy (or teacher-forced) decode of every prompt, ``batch`` sequences at a time ->
-    (tokens per prompt, logits [P, V] per step in prompt order)."""
-    tokens: list[list[int]] = []
-    per_group: list[list[torch.Tensor]] = []
-    for start in range(0, len(prompts), batch):
-        group = [Seq(list(p)) for p in prompts[start:start + batch]]
-        toks, logits = driver.greedy(fp, group, steps, forced=None if forced is None else forced[start:start + batch])
-        tokens += toks
-        per_group.append([x.float() for x in logits])
-        for seq in group:
-            driver.release(seq)
-    return tokens, [torch.cat(rows) for rows in zip(*per_group)]
-
-
-def score(ref: list[torch.Tensor], cand: list[torch.Tensor], clear_margin: float) -> dict[str, Any]:
-    r, c = torch.cat(ref), torch.cat(cand)  # [positions, V]
-    top2 = r.topk(2, dim=-1).values
-    margin = top2[:, 0] - top2[:, 1]
-    pick = c.argmax(-1)
-    deficit = top2[:, 0] - r.gather(1, pick[:, None]).squeeze(1)  # 0 where the argmax agrees
-    clear = margin > clear_margin
-    err = (c - r).abs()
-    spread = r.std(dim=-1).clamp_min(1e-12)
-    gate = compare(ref, cand, (float("inf"), float("inf"), clear_margin))
-    flipped_margins = sorted((float(m) for m in margin[deficit > 0]), reverse=True)
-    return {"positions": int(r.shape[0]), "argmax_equal": int((deficit <= 0).sum()),
-            "clear_argmax_positions": int(clear.sum()), "clear_argmax_flips": int((clear & (deficit > 0)).sum()),
-            "worst_deficit_logits": float(deficit.max()),
-            "largest_flipped_margins_logits": flipped_margins[:5],
-            "max_abs_logit_error": float(err.max()),
-            "p99_row_max_abs_logit_error": float(err.max(dim=-1).values.quantile(0.99)),
-            "rms_logit_error": float(err.square().mean().sqrt()),
-            "max_rel_logit_error": float((err.max(dim=-1).values / spread).max()),
-            "max_logprob_diff_top8": gate["max_logprob_diff"]}
 
 
 def layer_errors(ref: list[list[torch.Tensor]], cand: list[list[torch.Tensor]]) -> list[float]:
@@ -201,13 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     ref_weights = {k: v.float() for k, v in weights.items()}
     ref_fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, {}), cfg, ref_weights)
     ref_probe = LayerProbe(ref_fp)
-    ref_tokens, ref_logits = decode(ref_fp, PagedDriver(cfg, torch.float32, device, num_blocks=blocks),
+    ref_tokens, ref_logits = teacher_forced(ref_fp, PagedDriver(cfg, torch.float32, device, num_blocks=blocks),
                                     prompts, args.tokens, len(prompts), None)
     ref_layers = ref_probe.steps
     del ref_fp, ref_weights
     log(f"reference: {len(prompts)} prompts x {args.tokens} tokens in {time.perf_counter() - t0:.1f} s")
 
     dtype = weights[next(iter(weights))].dtype
+    controls: dict[int, list[torch.Tensor]] = {}  # batch -> the stock pass's logits (run it first)
+    if "stock" in recipes:
+        recipes = ["stock", *[r for r in recipes if r != "stock"]]
     for recipe in recipes:
         fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[recipe]), cfg, weights)
         probe = LayerProbe(fp)
@@ -215,11 +182,17 @@ def main(argv: list[str] | None = None) -> int:
             batch = len(prompts) if shape == "all" else 1
             probe.steps = []
             t0 = time.perf_counter()
-            _, logits = decode(fp, PagedDriver(cfg, dtype, device, num_blocks=blocks), prompts, args.tokens,
-                               batch, ref_tokens)
+            _, logits = teacher_forced(fp, PagedDriver(cfg, dtype, device, num_blocks=blocks), prompts,
+                                       args.tokens, batch, ref_tokens)
             row = {"recipe": recipe, "batch": batch, **score(ref_logits, logits, args.clear_margin),
                    "layer_rel_rms_error": layer_errors(ref_layers, probe.steps) if batch > 1 else [],
                    "seconds": time.perf_counter() - t0}
+            if recipe == "stock":
+                controls[batch] = logits
+            elif batch in controls:  # the verdict bench_decode's agreement check gives
+                verdict = judge(ref_logits, logits, controls[batch], args.clear_margin)
+                row["verdict"] = {k: verdict[k] for k in ("passed", "failures", "limits")}
+                row["verdict"]["clear_margin_logits"] = verdict["candidate"]["clear_margin_logits"]
             rec.add(row)
             log(f"{recipe} at batch {batch}: flips {row['clear_argmax_flips']}/{row['clear_argmax_positions']}, "
                 f"worst deficit {row['worst_deficit_logits']:.4f}, rms error {row['rms_logit_error']:.4f}")
@@ -229,16 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def verdict_text(verdict: dict[str, Any] | None) -> str:
+    if verdict is None:
+        return ""
+    return "PASS" if verdict["passed"] else "FAIL: " + "; ".join(verdict["failures"])
+
+
 def print_table(doc: dict[str, Any]) -> None:
     print(f"\n{doc['model']} {doc['dtype']} on {doc['gpu']}: {doc['prompts']} prompts x {doc['tokens']} "
           f"teacher-forced decode steps on the float32 reference's tokens")
     head = (f"{'recipe':44} {'batch':>5} {'argmax=':>9} {'flips':>9} {'worst def':>9} {'max err':>8} "
-            f"{'p99 err':>8} {'rms err':>8}")
+            f"{'p99 err':>8} {'rms err':>8}  verdict against stock")
     print(head)
     for r in doc["results"]:
         print(f"{r['recipe']:44} {r['batch']:>5} {r['argmax_equal']:>4}/{r['positions']:<4} "
               f"{r['clear_argmax_flips']:>3}/{r['clear_argmax_positions']:<5} {r['worst_deficit_logits']:>9.4f} "
-              f"{r['max_abs_logit_error']:>8.4f} {r['p99_row_max_abs_logit_error']:>8.4f} {r['rms_logit_error']:>8.4f}")
+              f"{r['max_abs_logit_error']:>8.4f} {r['p99_row_max_abs_logit_error']:>8.4f} {r['rms_logit_error']:>8.4f}  "
+              f"{verdict_text(r.get('verdict'))}")
     layered = [r for r in doc["results"] if r["layer_rel_rms_error"]]
     if layered:
         print("\nrelative RMS error of the hidden state after each layer (batched decode)")
