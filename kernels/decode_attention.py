@@ -12,7 +12,11 @@ Data flow (two passes):
     (GQA: K/V are read once for the whole group) and one contiguous slice of the context,
     runs an online softmax over BLOCK_N-token tiles gathered through the block table, and
     writes its normalised partial output [B, Hq, S, D] and log2-sum-exp [B, Hq, S] (float32).
-  pass 2, grid (B, Hq): merges the S partials with weights 2^(lse_s - max lse).
+  pass 2 (merge_group), per (sequence, kv head): merges each query head's S partials with
+    weights 2^(lse_s - max lse). With MERGE_LAST (the default) it runs in pass 1's program that
+    finishes its group last (an atomic count per (sequence, kv head) says which; that program
+    resets the count), so there is no second launch; otherwise it is a launch of its own,
+    grid (B, Hkv).
 With NUM_SPLITS == 1, pass 1 writes the final output directly and pass 2 is skipped.
 decode_attention_rope (FUSE_ROPE) takes q and the step's new key and value un-rotated: each
 program rotates q (and the new key) itself, reads only the tokens before the new one from the
@@ -26,13 +30,14 @@ device from context_lens.
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dot_flags,
-                     dtype_name, interpreter_active, next_power_of_2, pdl_options)
+from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
+                     dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
 from .triton_helpers import dot, grid_dependency_sync, prefetch_share_l2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
@@ -81,6 +86,11 @@ def _decode_attention_split_kernel(
     PREFETCH: tl.constexpr = False,
     pf_ptr0=None, pf_lines0=0, pf_ptr1=None, pf_lines1=0,
     PF_LINE: tl.constexpr = 64,
+    # The last split of each (sequence, kv head) to finish merges the group's partials itself
+    # (no pass-2 launch): counter_ptr [B * Hkv] int32, zero before the launch and after it.
+    MERGE_LAST: tl.constexpr = False,
+    counter_ptr=None,
+    BLOCK_S: tl.constexpr = 2,
 ):
     grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -98,6 +108,15 @@ def _decode_attention_split_kernel(
                  block_size, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS,
                  USE_DOT, UPCAST_DOT, DOT_PRECISION, FUSE_ROPE, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr,
                  slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_cs, HALF)
+    if MERGE_LAST:
+        # Every thread's partial stores are issued before the release; the acquire side of the
+        # last arrival's add makes the other splits' partials visible to its loads (through L2).
+        tl.debug_barrier()
+        counter = counter_ptr + b * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h, num_q_heads,
+                        QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+            tl.store(counter, 0)  # every split has arrived: nobody else touches it in this launch
 
 
 @triton.jit
@@ -206,36 +225,56 @@ def attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens
 
 
 @triton.jit
+def merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h, num_q_heads,
+                QUERY_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pass 2 for one (sequence b, kv head): each query head of the group's NUM_SPLITS partials
+    merged with weights 2^(lse_s - max lse). Empty splits carry lse = -inf (weight 0); a row
+    whose splits are all empty (context 0) gets zeros. The partials were written by other
+    programs, so they are read through L2."""
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < QUERY_GROUP
+    rows = (b * num_q_heads + kv_head * QUERY_GROUP + g) * NUM_SPLITS  # [BLOCK_G]: split 0 of each head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    lse = tl.load(partial_lse_ptr + rows[:, None] + s[None, :], mask=g_mask[:, None] & (s < NUM_SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # [BLOCK_G, BLOCK_S]
+    top = tl.max(lse, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    denom = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):  # unrolled: every split's loads issue up front
+        weight = tl.exp2(tl.load(partial_lse_ptr + rows + split, mask=g_mask, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        part = tl.load(partial_out_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :],
+                       mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += part * weight[:, None]
+    merged = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    q_head = kv_head * QUERY_GROUP + g
+    tl.store(out_ptr + b * stride_o_b + q_head[:, None] * stride_o_h + d[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_attention_reduce_kernel(
     partial_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32
     partial_lse_ptr,  # [B, Hq, NUM_SPLITS] float32
     out_ptr,  # [B, Hq, D]
     stride_o_b, stride_o_h,
     num_q_heads,
+    QUERY_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
+    """Pass 2 as a launch of its own, grid (B, Hkv)."""
     grid_dependency_sync(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    row0 = (b * num_q_heads + h) * NUM_SPLITS
-    lse = tl.load(partial_lse_ptr + row0 + s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    # Empty splits carry lse = -inf (weight 0); a fully empty row (context 0) yields zeros.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)
-    denom = tl.sum(weights, axis=0)
-    parts = tl.load(partial_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b * stride_o_b + h * stride_o_h + d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+    merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
+                stride_o_b, stride_o_h, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
 
 
 def decode_attention_ref(
@@ -295,9 +334,14 @@ def decode_attention(
     B, num_q_heads, head_dim = q.shape
     if B == 0:
         return out
+    merge = {}
     if num_splits > 1:
         partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        if config.get("MERGE_LAST", 0) and B * num_kv_heads <= MERGE_COUNTERS:
+            counters = _MERGE_COUNTERS.for_stream(q.device, MERGE_COUNTERS)
+            if counters is not None:  # None: a graph captured on a stream that has none yet
+                merge = {"MERGE_LAST": True, "counter_ptr": counters, "BLOCK_S": reduce_constexprs["BLOCK_S"]}
     else:
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
@@ -306,14 +350,21 @@ def decode_attention(
         *strides,
         block_size, num_q_heads,
         **constexprs, **pdl_options(q.device, "attention"), **(_rope or {}), **_prefetch_args(q, l2_prefetch),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        **merge, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if num_splits > 1:
-        _decode_attention_reduce_kernel[(B, num_q_heads)](
+    if num_splits > 1 and not merge:
+        _decode_attention_reduce_kernel[(B, num_kv_heads)](
             partial_out, partial_lse, out, *strides[-2:], num_q_heads, **reduce_constexprs,
             **pdl_options(q.device, "attention"),
         )
     return out
+
+
+# Merge counters (MERGE_LAST), one per (sequence, kv head), allocated once at this size per
+# stream and never grown: a CUDA graph keeps the address it captured. Batches with more
+# (sequence, kv head) pairs launch pass 2 instead.
+MERGE_COUNTERS = 1 << 16
+_MERGE_COUNTERS = StreamCounters(MERGE_COUNTERS)
 
 
 def _prefetch_allowed(q: torch.Tensor) -> bool:
@@ -448,8 +499,9 @@ def attention_plan(q, k_cache, v_cache, block_tables, context_lens, out, config)
     constexprs = {"QUERY_GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": head_dim, "BLOCK_D": block_d,
                   "BLOCK_N": config["BLOCK_N"], "NUM_SPLITS": num_splits, "USE_DOT": use_dot,
                   "UPCAST_DOT": upcast_dot, "DOT_PRECISION": dot_precision}
-    reduce_constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "NUM_SPLITS": num_splits,
-                         "BLOCK_S": max(2, next_power_of_2(num_splits)), "num_warps": 2 if head_dim <= 64 else 4}
+    reduce_constexprs = {"QUERY_GROUP": group, "BLOCK_G": next_power_of_2(group), "HEAD_DIM": head_dim,
+                         "BLOCK_D": block_d, "NUM_SPLITS": num_splits, "BLOCK_S": max(2, next_power_of_2(num_splits)),
+                         "num_warps": 2 if head_dim <= 64 else 4}
     # The launcher allocates a missing out contiguous: [B, Hq, D] strides (Hq * D, D).
     out_strides = out.stride() if out is not None else (num_q_heads * head_dim, head_dim)
     # The split kernel's stride arguments, in its order (q, k_cache, v_cache, block_tables, out);
@@ -461,7 +513,7 @@ def attention_plan(q, k_cache, v_cache, block_tables, context_lens, out, config)
 
 def _choose_default(problem, key: str) -> KernelConfig:
     if key == "interpreter":
-        return KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=2)
+        return KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=2, MERGE_LAST=1)
     batch, kv_heads = int(problem["batch"]), int(problem["kv_heads"])
     max_context = int(problem["max_context"])
     head_dim = int(problem["head_dim"])
@@ -477,10 +529,17 @@ def _choose_default(problem, key: str) -> KernelConfig:
     by_length = max(1, max_context // block_n)
     splits = 1 << (min(want, by_length, 32).bit_length() - 1)
     return KernelConfig.make("dot", num_warps=4, num_stages=3 if key == "sm90" else 2, BLOCK_N=block_n,
-                             NUM_SPLITS=splits)
+                             NUM_SPLITS=splits, MERGE_LAST=int(MERGE_LAST_DEFAULT and splits > 1))
+
+
+# Pass 2 in the last split's program instead of a launch of its own (MERGE_LAST), by default;
+# SHAPESHIFT_DECODE_ATTENTION_MERGE=0 keeps the launch (for measuring one against the other).
+MERGE_LAST_DEFAULT = os.environ.get("SHAPESHIFT_DECODE_ATTENTION_MERGE", "1") != "0"
 
 
 def _constraint(config: KernelConfig, problem) -> bool:
+    if config.get("MERGE_LAST", 0) and config["NUM_SPLITS"] == 1:
+        return False  # nothing to merge: the same kernel as MERGE_LAST 0
     # More splits than tiles in the longest context only produces empty programs.
     if config["NUM_SPLITS"] * config["BLOCK_N"] > max(config["BLOCK_N"], int(problem["max_context"])):
         return False
@@ -493,8 +552,8 @@ def _constraint(config: KernelConfig, problem) -> bool:
     return True
 
 
-_AXES = {"BLOCK_N": (16, 32, 64, 128), "NUM_SPLITS": (1, 2, 4, 8, 16, 32), "num_warps": (2, 4, 8),
-         "num_stages": (1, 2, 3, 4)}
+_AXES = {"BLOCK_N": (16, 32, 64, 128), "NUM_SPLITS": (1, 2, 4, 8, 16, 32), "MERGE_LAST": (0, 1),
+         "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4)}
 
 DECODE_ATTENTION_SPEC = register(
     KernelSpec(

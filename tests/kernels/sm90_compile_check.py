@@ -77,6 +77,12 @@ def launch_all(prefix: str = "") -> None:
             e(B, 32, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16),
             e(B, max_blocks, dtype=torch.int32), e(B, dtype=torch.int32), 0.125,
             config=sm90(decode_attention.DECODE_ATTENTION_SPEC, problem))
+    label("decode_attention split, pass 2 as a launch of its own")
+    problem = {"batch": 8, "q_heads": 32, "kv_heads": 8, "head_dim": 64, "max_context": 4096}
+    decode_attention.decode_attention(
+        e(8, 32, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16), e(2000, 16, 8, 64, dtype=BF16),
+        e(8, 256, dtype=torch.int32), e(8, dtype=torch.int32), 0.125,
+        config=sm90(decode_attention.DECODE_ATTENTION_SPEC, problem).replace(MERGE_LAST=0))
     label("decode_attention_rope")  # rotary + KV write fused in, at batch 1 in a 512-token width
     qkv = e(1, 48 * 64, dtype=BF16)
     decode_attention.decode_attention_rope(

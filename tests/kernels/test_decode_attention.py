@@ -32,17 +32,35 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,hq,hkv,d,bs", CASES)
-@pytest.mark.parametrize("variant,splits", [("dot", 1), ("dot", 4), ("fma", 3)])
-def test_decode_attention_matches_reference(lens, hq, hkv, d, bs, variant, splits, dtype, device):
+@pytest.mark.parametrize("variant,splits,merge_last", [("dot", 1, 0), ("dot", 4, 0), ("dot", 4, 1), ("fma", 3, 1)])
+def test_decode_attention_matches_reference(lens, hq, hkv, d, bs, variant, splits, merge_last, dtype, device):
     q, kc, vc, bt, cl = _paged_problem(lens, hq, hkv, d, bs, dtype, device)
     scale = d ** -0.5
     out = poisoned(q.shape, dtype, device)
-    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=splits)
+    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=splits,
+                               MERGE_LAST=merge_last)
     decode_attention(q, kc, vc, bt, cl, scale, out=out, config=config)
     ref = decode_attention_ref(q, kc, vc, bt, cl, scale)
     assert_close_norm(out, ref, dtype)
     zero_rows = cl == 0
     assert (out[zero_rows] == 0).all(), "sequences with no context must produce zeros"
+
+
+def test_merge_in_the_last_split_equals_the_merge_launch_and_resets_its_counters(device):
+    """MERGE_LAST runs pass 2's code in the program that finishes its group last: the same
+    output bit for bit as pass 2's own launch, and every counter back at zero after the launch
+    (the next launch, or graph replay, starts from them)."""
+    from shapeshift.kernels.decode_attention import MERGE_COUNTERS, _MERGE_COUNTERS
+
+    q, kc, vc, bt, cl = _paged_problem([40, 0, 7, 64], 8, 2, 16, 8, torch.float32, device)
+    outs = []
+    for merge_last in (0, 1, 1):  # twice: the second launch finds the counters the first reset
+        config = KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=4, MERGE_LAST=merge_last)
+        outs.append(decode_attention(q, kc, vc, bt, cl, 0.25, out=poisoned(q.shape, q.dtype, device), config=config))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    counters = _MERGE_COUNTERS.for_stream(q.device, MERGE_COUNTERS)
+    assert counters.numel() == MERGE_COUNTERS and int(counters.count_nonzero()) == 0
+    assert (outs[1][1] == 0).all()  # the empty row: every split empty, zeros
 
 
 def test_decode_attention_default_config(device):
@@ -76,6 +94,8 @@ def test_decode_attention_h200_default_follows_the_tuning(batch, max_context, bl
                "block_size": 16, "dtype": "bfloat16"}
     config = DECODE_ATTENTION_SPEC.choose_default(problem, "sm90")
     assert (config["BLOCK_N"], config["NUM_SPLITS"]) == (block_n, splits)
+    assert config["MERGE_LAST"] == (splits > 1)  # pass 2 inside pass 1 whenever there is one
+    assert DECODE_ATTENTION_SPEC.is_valid(config, problem)
 
 
 ROPE_CASES = [
@@ -89,8 +109,9 @@ ROPE_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,hq,hkv,d,bs,splits", ROPE_CASES)
-@pytest.mark.parametrize("variant", ["dot", "fma"])
-def test_decode_attention_rope_matches_rotary_then_attention(lens, hq, hkv, d, bs, splits, variant, dtype, device):
+@pytest.mark.parametrize("variant,merge_last", [("dot", 1), ("fma", 0)])
+def test_decode_attention_rope_matches_rotary_then_attention(lens, hq, hkv, d, bs, splits, variant, merge_last, dtype,
+                                                             device):
     """Rotary + KV write + attention in one pass: the output and both caches as
     kernels.rotary's reference writing the caches and decode_attention's reference reading them."""
     from shapeshift.kernels.decode_attention import decode_attention_rope, decode_attention_rope_ref
@@ -108,7 +129,8 @@ def test_decode_attention_rope_matches_rotary_then_attention(lens, hq, hkv, d, b
     kc_ref, vc_ref = kc.clone(), vc.clone()
     ref = decode_attention_rope_ref(q, k_new, v_new, positions, cos_sin, slots, kc_ref, vc_ref, bt, cl, d ** -0.5)
     out = poisoned(q.shape, dtype, device)
-    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=splits)
+    config = KernelConfig.make(variant, num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=splits,
+                               MERGE_LAST=merge_last if splits > 1 else 0)
     decode_attention_rope(q, k_new, v_new, positions, cos_sin, slots, kc, vc, bt, cl, d ** -0.5, out=out,
                           config=config)
     if B > 1:  # the skipped write: the reference attends to the cache's old content there, the kernel
