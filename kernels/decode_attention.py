@@ -114,6 +114,7 @@ def _decode_attention_split_kernel(
         tl.debug_barrier()
         counter = counter_ptr + b * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            tl.debug_barrier()  # no thread loads a partial before the acquire is done
             merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h, num_q_heads,
                         QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
             tl.store(counter, 0)  # every split has arrived: nobody else touches it in this launch

@@ -46,21 +46,28 @@ def test_decode_attention_matches_reference(lens, hq, hkv, d, bs, variant, split
     assert (out[zero_rows] == 0).all(), "sequences with no context must produce zeros"
 
 
-def test_merge_in_the_last_split_equals_the_merge_launch_and_resets_its_counters(device):
+def test_merge_in_the_last_split_agrees_with_the_merge_launch_and_resets_its_counters(device):
     """MERGE_LAST runs pass 2's code in the program that finishes its group last: the same
-    output bit for bit as pass 2's own launch, and every counter back at zero after the launch
-    (the next launch, or graph replay, starts from them)."""
+    result as pass 2's own launch up to float32 summation order (the two compile it at different
+    tile shapes), the same bits on every repeat (no launch reads a partial before it is
+    written), and every counter back at zero after each launch (the next launch, or graph
+    replay, starts from them)."""
     from shapeshift.kernels.decode_attention import MERGE_COUNTERS, _MERGE_COUNTERS
 
-    q, kc, vc, bt, cl = _paged_problem([40, 0, 7, 64], 8, 2, 16, 8, torch.float32, device)
-    outs = []
-    for merge_last in (0, 1, 1):  # twice: the second launch finds the counters the first reset
-        config = KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=4, MERGE_LAST=merge_last)
-        outs.append(decode_attention(q, kc, vc, bt, cl, 0.25, out=poisoned(q.shape, q.dtype, device), config=config))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    q, kc, vc, bt, cl = _paged_problem([40, 0, 7, 64, 127, 3], 8, 2, 16, 8, torch.float32, device)
+
+    def run(merge_last: int) -> torch.Tensor:
+        config = KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=8, MERGE_LAST=merge_last)
+        return decode_attention(q, kc, vc, bt, cl, 0.25, out=poisoned(q.shape, q.dtype, device), config=config)
+
+    launched = run(0)
+    merged = [run(1) for _ in range(20 if device.type == "cuda" else 2)]
+    assert all(torch.equal(merged[0], m) for m in merged[1:])
+    torch.testing.assert_close(merged[0], launched, atol=1e-6, rtol=1e-5)
+    assert_close_norm(merged[0], decode_attention_ref(q, kc, vc, bt, cl, 0.25), torch.float32)
     counters = _MERGE_COUNTERS.for_stream(q.device, MERGE_COUNTERS)
     assert counters.numel() == MERGE_COUNTERS and int(counters.count_nonzero()) == 0
-    assert (outs[1][1] == 0).all()  # the empty row: every split empty, zeros
+    assert (merged[0][1] == 0).all()  # the empty row: every split empty, zeros
 
 
 def test_decode_attention_default_config(device):
