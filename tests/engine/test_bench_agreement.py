@@ -1,0 +1,65 @@
+"""hack/bench_agreement.py runs end to end on the CPU (tiny preset, float32): every recipe is
+scored on the reference's positions, judged against the stock control, with per-layer errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "hack" / "bench_agreement.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_agreement", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_agreement_cpu(tmp_path, capsys):
+    bench = load_bench()
+    # fused before stock on the command line: the control still runs first.
+    assert bench.main(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32", "--prompts", "3",
+                       "--prompt-len", "8", "--tokens", "4", "--recipes", "fused,stock", "--out-dir", str(tmp_path)]) == 0
+    files = list(tmp_path.glob("agreement-tiny-llama-*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert {"git_commit", "gpu", "command", "results"} <= set(doc)
+    rows = {(r["recipe"], r["batch"]): r for r in doc["results"]}
+    assert list(rows) == [("stock", 3), ("stock", 1), ("fused", 3), ("fused", 1)]
+    for (recipe, batch), row in rows.items():
+        assert row["positions"] == 3 * 4
+        # float32 on the float32 reference's own weights: the same tokens, errors at rounding level.
+        assert row["argmax_equal"] == row["positions"] and row["rms_logit_error"] < 1e-4
+        assert ("verdict" in row) == (recipe != "stock")
+        # Per-layer errors of the batched decode (tiny-llama has 2 layers), none at batch 1.
+        assert len(row["layer_rel_rms_error"]) == (2 if batch > 1 else 0)
+        assert all(e < 1e-4 for e in row["layer_rel_rms_error"])
+    assert rows[("fused", 3)]["verdict"]["passed"] and rows[("fused", 1)]["verdict"]["passed"]
+    out = capsys.readouterr().out
+    assert "PASS" in out and "relative RMS error of the hidden state" in out
+
+
+def test_layer_probe_sees_every_layer_of_a_decode_step():
+    """The probe's per-layer hidden states add up: the last one, normed, gives the logits."""
+    import torch
+
+    from shapeshift.engine.config import ModelConfig
+    from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+    from shapeshift.engine.loader import random_weights
+    from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.verify.agreement import teacher_forced
+    from shapeshift.engine.verify.driver import PagedDriver
+
+    bench = load_bench()
+    preset = PRESETS["tiny-llama"]
+    cfg = ModelConfig.from_hf(preset.hf_config)
+    weights = random_weights(cfg, seed=preset.weight_seed, dtype=torch.float32, device="cpu")
+    fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, {}), cfg, weights)
+    probe = bench.LayerProbe(fp)
+    _, logits = teacher_forced(fp, PagedDriver(cfg, torch.float32, "cpu"), [[5, 6, 7, 8], [9, 10, 11, 12]], 3, 2)
+    assert len(probe.steps) == 2 and all(len(step) == cfg.num_hidden_layers for step in probe.steps)  # decode only
+    last = probe.steps[-1][-1]  # [B, H] after the last layer, at the last step
+    expected = fp.linear(fp.norm(last, fp.final_norm, None)[0], fp.lm_head, float32_out=True)
+    torch.testing.assert_close(expected, logits[-1], atol=1e-5, rtol=1e-5)
