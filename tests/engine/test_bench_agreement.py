@@ -3,18 +3,13 @@ scored on the reference's positions, judged against the stock control, with per-
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "hack" / "bench_agreement.py"
+from harness.scripts import load_hack_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_agreement", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_hack_script("bench_agreement")
 
 
 def test_bench_agreement_cpu(tmp_path, capsys):

@@ -3,21 +3,16 @@ agreement check, every baseline in its own process, the floor, and JSON + PNG on
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from harness.scripts import load_hack_script
 
 pytest.importorskip("transformers")
-BENCH = Path(__file__).resolve().parents[2] / "hack" / "bench_decode.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_hack_script("bench_decode")
 
 
 @pytest.mark.slow

@@ -100,13 +100,11 @@ def test_fast_tier_shares_weights_and_matches_truncated_model():
 
 def test_saved_bench_shapes_match_the_profiles():
     """bench/profiles/*.json (replayed where pydantic is missing) equal live sampling."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_reload", Path(__file__).resolve().parents[2] / "hack" / "bench_reload.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from harness.scripts import load_hack_script
+
+    bench = load_hack_script("bench_reload")
     for small in (False, True):
         live = bench.load_plan(small)
         for name, entry in live.items():

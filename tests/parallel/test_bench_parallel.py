@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "hack" / "bench_parallel.py"
+from harness.scripts import load_hack_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_parallel", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_hack_script("bench_parallel")
 
 
 def test_refuses_when_fewer_gpus_than_requested(bench, capsys, monkeypatch):
