@@ -41,7 +41,7 @@ failed=()
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
-    tests)    timeout 240 python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
+    tests)    timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -x --timeout 120 -p no:cacheprovider \
                 ${TESTS:-tests/kernels tests/engine/test_cuda_engine.py tests/engine/test_triton_recipe.py tests/engine/test_fast_recipe.py \
                 tests/engine/test_multi_step_decode.py} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels)  timeout "${KERNELS_TIMEOUT_S:-270}" python3 hack/bench_kernels.py ${KERNELS_ARGS:---budget-s 240} 2>&1 | tee "$OUT/kernels.log" ;;
