@@ -14,7 +14,7 @@ paged KV cache holding --context tokens per layer.
 Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
-                                       [--pdl off,on] [--split-barrier off,on] [--dynamic off,on] [--grid 256,264]
+                                       [--pdl off,on] [--split-barrier off,on] [--grid 256,264]
                                        [--layer-splits 1,2,4,8 --context 256] [--phases]
 """
 
@@ -52,8 +52,6 @@ def main(argv=None) -> int:
                                                    "a grid dividing every phase's tile count leaves no short last round)")
     parser.add_argument("--split-barrier", default="on", help="off, on: arrive before the next phase's first "
                                                              "tile loads, wait after them")
-    parser.add_argument("--dynamic", default="off", help="off, on: gate/up's short last round of tiles by "
-                                                          "tickets to the programs that ask first")
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
@@ -102,23 +100,22 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, dyn) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for dyn in args.dynamic.split(",")]
+            for split in args.split_barrier.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split, dyn in grid:
-        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, dynamic {dyn}"
+    for warps, tile, programs, label, pdl, split in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, dyn=dyn, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
-                                  split_barrier=split == "on", timestamps=None if stamps is None else stamps[i],
-                                  dynamic_last_round=dyn == "on", **w)
+                                  split_barrier=split == "on", timestamps=None if stamps is None else stamps[i], **w)
         try:
             record(name, _graph_us(fused), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, dynamic_last_round=dyn)
+                   pdl=pdl, split_barrier=split)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps)))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on

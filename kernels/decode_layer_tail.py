@@ -51,7 +51,6 @@ the launcher runs each phase as a launch of its own instead; the arithmetic is t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -75,9 +74,6 @@ PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier wai
 # Barriers: arrive before loading the next phase's first tiles, wait after (40.29 -> 38.78 us a
 # layer, layer-tail-NVIDIA-H200-20261130T052122Z.json).
 SPLIT_BARRIER = True
-# Gate/up's short last round of tiles handed out by tickets (see _stream_gated); off unless
-# SHAPESHIFT_LAYER_TAIL_DYNAMIC=1 (for measuring it end to end) or asked per call.
-DYNAMIC_LAST_ROUND = os.environ.get("SHAPESHIFT_LAYER_TAIL_DYNAMIC", "0") == "1"
 
 
 @triton.jit
@@ -173,60 +169,23 @@ def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _gated_tile(x, g, u, y_ptr, t, INNER: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[rows of tile t] = silu(x . g) * (x . u), with the rounding points of kernels/gemv.py's
-    gated epilogue; a tile past the last stores nothing."""
-    dtype = y_ptr.dtype.element_ty
-    gate = tl.sum(g.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(u.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
-
-
-@triton.jit
 def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KP: tl.constexpr, ticket_ptr, DYNAMIC: tl.constexpr):
-    """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K]; tiles in flight as in
-    _stream_rows.
-
-    DYNAMIC (the phase's tiles are at least two rounds of the grid): every program takes its
-    ROUNDS whole rounds of tiles statically; the tiles of the short last round go to whichever
-    programs ask first, one ticket each, asked two tiles before a program's static tiles run out
-    (its load then takes the place of the next static one). Programs on slower SMs then skip the
-    extra tile instead of ending the phase late. The program holding the last ticket (every
-    program asks exactly once) resets the counter for the next launch."""
-    TILES: tl.constexpr = (INNER + BLOCK_N - 1) // BLOCK_N
-    if DYNAMIC:
-        ROUNDS: tl.constexpr = TILES // G
-        t0 = pid
-        t1 = pid + G
-        for k in range(0, ROUNDS + 1):
-            if k + 2 == ROUNDS:
-                ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-                if ticket == G - 1:
-                    tl.store(ticket_ptr, 0)
-                t2 = tl.where(ticket < TILES - ROUNDS * G, ROUNDS * G + ticket, TILES)
-            else:
-                t2 = tl.where(k + 2 < ROUNDS, pid + (k + 2) * G, TILES)
-            g2 = _row_tile(w_ptr, t2, 0, INNER, K, BLOCK_N, KP)
-            u2 = _row_tile(w_ptr, t2, INNER, INNER, K, BLOCK_N, KP)
-            _gated_tile(x, g0, u0, y_ptr, t0, INNER, BLOCK_N)
-            g0 = g1
-            u0 = u1
-            g1 = g2
-            u1 = u2
-            t0 = t1
-            t1 = t2
-    else:
-        for t in range(pid, TILES, G):
-            g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
-            u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
-            _gated_tile(x, g0, u0, y_ptr, t, INNER, BLOCK_N)
-            g0 = g1
-            u0 = u1
-            g1 = g2
-            u1 = u2
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
+    """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
+    points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
+    dtype = y_ptr.dtype.element_ty
+    for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
+        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
+        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
+        gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
+        g0 = g1
+        u0 = u1
+        g1 = g2
+        u1 = u2
 
 
 @triton.jit
@@ -312,7 +271,6 @@ def _decode_layer_tail_kernel(
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
     EARLY_O: tl.constexpr = False,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
-    DYNAMIC_GU: tl.constexpr = False, ticket_ptr=None,  # gate/up's last round by tickets (see _stream_gated)
 ):
     pid = tl.program_id(0)
     _stamp(stamps_ptr, pid, 0, TIMING)
@@ -356,7 +314,7 @@ def _decode_layer_tail_kernel(
             _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP, ticket_ptr, DYNAMIC_GU)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
@@ -396,7 +354,6 @@ def _decode_layer_tail_kernel(
 # Barrier counters [arrivals, exits]: one pair per stream serves every layer (kernels on one
 # stream never overlap).
 _COUNTERS = StreamCounters()
-_TICKETS = StreamCounters()  # gate/up's last-round tickets (dynamic_last_round), reset by the last asker
 
 
 def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention: dict) -> int:
@@ -449,7 +406,6 @@ def decode_layer_tail(
     tile_elements: int = TILE_ELEMENTS,
     split_barrier: bool = SPLIT_BARRIER,
     timestamps: torch.Tensor | None = None,
-    dynamic_last_round: bool = DYNAMIC_LAST_ROUND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -467,14 +423,11 @@ def decode_layer_tail(
     tiles and waits after, instead of arriving after the loads are issued.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
-    ``dynamic_last_round``: the gate/up phase's short last round of tiles goes to the programs
-    that ask first (see _stream_gated) instead of to fixed ones.
     """
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (None,) * 7, 1.0,
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
-                            use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
-                            dynamic_last_round=dynamic_last_round),
+                            use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"]),
                    timestamps)
 
 
@@ -506,7 +459,6 @@ def decode_layer(
     early_o_proj_tiles: bool = False,
     split_barrier: bool = SPLIT_BARRIER,
     timestamps: torch.Tensor | None = None,
-    dynamic_last_round: bool = DYNAMIC_LAST_ROUND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's whole layer: decode_attention_rope's work as phase 0 (rotary, the KV
     write, attention over the paged cache) in front of decode_layer_tail's four phases, one
@@ -523,15 +475,14 @@ def decode_layer(
     every program loads its first two o_proj tiles before the barrier that ends the attention
     phase (HBM busy during attention) rather than after it (default: attention's loads alone in
     HBM's queues; on the H200 a 3.8 against 5.4 us attention phase, 47.5 against 48.1 us a
-    layer). ``split_barrier``, ``timestamps`` and ``dynamic_last_round`` as decode_layer_tail's.
+    layer). ``split_barrier`` and ``timestamps`` as decode_layer_tail's.
     """
     return _launch(qkv, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
                                    context_lens), scale,
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             attention=True, attention_splits=attention_splits,
-                            early_o_proj_tiles=early_o_proj_tiles, dynamic_last_round=dynamic_last_round),
-                   timestamps)
+                            early_o_proj_tiles=early_o_proj_tiles), timestamps)
 
 
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
@@ -554,15 +505,8 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
             raise ValueError("timestamps need the phases in one launch (sync): a launch per phase would overwrite "
                              "each program's kernel-start stamp")
         attention["stamps_ptr"] = timestamps
-    meta = plan.meta
-    if meta["DYNAMIC_GU"]:
-        tickets = _TICKETS.for_stream(first_input.device, 1)
-        if tickets is None:  # first call on this stream inside a graph capture: fixed tiles
-            meta = dict(meta, DYNAMIC_GU=False)
-        else:
-            attention["ticket_ptr"] = tickets
     for first, final in plan.phases:
-        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **meta, **attention)
+        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
     y1, res2, act, y3, res3, qkv = outputs[:6]
     return (qkv, res3) if plan.has_next else (y3, res2)
 
@@ -596,7 +540,6 @@ class _Options(NamedTuple):
     attention: bool = False  # decode_layer: phase 0 runs the attention
     attention_splits: int | None = None
     early_o_proj_tiles: bool = False
-    dynamic_last_round: bool = False
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -661,14 +604,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
-                SPLIT_BARRIER=bool(options.split_barrier), DYNAMIC_GU=False,
+                SPLIT_BARRIER=bool(options.split_barrier),
                 **pdl)
-
-    def dynamic(meta: dict) -> dict:  # tickets only where there are two whole rounds before the last
-        gate_up_tiles = -(-meta["INNER"] // meta["BN_GU"])
-        return dict(meta, DYNAMIC_GU=bool(options.dynamic_last_round) and gate_up_tiles // meta["G"] >= 2)
-
-    meta = dynamic(meta)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -684,12 +621,10 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if timing:
             extra["stamps_ptr"] = torch.empty((G * PROGRAMS_PER_SM, STAMP_SLOTS), dtype=torch.int64, device=device)
-        if meta["DYNAMIC_GU"] or options.dynamic_last_round:
-            extra["ticket_ptr"] = torch.zeros(1, dtype=torch.int32, device=device)  # compiles only
-        doubled = dynamic(dict(meta, G=G * PROGRAMS_PER_SM))
+        doubled = dict(meta, G=G * PROGRAMS_PER_SM)
         if programs is None and _resident_per_sm(args, doubled, phases[0], extra) >= PROGRAMS_PER_SM:
             G = G * PROGRAMS_PER_SM
-            plan = replace(plan, programs=G, meta=doubled)
+            plan = replace(plan, programs=G, meta=dict(meta, G=G))
         per_sm = _resident_per_sm(args, plan.meta, phases[0], extra)
         if G > per_sm * sms:
             raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "

@@ -45,18 +45,16 @@ def launch_decode_paths(prefix: str = "") -> None:
     check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
     decode_layer_tail.check_runnable_device = lambda op, tensor: None
-    for name, sync, nxt, split, dynamic in (("decode_layer_tail, one launch with grid barriers", True, True, True, False),
-                                            ("decode_layer_tail, last layer", True, False, True, False),
-                                            ("decode_layer_tail, a launch per phase", False, True, True, False),
-                                            ("decode_layer_tail, barriers without split", True, True, False, False),
-                                            ("decode_layer_tail, gate/up's last round by tickets", True, True, True,
-                                             True)):
+    for name, sync, nxt, split in (("decode_layer_tail, one launch with grid barriers", True, True, True),
+                                   ("decode_layer_tail, last layer", True, False, True),
+                                   ("decode_layer_tail, a launch per phase", False, True, True),
+                                   ("decode_layer_tail, barriers without split", True, True, False)):
         check._CURRENT["label"] = prefix + name
         following = dict(next_input_norm=e(2048, dtype=BF16), next_qkv=e(3072, 2048, dtype=BF16)) if nxt else {}
         decode_layer_tail.decode_layer_tail(
             e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync,
-            split_barrier=split, dynamic_last_round=dynamic, **following)
+            split_barrier=split, **following)
     if prefix:  # decode_layer never launches with PDL (its phase 0 reads the kernel ahead's qkv first)
         return
     for name, sync, splits, extra in (

@@ -58,24 +58,6 @@ def test_layer_tail_programs_stride_over_every_tile(device):
         torch.testing.assert_close(res_out, results[0][1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("programs", [2, 3, 5])
-def test_dynamic_last_round_takes_every_tile_once(programs, device):
-    """Gate/up's last round by tickets: every tile computed exactly once whichever program asks
-    first (the same bits as the fixed assignment: a tile's arithmetic does not depend on its
-    program), and the ticket counter back at zero after each launch."""
-    from shapeshift.kernels.decode_layer_tail import _TICKETS
-
-    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
-    # 256-element tiles: gate/up has 64 tiles of 2 rows, several rounds of any of these grids.
-    fixed, dynamic, again = (decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=programs,
-                                               sync=False, tile_elements=256, dynamic_last_round=d)
-                             for d in (False, True, True))
-    for got in (dynamic, again):
-        torch.testing.assert_close(got[0], fixed[0], rtol=0, atol=0)
-        torch.testing.assert_close(got[1], fixed[1], rtol=0, atol=0)
-    assert _TICKETS.for_stream(attn.device, 1).tolist() == [0]
-
-
 def test_layer_tail_errors(device):
     attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
     with pytest.raises(ValueError, match="serves one token"):
@@ -89,22 +71,21 @@ def test_layer_tail_errors(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("split_barrier,dynamic", [(False, False), (True, False), (True, True)])
-def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier, dynamic):
+@pytest.mark.parametrize("split_barrier", [False, True])
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier):
     device = torch.device("cuda")
     dtype = torch.bfloat16
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False,
-                                     dynamic_last_round=False)
+        expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
         first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                  split_barrier=split_barrier, dynamic_last_round=dynamic)  # warm-up
+                                  split_barrier=split_barrier)  # warm-up
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             # 16 layers' worth of launches in one graph, as a decode step has.
             outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                      split_barrier=split_barrier, dynamic_last_round=dynamic) for _ in range(16)]
+                                      split_barrier=split_barrier) for _ in range(16)]
     stream.synchronize()
     for got in first:
         assert not torch.isnan(got).any()
@@ -118,10 +99,6 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
         torch.testing.assert_close(res_out, expected[1], rtol=0, atol=0)
     with torch.cuda.stream(stream):  # the last program out of every launch zeroed the counters
         assert _COUNTERS.for_stream(device, 2).tolist() == [0, 0]
-        if dynamic:  # ... and the last ticket's holder the tickets
-            from shapeshift.kernels.decode_layer_tail import _TICKETS
-
-            assert _TICKETS.for_stream(device, 1).tolist() == [0]
     ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
     assert_close_norm(expected[0], ref, dtype, "qkv")
 
