@@ -214,6 +214,7 @@ def _phases(name, step) -> dict:
             if p > 0 and (t[:, prev] > 0).all():  # a barrier ends the previous phase in this launch
                 row["barrier"].append(float(begin.median() - t[:, prev].max()))
     mean = {PHASES[p]: {k: (sum(v) / len(v) if v else None) for k, v in row.items()} for p, row in table.items()}
+    per_sm = _gate_up_by_sm(stamps)
     print(f"-- {name}: per phase, us from the kernel's start (mean of {LAYERS} layers)")
     for p, (phase, row) in enumerate((PHASES[p], mean[PHASES[p]]) for p in sorted(table)):
         rate = ""
@@ -225,7 +226,37 @@ def _phases(name, step) -> dict:
         barrier = f"barrier {row['barrier']:5.2f}" if row["barrier"] is not None else " " * 13
         print(f"   {phase:<9} begins {row['begin']:6.2f} ends {row['end']:6.2f}  work med {row['work_med']:6.2f} "
               f"max {row['work_max']:6.2f}  {barrier}  {rate}", flush=True)
-    return dict(variant=name, phases=mean)
+    if per_sm:
+        print(f"   gate/up by SM: slowest SM {per_sm['slowest_minus_median_us']:.2f} us behind the median SM's mean "
+              f"work; layers 0-7 against 8-15, correlation of each SM's mean work {per_sm['half_correlation']:.2f}; "
+              f"slowest SMs {per_sm['slowest_sms']}", flush=True)
+    return dict(variant=name, phases=mean, gate_up_by_sm=per_sm)
+
+
+def _gate_up_by_sm(stamps) -> dict | None:
+    """Whether the gate/up stragglers sit on the same SMs: each SM's mean gate/up work (its
+    programs, over the layers), the slowest SM against the median one, and the correlation of
+    the per-SM means of the first half of the layers with the second half's (near 1: the same
+    SMs are slow every layer; near 0: a different straggler each time)."""
+    from shapeshift.kernels.decode_layer_tail import SM_SLOT
+
+    halves = [{}, {}]
+    for i, t in enumerate(stamps):
+        t = t[t[:, 0] > 0].cpu()
+        work = (t[:, 5] - t[:, 4]).double() / 1e3  # us, gate/up (phase 2: slots 4, 5)
+        for sm, w in zip(t[:, SM_SLOT].tolist(), work.tolist()):
+            halves[i * 2 // len(stamps)].setdefault(sm, []).append(w)
+    common = sorted(set(halves[0]) & set(halves[1]))
+    if len(common) < 3:
+        return None
+    a = torch.tensor([sum(halves[0][sm]) / len(halves[0][sm]) for sm in common], dtype=torch.float64)
+    b = torch.tensor([sum(halves[1][sm]) / len(halves[1][sm]) for sm in common], dtype=torch.float64)
+    both = (a + b) / 2
+    order = torch.argsort(both, descending=True)
+    return {"sms": len(common), "slowest_minus_median_us": float(both.max() - both.median()),
+            "half_correlation": float(torch.corrcoef(torch.stack([a, b]))[0, 1]),
+            "slowest_sms": [common[i] for i in order[:8].tolist()],
+            "mean_work_us_by_sm": {sm: float(w) for sm, w in zip(common, both.tolist())}}
 
 
 if __name__ == "__main__":

@@ -228,7 +228,8 @@ def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
         _grid_barrier(counter_ptr, target)
 
 
-STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused]
+STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused..., SM]
+SM_SLOT = STAMP_SLOTS - 1  # the SM the program ran on (%smid), written with the kernel-start stamp
 
 
 @triton.jit
@@ -240,6 +241,10 @@ def _stamp(stamps_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid], dtype=tl.int64,
                                         is_pure=False, pack=1)
         tl.store(stamps_ptr + pid * 16 + slot, now)  # STAMP_SLOTS a program
+        if slot == 0:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid], dtype=tl.int32,
+                                           is_pure=False, pack=1)
+            tl.store(stamps_ptr + pid * 16 + 15, sm.to(tl.int64))  # SM_SLOT
 
 
 @triton.jit

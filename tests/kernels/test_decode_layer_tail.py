@@ -242,9 +242,9 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stamps read the GPU clock (%globaltimer)")
 def test_timestamps_are_each_programs_phases_in_order():
-    """Every program stamps its kernel start, then each phase's begin and end, in time order; the
-    results equal the unstamped launch's."""
-    from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS, decode_layer
+    """Every program stamps its kernel start, then each phase's begin and end, in time order, and
+    the SM it ran on (at most two programs an SM); the results equal the unstamped launch's."""
+    from shapeshift.kernels.decode_layer_tail import SM_SLOT, STAMP_SLOTS, decode_layer
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     attention, qkv = _attention_problem(100, 32, 8, 64, 16, dtype, device)
@@ -260,6 +260,8 @@ def test_timestamps_are_each_programs_phases_in_order():
     assert (ran[:, 1:] >= ran[:, :-1]).all(), "a program's stamps go back in time"
     for phase in range(1, 5):  # the barriers: no program begins a phase before every program ended the last
         assert ran[:, 2 * phase].min() >= ran[:, 2 * phase - 1].max(), phase
+    sms = stamps[stamps[:, 0] > 0][:, SM_SLOT]  # each program's SM, two programs on each
+    assert torch.bincount(sms, minlength=torch.cuda.get_device_properties(device).multi_processor_count).max() <= 2
     with pytest.raises(ValueError, match="timestamps must be"):
         decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, timestamps=stamps[:4])
 
