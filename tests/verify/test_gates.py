@@ -101,7 +101,11 @@ def test_half_precision_bounds_come_from_the_reference_rounding_error(model_bf16
     assert 0 < measured["max_rel_logit_diff"] < 0.2 and 0 < measured["max_logprob_diff"] < 0.1
     assert tol["logit_rtol"] == pytest.approx(max(5e-2, 2 * measured["max_rel_logit_diff"]))
     assert tol["logprob_atol"] == pytest.approx(max(0.1, 2 * measured["max_logprob_diff"]))
-    assert report.gate("outputs.agreement").evidence["logit_rtol"] == tol["logit_rtol"]
+    # The near-tie margin: twice the largest logit error (two logits off by e swap a margin of 2e), x 2.
+    assert 0 < measured["max_abs_logit_diff"] < 1.0
+    assert tol["tie_margin"] == pytest.approx(max(0.1, 2 * 2 * measured["max_abs_logit_diff"]))
+    agreement = report.gate("outputs.agreement").evidence
+    assert agreement["logit_rtol"] == tol["logit_rtol"] and agreement["tie_margin"] == tol["tie_margin"]
 
 
 def test_half_precision_still_refuses_an_8bit_drop(model_bf16):
