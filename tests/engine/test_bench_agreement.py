@@ -58,3 +58,17 @@ def test_layer_probe_sees_every_layer_of_a_decode_step():
     last = probe.steps[-1][-1]  # [B, H] after the last layer, at the last step
     expected = fp.linear(fp.norm(last, fp.final_norm, None)[0], fp.lm_head, float32_out=True)
     torch.testing.assert_close(expected, logits[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_probe_agreement_gate_cpu(tmp_path, capsys):
+    """hack/probe_agreement_gate.py: the gate passes a recipe that rounds like stock, on every
+    seed, with the near-tie margin calibrated beside the bounds (bf16, tiny model)."""
+    probe = load_hack_script("probe_agreement_gate")
+    assert probe.main(["--model", "tiny-llama", "--device", "cpu", "--recipe", "fused", "--seeds", "1,2",
+                       "--out-dir", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("agreement-gate-tiny-llama-*.json")).read_text())
+    assert [r["seed"] for r in doc["rows"]] == [1, 2] and all(r["passed"] for r in doc["rows"])
+    tol = doc["rows"][0]["tolerance"]
+    assert tol["calibrated"] and tol["tie_margin"] == doc["rows"][0]["agreement"]["tie_margin"]
+    assert tol["tie_margin"] >= 2 * 2 * tol["reference_vs_float32"]["max_abs_logit_diff"] - 1e-9
+    assert doc["rows"][1]["tolerance"].get("reused") is True  # measured once per weights
