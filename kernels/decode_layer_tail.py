@@ -476,7 +476,7 @@ def decode_layer(
     key and the value to the caches; returns what decode_layer_tail returns. ``attention_splits``
     (a power of two <= MAX_ATTENTION_SPLITS) cuts each kv head's context into that many slices
     run by different programs; every program merges them as phase 1 reads its input (default:
-    decode attention's batch-1 default, capped at MAX_ATTENTION_SPLITS). ``early_o_proj_tiles``:
+    default_layer_splits: decode attention's batch-1 default, capped). ``early_o_proj_tiles``:
     every program loads its first two o_proj tiles before the barrier that ends the attention
     phase (HBM busy during attention) rather than after it (default: attention's loads alone in
     HBM's queues; on the H200 a 3.8 against 5.4 us attention phase, 47.5 against 48.1 us a
@@ -493,6 +493,16 @@ def decode_layer(
 # Phase 1 of decode_layer merges every query head's split partials in every program (Hq x S x D
 # float32 read from L2 per program): more splits make phase 0 shorter and that merge longer.
 MAX_ATTENTION_SPLITS = 8
+
+
+def default_layer_splits(attention_default: int, tiles: int) -> int:
+    """decode_layer's split count when none is asked: decode attention's default, at most
+    MAX_ATTENTION_SPLITS and at most the context's tiles rounded down to a power of two. Decode
+    attention itself rounds the tiles up (its merge runs once, in the last split's program, so
+    an empty split costs it little); here every program merges every split, so an empty split
+    is paid 264 times."""
+    fit = 1 << (max(1, tiles).bit_length() - 1)
+    return min(attention_default, MAX_ATTENTION_SPLITS, fit)
 
 
 def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
@@ -662,7 +672,7 @@ def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache
                                                                               context_lens, None, None)
     rope = rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, None)
     if splits is None:
-        splits = min(default_splits, MAX_ATTENTION_SPLITS)
+        splits = default_layer_splits(default_splits, block_tables.shape[1] * block_size // constexprs["BLOCK_N"])
     elif splits < 1 or splits > MAX_ATTENTION_SPLITS or splits & (splits - 1):
         raise ValueError(f"{op}: attention_splits must be a power of two in [1, {MAX_ATTENTION_SPLITS}], "
                          f"got {splits}")

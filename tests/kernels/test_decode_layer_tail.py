@@ -164,6 +164,21 @@ def test_decode_layer_matches_attention_then_tail(dtype, context_len, splits, wi
         assert_close_norm(attention["k_cache"], ref_attention["k_cache"], dtype, "k cache")
 
 
+def test_decode_layer_default_splits_stay_within_the_tiles():
+    """decode_layer merges every split in every program, so its default never rounds the tiles
+    up the way decode attention's own default does (6 tiles: 4 splits here, 8 there)."""
+    from shapeshift.kernels.decode_attention import DECODE_ATTENTION_SPEC
+    from shapeshift.kernels.decode_layer_tail import default_layer_splits
+
+    problem = {"batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 64, "max_context": 400, "block_size": 16,
+               "dtype": "bfloat16"}
+    attention = DECODE_ATTENTION_SPEC.choose_default(problem, "sm90")
+    assert (attention["BLOCK_N"], attention["NUM_SPLITS"]) == (64, 8)
+    assert default_layer_splits(attention["NUM_SPLITS"], 400 // 64) == 4
+    assert default_layer_splits(8, 8) == 8 and default_layer_splits(32, 64) == 8  # MAX_ATTENTION_SPLITS
+    assert default_layer_splits(2, 1) == 1 and default_layer_splits(2, 0) == 1
+
+
 def test_decode_layer_programs_and_splits_give_one_answer(device):
     """1, 2 and 5 programs walk the (kv head, split) items and the tiles without skipping or
     repeating any (bit for bit); 1, 2 and 8 splits agree to float32 rounding."""
