@@ -328,7 +328,7 @@ def decode_attention(
     brought into L2 while they work, e.g. the weights of the projections that follow: at decode
     batch sizes attention reads little and leaves HBM idle. CUDA only (ignored elsewhere).
     """
-    config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs = _PLANS.plan(
+    config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs, merge_last = _PLANS.plan(
         attention_plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -339,10 +339,10 @@ def decode_attention(
     if num_splits > 1:
         partial_out = torch.empty((B, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((B, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        if config.get("MERGE_LAST", 0) and B * num_kv_heads <= MERGE_COUNTERS:
+        if merge_last:
             counters = _MERGE_COUNTERS.for_stream(q.device, MERGE_COUNTERS)
             if counters is not None:  # None: a graph captured on a stream that has none yet
-                merge = {"MERGE_LAST": True, "counter_ptr": counters, "BLOCK_S": reduce_constexprs["BLOCK_S"]}
+                merge = {**merge_last, "counter_ptr": counters}
     else:
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
@@ -503,13 +503,17 @@ def attention_plan(q, k_cache, v_cache, block_tables, context_lens, out, config)
     reduce_constexprs = {"QUERY_GROUP": group, "BLOCK_G": next_power_of_2(group), "HEAD_DIM": head_dim,
                          "BLOCK_D": block_d, "NUM_SPLITS": num_splits, "BLOCK_S": max(2, next_power_of_2(num_splits)),
                          "num_warps": 2 if head_dim <= 64 else 4}
+    # Pass 2 in the last split's program (the split kernel's constexprs for it), where the
+    # counters hold every (sequence, kv head) pair.
+    merge_last = ({"MERGE_LAST": True, "BLOCK_S": reduce_constexprs["BLOCK_S"]}
+                  if num_splits > 1 and config.get("MERGE_LAST", 0) and B * num_kv_heads <= MERGE_COUNTERS else {})
     # The launcher allocates a missing out contiguous: [B, Hq, D] strides (Hq * D, D).
     out_strides = out.stride() if out is not None else (num_q_heads * head_dim, head_dim)
     # The split kernel's stride arguments, in its order (q, k_cache, v_cache, block_tables, out);
     # the reduce kernel takes the last two (out's).
     strides = (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
                *out_strides[:2])
-    return config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs
+    return config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs, merge_last
 
 
 def _choose_default(problem, key: str) -> KernelConfig:

@@ -668,8 +668,8 @@ def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache
         raise ValueError(f"{op}: o_proj's input width {qd} is not a multiple of the cache's head_dim {head_dim}")
     check_tensor(op, "qkv", qkv, shape=(1, qd + 2 * hkv * head_dim), device=qkv.device, contiguous=True)
     q, k_new, v_new = (t.view(1, -1, head_dim) for t in qkv.split([qd, hkv * head_dim, hkv * head_dim], dim=-1))
-    _, strides, _, block_size, default_splits, constexprs, _ = attention_plan(q, k_cache, v_cache, block_tables,
-                                                                              context_lens, None, None)
+    _, strides, _, block_size, default_splits, constexprs, _, _ = attention_plan(q, k_cache, v_cache, block_tables,
+                                                                                 context_lens, None, None)
     rope = rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, None)
     if splits is None:
         splits = default_layer_splits(default_splits, block_tables.shape[1] * block_size // constexprs["BLOCK_N"])
