@@ -8,7 +8,7 @@ teacher-forced on one trajectory, so each position is scored for every path:
 
   seeded random weights of a preset (bf16), the same upcast to float32
   -> reference: the stock pass in float32, greedy from --prompts random prompts, all decoding as
-     one batch (PagedDriver, eager) -> tokens, float32 logits per decode step, and the hidden
+     one batch (engine/verify/agreement.teacher_forced, eager) -> tokens, float32 logits per decode step, and the hidden
      state after every layer (the residual stream, layer by layer)
   -> each recipe in the model's dtype, teacher-forced on the reference's tokens, decoding the
      prompts either as one batch (--batch all) or one at a time (--batch 1)
@@ -49,7 +49,6 @@ from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass,
 from shapeshift.engine.loader import load_model
 from shapeshift.engine.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced
-from shapeshift.engine.verify.driver import PagedDriver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import RECIPES, Recorder, log, needs_triton, recipe_with_overrides  # noqa: E402  (sibling)
@@ -148,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(EngineConfig(model=args.model, device=str(device), dtype=args.dtype, max_model_len=256))
     cfg, weights = loaded.model_config, loaded.weights
     prompts = random_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=PROMPT_SEED)
-    blocks = args.prompts * -(-(args.prompt_len + args.tokens + 1) // 16) + 8
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -165,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_weights = {k: v.float() for k, v in weights.items()}
     ref_fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, {}), cfg, ref_weights)
     ref_probe = LayerProbe(ref_fp)
-    ref_tokens, ref_logits = teacher_forced(ref_fp, PagedDriver(cfg, torch.float32, device, num_blocks=blocks),
-                                    prompts, args.tokens, len(prompts), None)
+    ref_tokens, ref_logits = teacher_forced(ref_fp, cfg, torch.float32, device, prompts, args.tokens, len(prompts))
     ref_layers = ref_probe.steps
     del ref_fp, ref_weights
     log(f"reference: {len(prompts)} prompts x {args.tokens} tokens in {time.perf_counter() - t0:.1f} s")
@@ -182,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = len(prompts) if shape == "all" else 1
             probe.steps = []
             t0 = time.perf_counter()
-            _, logits = teacher_forced(fp, PagedDriver(cfg, dtype, device, num_blocks=blocks), prompts,
-                                       args.tokens, batch, ref_tokens)
+            _, logits = teacher_forced(fp, cfg, dtype, device, prompts, args.tokens, batch, ref_tokens)
             row = {"recipe": recipe, "batch": batch, **score(ref_logits, logits, args.clear_margin),
                    "layer_rel_rms_error": layer_errors(ref_layers, probe.steps) if batch > 1 else [],
                    "seconds": time.perf_counter() - t0}

@@ -59,7 +59,6 @@ from shapeshift.engine.presets import PRESETS
 from shapeshift.engine.recipes import NAMED_RECIPES
 from shapeshift.engine.sampling import SamplingParams
 from shapeshift.engine.verify.agreement import judge, teacher_forced
-from shapeshift.engine.verify.driver import PagedDriver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINES_SCRIPT = Path(__file__).resolve().parent / "decode_baselines.py"
@@ -362,15 +361,12 @@ def agreement_check(engine: LLMEngine, recipe: str, args, device: torch.device) 
     if recipe != "stock":
         engine.set_forward_pass(stock_bundle, stock_fp)
         free["stock"] = engine.generate(prompts, params)
-    blocks = len(prompts) * -(-(args.prompt_len + args.check_tokens + 1) // 16) + 8
     ref_fp = build_forward_pass(stock_bundle, cfg, {name: t.float() for name, t in engine.weights.items()})
-    ref_tokens, ref = teacher_forced(ref_fp, PagedDriver(cfg, torch.float32, device, num_blocks=blocks), prompts,
-                                     args.check_tokens, len(prompts))
+    ref_tokens, ref = teacher_forced(ref_fp, cfg, torch.float32, device, prompts, args.check_tokens, len(prompts))
     del ref_fp
 
     def forced(fp) -> list[torch.Tensor]:
-        return teacher_forced(fp, PagedDriver(cfg, engine.dtype, device, num_blocks=blocks), prompts,
-                              args.check_tokens, batch, ref_tokens)[1]
+        return teacher_forced(fp, cfg, engine.dtype, device, prompts, args.check_tokens, batch, ref_tokens)[1]
 
     verdict = judge(ref, forced(candidate_fp), forced(stock_fp), min_clear_margin=args.check_tolerance)
     if device.type == "cuda":

@@ -29,14 +29,20 @@ from .driver import PagedDriver, Seq
 
 ERROR_FACTOR = 1.25  # candidate p99 / RMS logit error allowed over the control's
 ABS_SLACK = 1e-3  # logits: lets float32 paths (control error ~0) pass on summation order alone
+BLOCK_SIZE = 16  # tokens per KV block of the driver's cache
 
 
-def teacher_forced(fp: Any, driver: PagedDriver, prompts: list[list[int]], steps: int, batch: int,
-                   forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy (or, with ``forced``, teacher-forced) decode of every prompt, ``batch`` sequences
-    at a time -> (argmax tokens per prompt, float32 logits [P, V] per step, prompts in order)."""
+def teacher_forced(fp: Any, model_config: Any, dtype: torch.dtype, device: torch.device | str,
+                   prompts: list[list[int]], steps: int, batch: int, forced: list[list[int]] | None = None
+                   ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy (or, with ``forced``, teacher-forced) decode of every prompt by ``fp`` over a paged
+    cache of ``dtype`` (a PagedDriver holding one group's blocks), ``batch`` sequences at a time
+    -> (argmax tokens per prompt, float32 logits [P, V] per step, prompts in order)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    blocks_per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // BLOCK_SIZE)
+    driver = PagedDriver(model_config, dtype, device, num_blocks=min(batch, len(prompts)) * blocks_per_seq + 8,
+                         block_size=BLOCK_SIZE)
     tokens: list[list[int]] = []
     groups: list[list[torch.Tensor]] = []
     for start in range(0, len(prompts), batch):

@@ -45,7 +45,6 @@ def test_layer_probe_sees_every_layer_of_a_decode_step():
     from shapeshift.engine.loader import random_weights
     from shapeshift.engine.presets import PRESETS
     from shapeshift.engine.verify.agreement import teacher_forced
-    from shapeshift.engine.verify.driver import PagedDriver
 
     bench = load_bench()
     preset = PRESETS["tiny-llama"]
@@ -53,7 +52,7 @@ def test_layer_probe_sees_every_layer_of_a_decode_step():
     weights = random_weights(cfg, seed=preset.weight_seed, dtype=torch.float32, device="cpu")
     fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, {}), cfg, weights)
     probe = bench.LayerProbe(fp)
-    _, logits = teacher_forced(fp, PagedDriver(cfg, torch.float32, "cpu"), [[5, 6, 7, 8], [9, 10, 11, 12]], 3, 2)
+    _, logits = teacher_forced(fp, cfg, torch.float32, "cpu", [[5, 6, 7, 8], [9, 10, 11, 12]], 3, 2)
     assert len(probe.steps) == 2 and all(len(step) == cfg.num_hidden_layers for step in probe.steps)  # decode only
     last = probe.steps[-1][-1]  # [B, H] after the last layer, at the last step
     expected = fp.linear(fp.norm(last, fp.final_norm, None)[0], fp.lm_head, float32_out=True)

@@ -14,7 +14,6 @@ from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass,
 from shapeshift.engine.loader import random_weights
 from shapeshift.engine.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced
-from shapeshift.engine.verify.driver import PagedDriver
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
 PROMPTS = [[5, 9, 14, 3, 7, 22, 31, 8], [40, 2, 2, 17, 60, 11, 4, 9], [3, 3, 81, 12, 5, 6, 70, 1]]
@@ -27,14 +26,14 @@ def setup():
     cfg = ModelConfig.from_hf(preset.hf_config)
     weights = random_weights(cfg, seed=preset.weight_seed, dtype=torch.bfloat16, device="cpu")
     ref_fp = build_forward_pass(load_bundle(STOCK_BUNDLE_DIR, {}), cfg, {k: v.float() for k, v in weights.items()})
-    tokens, ref = teacher_forced(ref_fp, PagedDriver(cfg, torch.float32, "cpu"), PROMPTS, STEPS, len(PROMPTS))
+    tokens, ref = teacher_forced(ref_fp, cfg, torch.float32, "cpu", PROMPTS, STEPS, len(PROMPTS))
     return cfg, weights, tokens, ref
 
 
 def forced(setup, bundle, batch: int) -> list[torch.Tensor]:
     cfg, weights, tokens, _ = setup
     fp = build_forward_pass(bundle, cfg, weights)
-    return teacher_forced(fp, PagedDriver(cfg, torch.bfloat16, "cpu"), PROMPTS, STEPS, batch, tokens)[1]
+    return teacher_forced(fp, cfg, torch.bfloat16, "cpu", PROMPTS, STEPS, batch, tokens)[1]
 
 
 def test_teacher_forced_shapes_and_forcing(setup):
@@ -45,7 +44,7 @@ def test_teacher_forced_shapes_and_forcing(setup):
     for step, logits in enumerate(ref):
         assert logits.argmax(-1).tolist() == [t[step] for t in tokens]
     with pytest.raises(ValueError, match="batch"):
-        teacher_forced(None, None, PROMPTS, STEPS, 0)
+        teacher_forced(None, None, torch.float32, "cpu", PROMPTS, STEPS, 0)
 
 
 def test_score_of_identical_logits_is_zero_error(setup):
