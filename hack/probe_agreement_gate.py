@@ -2,7 +2,7 @@
 """The compile loop's outputs.agreement gate on one recipe, over several seeds: does a candidate
 that rounds like the stock pass get through, and with what bounds?
 
-Data flow: a preset's seeded weights in the model's dtype -> the recipe written as a bundle over
+Data flow: a preset's seeded weights in the model's dtype -> the recipe written once as a bundle over
 the stock forward pass (engine/bundle.create_bundle) -> verify_candidate(..., only=
 ("outputs.agreement",)) per seed (fresh prompts each; the float32 calibration is measured once
 and reused) -> per seed: passed, the bounds in force (logprob atol, logit rtol, near-tie margin)
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = next(iter(loaded.weights.values())).dtype
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "candidate"
+        create_bundle(stock_bundle_dir(), recipe_with_overrides(args.recipe), bundle)
         for seed in (int(s) for s in args.seeds.split(",")):
-            bundle = Path(tmp) / f"candidate-{seed}"
-            create_bundle(stock_bundle_dir(), recipe_with_overrides(args.recipe), bundle)
             t0 = time.perf_counter()
             report = verify_candidate(bundle, loaded.model_config, loaded.weights, dtype=dtype, device=device,
                                       settings=GateSettings(seed=seed), only=("outputs.agreement",))
