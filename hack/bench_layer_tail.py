@@ -197,9 +197,10 @@ def _phases(name, step) -> dict:
 
     stamps = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
     _graph_us(lambda: step(stamps))  # the last replay's stamps stay
+    ran = [t[t[:, 0] > 0].cpu() for t in stamps]  # per layer, the rows of programs that ran
     table = {}
-    for t in stamps:
-        t = t[t[:, 0] > 0].double().cpu() / 1e3  # us; rows of programs that ran
+    for t in ran:
+        t = t.double() / 1e3  # us
         t0 = t[:, 0].min()
         for p in range(5):
             begin, end = (t[:, 0], t[:, 1]) if p == 0 else (t[:, 2 * p], t[:, 2 * p + 1])
@@ -214,7 +215,7 @@ def _phases(name, step) -> dict:
             if p > 0 and (t[:, prev] > 0).all():  # a barrier ends the previous phase in this launch
                 row["barrier"].append(float(begin.median() - t[:, prev].max()))
     mean = {PHASES[p]: {k: (sum(v) / len(v) if v else None) for k, v in row.items()} for p, row in table.items()}
-    per_sm = _gate_up_by_sm(stamps)
+    per_sm = _gate_up_by_sm(ran)
     print(f"-- {name}: per phase, us from the kernel's start (mean of {LAYERS} layers)")
     for p, (phase, row) in enumerate((PHASES[p], mean[PHASES[p]]) for p in sorted(table)):
         rate = ""
@@ -233,19 +234,19 @@ def _phases(name, step) -> dict:
     return dict(variant=name, phases=mean, gate_up_by_sm=per_sm)
 
 
-def _gate_up_by_sm(stamps) -> dict | None:
-    """Whether the gate/up stragglers sit on the same SMs: each SM's mean gate/up work (its
-    programs, over the layers), the slowest SM against the median one, and the correlation of
-    the per-SM means of the first half of the layers with the second half's (near 1: the same
-    SMs are slow every layer; near 0: a different straggler each time)."""
+def _gate_up_by_sm(ran) -> dict | None:
+    """Whether the gate/up stragglers sit on the same SMs (``ran``: each layer's stamps of the
+    programs that ran, on the host): each SM's mean gate/up work (its programs, over the
+    layers), the slowest SM against the median one, and the correlation of the per-SM means of
+    the first half of the layers with the second half's (near 1: the same SMs are slow every
+    layer; near 0: a different straggler each time)."""
     from shapeshift.kernels.decode_layer_tail import SM_SLOT
 
     halves = [{}, {}]
-    for i, t in enumerate(stamps):
-        t = t[t[:, 0] > 0].cpu()
+    for i, t in enumerate(ran):
         work = (t[:, 5] - t[:, 4]).double() / 1e3  # us, gate/up (phase 2: slots 4, 5)
         for sm, w in zip(t[:, SM_SLOT].tolist(), work.tolist()):
-            halves[i * 2 // len(stamps)].setdefault(sm, []).append(w)
+            halves[i * 2 // len(ran)].setdefault(sm, []).append(w)
     common = sorted(set(halves[0]) & set(halves[1]))
     if len(common) < 3:
         return None

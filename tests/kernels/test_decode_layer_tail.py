@@ -312,3 +312,32 @@ def test_bench_layer_tail_imports_its_siblings_and_refuses_without_a_gpu():
                             timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "needs a CUDA GPU" in result.stderr
+
+
+def test_bench_layer_tail_finds_the_slow_sms_from_the_stamps():
+    """bench_layer_tail's per-SM view of gate/up (synthetic stamps, two programs an SM): SMs slow in
+    every layer come out as the slowest with the two halves of the layers correlated; a straggler
+    drawn anew each layer leaves them uncorrelated."""
+    from harness.scripts import load_hack_script
+    from shapeshift.kernels.decode_layer_tail import SM_SLOT, STAMP_SLOTS
+
+    bench = load_hack_script("bench_layer_tail")
+    gen = torch.Generator().manual_seed(0)
+
+    def stamps(pace):  # pace(layer) -> us of extra gate/up work per SM
+        ran = []
+        for layer in range(16):
+            t = torch.zeros((264, STAMP_SLOTS), dtype=torch.int64)
+            sm = torch.arange(264) // 2
+            t[:, 0], t[:, 4], t[:, SM_SLOT] = 1_000, 5_000, sm
+            t[:, 5] = 5_000 + 16_000 + (1e3 * pace(layer)[sm]).long() + torch.randint(0, 50, (264,), generator=gen)
+            ran.append(t)
+        return ran
+
+    fixed = torch.zeros(132)
+    fixed[124:] = 0.5  # the last 8 SMs half a microsecond slower in every layer
+    steady = bench._gate_up_by_sm(stamps(lambda layer: fixed))
+    assert sorted(steady["slowest_sms"]) == list(range(124, 132))
+    assert steady["half_correlation"] > 0.9 and 0.4 < steady["slowest_minus_median_us"] < 0.6
+    noise = bench._gate_up_by_sm(stamps(lambda layer: torch.rand(132, generator=gen)))
+    assert abs(noise["half_correlation"]) < 0.5
