@@ -200,3 +200,25 @@ def test_speed_of_light_bound():
     assert bound["bound_s"] == max(bound["memory_s"], bound["compute_s"])
     assert not check_speed_of_light(1e-5, bound)  # 10 us for a 1B decode step: impossible
     assert check_speed_of_light(2e-3, bound)
+
+
+def test_compare_tells_flips_from_forgiven_near_ties():
+    """compare(): an argmax change where the reference's margin is under the near-tie margin is
+    forgiven, above it a flip that fails; shapes that differ and non-finite logits fail too."""
+    from shapeshift.engine.verify.gates import compare
+
+    ref = torch.tensor([[5.0, 4.95, 0.0, 0.0], [5.0, 3.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    near = ref.clone()
+    near[0, 1] = 5.05  # margin 0.05: swapped
+    ev = compare([ref], [near], (1.0, 1.0, 0.1))
+    assert (ev["tokens"], ev["flips"], ev["forgiven_near_ties"]) == (3, 0, 1) and ev["ok"]
+    assert ev["max_abs_logit_diff"] == pytest.approx(0.1, abs=1e-5) and ev["tie_margin"] == 0.1
+    clear = near.clone()
+    clear[1, 1] = 5.5  # margin 2.0: swapped
+    ev = compare([ref, ref], [near, clear], (10.0, 10.0, 0.1))
+    assert (ev["tokens"], ev["flips"], ev["forgiven_near_ties"]) == (6, 1, 2) and not ev["ok"]
+    assert compare([ref], [ref[:2]], (1.0, 1.0, 0.1))["shape_mismatch"] == [(3, 4), (2, 4)]
+    bad = ref.clone()
+    bad[2, 3] = float("nan")
+    ev = compare([ref, ref], [bad, ref], (1.0, 1.0, 0.1))
+    assert not ev["finite"] and not ev["ok"] and ev["tokens"] == 0  # stops at the first non-finite step
