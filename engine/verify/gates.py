@@ -46,6 +46,7 @@ import torch
 from . import anticheat  # first: captures clocks and function identities before any candidate
 from ..hot_reload import (DeadlineExceeded, LoadedBundle, ReloadError, fingerprint_diff, load_bundle_isolated,
                           run_with_deadline, weights_fingerprint)
+from .agreement import score
 from .driver import PagedDriver, Seq
 
 GATE_NAMES = (
@@ -181,12 +182,12 @@ class GateContext:
 
 def compare(ref: list[torch.Tensor], cand: list[torch.Tensor], tol: tuple[float, float, float],
             top_k: int = 8) -> dict[str, Any]:
-    """Logits lists (per step, [B, V]) -> agreement, logprob and relative-logit evidence."""
+    """Logits lists (per step, [B, V]) -> agreement, logprob and relative-logit evidence. A
+    position whose argmax differs is a flip when the reference's top-2 margin exceeds the
+    near-tie margin, else a forgiven near-tie (agreement.score counts them)."""
     atol, rtol, tie = tol
-    flips = forgiven = total = 0
-    max_diff = max_abs = 0.0
-    max_rel = sq_rel = 0.0
-    n_rel = 0
+    max_diff = max_rel = sq_rel = 0.0
+    n_rel = steps = 0
     finite = True
     for r, c in zip(ref, cand, strict=True):
         if tuple(r.shape) != tuple(c.shape):
@@ -200,27 +201,20 @@ def compare(ref: list[torch.Tensor], cand: list[torch.Tensor], tol: tuple[float,
         diff = (lc.gather(-1, top.indices) - top.values).abs().max().item()
         max_diff = max(max_diff, diff)
         spread = r.float().std(dim=-1, keepdim=True).clamp_min(1e-12)  # [B, 1]
-        err = (c - r.float()).abs()
-        max_abs = max(max_abs, err.max().item())
-        rel = err / spread
+        rel = (c - r.float()).abs() / spread
         max_rel = max(max_rel, rel.max().item())
         sq_rel += rel.square().sum().item()
         n_rel += rel.numel()
-        ra, ca = r.argmax(-1), c.argmax(-1)
-        top2 = torch.topk(r.float(), 2, dim=-1).values
-        margin = (top2[:, 0] - top2[:, 1])
-        for i in range(r.shape[0]):
-            total += 1
-            if ra[i] != ca[i]:
-                if margin[i].item() < tie:
-                    forgiven += 1
-                else:
-                    flips += 1
+        steps += 1
+    positions = score(ref[:steps], cand[:steps], tie) if steps else None
+    total = positions["positions"] if positions else 0
+    flips = positions["clear_argmax_flips"] if positions else 0
+    forgiven = total - positions["argmax_equal"] - flips if positions else 0
     ok = finite and flips == 0 and max_diff <= atol and max_rel <= rtol
     return {"ok": ok, "finite": finite, "tokens": total, "flips": flips, "forgiven_near_ties": forgiven,
             "max_logprob_diff": float(max_diff), "logprob_atol": atol, "max_rel_logit_diff": float(max_rel),
             "logit_rtol": rtol, "rms_rel_logit_diff": (sq_rel / n_rel) ** 0.5 if n_rel else 0.0,
-            "max_abs_logit_diff": float(max_abs), "tie_margin": tie}
+            "max_abs_logit_diff": positions["max_abs_logit_error"] if positions else 0.0, "tie_margin": tie}
 
 
 def run_pair(ctx: GateContext, prompts: list[list[int]], steps: int, setup: Callable[[PagedDriver, list[Seq]], None]
