@@ -46,22 +46,34 @@ def test_decode_attention_matches_reference(lens, hq, hkv, d, bs, variant, split
     assert (out[zero_rows] == 0).all(), "sequences with no context must produce zeros"
 
 
-def test_merge_in_the_last_split_agrees_with_the_merge_launch_and_resets_its_counters(device):
-    """MERGE_LAST runs pass 2's code in the program that finishes its group last: the same
-    result as pass 2's own launch up to float32 summation order (the two compile it at different
-    tile shapes), the same bits on every repeat (no launch reads a partial before it is
-    written), and every counter back at zero after each launch (the next launch, or graph
-    replay, starts from them)."""
+def test_merge_in_the_last_split_agrees_with_the_merge_launch_and_resets_its_counters(device, monkeypatch):
+    """MERGE_LAST runs pass 2's code in the program that finishes its group last (no pass-2
+    launch): the same result as pass 2's own launch up to float32 summation order (the two
+    compile it at different tile shapes), the same bits on every repeat (no launch reads a
+    partial before it is written), and every counter back at zero after each launch (the next
+    launch, or graph replay, starts from them)."""
+    from shapeshift.kernels import decode_attention as module
     from shapeshift.kernels.decode_attention import MERGE_COUNTERS, _MERGE_COUNTERS
 
     q, kc, vc, bt, cl = _paged_problem([40, 0, 7, 64, 127, 3], 8, 2, 16, 8, torch.float32, device)
+    pass2 = []  # grids of pass 2's own launches
+    reduce_kernel = module._decode_attention_reduce_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            pass2.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_attention_reduce_kernel", Counted())
 
     def run(merge_last: int) -> torch.Tensor:
         config = KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=8, MERGE_LAST=merge_last)
         return decode_attention(q, kc, vc, bt, cl, 0.25, out=poisoned(q.shape, q.dtype, device), config=config)
 
     launched = run(0)
+    assert pass2 == [(6, 2)]  # (B, Hkv)
     merged = [run(1) for _ in range(20 if device.type == "cuda" else 2)]
+    assert pass2 == [(6, 2)]  # the merging launches had no second launch, yet their outputs are whole
     assert all(torch.equal(merged[0], m) for m in merged[1:])
     torch.testing.assert_close(merged[0], launched, atol=1e-6, rtol=1e-5)
     assert_close_norm(merged[0], decode_attention_ref(q, kc, vc, bt, cl, 0.25), torch.float32)
