@@ -179,6 +179,28 @@ def test_decode_layer_default_splits_stay_within_the_tiles():
     assert default_layer_splits(2, 1) == 1 and default_layer_splits(2, 0) == 1
 
 
+def test_decode_layer_launches_with_its_default_splits(device, monkeypatch):
+    """The launch takes default_layer_splits' count: a block table 8 tokens wide is less than
+    one tile, so one split (decode attention's own default asks 2 in the interpreter)."""
+    from shapeshift.kernels import decode_layer_tail as module
+
+    attention, qkv = _attention_problem(3, 4, 2, 16, 4, torch.float32, device)
+    _, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
+    launched = []
+    kernel = module._decode_layer_tail_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["SPLITS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_decode_layer_tail_kernel", Recorded())
+    module.decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention)
+    assert launched and set(launched) == {1}
+
+
 def test_decode_layer_programs_and_splits_give_one_answer(device):
     """1, 2 and 5 programs walk the (kv head, split) items and the tiles without skipping or
     repeating any (bit for bit); 1, 2 and 8 splits agree to float32 rounding."""
