@@ -80,8 +80,8 @@ def score(ref: list[torch.Tensor], cand: list[torch.Tensor], clear_margin: float
 def judge(ref: list[torch.Tensor], cand: list[torch.Tensor], control: list[torch.Tensor],
           min_clear_margin: float = 0.05, factor: float = ERROR_FACTOR) -> dict[str, Any]:
     """The verdict on ``cand`` against ``control`` (both scored against ``ref``)."""
-    first = score(ref, control, min_clear_margin)
-    margin = max(min_clear_margin, 2.0 * first["max_abs_logit_error"])
+    control_error = max(float((c.float().to(r.device) - r.float()).abs().max()) for r, c in zip(ref, control))
+    margin = max(min_clear_margin, 2.0 * control_error)
     ctl, mine = score(ref, control, margin), score(ref, cand, margin)
     limits = {key: factor * ctl[key] + ABS_SLACK for key in ("p99_row_max_abs_logit_error", "rms_logit_error")}
     failures = [f"{key} {mine[key]:.4f} > {limit:.4f} ({factor} x the control's {ctl[key]:.4f})"
