@@ -140,7 +140,7 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     """Attention + tail per layer: the fused-rotary attention launch(es) then decode_layer_tail
     (the recipe's two kernels a layer), against decode_layer at each split count."""
     from shapeshift.kernels.decode_attention import decode_attention_rope
-    from shapeshift.kernels.decode_layer_tail import decode_layer, decode_layer_tail
+    from shapeshift.kernels.decode_layer_tail import NextAttention, decode_layer, decode_layer_tail
     from shapeshift.kernels.rotary import rope_cos_sin_cache
 
     heads, kv_heads, head_dim, block = Q_DIM // 64, 8, 64, 16
@@ -152,7 +152,7 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
                 slot_mapping=torch.tensor([args.context - 1], device=dev),
                 block_tables=torch.arange(blocks, device=dev, dtype=torch.int32).view(1, -1),
                 context_lens=torch.tensor([args.context], device=dev, dtype=torch.int32), scale=head_dim ** -0.5)
-    qkv = rand(1, NQKV)
+    qkv, attn_in = rand(1, NQKV), rand(1, Q_DIM)
     q, k, v = (t.view(1, -1, head_dim) for t in qkv.split([Q_DIM, kv_heads * head_dim, kv_heads * head_dim], -1))
 
     def separate():
@@ -164,6 +164,23 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     os.environ["SHAPESHIFT_PDL"] = "0"
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _graph_us(separate),
            context=args.context)
+    for pdl in args.pdl.split(","):  # each tail ends in the next layer's attention (fuse_attention_into_tail)
+        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
+
+        def into_tail(stamps=None):
+            for i, w in enumerate(layers):
+                kc, vc = caches[(i + 1) % LAYERS]
+                decode_layer_tail(attn_in, residual, eps=1e-5, **w, timestamps=None if stamps is None else stamps[i],
+                                  next_attention=NextAttention(**step, k_cache=kc, v_cache=vc))
+        name = f"layer tail + the next layer's attention (phase 5), PDL {pdl}, {args.context} tokens"
+        try:
+            record(name, _graph_us(into_tail), context=args.context, pdl=pdl)
+            if args.phases and pdl == "off":
+                rows.append(_phases(name, lambda stamps: into_tail(stamps=stamps)))
+        except Exception as exc:  # report, go on
+            print(f"{name}: failed: {exc}", flush=True)
+            rows.append(dict(variant=name, error=str(exc)[:500]))
+    os.environ["SHAPESHIFT_PDL"] = "0"
     splits_list = [int(x) for x in args.layer_splits.split(",")]
     for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
                                  for b in args.split_barrier.split(",")):
@@ -184,7 +201,7 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
             rows.append(dict(variant=name, error=str(exc)[:500]))
 
 
-PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv")
+PHASES = ("attention", "o_proj", "gate/up", "down", "next qkv", "next attention")
 PHASE_BYTES = {1: HIDDEN * Q_DIM * 2, 2: 2 * INNER * HIDDEN * 2, 3: HIDDEN * INNER * 2, 4: NQKV * HIDDEN * 2}
 
 
@@ -202,10 +219,12 @@ def _phases(name, step) -> dict:
     for t in ran:
         t = t.double() / 1e3  # us
         t0 = t[:, 0].min()
-        for p in range(5):
+        for p in range(len(PHASES)):
             begin, end = (t[:, 0], t[:, 1]) if p == 0 else (t[:, 2 * p], t[:, 2 * p + 1])
             if (end == 0).all():
                 continue
+            if p == 5:  # only the attention items' programs run the next layer's attention
+                begin, end = begin[end > 0], end[end > 0]
             row = table.setdefault(p, {"begin": [], "end": [], "work_med": [], "work_max": [], "barrier": []})
             row["begin"].append(float(begin.median() - t0))
             row["end"].append(float(end.max() - t0))

@@ -109,15 +109,26 @@ def _decode_attention_split_kernel(
                  USE_DOT, UPCAST_DOT, DOT_PRECISION, FUSE_ROPE, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr,
                  slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_cs, HALF)
     if MERGE_LAST:
-        # Every thread's partial stores are issued before the release; the acquire side of the
-        # last arrival's add makes the other splits' partials visible to its loads (through L2).
-        tl.debug_barrier()
-        counter = counter_ptr + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.debug_barrier()  # no thread loads a partial before the acquire is done
-            merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h, num_q_heads,
-                        QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
-            tl.store(counter, 0)  # every split has arrived: nobody else touches it in this launch
+        merge_if_last(counter_ptr + b * tl.num_programs(1) + kv_head, partial_out_ptr, partial_lse_ptr, out_ptr, b,
+                      kv_head, stride_o_b, stride_o_h, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D,
+                      NUM_SPLITS, BLOCK_S)
+
+
+@triton.jit
+def merge_if_last(counter, partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h,
+                  num_q_heads, QUERY_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """After a split's partial is stored: count it on the group's counter (int32, zero before),
+    and if it is the group's last, merge the group (merge_group) and zero the counter again.
+    Every thread's partial stores are issued before the release; the acquire side of the last
+    arrival's add makes the other splits' partials visible to its loads (through L2). Shared by
+    the split kernel (MERGE_LAST) and the layer-tail kernel's attention of the next layer."""
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        tl.debug_barrier()  # no thread loads a partial before the acquire is done
+        merge_group(partial_out_ptr, partial_lse_ptr, out_ptr, b, kv_head, stride_o_b, stride_o_h, num_q_heads,
+                    QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S)
+        tl.store(counter, 0)  # every split has arrived: nobody else touches it in this launch
 
 
 @triton.jit

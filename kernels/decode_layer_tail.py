@@ -60,7 +60,8 @@ import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      interpreter_active, next_power_of_2, pdl_options)
-from .decode_attention import LOG2E, attend_split, attention_plan, decode_attention_rope_ref, rope_plan
+from .decode_attention import (LOG2E, attend_split, attention_plan, decode_attention_rope_ref, merge_if_last,
+                               rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
 from .triton_helpers import grid_dependency_wait, launch_dependents
@@ -218,6 +219,27 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
 
 
 @triton.jit
+def _attend_item(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr,
+                 partial_lse_ptr, scale_log2, item, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
+                 stride_v_slot, stride_v_head, block_size, positions_ptr, cos_sin_ptr, slot_mapping_ptr, stride_cs,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_N_ATT: tl.constexpr, SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Attention item = (kv head, split) of one token whose un-rotated q | k | v row is qkv:
+    decode_attention_rope's pass 1 (rotary, the KV-cache write by the last split, attention over
+    the split's slice of the paged cache); the output goes to out when SPLITS is 1, else to the
+    split partials."""
+    attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                 partial_out_ptr, partial_lse_ptr, scale_log2, 0, item // SPLITS, item % SPLITS,
+                 0, HEAD_DIM, stride_k_block, stride_k_slot, stride_k_head,
+                 stride_v_block, stride_v_slot, stride_v_head, 0, 0, HEAD_DIM,
+                 block_size, HQ, HQ // HKV, BLOCK_G, HEAD_DIM, HEAD_DIM, BLOCK_N_ATT, SPLITS,
+                 USE_DOT, UPCAST_DOT, DOT_PRECISION, True, qkv_ptr + HQ * HEAD_DIM,
+                 qkv_ptr + (HQ + HKV) * HEAD_DIM, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+                 0, HEAD_DIM, 0, HEAD_DIM, stride_cs, HEAD_DIM // 2)
+
+
+@triton.jit
 def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
     """The grid barrier in front of a phase; ARRIVED (split barrier): this program arrived
     before loading the phase's first tiles, so only the wait is left (the arrival's release
@@ -228,7 +250,7 @@ def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
         _grid_barrier(counter_ptr, target)
 
 
-STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-4, unused..., SM]
+STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-5, unused..., SM]
 SM_SLOT = STAMP_SLOTS - 1  # the SM the program ran on (%smid), written with the kernel-start stamp
 
 
@@ -253,7 +275,7 @@ def _decode_layer_tail_kernel(
     res_ptr, post_w_ptr, res2_ptr, wgu_ptr, act_ptr,
     wd_ptr, y3_ptr,
     in_w_ptr, res3_ptr, wqkv_ptr, bqkv_ptr, qkv_ptr,
-    counter_ptr,  # int32 [2]: arrivals, exits; zero between launches
+    counter_ptr,  # int32 [2 + HKV]: arrivals, exits, phase 5's merge counters; zero between launches
     eps,
     H: tl.constexpr, QD: tl.constexpr, INNER: tl.constexpr, NQKV: tl.constexpr,
     HP: tl.constexpr, QDP: tl.constexpr, IP: tl.constexpr,
@@ -276,6 +298,9 @@ def _decode_layer_tail_kernel(
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
     EARLY_O: tl.constexpr = False,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
+    # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
+    # arguments above name the next layer's caches; its output goes to attn_out.
+    attn_out_ptr=None,
 ):
     pid = tl.program_id(0)
     _stamp(stamps_ptr, pid, 0, TIMING)
@@ -283,14 +308,11 @@ def _decode_layer_tail_kernel(
         # A program per (kv head, split) item (the rest go straight to phase 1's first tiles);
         # q, k and v are the qkv row's three parts, un-rotated.
         for item in range(pid, HKV * SPLITS, G):
-            attend_split(qkv_in_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, attn_ptr,
-                         partial_out_ptr, partial_lse_ptr, scale_log2, 0, item // SPLITS, item % SPLITS,
-                         0, HEAD_DIM, stride_k_block, stride_k_slot, stride_k_head,
-                         stride_v_block, stride_v_slot, stride_v_head, 0, 0, HEAD_DIM,
-                         block_size, HQ, HQ // HKV, BLOCK_G, HEAD_DIM, HEAD_DIM, BLOCK_N_ATT, SPLITS,
-                         USE_DOT, UPCAST_DOT, DOT_PRECISION, True, qkv_in_ptr + HQ * HEAD_DIM,
-                         qkv_in_ptr + (HQ + HKV) * HEAD_DIM, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
-                         0, HEAD_DIM, 0, HEAD_DIM, stride_cs, HEAD_DIM // 2)
+            _attend_item(qkv_in_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, attn_ptr,
+                         partial_out_ptr, partial_lse_ptr, scale_log2, item, stride_k_block, stride_k_slot,
+                         stride_k_head, stride_v_block, stride_v_slot, stride_v_head, block_size, positions_ptr,
+                         cos_sin_ptr, slot_mapping_ptr, stride_cs, HQ, HKV, HEAD_DIM, BLOCK_G, BLOCK_N_ATT, SPLITS,
+                         USE_DOT, UPCAST_DOT, DOT_PRECISION)
         _stamp(stamps_ptr, pid, 1, TIMING)
     if FIRST <= 1 and LAST >= 1:
         if SYNC and SPLIT_BARRIER and FIRST <= 0:
@@ -344,6 +366,27 @@ def _decode_layer_tail_kernel(
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
         _stamp(stamps_ptr, pid, 9, TIMING)
+    if FIRST <= 5 and LAST >= 5:
+        # The next layer's attention on the qkv row phase 4 wrote (NEXT_ATTENTION): one program
+        # per (kv head, split) item waits for every program's qkv rows; the others exit (their
+        # SMs free for the next kernel). The last split of each kv head merges its group.
+        if SYNC:
+            _barrier_arrive(counter_ptr)
+        if pid < HKV * SPLITS:
+            if SYNC:
+                _barrier_wait(counter_ptr, (5 - FIRST) * G)
+            _stamp(stamps_ptr, pid, 10, TIMING)
+            for item in range(pid, HKV * SPLITS, G):
+                _attend_item(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, attn_out_ptr,
+                             partial_out_ptr, partial_lse_ptr, scale_log2, item, stride_k_block, stride_k_slot,
+                             stride_k_head, stride_v_block, stride_v_slot, stride_v_head, block_size, positions_ptr,
+                             cos_sin_ptr, slot_mapping_ptr, stride_cs, HQ, HKV, HEAD_DIM, BLOCK_G, BLOCK_N_ATT,
+                             SPLITS, USE_DOT, UPCAST_DOT, DOT_PRECISION)
+                if SPLITS > 1:
+                    merge_if_last(counter_ptr + 2 + item // SPLITS, partial_out_ptr, partial_lse_ptr, attn_out_ptr,
+                                  0, item // SPLITS, 0, HEAD_DIM, HQ, HQ // HKV, BLOCK_G, HEAD_DIM, HEAD_DIM, SPLITS,
+                                  SPLITS_P)
+            _stamp(stamps_ptr, pid, 11, TIMING)
     if SYNC:
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then (its exit add, acq_rel, comes after).
@@ -356,9 +399,12 @@ def _decode_layer_tail_kernel(
             tl.store(counter_ptr + slot, tl.zeros([2], tl.int32))
 
 
-# Barrier counters [arrivals, exits]: one pair per stream serves every layer (kernels on one
-# stream never overlap).
-_COUNTERS = StreamCounters()
+# Phase 5 (the next layer's attention) merges each kv head's splits through a counter of its own.
+MAX_NEXT_ATTENTION_KV_HEADS = 64
+# Barrier counters [arrivals, exits, phase 5's merge counters]: one set per stream serves every
+# layer (kernels on one stream never overlap); allocated at full size once, so a CUDA graph keeps
+# the address it captured.
+_COUNTERS = StreamCounters(2 + MAX_NEXT_ATTENTION_KV_HEADS)
 
 
 def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention: dict) -> int:
@@ -411,6 +457,7 @@ def decode_layer_tail(
     tile_elements: int = TILE_ELEMENTS,
     split_barrier: bool = SPLIT_BARRIER,
     timestamps: torch.Tensor | None = None,
+    next_attention: NextAttention | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -428,12 +475,46 @@ def decode_layer_tail(
     tiles and waits after, instead of arriving after the loads are issued.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
+    ``next_attention`` (with the next layer's weights): the next layer's attention runs as a
+    fifth phase on the qkv row phase 4 writes (rotary, the write of the new key and value to the
+    next layer's caches, split attention, each kv head's splits merged by its last split), and
+    the launcher returns (attn [1, QD], residual_out): the next layer's attention output, the
+    input of its own tail. One launch a layer instead of two.
     """
+    attention_tensors, scale, splits = (None,) * 7, 1.0, None
+    if next_attention is not None:
+        if not isinstance(next_attention, NextAttention):
+            raise ValueError("decode_layer_tail: next_attention must be a NextAttention")
+        attention_tensors, scale, splits = next_attention[:7], next_attention.scale, next_attention.splits
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
-                   next_qkv_bias, (None,) * 7, 1.0,
+                   next_qkv_bias, attention_tensors, scale,
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
-                            use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"]),
+                            use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
+                            next_attention=next_attention is not None, attention_splits=splits),
                    timestamps)
+
+
+class NextAttention(NamedTuple):
+    """The next layer's attention for decode_layer_tail's phase 5: its caches [num_blocks,
+    block_size, HKV, D] (D a power of two >= 16, HKV <= MAX_NEXT_ATTENTION_KV_HEADS), and the step's
+    tensors as decode_attention_rope takes them: positions [1], cos_sin_cache [max_position, D]
+    float32, slot_mapping [1] (negative: no cache write), block_tables [1, M] int32, context_lens
+    [1] int32 (counting the new token); ``splits``: a power of two <= MAX_NEXT_ATTENTION_SPLITS
+    (default: decode attention's own default for the shape)."""
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    scale: float
+    splits: int | None = None
+
+
+# Phase 5 merges in the last split of each kv head (decode attention's MERGE_LAST), so splits cost
+# one merge a head, not one a program as in decode_layer's phase 1.
+MAX_NEXT_ATTENTION_SPLITS = 32
 
 
 def decode_layer(
@@ -510,7 +591,8 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
     plan = _PLANS.plan(_plan, (first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                                next_qkv, next_qkv_bias, *attention_tensors), options)
     outputs = _outputs(plan, first_input)
-    counters = _launch_counters(first_input.device) if plan.sync else outputs[0]
+    # Phase 5 merges through counters even when each phase is a launch of its own.
+    counters = _launch_counters(first_input.device) if plan.sync or plan.next_attention else outputs[0]
     args = _kernel_args(plan, first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
                         next_qkv, next_qkv_bias, outputs, counters, eps)
     attention = _attention_args(plan, first_input, attention_tensors, outputs, scale)
@@ -523,6 +605,8 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
     for first, final in plan.phases:
         _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
     y1, res2, act, y3, res3, qkv = outputs[:6]
+    if plan.next_attention:
+        return outputs[6], res3
     return (qkv, res3) if plan.has_next else (y3, res2)
 
 
@@ -535,12 +619,14 @@ class _Plan:
     programs: int
     phases: tuple[tuple[int, int], ...]
     meta: dict
-    attention: dict | None  # decode_layer: phase 0's constexprs and strides
+    attention: dict | None  # decode_layer's phase 0 or the tail's phase 5: constexprs and strides
 
     hidden = property(lambda self: self.meta["H"])
     q_dim = property(lambda self: self.meta["QD"])
     inner = property(lambda self: self.meta["INNER"])
     nqkv = property(lambda self: self.meta["NQKV"])
+    next_attention = property(lambda self: self.phases[-1][1] == 5)
+    attention_first = property(lambda self: self.phases[0][0] == 0)  # decode_layer's phase 0
 
 
 class _Options(NamedTuple):
@@ -555,6 +641,7 @@ class _Options(NamedTuple):
     attention: bool = False  # decode_layer: phase 0 runs the attention
     attention_splits: int | None = None
     early_o_proj_tiles: bool = False
+    next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -604,6 +691,9 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if has_attention:
         attention = _attention_plan(op, first_input, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
                                     block_tables, context_lens, options.attention_splits)
+    if options.next_attention:
+        attention = _next_attention_plan(op, first_input, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping,
+                                         k_cache, v_cache, block_tables, context_lens, options.attention_splits)
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -612,7 +702,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
 
     G = programs or default_programs(device)
     first = 0 if has_attention else 1
-    last = 4 if has_next else 3
+    last = 5 if options.next_attention else 4 if has_next else 3
     # PDL's launch options whole (USE_PDL and launch_pdl), for the tail in one launch only.
     pdl = pdl_options(device, "layer_tail") if (options.use_pdl and sync and not has_attention) else {"USE_PDL": False}
     meta = dict(H=hidden, QD=qd, INNER=inner, NQKV=nqkv, HP=next_power_of_2(hidden), QDP=next_power_of_2(qd),
@@ -655,10 +745,32 @@ def head_dim_problem(head_dim: int) -> str | None:
     return None
 
 
+def _next_attention_plan(op, attn, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+                         block_tables, context_lens, splits) -> dict:
+    """Phase 5's checks and constexprs: decode_layer's phase-0 plan on the qkv row phase 4 writes,
+    with decode attention's own default split count (the merge runs once a kv head)."""
+    if not has_next:
+        raise ValueError(f"{op}: next_attention needs the next layer's next_input_norm and next_qkv")
+    check_tensor(op, "next_attention.k_cache", k_cache, ndim=4, device=attn.device)
+    hkv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if hkv > MAX_NEXT_ATTENTION_KV_HEADS:
+        raise ValueError(f"{op}: next_attention takes at most {MAX_NEXT_ATTENTION_KV_HEADS} kv heads (its merge "
+                         f"counters), the cache has {hkv}")
+    if nqkv != qd + 2 * hkv * head_dim:
+        raise ValueError(f"{op}: next_qkv has {nqkv} rows; the next layer's attention needs q | k | v = {qd} + 2 x "
+                         f"{hkv} x {head_dim}")
+    qkv = torch.empty((1, nqkv), dtype=attn.dtype, device=attn.device)  # phase 4's output, for the planners
+    return _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
+                           context_lens, splits, merge_each_program=False)
+
+
 def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables,
-                    context_lens, splits) -> dict:
+                    context_lens, splits, merge_each_program: bool = True) -> dict:
     """decode_layer's phase-0 checks and constexprs: decode_attention_rope's own (its planners run
-    on q, k and v as views of the qkv row), plus the qkv width and the split count."""
+    on q, k and v as views of the qkv row), plus the qkv width and the split count;
+    merge_each_program (phase 0: phase 1 merges the splits in every program) caps the splits at
+    MAX_ATTENTION_SPLITS, else (phase 5, merged once a kv head) at MAX_NEXT_ATTENTION_SPLITS with
+    decode attention's default."""
     check_tensor(op, "k_cache", k_cache, ndim=4, device=qkv.device)
     hkv, head_dim = k_cache.shape[2], k_cache.shape[3]
     problem = head_dim_problem(head_dim)
@@ -671,14 +783,16 @@ def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache
     _, strides, _, block_size, default_splits, constexprs, _, _ = attention_plan(q, k_cache, v_cache, block_tables,
                                                                                  context_lens, None, None)
     rope = rope_plan(q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache, None)
+    most = MAX_ATTENTION_SPLITS if merge_each_program else MAX_NEXT_ATTENTION_SPLITS
     if splits is None:
-        splits = default_layer_splits(default_splits, block_tables.shape[1] * block_size // constexprs["BLOCK_N"])
-    elif splits < 1 or splits > MAX_ATTENTION_SPLITS or splits & (splits - 1):
-        raise ValueError(f"{op}: attention_splits must be a power of two in [1, {MAX_ATTENTION_SPLITS}], "
-                         f"got {splits}")
+        tiles = block_tables.shape[1] * block_size // constexprs["BLOCK_N"]
+        splits = (default_layer_splits(default_splits, tiles) if merge_each_program
+                  else min(default_splits, MAX_NEXT_ATTENTION_SPLITS))
+    elif splits < 1 or splits > most or splits & (splits - 1):
+        raise ValueError(f"{op}: attention_splits must be a power of two in [1, {most}], got {splits}")
     hq = qd // head_dim
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head = strides[2:8]
-    return dict(HAS_ATTENTION=True, HQ=hq, HQP=next_power_of_2(hq), HKV=hkv, HEAD_DIM=head_dim,
+    return dict(HAS_ATTENTION=merge_each_program, HQ=hq, HQP=next_power_of_2(hq), HKV=hkv, HEAD_DIM=head_dim,
                 BLOCK_G=constexprs["BLOCK_G"], BLOCK_N_ATT=constexprs["BLOCK_N"], SPLITS=splits,
                 SPLITS_P=max(2, next_power_of_2(splits)), USE_DOT=constexprs["USE_DOT"],
                 UPCAST_DOT=constexprs["UPCAST_DOT"], DOT_PRECISION=constexprs["DOT_PRECISION"],
@@ -712,18 +826,21 @@ def _kernel_args(plan: _Plan, first_input, residual, o_proj, post_norm, gate_up,
                  next_qkv, next_qkv_bias, outputs, counters, eps) -> tuple:
     """The kernel's positional arguments (stand-ins where a phase is not run)."""
     y1, res2, act, y3, res3, qkv = outputs[:6]
-    attn = first_input if plan.attention is None else outputs[6]
+    attn = outputs[6] if plan.attention_first else first_input
     return (attn, o_proj, y1, residual, post_norm, res2, gate_up, act, down_proj, y3,
             next_input_norm if plan.has_next else post_norm, res3, next_qkv if plan.has_next else o_proj,
             next_qkv_bias if next_qkv_bias is not None else y1, qkv, counters, float(eps))
 
 
 def _attention_args(plan: _Plan, qkv, attention_tensors, outputs, scale) -> dict:
-    """decode_layer's phase-0 keyword arguments (none for decode_layer_tail)."""
+    """The attention phase's keyword arguments: decode_layer's phase 0 on its input qkv, or the
+    tail's phase 5 on the qkv row of phase 4 into attn_out (none without either)."""
     if plan.attention is None:
         return {}
     positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens = attention_tensors
-    return dict(plan.attention, qkv_in_ptr=qkv, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+    if plan.next_attention:
+        qkv = outputs[5]
+    return dict(plan.attention, qkv_in_ptr=qkv, attn_out_ptr=outputs[6], k_cache_ptr=k_cache, v_cache_ptr=v_cache,
                 block_tables_ptr=block_tables, context_lens_ptr=context_lens, positions_ptr=positions,
                 cos_sin_ptr=cos_sin_cache, slot_mapping_ptr=slot_mapping, partial_out_ptr=outputs[7],
                 partial_lse_ptr=outputs[8], scale_log2=float(scale) * LOG2E)

@@ -240,7 +240,8 @@ def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
 GEMV_FUSION_NEEDS = {"fuse_gate_up_activation": ("fuse_gate_up",),
                      "fuse_norm_into_linear": ("fuse_qkv", "fuse_gate_up"),
                      "fuse_layer_tail": ("fuse_norm_into_linear", "fuse_qkv", "fuse_gate_up"),
-                     "fuse_attention_into_layer": ("fuse_layer_tail", "fuse_rotary_into_attention")}
+                     "fuse_attention_into_layer": ("fuse_layer_tail", "fuse_rotary_into_attention"),
+                     "fuse_attention_into_tail": ("fuse_layer_tail", "fuse_rotary_into_attention")}
 
 
 def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
@@ -252,6 +253,9 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
             missing.insert(0, "linear_backend=triton")
         if missing:
             return f"{knob}=true needs {', '.join(missing)} (the fusion lives in the Triton GEMV)"
+    if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
+        return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
+                "kernel: at most one of them")
     return None
 
 
@@ -464,7 +468,7 @@ def build_search_space(
         knobs = [k for k in knobs if k.name != "fuse_rotary_into_attention"]
     # The whole-layer kernel runs the rotary-fused attention, on the head sizes it takes.
     if not any(k.name == "fuse_rotary_into_attention" for k in knobs) or not _whole_layer_takes(head_dim):
-        knobs = [k for k in knobs if k.name != "fuse_attention_into_layer"]
+        knobs = [k for k in knobs if k.name not in ("fuse_attention_into_layer", "fuse_attention_into_tail")]
     if not triton_attention or not cuda:  # PTX prefetches: CUDA only
         knobs = [k for k in knobs if k.name != "attention_l2_prefetch_mb"]
 

@@ -155,6 +155,16 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "fuse_attention_into_layer" not in odd_space.names and "fuse_rotary_into_attention" in odd_space.names
     bad = {**cuda_space.default(), "fuse_attention_into_layer": True, "fuse_rotary_into_attention": False}
     assert any("fuse_attention_into_layer" in problem for problem in cuda_space.validate(bad))
+    # The tail ending in the next layer's attention: the same needs, and not with the whole-layer kernel.
+    assert "fuse_attention_into_tail" in cuda_space.names
+    assert "fuse_attention_into_tail" not in qk_space.names and "fuse_attention_into_tail" not in odd_space.names
+    both = {**cuda_space.default(), "linear_backend": "triton", "fuse_qkv": True, "fuse_gate_up": True,
+            "fuse_norm_into_linear": True, "fuse_layer_tail": True, "attention_backend": "triton",
+            "rotary_backend": "triton", "fuse_rotary_into_attention": True, "fuse_attention_into_layer": True,
+            "fuse_attention_into_tail": True}
+    assert any("at most one of them" in problem for problem in cuda_space.validate(both))
+    assert not any("at most one" in problem
+                   for problem in cuda_space.validate({**both, "fuse_attention_into_layer": False}))
     # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}

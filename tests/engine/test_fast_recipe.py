@@ -28,23 +28,25 @@ SCRIPT = textwrap.dedent('''
     from shapeshift.engine.recipes import NAMED_RECIPES
     from shapeshift.engine.sampling import SamplingParams
 
-    preset, device, fuse_norm, fuse_rope, tail, whole = sys.argv[1], sys.argv[2], *(a == "1" for a in sys.argv[3:7])
+    preset, device = sys.argv[1], sys.argv[2]
+    fuse_norm, fuse_rope, tail, whole, into_tail = (a == "1" for a in sys.argv[3:8])
     fast = dict(NAMED_RECIPES["fast"] if fuse_norm else NAMED_RECIPES["gemv"])  # the measured knob sets
     if fuse_rope:  # and the L2 prefetch of the next weights from the attention kernel (a no-op on the CPU)
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
     if fuse_norm:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
-        fast.update(fuse_layer_tail=tail, fuse_attention_into_layer=whole)
+        fast.update(fuse_layer_tail=tail, fuse_attention_into_layer=whole, fuse_attention_into_tail=into_tail)
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
     tri = LLMEngine(EngineConfig(**base, forward_pass_recipe=fast))
-    tail_calls = [0]
+    tail_calls, next_attention_calls = [0], [0]
     if tail:  # the layer kernel in use: attention and tail (whole), or the tail alone
         name = "_whole_layer" if whole else "_layer_tail"
         launcher = getattr(tri.forward_pass, name)
 
         def counted(*args, **kwargs):
             tail_calls[0] += 1
+            next_attention_calls[0] += kwargs.get("next_attention") is not None
             return launcher(*args, **kwargs)
         setattr(tri.forward_pass, name, counted)
         if device == "cuda":  # graphs were captured with the engine: capture again through the counter
@@ -63,6 +65,7 @@ SCRIPT = textwrap.dedent('''
               # one request at a time: batch-1 decode steps (the layer-tail kernel's batch)
               "ref_single": [ref.generate([p], greedy)[0] for p in prompts],
               "fast_single": [tri.generate([p], greedy)[0] for p in prompts], "tail_calls": tail_calls[0],
+              "next_attention_calls": next_attention_calls[0],
               "layers": len(tri.forward_pass.layers),
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
               "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
@@ -72,12 +75,12 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole", [
-    ("tiny-llama", True, False, False, False), ("tiny-qwen3", True, False, False, False),
-    ("tiny-llama", False, False, False, False), ("tiny-llama", True, True, False, False),
-    ("tiny-llama", True, True, True, False), ("tiny-qwen3", True, False, True, False),
-    ("tiny-llama", True, True, True, True)])
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole):
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail", [
+    ("tiny-llama", True, False, False, False, False), ("tiny-qwen3", True, False, False, False, False),
+    ("tiny-llama", False, False, False, False, False), ("tiny-llama", True, True, False, False, False),
+    ("tiny-llama", True, True, True, False, False), ("tiny-qwen3", True, False, True, False, False),
+    ("tiny-llama", True, True, True, True, False), ("tiny-llama", True, True, True, False, True)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +88,8 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole):
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
-                           "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0"],
+                           "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0",
+                           "1" if into_tail else "0"],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -97,6 +101,9 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole):
     # Batch-1 decode steps went through the layer-tail kernel: one call per layer and step.
     assert (result["tail_calls"] > 0) == tail
     assert result["tail_calls"] % result["layers"] == 0
+    # fuse_attention_into_tail: every layer's tail but the last ends in the next layer's attention.
+    layers = result["layers"]
+    assert result["next_attention_calls"] == (result["tail_calls"] // layers * (layers - 1) if into_tail else 0)
     assert len({tuple(t) for t in result["ref"]}) == 3  # distinct continuations: a real comparison
     assert result["fast_sampled"] == result["ref_sampled"]  # seeded sampling falls back to the logits
     assert result["max_logit_diff"] < 1e-4
@@ -129,7 +136,19 @@ def test_fast_recipe_knob_errors():
                                          "fuse_rotary_into_attention: true"):
         build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_attention_into_layer": True}), cfg,
                            weights)
+    with pytest.raises(ValueError, match="fuse_attention_into_tail needs fuse_layer_tail: true and "
+                                         "fuse_rotary_into_attention: true, and fuse_attention_into_layer off"):
+        build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_attention_into_tail": True}), cfg,
+                           weights)
+    with pytest.raises(ValueError, match="fuse_attention_into_tail needs"):
+        build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True,
+                                              "fuse_attention_into_layer": True, "fuse_attention_into_tail": True}),
+                           cfg, weights)
     odd = ModelConfig.from_hf({**PRESETS["tiny-llama"].hf_config, "head_dim": 24})
+    with pytest.raises(ValueError, match="fuse_attention_into_tail: the model's head_dim must be a power of two"):
+        build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True,
+                                              "fuse_attention_into_tail": True}), odd,
+                           random_weights(odd, seed=1, dtype=torch.float32, device="cpu"))
     with pytest.raises(ValueError, match="fuse_attention_into_layer: the model's head_dim must be a power of two"):
         build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True,
                                               "fuse_attention_into_layer": True}), odd,

@@ -55,6 +55,11 @@ def launch_decode_paths(prefix: str = "") -> None:
             e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, programs=264, sync=sync,
             split_barrier=split, **following)
+    check._CURRENT["label"] = prefix + "decode_layer_tail with the next layer's attention, 8 splits"
+    decode_layer_tail.decode_layer_tail(
+        e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
+        e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16), e(3072, 2048, dtype=BF16),
+        programs=264, sync=True, next_attention=decode_layer_tail.NextAttention(**_attention_inputs(), splits=8))
     if prefix:  # decode_layer never launches with PDL (its phase 0 reads the kernel ahead's qkv first)
         return
     for name, sync, splits, extra in (
@@ -66,13 +71,19 @@ def launch_decode_paths(prefix: str = "") -> None:
             ("decode_layer, per-phase timestamps", True, 4,
              {"timestamps": e(264, decode_layer_tail.STAMP_SLOTS, dtype=torch.int64)})):
         check._CURRENT["label"] = name
-        attention = dict(positions=e(1, dtype=torch.int64), cos_sin_cache=e(4096, 64), slot_mapping=e(1, dtype=torch.int64),
-                         k_cache=e(64, 16, 8, 64, dtype=BF16), v_cache=e(64, 16, 8, 64, dtype=BF16),
-                         block_tables=e(1, 32, dtype=torch.int32), context_lens=e(1, dtype=torch.int32), scale=0.125)
+        attention = _attention_inputs()
         decode_layer_tail.decode_layer(
             e(1, 3072, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
             e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16),
             e(3072, 2048, dtype=BF16), programs=264, sync=sync, attention_splits=splits, **attention, **extra)
+
+
+def _attention_inputs() -> dict:
+    """A batch-1 step's attention tensors at the Llama-3.2-1B shape (8 kv heads of 64, 512 tokens)."""
+    e = torch.empty
+    return dict(positions=e(1, dtype=torch.int64), cos_sin_cache=e(4096, 64), slot_mapping=e(1, dtype=torch.int64),
+                k_cache=e(64, 16, 8, 64, dtype=BF16), v_cache=e(64, 16, 8, 64, dtype=BF16),
+                block_tables=e(1, 32, dtype=torch.int32), context_lens=e(1, dtype=torch.int32), scale=0.125)
 
 
 check.launch_all = launch_decode_paths

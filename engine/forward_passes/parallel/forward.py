@@ -105,7 +105,8 @@ class ParallelForwardPass(stock.StockForwardPass):
         if self.layout.tp > 1:
             # fuse_layer_tail runs a layer's o_proj, MLP and the next qkv in one kernel: no place for
             # the all-reduces between them, so the separate GEMVs run instead (same recipe elsewhere).
-            recipe = {**recipe, "fuse_layer_tail": False, "fuse_attention_into_layer": False}
+            recipe = {**recipe, "fuse_layer_tail": False, "fuse_attention_into_layer": False,
+                      "fuse_attention_into_tail": False}
         super().__init__(self.layout.rank_model_config(cfg), weights, recipe)
         if "lm_head.weight" in weights:  # tied embeddings under tp > 1: the head is a shard, the table is not
             self.lm_head = weights["lm_head.weight"]

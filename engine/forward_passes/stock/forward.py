@@ -50,6 +50,12 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       head_dim that is a power of two >= 16; a kernel_configs
                                       decode_attention entry and attention_l2_prefetch_mb are not
                                       applied there)
+  fuse_attention_into_tail: bool      batch-1 decode: the next layer's attention (rotary, KV write,
+                                      split attention, each kv head merged by its last split) as
+                                      the last phase of the layer-tail kernel, one launch a layer
+                                      after the first layer's attention (kernels.decode_layer_tail,
+                                      next_attention; the same needs as fuse_attention_into_layer,
+                                      and not with it)
   attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
                                       weights read next (o_proj, then gate/up) into L2 while it
                                       runs; 0 = off (needs attention_backend: triton; CUDA)
@@ -244,7 +250,8 @@ class StockForwardPass:
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
-                 "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer"}
+                 "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
+                 "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -332,6 +339,19 @@ class StockForwardPass:
             if problem:
                 raise ValueError(f"recipe fuse_attention_into_layer: the model's {problem}")
             self._whole_layer = _kernel("decode_layer_tail", "decode_layer", "fuse_attention_into_layer")
+        self._next_attention = None  # NextAttention, with fuse_attention_into_tail
+        if self.recipe.get("fuse_attention_into_tail", False):
+            if self._layer_tail is None or self._decode_attention_rope is None or self._whole_layer is not None:
+                raise ValueError("recipe fuse_attention_into_tail needs fuse_layer_tail: true and "
+                                 "fuse_rotary_into_attention: true, and fuse_attention_into_layer off (both put "
+                                 "attention into the layer kernel)")
+            problem = _kernel("decode_layer_tail", "head_dim_problem", "fuse_attention_into_tail")(cfg.head_dim)
+            most = _kernel("decode_layer_tail", "MAX_NEXT_ATTENTION_KV_HEADS", "fuse_attention_into_tail")
+            if not problem and cfg.num_key_value_heads > most:
+                problem = f"{cfg.num_key_value_heads} kv heads are more than the kernel's {most}"
+            if problem:
+                raise ValueError(f"recipe fuse_attention_into_tail: the model's {problem}")
+            self._next_attention = _kernel("decode_layer_tail", "NextAttention", "fuse_attention_into_tail")
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -586,10 +606,25 @@ class StockForwardPass:
                           sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
         """Batch-1 decode with fuse_layer_tail: the first qkv projection (norm prologue), then per
         layer its attention and one persistent kernel for o_proj, the MLP and the next layer's
-        qkv projection (2 launches per layer; 1 with fuse_attention_into_layer)."""
+        qkv projection (2 launches per layer; 1 with fuse_attention_into_layer, or with
+        fuse_attention_into_tail after the first layer's attention)."""
         first = self.layers[0]
         qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
         eps = self.cfg.rms_norm_eps
+        if self._next_attention is not None:  # each tail ends in the next layer's attention
+            o = self.attend(0, first, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
+            for i, layer in enumerate(self.layers[:-1]):
+                nxt = self.layers[i + 1]
+                following = self._next_attention(positions, self.cos_sin, ctx.slot_mapping, kv_cache.k[i + 1],
+                                                  kv_cache.v[i + 1], ctx.block_tables, ctx.context_lens, self.scale)
+                o, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
+                                               layer.down_proj, eps, nxt.input_norm, nxt.qkv_proj, nxt.qkv_bias,
+                                               next_attention=following)
+            last = self.layers[-1]
+            y, residual = self._layer_tail(o, residual, last.o_proj, last.post_norm, last.gate_up_proj,
+                                           last.down_proj, eps)
+            x, _ = self.norm(y, self.final_norm, residual)
+            return self.linear(x, self.lm_head, float32_out=True)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             # The next layer's qkv; after the last layer, its MLP output.
