@@ -218,7 +218,7 @@ def _merged_heads(partial_out_ptr, partial_lse_ptr, dtype: tl.constexpr, HQ: tl.
     return tl.reshape(merged.to(dtype).to(tl.float32), [HQP * D])
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _attend_item(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr,
                  partial_lse_ptr, scale_log2, item, stride_k_block, stride_k_slot, stride_k_head, stride_v_block,
                  stride_v_slot, stride_v_head, block_size, positions_ptr, cos_sin_ptr, slot_mapping_ptr, stride_cs,
@@ -228,9 +228,7 @@ def _attend_item(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     """Attention item = (kv head, split) of one token whose un-rotated q | k | v row is qkv:
     decode_attention_rope's pass 1 (rotary, the KV-cache write by the last split, attention over
     the split's slice of the paged cache); the output goes to out when SPLITS is 1, else to the
-    split partials. Not inlined: inlined, its code changed how ptxas scheduled the weight-tile
-    loads of the gate/up loop (two of a round's four tile loads ~50 instructions later, sm_90
-    SASS), and that phase took 17.8 against 16.3 us a layer on an H200."""
+    split partials."""
     attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                  partial_out_ptr, partial_lse_ptr, scale_log2, 0, item // SPLITS, item % SPLITS,
                  0, HEAD_DIM, stride_k_block, stride_k_slot, stride_k_head,

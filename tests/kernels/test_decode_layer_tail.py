@@ -408,7 +408,14 @@ def test_tail_with_next_attention_one_launch_equals_a_launch_per_phase_in_replay
     ref, ref_res = _tail_then_attention_ref(attn, residual, weights, following, ref_attention)
     assert_close_norm(expected[0], ref, dtype, "next layer's attention")
     assert_close_norm(expected[1], ref_res, dtype, "residual out")
-    assert torch.equal(attention["v_cache"], ref_attention["v_cache"])
+    # The new token's key and value come from phase 4's qkv, within bf16 of the reference's; every
+    # other slot of the caches is untouched.
+    slot = int(attention["slot_mapping"])
+    block, offset = slot // 16, slot % 16
+    for name in ("k_cache", "v_cache"):
+        assert_close_norm(attention[name][block, offset], ref_attention[name][block, offset], dtype, name)
+        attention[name][block, offset] = ref_attention[name][block, offset]
+        assert torch.equal(attention[name], ref_attention[name]), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stamps read the GPU clock (%globaltimer)")
