@@ -75,6 +75,9 @@ PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier wai
 # Barriers: arrive before loading the next phase's first tiles, wait after (40.29 -> 38.78 us a
 # layer, layer-tail-NVIDIA-H200-20261130T052122Z.json).
 SPLIT_BARRIER = True
+# Of each weight's first two row tiles of phases 2-4, how many load between a program's arrival at
+# the barrier in front of the phase and its wait there (the rest load after the wait).
+EARLY_TILES = 2
 
 
 @triton.jit
@@ -120,6 +123,33 @@ def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.const
                  KP: tl.constexpr):
     """A program's first two row tiles of a phase (pid and pid + G), loaded ahead of the phase."""
     return (_row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP), _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP))
+
+
+@triton.jit
+def _tiles_before(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KP: tl.constexpr, EARLY: tl.constexpr):
+    """A program's first two row tiles of a phase as _first_tiles gives them, but only the first
+    EARLY (0-2) loaded, ahead of the barrier; the others are zeros until _tiles_after loads them."""
+    if EARLY >= 1:
+        w0 = _row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP)
+    else:
+        w0 = tl.zeros([BLOCK_N, KP], w_ptr.dtype.element_ty)
+    if EARLY >= 2:
+        w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
+    else:
+        w1 = tl.zeros([BLOCK_N, KP], w_ptr.dtype.element_ty)
+    return w0, w1
+
+
+@triton.jit
+def _tiles_after(w_ptr, pid, row0, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KP: tl.constexpr, EARLY: tl.constexpr):
+    """The first two row tiles that _tiles_before left out, loaded after the barrier."""
+    if EARLY < 1:
+        w0 = _row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP)
+    if EARLY < 2:
+        w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
+    return w0, w1
 
 
 @triton.jit
@@ -296,6 +326,7 @@ def _decode_layer_tail_kernel(
     BLOCK_G: tl.constexpr = 16, BLOCK_N_ATT: tl.constexpr = 16, SPLITS: tl.constexpr = 1, SPLITS_P: tl.constexpr = 2,
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
+    EARLY_TILES: tl.constexpr = 2,  # of each weight's first two tiles of phases 2-4, how many load before the wait
     EARLY_O: tl.constexpr = False,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
@@ -335,10 +366,12 @@ def _decode_layer_tail_kernel(
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        g0, g1 = _first_tiles(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP)
-        u0, u1 = _first_tiles(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP)
+        g0, g1 = _tiles_before(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, EARLY_TILES)
+        u0, u1 = _tiles_before(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
+        g0, g1 = _tiles_after(wgu_ptr, pid, 0, g0, g1, G, INNER, H, BN_GU, HP, EARLY_TILES)
+        u0, u1 = _tiles_after(wgu_ptr, pid, INNER, u0, u1, G, INNER, H, BN_GU, HP, EARLY_TILES)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
         _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
@@ -346,9 +379,10 @@ def _decode_layer_tail_kernel(
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        w0, w1 = _first_tiles(wd_ptr, pid, 0, G, H, INNER, BN_D, IP)
+        w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
+        w0, w1 = _tiles_after(wd_ptr, pid, 0, w0, w1, G, H, INNER, BN_D, IP, EARLY_TILES)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
@@ -358,9 +392,10 @@ def _decode_layer_tail_kernel(
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        w0, w1 = _first_tiles(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP)
+        w0, w1 = _tiles_before(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
+        w0, w1 = _tiles_after(wqkv_ptr, pid, 0, w0, w1, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
@@ -458,6 +493,7 @@ def decode_layer_tail(
     split_barrier: bool = SPLIT_BARRIER,
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
+    early_tiles: int = EARLY_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -472,7 +508,8 @@ def decode_layer_tail(
     hack/bench_layer_tail.py measures them with ``programs``. Under programmatic dependent launch (SHAPESHIFT_PDL naming "layer_tail",
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
-    tiles and waits after, instead of arriving after the loads are issued.
+    tiles and waits after, instead of arriving after the loads are issued. ``early_tiles`` (0-2):
+    how many of those first two tiles (of each weight) load before the wait, the rest after it.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     ``next_attention`` (with the next layer's weights): the next layer's attention runs as a
@@ -490,7 +527,8 @@ def decode_layer_tail(
                    next_qkv_bias, attention_tensors, scale,
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
-                            next_attention=next_attention is not None, attention_splits=splits),
+                            next_attention=next_attention is not None, attention_splits=splits,
+                            early_tiles=early_tiles),
                    timestamps)
 
 
@@ -642,6 +680,7 @@ class _Options(NamedTuple):
     attention_splits: int | None = None
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
+    early_tiles: int = EARLY_TILES
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -694,6 +733,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if options.next_attention:
         attention = _next_attention_plan(op, first_input, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping,
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
+    if options.early_tiles not in (0, 1, 2):
+        raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -709,7 +750,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
-                SPLIT_BARRIER=bool(options.split_barrier),
+                SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
                 **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")

@@ -116,6 +116,19 @@ def test_a_grid_that_cannot_be_resident_is_refused_not_launched():
     assert not torch.isnan(out[0]).any()
 
 
+def test_layer_tail_early_tiles_only_move_loads(device):
+    """early_tiles 0, 1 and 2 (how many of a phase's first tiles load before the barrier's wait)
+    give the same bits; anything else is refused."""
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
+    results = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, early_tiles=early)
+               for early in (2, 1, 0)]
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="early_tiles must be 0, 1 or 2"):
+        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, early_tiles=3)
+
+
 # ---------------------------------------------------------------- decode_layer (attention first)
 
 def _attention_problem(context_len, hq, hkv, d, block_size, dtype, device):
