@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, int(early)) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split, int(early), l2) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
             for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")
             for l2 in args.early_l2.split(",") if not (l2 == "on" and int(early) == 2)]
