@@ -64,7 +64,7 @@ from .decode_attention import (LOG2E, attend_split, attention_plan, decode_atten
                                rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
-from .triton_helpers import grid_dependency_wait, launch_dependents, prefetch_rows_l2
+from .triton_helpers import grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
@@ -126,31 +126,21 @@ def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _prefetch_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                   LINE: tl.constexpr):
-    """Ask for row tile t into L2 (one request per 128-byte line of LINE elements; no registers)."""
-    rows = tl.minimum(t * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-    prefetch_rows_l2(w_ptr, (row0 + rows).to(tl.int64), K, 0, K, KP, LINE)
-
-
-@triton.jit
 def _tiles_before(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  KP: tl.constexpr, EARLY: tl.constexpr, L2_AHEAD: tl.constexpr = False, LINE: tl.constexpr = 64):
+                  KP: tl.constexpr, EARLY: tl.constexpr):
     """A program's first two row tiles of a phase as _first_tiles gives them, but only the first
-    EARLY (0-2) loaded, ahead of the barrier; the others are zeros until _tiles_after loads them
-    (with L2_AHEAD asked into L2 meanwhile, so their loads after the wait hit there)."""
+    EARLY (0-2) loaded, ahead of the barrier; the others are zeros until _tiles_after loads them.
+    Fewer early tiles shorten the barrier (its polls wait behind the program's outstanding loads)
+    and lengthen the phase after it by more; asking the others into L2 instead (PTX prefetch)
+    lengthened both (docs/decode-performance.md, ninth set)."""
     if EARLY >= 1:
         w0 = _row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP)
     else:
         w0 = tl.zeros([BLOCK_N, KP], w_ptr.dtype.element_ty)
-        if L2_AHEAD:
-            _prefetch_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP, LINE)
     if EARLY >= 2:
         w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
     else:
         w1 = tl.zeros([BLOCK_N, KP], w_ptr.dtype.element_ty)
-        if L2_AHEAD:
-            _prefetch_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP, LINE)
     return w0, w1
 
 
@@ -340,8 +330,6 @@ def _decode_layer_tail_kernel(
     USE_DOT: tl.constexpr = True, UPCAST_DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
     SPLIT_BARRIER: tl.constexpr = False,  # arrive, load the next phase's first tiles, then wait
     EARLY_TILES: tl.constexpr = 2,  # of each weight's first two tiles of phases 2-4, how many load before the wait
-    L2_AHEAD: tl.constexpr = False,  # ... and the others are asked into L2 before it (CUDA only)
-    L2_LINE: tl.constexpr = 64,  # weight elements per 128-byte line
     EARLY_O: tl.constexpr = False,  # decode_layer: o_proj's first tiles load before the attention barrier
     TIMING: tl.constexpr = False, stamps_ptr=None,  # per-phase %globaltimer stamps (hack/bench_layer_tail.py)
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
@@ -381,9 +369,8 @@ def _decode_layer_tail_kernel(
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        g0, g1 = _tiles_before(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, EARLY_TILES, L2_AHEAD, L2_LINE)
-        u0, u1 = _tiles_before(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, EARLY_TILES, L2_AHEAD,
-                                L2_LINE)
+        g0, g1 = _tiles_before(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, EARLY_TILES)
+        u0, u1 = _tiles_before(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
         g0, g1 = _tiles_after(wgu_ptr, pid, 0, g0, g1, G, INNER, H, BN_GU, HP, EARLY_TILES)
@@ -395,7 +382,7 @@ def _decode_layer_tail_kernel(
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES, L2_AHEAD, L2_LINE)
+        w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
         w0, w1 = _tiles_after(wd_ptr, pid, 0, w0, w1, G, H, INNER, BN_D, IP, EARLY_TILES)
@@ -408,7 +395,7 @@ def _decode_layer_tail_kernel(
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        w0, w1 = _tiles_before(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, EARLY_TILES, L2_AHEAD, L2_LINE)
+        w0, w1 = _tiles_before(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
         w0, w1 = _tiles_after(wqkv_ptr, pid, 0, w0, w1, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
@@ -510,7 +497,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    early_l2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -526,8 +512,7 @@ def decode_layer_tail(
     one launch with barriers only) the first weight tiles load before the grid-dependency wait.
     ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
     tiles and waits after, instead of arriving after the loads are issued. ``early_tiles`` (0-2):
-    how many of those first two tiles (of each weight) load before the wait, the rest after it;
-    ``early_l2`` (CUDA): the rest are asked into L2 before the wait (PTX prefetch).
+    how many of those first two tiles (of each weight) load before the wait, the rest after it.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     ``next_attention`` (with the next layer's weights): the next layer's attention runs as a
@@ -546,7 +531,7 @@ def decode_layer_tail(
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles, early_l2=early_l2),
+                            early_tiles=early_tiles),
                    timestamps)
 
 
@@ -699,7 +684,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    early_l2: bool = False
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -754,8 +738,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
     if options.early_tiles not in (0, 1, 2):
         raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
-    if options.early_l2 and not _prefetch_allowed(device):
-        raise ValueError(f"{op}: early_l2 asks tiles into L2 with a PTX prefetch: CUDA only, not the interpreter")
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -772,7 +754,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
                 SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
-                L2_AHEAD=bool(options.early_l2), L2_LINE=128 // o_proj.element_size(),
                 **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
@@ -798,11 +779,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
             raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "
                              f"{sms} SMs); the grid barriers need them all at once")
     return plan
-
-
-def _prefetch_allowed(device: torch.device) -> bool:
-    """Whether the kernel may carry PTX L2 prefetches (early_l2): compiled for CUDA, not interpreted."""
-    return device.type == "cuda" and not interpreter_active()
 
 
 def head_dim_problem(head_dim: int) -> str | None:
