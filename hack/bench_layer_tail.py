@@ -55,9 +55,6 @@ def main(argv=None) -> int:
                                                              "tile loads, wait after them")
     parser.add_argument("--early-tiles", default="2", help="of each weight's first two tiles of phases 2-4, how "
                         "many load before the barrier's wait (0, 1, 2; the rest after it)")
-    parser.add_argument("--carveout", default="default", help="shared-memory carveout of the tail kernels, in "
-                        "percent (default: the driver's choice; e.g. default,0,100; set on the compiled kernel, "
-                        "so list default first)")
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
@@ -106,25 +103,23 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, int(early), carve) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split, int(early)) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")
-            for carve in args.carveout.split(",")]
+            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split, early, carve in grid:
-        name = (f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles "
-                f"{early}, carveout {carve}")
+    for warps, tile, programs, label, pdl, split, early in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles {early}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, carve=carve, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
                                   split_barrier=split == "on", timestamps=None if stamps is None else stamps[i],
-                                  early_tiles=early, carveout=None if carve == "default" else int(carve), **w)
+                                  early_tiles=early, **w)
         try:
             record(name, _graph_us(fused), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, early_tiles=early, carveout=carve)
+                   pdl=pdl, split_barrier=split, early_tiles=early)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps)))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
@@ -173,19 +168,17 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     os.environ["SHAPESHIFT_PDL"] = "0"
     record(f"attention (rope fused) + layer tail, {args.context} tokens", _graph_us(separate),
            context=args.context)
-    for pdl, carve in ((p, c) for p in args.pdl.split(",") for c in args.carveout.split(",")):
-        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"  # each tail ends in the next attention
+    for pdl in args.pdl.split(","):  # each tail ends in the next layer's attention (fuse_attention_into_tail)
+        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def into_tail(stamps=None, carve=carve):
+        def into_tail(stamps=None):
             for i, w in enumerate(layers):
                 kc, vc = caches[(i + 1) % LAYERS]
                 decode_layer_tail(attn_in, residual, eps=1e-5, **w, timestamps=None if stamps is None else stamps[i],
-                                  next_attention=NextAttention(**step, k_cache=kc, v_cache=vc),
-                                  carveout=None if carve == "default" else int(carve))
-        name = (f"layer tail + the next layer's attention (phase 5), PDL {pdl}, carveout {carve}, "
-                f"{args.context} tokens")
+                                  next_attention=NextAttention(**step, k_cache=kc, v_cache=vc))
+        name = f"layer tail + the next layer's attention (phase 5), PDL {pdl}, {args.context} tokens"
         try:
-            record(name, _graph_us(into_tail), context=args.context, pdl=pdl, carveout=carve)
+            record(name, _graph_us(into_tail), context=args.context, pdl=pdl)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps: into_tail(stamps=stamps)))
         except Exception as exc:  # report, go on

@@ -51,7 +51,6 @@ the launcher runs each phase as a launch of its own instead; the arithmetic is t
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -470,21 +469,6 @@ def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention
     return per_sm
 
 
-def _set_carveout(args: tuple, meta: dict, phases: tuple[int, int], attention: dict, percent: int) -> None:
-    """Ask the driver to give `percent` of each SM's unified L1 / shared memory to shared memory
-    for this compiled variant (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT)."""
-    kernel = _decode_layer_tail_kernel.warmup(*args, grid=(meta["G"],), FIRST=phases[0], LAST=phases[1], **meta,
-                                              **attention)
-    kernel._init_handles()
-    status = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(kernel.function),
-                                                            _PREFERRED_SHARED_MEMORY_CARVEOUT, ctypes.c_int(int(percent)))
-    if status != 0:
-        raise RuntimeError(f"decode_layer_tail: cuFuncSetAttribute(carveout={percent}) failed with CUresult {status}")
-
-
-_PREFERRED_SHARED_MEMORY_CARVEOUT = 9  # CUfunction_attribute
-
-
 def default_programs(device: torch.device) -> int:
     """One program per SM on CUDA (the launcher doubles it where two fit: PROGRAMS_PER_SM); 3
     in the interpreter, enough to exercise the tile striding."""
@@ -513,7 +497,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    carveout: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -530,9 +513,6 @@ def decode_layer_tail(
     ``split_barrier``: each program arrives at a barrier before it loads the next phase's first
     tiles and waits after, instead of arriving after the loads are issued. ``early_tiles`` (0-2):
     how many of those first two tiles (of each weight) load before the wait, the rest after it.
-    ``carveout`` (CUDA, 0-100): the share of each SM's unified L1 / shared memory the compiled
-    variant asks as shared memory (the driver's preference attribute; None leaves its choice). It
-    is set on the compiled kernel, so it stays for every later launch of that variant.
     ``timestamps`` (CUDA, int64 [>= programs, STAMP_SLOTS]): each program writes its phases'
     begin and end times there (the benchmark's per-phase breakdown; see _stamp).
     ``next_attention`` (with the next layer's weights): the next layer's attention runs as a
@@ -551,7 +531,7 @@ def decode_layer_tail(
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles, carveout=carveout),
+                            early_tiles=early_tiles),
                    timestamps)
 
 
@@ -704,7 +684,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    carveout: int | None = None
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -759,8 +738,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
     if options.early_tiles not in (0, 1, 2):
         raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
-    if options.carveout is not None and not 0 <= options.carveout <= 100:
-        raise ValueError(f"{op}: carveout must be a percentage in [0, 100], got {options.carveout!r}")
     if sync is None:
         sync = device.type == "cuda" and not interpreter_active()
 
@@ -798,8 +775,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
             G = G * PROGRAMS_PER_SM
             plan = replace(plan, programs=G, meta=dict(meta, G=G))
         per_sm = _resident_per_sm(args, plan.meta, phases[0], extra)
-        if options.carveout is not None:
-            _set_carveout(args, plan.meta, phases[0], extra, options.carveout)
         if G > per_sm * sms:
             raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "
                              f"{sms} SMs); the grid barriers need them all at once")

@@ -127,8 +127,6 @@ def test_layer_tail_early_tiles_only_move_loads(device):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="early_tiles must be 0, 1 or 2"):
         decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, early_tiles=3)
-    with pytest.raises(ValueError, match=r"carveout must be a percentage in \[0, 100\]"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, carveout=101)
 
 
 # ---------------------------------------------------------------- decode_layer (attention first)
