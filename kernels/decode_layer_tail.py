@@ -14,6 +14,10 @@ KV-cache write and split attention, kernels/decode_attention.py's pass 1 per (kv
 item; phase 1 merges the splits as it reads its input): one launch a layer instead of two or
 three, measured slower on the H200 (47.5 against 44.7 us a layer at 256 tokens, see
 docs/decode-performance.md), so the recipe knob fuse_attention_into_layer is off in `fast`.
+decode_layer_tail(..., next_attention=) instead ends the launch with the next layer's attention
+as phase 5 (the programs holding a (kv head, split) item, each kv head merged by its last
+split), returning that attention's output: also slower there (46.6 against 44.2 us a layer),
+so fuse_attention_into_tail is off too.
 
 Why one kernel: at batch 1 each of these GEMVs streams 8-67 MB, and the separate kernels pay a
 launch, a ramp (the first weight bytes are an HBM latency away) and a tail (the slowest program)
