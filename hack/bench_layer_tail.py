@@ -55,6 +55,10 @@ def main(argv=None) -> int:
                                                              "tile loads, wait after them")
     parser.add_argument("--early-tiles", default="2", help="of each weight's first two tiles of phases 2-4, how "
                         "many load before the barrier's wait (0, 1, 2; the rest after it)")
+    parser.add_argument("--next-attention-splits", default="default",
+                        help="split counts of the tail ending in the next layer's attention (--layer-splits), "
+                             "e.g. default,1,4")
+    parser.add_argument("--decode-layer", default="on", help="on, off: also time decode_layer (--layer-splits)")
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
@@ -159,33 +163,37 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     qkv, attn_in = rand(1, NQKV), rand(1, Q_DIM)
     q, k, v = (t.view(1, -1, head_dim) for t in qkv.split([Q_DIM, kv_heads * head_dim, kv_heads * head_dim], -1))
 
-    def separate():
-        for w, (kc, vc) in zip(layers, caches):
+    def separate(stamps=None):
+        for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
             o = decode_attention_rope(q, k, v, step["positions"], step["cos_sin_cache"], step["slot_mapping"], kc, vc,
                                       step["block_tables"], step["context_lens"], step["scale"])
-            decode_layer_tail(o.view(1, -1), residual, eps=1e-5, **w)
+            decode_layer_tail(o.view(1, -1), residual, eps=1e-5, timestamps=None if stamps is None else stamps[i], **w)
 
     os.environ["SHAPESHIFT_PDL"] = "0"
-    record(f"attention (rope fused) + layer tail, {args.context} tokens", _graph_us(separate),
-           context=args.context)
-    for pdl in args.pdl.split(","):  # each tail ends in the next layer's attention (fuse_attention_into_tail)
-        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
+    name = f"attention (rope fused) + layer tail, {args.context} tokens"
+    record(name, _graph_us(separate), context=args.context)
+    if args.phases:  # the tail's phases between attention launches
+        rows.append(_phases(name, lambda stamps: separate(stamps=stamps)))
+    for pdl, splits in ((p, n) for p in args.pdl.split(",") for n in args.next_attention_splits.split(",")):
+        os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"  # each tail ends in the next attention
+        count = None if splits == "default" else int(splits)
 
-        def into_tail(stamps=None):
+        def into_tail(stamps=None, count=count):
             for i, w in enumerate(layers):
                 kc, vc = caches[(i + 1) % LAYERS]
                 decode_layer_tail(attn_in, residual, eps=1e-5, **w, timestamps=None if stamps is None else stamps[i],
-                                  next_attention=NextAttention(**step, k_cache=kc, v_cache=vc))
-        name = f"layer tail + the next layer's attention (phase 5), PDL {pdl}, {args.context} tokens"
+                                  next_attention=NextAttention(**step, k_cache=kc, v_cache=vc, splits=count))
+        name = (f"layer tail + the next layer's attention (phase 5), {splits} splits, PDL {pdl}, "
+                f"{args.context} tokens")
         try:
-            record(name, _graph_us(into_tail), context=args.context, pdl=pdl)
+            record(name, _graph_us(into_tail), context=args.context, pdl=pdl, next_attention_splits=splits)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps: into_tail(stamps=stamps)))
         except Exception as exc:  # report, go on
             print(f"{name}: failed: {exc}", flush=True)
             rows.append(dict(variant=name, error=str(exc)[:500]))
     os.environ["SHAPESHIFT_PDL"] = "0"
-    splits_list = [int(x) for x in args.layer_splits.split(",")]
+    splits_list = [int(x) for x in args.layer_splits.split(",")] if args.decode_layer == "on" else []
     for splits, early, split in ((n, e, b) for n in splits_list for e in (True, False)
                                  for b in args.split_barrier.split(",")):
         def whole(splits=splits, early=early, split=split, stamps=None):
