@@ -224,11 +224,19 @@ def test_decode_layer_programs_and_splits_give_one_answer(device):
 
     attention, qkv = _attention_problem(70, 8, 2, 16, 8, torch.float32, device)
     _, residual, weights, following = _layer(32, 128, 64, 192, torch.float32, device, False)
+    _programs_and_splits_agree(attention, lambda programs, splits, caches: decode_layer(
+        qkv, residual, **weights, eps=1e-5, **following, **caches, attention_splits=splits, programs=programs,
+        sync=False))
+
+
+def _programs_and_splits_agree(attention, run, after_each=lambda: None):
+    """run(programs, splits, caches) on fresh copies of the caches: 1, 2 and 5 programs at 2 splits
+    give the same bits; 1 and 8 splits agree with them to float32 rounding."""
     results = {}
     for programs, splits in ((1, 2), (2, 2), (5, 2), (3, 1), (3, 8)):
         caches = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
-        results[programs, splits] = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **caches,
-                                                 attention_splits=splits, programs=programs, sync=False)
+        results[programs, splits] = run(programs, splits, caches)
+        after_each()
     for key in ((2, 2), (5, 2)):
         for got, want in zip(results[key], results[1, 2]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -266,27 +274,9 @@ def test_decode_layer_one_launch_equals_a_launch_per_phase_in_replayed_graphs(sp
     attention, qkv = _attention_problem(300, 32, 8, 64, 16, dtype, device)
     _, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, False)
     ref_attention = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        expected = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
-                                sync=False)
-        first = decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits,
-                             sync=True, split_barrier=split_barrier)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = [decode_layer(qkv, residual, **weights, eps=1e-5, **following, **attention,
-                                 attention_splits=splits, sync=True, split_barrier=split_barrier) for _ in range(16)]
-    stream.synchronize()
-    for got, want in zip(first, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for _ in range(50):
-        graph.replay()
-    torch.cuda.synchronize()
-    for out in outs:
-        for got, want in zip(out, expected):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with torch.cuda.stream(stream):
-        assert not _COUNTERS.for_stream(device, 2).any()
+    expected = _one_launch_equals_a_launch_per_phase_in_graphs(device, lambda sync: decode_layer(
+        qkv, residual, **weights, eps=1e-5, **following, **attention, attention_splits=splits, sync=sync,
+        split_barrier=split_barrier))
     ref, ref_res = decode_layer_ref(qkv, residual, **weights, eps=1e-5, **following, **ref_attention)
     assert_close_norm(expected[0], ref, dtype, "qkv")
     assert_close_norm(expected[1], ref_res, dtype, "residual out")
@@ -355,19 +345,12 @@ def test_tail_with_next_attention_programs_and_splits_give_one_answer(device):
 
     attention, _ = _attention_problem(70, 8, 2, 16, 8, torch.float32, device)
     attn, residual, weights, following = _layer(32, 128, 64, 192, torch.float32, device, False)
-    results = {}
-    for programs, splits in ((1, 2), (2, 2), (5, 2), (3, 1), (3, 8)):
-        caches = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
-        results[programs, splits] = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following,
-                                                      next_attention=_next_attention(caches, splits),
-                                                      programs=programs, sync=False)
+    def counters_zero():
         assert not _COUNTERS.for_stream(device, 2).any()
-    for key in ((2, 2), (5, 2)):
-        for got, want in zip(results[key], results[1, 2]):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for key in ((3, 1), (3, 8)):
-        for got, want in zip(results[key], results[1, 2]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    _programs_and_splits_agree(attention, lambda programs, splits, caches: decode_layer_tail(
+        attn, residual, **weights, eps=1e-5, **following, next_attention=_next_attention(caches, splits),
+        programs=programs, sync=False), counters_zero)
 
 
 def test_tail_with_next_attention_errors(device):
@@ -399,25 +382,8 @@ def test_tail_with_next_attention_one_launch_equals_a_launch_per_phase_in_replay
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, False)
     ref_attention = dict(attention, k_cache=attention["k_cache"].clone(), v_cache=attention["v_cache"].clone())
     nxt = _next_attention(attention, splits)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, next_attention=nxt, sync=False)
-        first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, next_attention=nxt, sync=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, next_attention=nxt, sync=True)
-                    for _ in range(16)]
-    stream.synchronize()
-    for got, want in zip(first, expected):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    for _ in range(50):
-        graph.replay()
-    torch.cuda.synchronize()
-    for out in outs:
-        for got, want in zip(out, expected):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with torch.cuda.stream(stream):
-        assert not _COUNTERS.for_stream(device, 2).any()
+    expected = _one_launch_equals_a_launch_per_phase_in_graphs(device, lambda sync: decode_layer_tail(
+        attn, residual, **weights, eps=1e-5, **following, next_attention=nxt, sync=sync))
     ref, ref_res = _tail_then_attention_ref(attn, residual, weights, following, ref_attention)
     assert_close_norm(expected[0], ref, dtype, "next layer's attention")
     assert_close_norm(expected[1], ref_res, dtype, "residual out")
@@ -429,6 +395,32 @@ def test_tail_with_next_attention_one_launch_equals_a_launch_per_phase_in_replay
         assert_close_norm(attention[name][block, offset], ref_attention[name][block, offset], dtype, name)
         attention[name][block, offset] = ref_attention[name][block, offset]
         assert torch.equal(attention[name], ref_attention[name]), name
+
+
+def _one_launch_equals_a_launch_per_phase_in_graphs(device, launch):
+    """launch(sync) -> outputs, on a side stream: a launch per phase, then one launch with
+    barriers, then a CUDA graph of 16 such launches replayed 50 times. Every one-launch result
+    equals the per-phase one bit for bit, and the counters are zero after (each launch resets
+    what it used). Returns the per-phase launch's outputs."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        expected = launch(False)
+        first = launch(True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [launch(True) for _ in range(16)]
+    stream.synchronize()
+    for got, want in zip(first, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.cuda.stream(stream):
+        assert not _COUNTERS.for_stream(device, 2).any()
+    return expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stamps read the GPU clock (%globaltimer)")
