@@ -7,6 +7,8 @@ ASTSource (signature from the argument types, the launch's constexprs, 16-byte d
 hints like the runtime's specialisation) and compiled for GPUTarget("cuda", 90, 32) down to a
 cubin with Triton's bundled ptxas, which also reports registers and spills.
 Prints one JSON object per compiled kernel; exits non-zero if any compile failed.
+SM90_COMPILE_ONLY (a label prefix) compiles one family only; SM90_CUBIN_DIR keeps each compiled
+variant's cubin there (its path in the row's "cubin").
 """
 
 from __future__ import annotations
@@ -237,6 +239,11 @@ def main() -> int:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                       options=options)
             row["shared_bytes"] = compiled.metadata.shared
+            cubin_dir = os.environ.get("SM90_CUBIN_DIR")  # keep each variant's cubin (hack/sass_loops.py)
+            if cubin_dir:
+                row["cubin"] = os.path.join(cubin_dir, f"{len(seen):03d}-{re.sub(r'[^A-Za-z0-9]+', '-', label)}.cubin")
+                with open(row["cubin"], "wb") as handle:
+                    handle.write(compiled.asm["cubin"])
             row.update(_ptxas_report(compiled.asm["ptx"]))
             row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
             row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
