@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from .driver import PagedDriver, Seq
+from .driver import DEFAULT_BLOCK_SIZE, PagedDriver, Seq
 
 ERROR_FACTOR = 1.25  # candidate p99 / RMS logit error allowed over the control's
 ABS_SLACK = 1e-3  # logits: lets float32 paths (control error ~0) pass on summation order alone
-BLOCK_SIZE = 16  # tokens per KV block of the driver's cache
 
 
 def teacher_forced(fp: Any, model_config: Any, dtype: torch.dtype, device: torch.device | str,
@@ -40,9 +39,8 @@ def teacher_forced(fp: Any, model_config: Any, dtype: torch.dtype, device: torch
     -> (argmax tokens per prompt, float32 logits [P, V] per step, prompts in order)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    blocks_per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // BLOCK_SIZE)
-    driver = PagedDriver(model_config, dtype, device, num_blocks=min(batch, len(prompts)) * blocks_per_seq + 8,
-                         block_size=BLOCK_SIZE)
+    blocks_per_seq = -(-(max(len(p) for p in prompts) + steps + 1) // DEFAULT_BLOCK_SIZE)
+    driver = PagedDriver(model_config, dtype, device, num_blocks=min(batch, len(prompts)) * blocks_per_seq + 8)
     tokens: list[list[int]] = []
     groups: list[list[torch.Tensor]] = []
     for start in range(0, len(prompts), batch):

@@ -41,9 +41,12 @@ class Seq:
     shared_blocks: int = 0  # leading blocks borrowed from another sequence (not freed by this one)
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block of a driver's cache
+
+
 class PagedDriver:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 num_blocks: int = 64, block_size: int = 16, seed: int = 0) -> None:
+                 num_blocks: int = 64, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> None:
         self.model_config = model_config
         self.block_size = block_size
         self.device = torch.device(device)
