@@ -206,15 +206,15 @@ def compare(ref: list[torch.Tensor], cand: list[torch.Tensor], tol: tuple[float,
         sq_rel += rel.square().sum().item()
         n_rel += rel.numel()
         steps += 1
-    positions = score(ref[:steps], cand[:steps], tie) if steps else None
-    total = positions["positions"] if positions else 0
-    flips = positions["clear_argmax_flips"] if positions else 0
-    forgiven = total - positions["argmax_equal"] - flips if positions else 0
+    positions = (score(ref[:steps], cand[:steps], tie) if steps else
+                 {"positions": 0, "argmax_equal": 0, "clear_argmax_flips": 0, "max_abs_logit_error": 0.0})
+    total, flips = positions["positions"], positions["clear_argmax_flips"]
     ok = finite and flips == 0 and max_diff <= atol and max_rel <= rtol
-    return {"ok": ok, "finite": finite, "tokens": total, "flips": flips, "forgiven_near_ties": forgiven,
+    return {"ok": ok, "finite": finite, "tokens": total, "flips": flips,
+            "forgiven_near_ties": total - positions["argmax_equal"] - flips,
             "max_logprob_diff": float(max_diff), "logprob_atol": atol, "max_rel_logit_diff": float(max_rel),
             "logit_rtol": rtol, "rms_rel_logit_diff": (sq_rel / n_rel) ** 0.5 if n_rel else 0.0,
-            "max_abs_logit_diff": positions["max_abs_logit_error"] if positions else 0.0, "tie_margin": tie}
+            "max_abs_logit_diff": positions["max_abs_logit_error"], "tie_margin": tie}
 
 
 def run_pair(ctx: GateContext, prompts: list[list[int]], steps: int, setup: Callable[[PagedDriver, list[Seq]], None]
