@@ -123,17 +123,10 @@ def _row_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _first_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KP: tl.constexpr):
-    """A program's first two row tiles of a phase (pid and pid + G), loaded ahead of the phase."""
-    return (_row_tile(w_ptr, pid, row0, N, K, BLOCK_N, KP), _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP))
-
-
-@triton.jit
 def _tiles_before(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   KP: tl.constexpr, EARLY: tl.constexpr):
-    """A program's first two row tiles of a phase as _first_tiles gives them, but only the first
-    EARLY (0-2) loaded, ahead of the barrier; the others are zeros until _tiles_after loads them.
+    """A program's first two row tiles of a phase (pid and pid + G), of which the first EARLY (0-2)
+    are loaded, ahead of the barrier; the others are zeros until _tiles_after loads them.
     Fewer early tiles shorten the barrier (its polls wait behind the program's outstanding loads)
     and lengthen the phase after it by more; asking the others into L2 instead (PTX prefetch)
     lengthened both (docs/decode-performance.md, ninth set)."""
@@ -356,11 +349,11 @@ def _decode_layer_tail_kernel(
         if SYNC and SPLIT_BARRIER and FIRST <= 0:
             _barrier_arrive(counter_ptr)
         if EARLY_O or FIRST > 0:
-            w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
+            w0, w1 = _tiles_before(wo_ptr, pid, 0, G, H, QD, BN_O, QDP, 2)
         if SYNC and FIRST <= 0:
             _barrier(counter_ptr, (1 - FIRST) * G, SPLIT_BARRIER)
         if not (EARLY_O or FIRST > 0):
-            w0, w1 = _first_tiles(wo_ptr, pid, 0, G, H, QD, BN_O, QDP)
+            w0, w1 = _tiles_before(wo_ptr, pid, 0, G, H, QD, BN_O, QDP, 2)
         grid_dependency_wait(USE_PDL)  # nothing above reads what the kernel ahead writes
         _stamp(stamps_ptr, pid, 2, TIMING)
         if HAS_ATTENTION and SPLITS > 1:
@@ -881,13 +874,12 @@ def _kernel_args(plan: _Plan, first_input, residual, o_proj, post_norm, gate_up,
 
 
 def _attention_args(plan: _Plan, qkv, attention_tensors, outputs, scale) -> dict:
-    """The attention phase's keyword arguments: decode_layer's phase 0 on its input qkv, or the
-    tail's phase 5 on the qkv row of phase 4 into attn_out (none without either)."""
+    """The attention phase's keyword arguments: decode_layer's phase 0 on its input qkv (qkv_in),
+    or the tail's phase 5, which reads phase 4's qkv row (a positional argument) and writes
+    attn_out; none without either."""
     if plan.attention is None:
         return {}
     positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens = attention_tensors
-    if plan.next_attention:
-        qkv = outputs[5]
     return dict(plan.attention, qkv_in_ptr=qkv, attn_out_ptr=outputs[6], k_cache_ptr=k_cache, v_cache_ptr=v_cache,
                 block_tables_ptr=block_tables, context_lens_ptr=context_lens, positions_ptr=positions,
                 cos_sin_ptr=cos_sin_cache, slot_mapping_ptr=slot_mapping, partial_out_ptr=outputs[7],
