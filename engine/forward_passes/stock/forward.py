@@ -611,23 +611,9 @@ class StockForwardPass:
         first = self.layers[0]
         qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
         eps = self.cfg.rms_norm_eps
-        if self._next_attention is not None:  # each tail ends in the next layer's attention
-            o = self.attend(0, first, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
-            for i, layer in enumerate(self.layers[:-1]):
-                nxt = self.layers[i + 1]
-                following = self._next_attention(positions, self.cos_sin, ctx.slot_mapping, kv_cache.k[i + 1],
-                                                  kv_cache.v[i + 1], ctx.block_tables, ctx.context_lens, self.scale)
-                o, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
-                                               layer.down_proj, eps, nxt.input_norm, nxt.qkv_proj, nxt.qkv_bias,
-                                               next_attention=following)
-            last = self.layers[-1]
-            y, residual = self._layer_tail(o, residual, last.o_proj, last.post_norm, last.gate_up_proj,
-                                           last.down_proj, eps)
-            x, _ = self.norm(y, self.final_norm, residual)
-            return self.linear(x, self.lm_head, float32_out=True)
+        o = None  # this layer's attention output, when the tail before it ran it (fuse_attention_into_tail)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            # The next layer's qkv; after the last layer, its MLP output.
             if self._whole_layer is not None:  # attention as the kernel's first phase: one launch
                 qkv, residual = self._whole_layer(
                     qkv, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj, layer.down_proj, eps,
@@ -636,10 +622,17 @@ class StockForwardPass:
                     v_cache=kv_cache.v[i], block_tables=ctx.block_tables, context_lens=ctx.context_lens,
                     scale=self.scale)
                 continue
-            o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
-            qkv, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
+            if o is None:
+                o = self.attend(i, layer, None, positions, cos, sin, ctx, kv_cache, qkv=qkv)
+            following = None  # with fuse_attention_into_tail, every tail but the last ends in the next attention
+            if self._next_attention is not None and nxt is not None:
+                following = self._next_attention(positions, self.cos_sin, ctx.slot_mapping, kv_cache.k[i + 1],
+                                                  kv_cache.v[i + 1], ctx.block_tables, ctx.context_lens, self.scale)
+            out, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
                                              layer.down_proj, eps, nxt and nxt.input_norm, nxt and nxt.qkv_proj,
-                                             nxt and nxt.qkv_bias)
+                                             nxt and nxt.qkv_bias, next_attention=following)
+            # The next layer's attention output, or its qkv; after the last layer, its MLP output.
+            o, qkv = (out, None) if following is not None else (None, out)
         x, _ = self.norm(qkv, self.final_norm, residual)
         return self.linear(x, self.lm_head, float32_out=True)
 
