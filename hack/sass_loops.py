@@ -96,15 +96,6 @@ def compile_variants(only: str, triton_dir: str | None, cubin_dir: str) -> list[
     return rows
 
 
-def triton_version(triton_dir: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton_dir:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (triton_dir, env.get("PYTHONPATH")) if p)
-    probe = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], capture_output=True,
-                           text=True, env=env, timeout=120)
-    return probe.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="decode_layer_tail",
@@ -112,12 +103,12 @@ def main(argv=None) -> int:
     parser.add_argument("--triton", default=None, help="a directory holding the Triton package to compile with")
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
     args = parser.parse_args(argv)
-    version = triton_version(args.triton)
     tool = nvdisasm()
-    report = {"triton": version, "only": args.only, "variants": []}
-    print(f"Triton {version}, sm_90, variants starting with {args.only!r}")
     with tempfile.TemporaryDirectory() as cubins:
-        for row in compile_variants(args.only, args.triton, cubins):
+        rows = compile_variants(args.only, args.triton, cubins)
+        report = {"triton": rows[0]["triton"], "only": args.only, "variants": []}  # the Triton that compiled them
+        print(f"Triton {report['triton']}, sm_90, variants starting with {args.only!r}")
+        for row in rows:
             text = subprocess.run([tool, "-c", row["cubin"]], capture_output=True, text=True, timeout=120).stdout
             instructions, labels = parse_sass(text)
             found = loops(instructions, labels)

@@ -234,7 +234,7 @@ def main() -> int:
             continue
         seen.add(key)
         options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
-        row = {"label": label, "kernel": fn.__name__, **options}
+        row = {"label": label, "kernel": fn.__name__, "triton": triton.__version__, **options}
         try:
             compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                       options=options)

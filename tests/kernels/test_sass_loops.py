@@ -51,6 +51,7 @@ def test_the_layer_tail_compiles_with_its_gate_up_loop(tmp_path):
     import json
 
     report = json.loads(out.read_text())
+    assert report["triton"] == triton.__version__  # the version that compiled, read from the compile's rows
     (variant,) = report["variants"]
     assert variant["kernel"] == "_decode_layer_tail_kernel" and variant["instructions"] > 500
     gate_up = [loop for loop in variant["loops"] if loop["exp2"] >= 2 and len(loop["loads"]) == 4]
