@@ -61,9 +61,6 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-layer", default="on", help="on, off: also time decode_layer (--layer-splits)")
     parser.add_argument("--layer-splits", default="",
                         help="attention splits of decode_layer to time (whole layer, attention first); empty: none")
-    parser.add_argument("--prefetch-rounds", default="",
-                        help="with --layer-splits: also time attention + tail with each tail asking L2 for the next "
-                             "layer's o_proj and this many rounds of its gate/up tiles (prefetch_next), e.g. 1,2,4")
     parser.add_argument("--context", type=int, default=256, help="tokens in each layer's KV cache (--layer-splits)")
     parser.add_argument("--phases", action="store_true",
                         help="also replay the default tail (and decode_layer at each --layer-splits, o_proj tiles "
@@ -151,7 +148,7 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     """Attention + tail per layer: the fused-rotary attention launch(es) then decode_layer_tail
     (the recipe's two kernels a layer), against decode_layer at each split count."""
     from shapeshift.kernels.decode_attention import decode_attention_rope
-    from shapeshift.kernels.decode_layer_tail import NextAttention, NextLayerWeights, decode_layer, decode_layer_tail
+    from shapeshift.kernels.decode_layer_tail import NextAttention, decode_layer, decode_layer_tail
     from shapeshift.kernels.rotary import rope_cos_sin_cache
 
     heads, kv_heads, head_dim, block = Q_DIM // 64, 8, 64, 16
@@ -166,28 +163,17 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     qkv, attn_in = rand(1, NQKV), rand(1, Q_DIM)
     q, k, v = (t.view(1, -1, head_dim) for t in qkv.split([Q_DIM, kv_heads * head_dim, kv_heads * head_dim], -1))
 
-    def separate(stamps=None, rounds=0):
+    def separate(stamps=None):
         for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
             o = decode_attention_rope(q, k, v, step["positions"], step["cos_sin_cache"], step["slot_mapping"], kc, vc,
                                       step["block_tables"], step["context_lens"], step["scale"])
-            following = layers[(i + 1) % LAYERS]
-            prefetch = NextLayerWeights(following["o_proj"], following["gate_up"], rounds) if rounds else None
-            decode_layer_tail(o.view(1, -1), residual, eps=1e-5, timestamps=None if stamps is None else stamps[i],
-                              prefetch_next=prefetch, **w)
+            decode_layer_tail(o.view(1, -1), residual, eps=1e-5, timestamps=None if stamps is None else stamps[i], **w)
 
     os.environ["SHAPESHIFT_PDL"] = "0"
-    for rounds in [0] + [int(r) for r in args.prefetch_rounds.split(",") if r]:
-        name = f"attention (rope fused) + layer tail, {args.context} tokens"
-        if rounds:
-            name += f", next o_proj + {rounds} gate/up rounds into L2"
-        try:
-            record(name, _graph_us(lambda rounds=rounds: separate(rounds=rounds)), context=args.context,
-                   prefetch_rounds=rounds)
-            if args.phases:  # the tail's phases between attention launches
-                rows.append(_phases(name, lambda stamps, rounds=rounds: separate(stamps=stamps, rounds=rounds)))
-        except Exception as exc:  # report, go on
-            print(f"{name}: failed: {exc}", flush=True)
-            rows.append(dict(variant=name, error=str(exc)[:500]))
+    name = f"attention (rope fused) + layer tail, {args.context} tokens"
+    record(name, _graph_us(separate), context=args.context)
+    if args.phases:  # the tail's phases between attention launches
+        rows.append(_phases(name, lambda stamps: separate(stamps=stamps)))
     for pdl, splits in ((p, n) for p in args.pdl.split(",") for n in args.next_attention_splits.split(",")):
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"  # each tail ends in the next attention
         count = None if splits == "default" else int(splits)

@@ -68,7 +68,7 @@ from .decode_attention import (LOG2E, attend_split, attention_plan, decode_atten
                                rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
-from .triton_helpers import bulk_prefetch_l2, grid_dependency_wait, launch_dependents
+from .triton_helpers import grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
@@ -150,18 +150,6 @@ def _tiles_after(w_ptr, pid, row0, w0, w1, G: tl.constexpr, N: tl.constexpr, K: 
     if EARLY < 2:
         w1 = _row_tile(w_ptr, pid + G, row0, N, K, BLOCK_N, KP)
     return w0, w1
-
-
-@triton.jit
-def _prefetch_tiles(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROUNDS: tl.constexpr):
-    """Ask L2 for this program's row tiles pid + i*G (i < ROUNDS) of the N rows from row0 of a
-    row-major [*, K] weight: whole tiles only, each BLOCK_N * K contiguous elements, one bulk
-    prefetch each (CUDA only). Nothing waits for them."""
-    count = tl.minimum(tl.maximum((N // BLOCK_N - pid + G - 1) // G, 0), ROUNDS)
-    tile_bytes: tl.constexpr = BLOCK_N * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    bulk_prefetch_l2(w_ptr + (row0 + pid * BLOCK_N).to(tl.int64) * K, count, count * 0 + G * tile_bytes,
-                     count * 0 + tile_bytes)
 
 
 @triton.jit
@@ -344,10 +332,6 @@ def _decode_layer_tail_kernel(
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
     # arguments above name the next layer's caches; its output goes to attn_out.
     attn_out_ptr=None,
-    # After phase 4, the next layer's o_proj (whole) and the first PREFETCH_ROUNDS rounds of its
-    # gate and up tiles are asked into L2 (decode_layer_tail's prefetch_next; CUDA only): HBM
-    # streams them while this kernel ends, the next attention runs and the next tail starts.
-    PREFETCH_ROUNDS: tl.constexpr = 0, next_wo_ptr=None, next_wgu_ptr=None,
 ):
     pid = tl.program_id(0)
     _stamp(stamps_ptr, pid, 0, TIMING)
@@ -416,10 +400,6 @@ def _decode_layer_tail_kernel(
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
-        if PREFETCH_ROUNDS > 0:  # this program's weight loads are done: the next layer's first tiles
-            _prefetch_tiles(next_wo_ptr, pid, 0, G, H, QD, BN_O, H // BN_O)
-            _prefetch_tiles(next_wgu_ptr, pid, 0, G, INNER, H, BN_GU, PREFETCH_ROUNDS)
-            _prefetch_tiles(next_wgu_ptr, pid, INNER, G, INNER, H, BN_GU, PREFETCH_ROUNDS)
         _stamp(stamps_ptr, pid, 9, TIMING)
     if FIRST <= 5 and LAST >= 5:
         # The next layer's attention on the qkv row phase 4 wrote (NEXT_ATTENTION): one program
@@ -514,7 +494,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    prefetch_next: NextLayerWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -538,52 +517,19 @@ def decode_layer_tail(
     next layer's caches, split attention, each kv head's splits merged by its last split), and
     the launcher returns (attn [1, QD], residual_out): the next layer's attention output, the
     input of its own tail. One launch a layer instead of two.
-    ``prefetch_next`` (with the next layer's qkv; CUDA on sm_90 or later, see prefetch_problem):
-    the next layer's o_proj and gate_up, same shapes as this layer's. Once a program's last
-    weight tile of phase 4 is loaded it asks L2 for its share of the next layer's o_proj and of
-    the first ``rounds`` rounds of its gate and up tiles (bulk prefetches), so that HBM streams
-    them while this launch ends and the next attention runs. A hint: the outputs do not change.
     """
     attention_tensors, scale, splits = (None,) * 7, 1.0, None
     if next_attention is not None:
         if not isinstance(next_attention, NextAttention):
             raise ValueError("decode_layer_tail: next_attention must be a NextAttention")
         attention_tensors, scale, splits = next_attention[:7], next_attention.scale, next_attention.splits
-    prefetch = None
-    if prefetch_next is not None:
-        if not isinstance(prefetch_next, NextLayerWeights):
-            raise ValueError("decode_layer_tail: prefetch_next must be a NextLayerWeights")
-        prefetch = (prefetch_next.o_proj, prefetch_next.gate_up)
     return _launch(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
                    next_qkv_bias, attention_tensors, scale,
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles,
-                            prefetch_rounds=prefetch_next.rounds if prefetch_next is not None else 0),
-                   timestamps, prefetch)
-
-
-class NextLayerWeights(NamedTuple):
-    """The weights decode_layer_tail's prefetch_next asks into L2 at the end of a launch: the next
-    layer's o_proj (all of it) and gate_up ([gate; up], the first ``rounds`` rounds of each half's
-    row tiles: a round is one tile for every program, ~4.3 MB of gate and as much of up for the
-    1B shape on 132 SMs)."""
-    o_proj: torch.Tensor
-    gate_up: torch.Tensor
-    rounds: int = 2
-
-
-def prefetch_problem(device: torch.device) -> str | None:
-    """Why decode_layer_tail cannot prefetch the next layer's weights on this device, or None:
-    the bulk L2 prefetch is an sm_90 instruction, compiled, not interpreted."""
-    if device.type != "cuda":
-        return f"prefetch_next needs a CUDA device, got {device.type}"
-    if interpreter_active():
-        return "prefetch_next is PTX (cp.async.bulk.prefetch.L2): not under the Triton interpreter"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "prefetch_next needs sm_90 or later (cp.async.bulk.prefetch.L2)"
-    return None
+                            early_tiles=early_tiles),
+                   timestamps)
 
 
 class NextAttention(NamedTuple):
@@ -679,9 +625,9 @@ def default_layer_splits(attention_default: int, tiles: int) -> int:
 
 
 def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm, next_qkv,
-            next_qkv_bias, attention_tensors, scale, options, timestamps, prefetch=None):
+            next_qkv_bias, attention_tensors, scale, options, timestamps):
     plan = _PLANS.plan(_plan, (first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm,
-                               next_qkv, next_qkv_bias, *attention_tensors, *(prefetch or (None, None))), options)
+                               next_qkv, next_qkv_bias, *attention_tensors), options)
     outputs = _outputs(plan, first_input)
     # Phase 5 merges through counters even when each phase is a launch of its own.
     counters = _launch_counters(first_input.device) if plan.sync or plan.next_attention else outputs[0]
@@ -694,8 +640,6 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
             raise ValueError("timestamps need the phases in one launch (sync): a launch per phase would overwrite "
                              "each program's kernel-start stamp")
         attention["stamps_ptr"] = timestamps
-    if prefetch is not None:
-        attention = dict(attention, next_wo_ptr=prefetch[0], next_wgu_ptr=prefetch[1])
     for first, final in plan.phases:
         _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
     y1, res2, act, y3, res3, qkv = outputs[:6]
@@ -737,7 +681,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    prefetch_rounds: int = 0  # decode_layer_tail's prefetch_next: gate/up rounds (0: no prefetch)
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -746,7 +689,7 @@ _PLANS = LaunchPlans()
 
 def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_input_norm, next_qkv, next_qkv_bias,
           positions, cos_sin_cache, slot_mapping, k_cache, v_cache, block_tables, context_lens,
-          next_o_proj, next_gate_up, options: _Options) -> _Plan:
+          options: _Options) -> _Plan:
     """Every argument check, the kernel's constexprs and the grid (with its residency check)."""
     programs, sync, num_warps, tile_elements = options.programs, options.sync, options.num_warps, options.tile_elements
     has_attention, timing = options.attention, options.timing
@@ -790,21 +733,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if options.next_attention:
         attention = _next_attention_plan(op, first_input, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping,
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
-    rounds = options.prefetch_rounds
-    if next_o_proj is not None:
-        problem = prefetch_problem(device)
-        if problem:
-            raise ValueError(f"{op}: {problem}")
-        if not has_next:
-            raise ValueError(f"{op}: prefetch_next comes after phase 4, which needs the next layer's next_qkv")
-        check_tensor(op, "prefetch_next.o_proj", next_o_proj, shape=tuple(o_proj.shape), device=device,
-                     contiguous=True)
-        check_tensor(op, "prefetch_next.gate_up", next_gate_up, shape=tuple(gate_up.shape), device=device,
-                     contiguous=True)
-        check_same_dtype(op, first_name, first_input, prefetch_next_o_proj=next_o_proj,
-                         prefetch_next_gate_up=next_gate_up)
-        if not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"{op}: prefetch_next.rounds must be a positive int, got {rounds!r}")
     if options.early_tiles not in (0, 1, 2):
         raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
     if sync is None:
@@ -823,7 +751,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
                 SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
-                PREFETCH_ROUNDS=rounds if next_o_proj is not None else 0, **pdl)
+                **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -839,8 +767,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if timing:
             extra["stamps_ptr"] = torch.empty((G * PROGRAMS_PER_SM, STAMP_SLOTS), dtype=torch.int64, device=device)
-        if next_o_proj is not None:
-            extra.update(next_wo_ptr=next_o_proj, next_wgu_ptr=next_gate_up)
         doubled = dict(meta, G=G * PROGRAMS_PER_SM)
         if programs is None and _resident_per_sm(args, doubled, phases[0], extra) >= PROGRAMS_PER_SM:
             G = G * PROGRAMS_PER_SM

@@ -50,27 +50,6 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def bulk_prefetch_l2(first_ptr, count, stride_bytes, range_bytes):
-    """Ask L2 for `count` (<= the program's threads) byte ranges of range_bytes bytes each (a
-    multiple of 16, from 16-byte aligned addresses), the i-th starting i * stride_bytes after
-    first_ptr: one bulk prefetch a range (PTX cp.async.bulk.prefetch.L2, sm_90 and later),
-    issued by thread i. The copy engine fetches the range; no register is written and nothing
-    waits for the data. All arguments are scalars. CUDA only, never in the interpreter."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .u32 t;
-        .reg .u64 a;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $2;
-        mul.wide.u32 a, t, $3;
-        add.u64 a, a, $1;
-        @p cp.async.bulk.prefetch.L2.global [a], $4;
-        mov.u32 $0, 0;
-        }""", "=r,l,r,r,r", [first_ptr, count, stride_bytes, range_bytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def prefetch_rows_l2(base_ptr, rows, stride_row, k_start, k_end, COLUMNS: tl.constexpr, LINE: tl.constexpr):
     """Prefetch into L2 columns [k_start, min(k_start + COLUMNS, k_end)) of `rows` (int64 [R]) of a
     row-major matrix, one request per LINE elements (one 128-byte line; COLUMNS // LINE is a power

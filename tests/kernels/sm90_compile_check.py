@@ -247,7 +247,6 @@ def main() -> int:
             row.update(_ptxas_report(compiled.asm["ptx"]))
             row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
             row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
-            row["bulk_l2_prefetch"] = "cp.async.bulk.prefetch.L2" in compiled.asm["ptx"]
             row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
             row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
             row["split_k_fixup"] = bool(constexprs.get("FUSED_REDUCE", False))

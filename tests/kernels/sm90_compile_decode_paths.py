@@ -60,13 +60,6 @@ def launch_decode_paths(prefix: str = "") -> None:
         e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
         e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16), e(3072, 2048, dtype=BF16),
         programs=264, sync=True, early_tiles=1)
-    check._CURRENT["label"] = prefix + "decode_layer_tail, next layer's weights into L2"
-    decode_layer_tail.prefetch_problem = lambda device: None  # compiled for a GPU, launched from the CPU here
-    decode_layer_tail.decode_layer_tail(
-        e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),
-        e(16384, 2048, dtype=BF16), e(2048, 8192, dtype=BF16), 1e-5, e(2048, dtype=BF16), e(3072, 2048, dtype=BF16),
-        programs=264, sync=True,
-        prefetch_next=decode_layer_tail.NextLayerWeights(e(2048, 2048, dtype=BF16), e(16384, 2048, dtype=BF16)))
     check._CURRENT["label"] = prefix + "decode_layer_tail with the next layer's attention, 8 splits"
     decode_layer_tail.decode_layer_tail(
         e(1, 2048, dtype=BF16), e(1, 2048, dtype=BF16), e(2048, 2048, dtype=BF16), e(2048, dtype=BF16),

@@ -103,62 +103,6 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     assert_close_norm(expected[0], ref, dtype, "qkv")
 
 
-def test_prefetch_next_is_refused_where_it_cannot_run(device):
-    """The bulk L2 prefetch is sm_90 PTX: the interpreter and the CPU refuse it with the reason,
-    and where it can run, weights of another shape or without phase 4 are refused."""
-    from shapeshift.kernels.decode_layer_tail import NextLayerWeights, prefetch_problem
-
-    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
-    nxt = NextLayerWeights(weights["o_proj"].clone(), weights["gate_up"].clone())
-    problem = prefetch_problem(device)
-    if problem:
-        assert "CUDA" in problem or "interpreter" in problem or "sm_90" in problem
-        with pytest.raises(ValueError, match="prefetch_next"):
-            decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, prefetch_next=nxt)
-        return
-    with pytest.raises(ValueError, match="needs the next layer's next_qkv"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, prefetch_next=nxt)
-    with pytest.raises(ValueError, match="prefetch_next.gate_up"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following,
-                          prefetch_next=NextLayerWeights(nxt.o_proj, nxt.gate_up[:64]))
-    with pytest.raises(ValueError, match="rounds must be a positive int"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, prefetch_next=nxt._replace(rounds=0))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="the bulk L2 prefetch is an sm_90 instruction")
-def test_prefetch_next_changes_no_output_in_replayed_graphs():
-    """Tails that ask L2 for the next layer's weights (16 layers of their own weights in one
-    graph, each prefetching the next, the last the first's) give the same bits as without."""
-    from shapeshift.kernels.decode_layer_tail import NextLayerWeights
-
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    layers = [_layer(2048, 2048, 8192, 3072, dtype, device, False) for _ in range(4)]
-    stream = torch.cuda.Stream()
-
-    def step(rounds):
-        outs = []
-        for i, (attn, residual, weights, following) in enumerate(layers):
-            after = layers[(i + 1) % len(layers)][2]
-            nxt = NextLayerWeights(after["o_proj"], after["gate_up"], rounds) if rounds else None
-            outs.append(decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, prefetch_next=nxt))
-        return outs
-
-    with torch.cuda.stream(stream):
-        expected = step(0)
-        step(2)  # warm-up (compiles the variant)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = step(2)
-    stream.synchronize()
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    for (qkv, res_out), (want_qkv, want_res) in zip(outs, expected):
-        torch.testing.assert_close(qkv, want_qkv, rtol=0, atol=0)
-        torch.testing.assert_close(res_out, want_res, rtol=0, atol=0)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="residency is read from the compiled kernel (CUDA)")
 def test_a_grid_that_cannot_be_resident_is_refused_not_launched():
     """More programs than the SMs hold at once would leave the barrier waiting forever."""

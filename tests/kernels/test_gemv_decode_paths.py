@@ -160,17 +160,15 @@ def test_decode_path_kernels_compile_for_sm90_without_spills():
     tail = [r for r in rows if r["kernel"] == "_decode_layer_tail_kernel"]
     labels = collections.Counter(r["label"] for r in tail)
     # decode_layer_tail: one launch with (split) barriers, the last layer's, unsplit barriers, 1 early
-    # tile, the next layer's weights into L2, with the next layer's attention, a launch per phase
-    # (4); the six one-launch forms again under PDL, each with its grid-dependency wait.
+    # tile, with the next layer's attention, a launch per phase (4); the five one-launch forms
+    # again under PDL, each with its grid-dependency wait.
     assert labels["decode_layer_tail, a launch per phase"] == 4
-    assert sum(r["grid_dependency_wait"] for r in tail) == 6
-    assert [r["label"] for r in tail if r["bulk_l2_prefetch"]] == [
-        "decode_layer_tail, next layer's weights into L2", "pdl decode_layer_tail, next layer's weights into L2"]
+    assert sum(r["grid_dependency_wait"] for r in tail) == 5
     assert all(r["grid_dependency_wait"] == r["label"].startswith("pdl ") for r in tail)
     # decode_layer: 8, 1 and 4 attention splits, unsplit barriers, o_proj tiles before the attention
     # barrier, timestamps, and a launch per phase (5: attention + the tail's four).
     assert labels["decode_layer, a launch per phase"] == 5
-    assert len(tail) == 27, labels
+    assert len(tail) == 25, labels
     assert len(rows) >= 6
     assert all(r["shared_bytes"] <= 227 * 1024 for r in rows), rows
     spilled = [r for r in rows if r["spill_store_bytes"]]
