@@ -524,7 +524,8 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     rows_per_step = args.profile_batch
     prompts = baselines.random_prompts(rows_per_step, args.prompt_len, vocab, seed=PROMPT_SEED)
-    total = 3 * steps + 8
+    tokens_per_step = max(1, engine.config.decode_steps)  # an engine step of multi-step decode makes k tokens
+    total = (3 * steps + 8) * tokens_per_step
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
     while any(len(s.output_token_ids) < 3 for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -549,13 +550,16 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
         phases["postprocess"] += t3 - t2
     wall_ms = 1e3 * (time.perf_counter() - t_start) / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    replays = engine.runner.num_graph_replays
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         baselines.sync(engine.device)
+    made = (engine.runner.num_graph_replays - replays) * rows_per_step  # tokens the GPU made in the window
     while engine.has_unfinished_requests():
         engine.step()
     kernels: dict[str, dict[str, float]] = {}
+    spans = []
     for e in prof.events():
         if getattr(e, "device_type", None) != DeviceType.CUDA:
             continue
@@ -563,6 +567,7 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
         k = kernels.setdefault(e.name, {"calls": 0, "us": 0.0})
         k["calls"] += 1
         k["us"] += us
+        spans.append((e.time_range.start, e.time_range.end, e.name))
     rows = sorted(({"kernel": n, "calls_per_step": v["calls"] / steps, "us_per_step": v["us"] / steps,
                     "category": categorize(n)} for n, v in kernels.items()), key=lambda r: -r["us_per_step"])
     busy = sum(r["us_per_step"] for r in rows)
@@ -574,7 +579,38 @@ def profile_decode(engine: LLMEngine, args, steps: int = 20) -> dict[str, Any]:
     return {"batch": rows_per_step, "mean_rows_per_step": seen_rows / steps, "steps": steps, "wall_ms_per_step": wall_ms, "gpu_busy_us_per_step": busy,
             "kernels_per_step": sum(r["calls_per_step"] for r in rows),
             "host_ms_per_step": {k: 1e3 * v / steps for k, v in phases.items()},
-            "by_category": by_category, "kernels": rows, "cuda_graphs": bool(engine.runner.graphs)}
+            "by_category": by_category, "kernels": rows, "cuda_graphs": bool(engine.runner.graphs),
+            "decode_steps": engine.config.decode_steps, "overlap_decode": engine.config.overlap_decode,
+            "timeline": gpu_timeline(spans, made)}
+
+
+def gpu_timeline(spans: list[tuple[float, float, str]], tokens: int, top: int = 12) -> dict[str, Any]:
+    """Where the GPU idles in a profiled window: spans (start_us, end_us, kernel) of every GPU
+    event, tokens made in the window (summed over rows). Busy is the union of the spans; each
+    idle gap (the next span starting after everything before it ended) is charged to the pair
+    (kernel that ended last, kernel that starts). Per token: span of the window, busy, idle."""
+    if not spans or not tokens:
+        return {"tokens": tokens}
+    spans = sorted(spans)
+    busy = idle = 0.0
+    end, last = spans[0][0], spans[0][2]
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for start, stop, name in spans:
+        if start > end:
+            gap = start - end
+            idle += gap
+            pair = pairs.setdefault((last, name), [0, 0.0])
+            pair[0] += 1
+            pair[1] += gap
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, last = stop, name
+    window = end - spans[0][0]
+    worst = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"tokens": tokens, "window_us_per_token": window / tokens, "busy_us_per_token": busy / tokens,
+            "idle_us_per_token": idle / tokens,
+            "idle_by_pair": [{"after": a, "before": b, "gaps_per_token": n / tokens, "us_per_token": us / tokens}
+                             for (a, b), (n, us) in worst]}
 
 
 def print_profile(name: str, p: dict[str, Any]) -> None:
@@ -582,6 +618,14 @@ def print_profile(name: str, p: dict[str, Any]) -> None:
           f"{p['wall_ms_per_step']:.3f} ms/step, GPU busy {p['gpu_busy_us_per_step']:.1f} us/step, "
           f"{p['kernels_per_step']:.1f} kernels/step")
     print("  host per step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in p["host_ms_per_step"].items()))
+    t = p.get("timeline") or {}
+    if t.get("tokens"):
+        print(f"  profiled window ({p.get('decode_steps', 1)} steps a round trip, overlap {p.get('overlap_decode')}): "
+              f"{t['tokens']} tokens, {t['window_us_per_token']:.1f} us a token on the GPU's clock, busy "
+              f"{t['busy_us_per_token']:.1f}, idle {t['idle_us_per_token']:.1f}; idle by kernel pair (us a token):")
+        for g in t["idle_by_pair"]:
+            print(f"    {g['us_per_token']:7.2f} us ({g['gaps_per_token']:.2f} gaps) after {g['after'][:45]} "
+                  f"before {g['before'][:45]}")
     print(f"  {'category':<22}{'us/step':>10}{'kernels':>9}{'share':>8}")
     for c, v in sorted(p["by_category"].items(), key=lambda kv: -kv[1]["us_per_step"]):
         share = v["us_per_step"] / max(p["gpu_busy_us_per_step"], 1e-9)
@@ -793,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if mode == "profile":
         profiles = {}
+        engine.config.decode_steps, engine.config.overlap_decode = decode_steps[0]
         for recipe in recipes:
             if recipe != recipes[0]:
                 engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[recipe]))

@@ -126,3 +126,20 @@ def test_result_names_of_runs_started_in_the_same_second_differ(tmp_path):
     second = bench.claim_result_name(tmp_path, "decode-x-20261130-032720")
     assert first == "decode-x-20261130-032720" and second == "decode-x-20261130-032720-2"
     assert (tmp_path / f"{first}.json").exists() and (tmp_path / f"{second}.json").exists()
+
+
+def test_gpu_timeline_charges_each_idle_gap_to_its_kernel_pair():
+    """Busy is the union of the GPU spans (overlaps counted once); a gap is charged to the kernel
+    that ended last and the one that starts after it; figures are per token."""
+    timeline = load_bench().gpu_timeline
+    spans = [(0.0, 10.0, "a"), (2.0, 12.0, "b"),  # overlapping: busy 0-12
+             (15.0, 20.0, "c"),  # 3 us idle after b (ended last), before c
+             (21.0, 22.0, "a"), (26.0, 30.0, "c")]  # 1 us after c before a; 4 us after a before c
+    t = timeline(spans, tokens=2)
+    assert t["window_us_per_token"] == 15.0
+    assert t["busy_us_per_token"] == (12 + 5 + 1 + 4) / 2
+    assert t["idle_us_per_token"] == (3 + 1 + 4) / 2
+    pairs = {(g["after"], g["before"]): (g["gaps_per_token"], g["us_per_token"]) for g in t["idle_by_pair"]}
+    assert pairs == {("b", "c"): (0.5, 1.5), ("c", "a"): (0.5, 0.5), ("a", "c"): (0.5, 2.0)}
+    assert [g["us_per_token"] for g in t["idle_by_pair"]] == [2.0, 1.5, 0.5]  # largest first
+    assert timeline([], tokens=3) == {"tokens": 3}
