@@ -189,6 +189,15 @@ class EngineConfig:
     # chunk also computed the chunk after it (discarded), and a new request waits up to two
     # chunks for admission.
     overlap_decode: bool = False
+    # With decode_steps > 1: decode batches of up to this many sequences also get one CUDA graph
+    # for a whole chunk (decode_steps steps captured back to back; step j reads its positions,
+    # slots and context lengths from staging the host fills once a chunk, and its token ids from
+    # step j-1's argmax), so a chunk is one graph launch with no copies between its steps (the
+    # per-step copies and graph launches idled the GPU ~12 us a token at batch 1 on an H200).
+    # Costs decode_steps times the capture time and graph memory of those buckets. Chunks of
+    # another length (a request's last) replay the one-step graph; changing decode_steps at run
+    # time captures them again. 0: none.
+    chunk_graph_max_batch: int = 1
     num_layers_override: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.90
@@ -203,6 +212,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.chunk_graph_max_batch < 0:
+            raise ValueError(f"EngineConfig.chunk_graph_max_batch must be >= 0, got {self.chunk_graph_max_batch}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:

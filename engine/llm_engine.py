@@ -187,18 +187,22 @@ class LLMEngine:
 
     def set_runtime_settings(self, settings: dict[str, Any]) -> None:
         """Change RUNTIME_SETTINGS between two steps: decode steps per host round trip, and the
-        scheduler's batch width and token budget (checked as EngineConfig checks them). CUDA
-        graphs stay as captured: a batch wider than the largest captured bucket decodes eagerly."""
+        scheduler's batch width and token budget (checked as EngineConfig checks them). The
+        one-step CUDA graphs stay as captured (a batch wider than the largest captured bucket
+        decodes eagerly); the whole-chunk graphs are captured again for a new decode_steps."""
         unknown = sorted(set(settings) - set(self.RUNTIME_SETTINGS))
         if unknown:
             raise ValueError(f"engine settings {unknown} cannot change while the engine runs "
                              f"(only {list(self.RUNTIME_SETTINGS)} can)")
         dataclasses.replace(self.config, **settings)  # validation only: raises on a bad combination
         self.drain_inflight()
+        steps_before = self.config.decode_steps
         for name, value in settings.items():
             setattr(self.config, name, value)  # in place: the runner and servers hold this object
             if hasattr(self.scheduler, name):
                 setattr(self.scheduler, name, value)
+        if self.config.decode_steps != steps_before and self.config.chunk_graph_max_batch:
+            self.runner.recapture_chunk_graphs()  # whole-chunk graphs hold one chunk length
 
     def _decode_lookahead(self, batch: ScheduledBatch) -> int:
         """How many decode steps to run at once for ``batch`` (1: the ordinary step).

@@ -21,7 +21,10 @@ back to back: before replay j (j >= 1) it copies that step's positions, slots an
 lengths from a device staging buffer (filled with one host->device copy for all k steps)
 and the previous replay's argmax tokens into the input ids, all device-side; the host reads
 the k x B tokens once at the end. The GPU then waits for the host once per k steps instead of
-once per step, which is what bounds batch-1 decode once the kernels are fast.
+once per step, which is what bounds batch-1 decode once the kernels are fast. Batch buckets up
+to EngineConfig.chunk_graph_max_batch also get a graph of a whole k-step chunk: its steps read
+their staging rows and the previous step's tokens where they lie, so a chunk is one launch with
+no copies between steps (chunks of another length replay the one-step graph as above).
 """
 
 from __future__ import annotations
@@ -93,7 +96,12 @@ class ModelRunner:
         # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
         # are then eager calls over the same static buffers, padding and widths.
         self.emulate_graphs = False
-        self.num_graph_replays = 0
+        self.num_graph_replays = 0  # decode steps run by graphs (a chunk graph counts its steps)
+        # Whole-chunk graphs (EngineConfig.chunk_graph_max_batch) per (batch bucket, width), for
+        # chunks of _chunk_steps steps, with their own staging and token rows (fixed addresses).
+        self.chunk_graphs: dict[tuple[int, int], _Graph] = {}
+        self._chunk_steps = 0
+        self.num_chunk_replays = 0
 
     # ------------------------------------------------------------------ host -> device
     def _to_device(self, data: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -256,6 +264,7 @@ class ModelRunner:
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
         g = self.graphs[(graph_bs, width)]
+        chunk = self.chunk_graphs.get((graph_bs, width)) if k == self._chunk_steps else None
         s, max_bs = self._static, self._max_bs
         self._ensure_step_staging(k)
         if self._inputs_consumed is not None:
@@ -273,6 +282,17 @@ class ModelRunner:
         h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
         h32[:, :n] = pos + 1
         h32[:, n:graph_bs] = 1
+        if chunk is not None:
+            # One graph for the chunk: the staging of steps 1..k-1 goes straight to the buffers it
+            # reads, step 0's inputs as for any replay, then one launch.
+            self._chunk_stage64.copy_(self._stage_host64[:k - 1], non_blocking=True)
+            self._chunk_stage32.copy_(self._stage_host32[:k - 1], non_blocking=True)
+            self._copy_inputs(batch, chunk, ahead)
+            self._record_inputs_consumed()
+            chunk.replay()
+            self.num_graph_replays += k
+            self.num_chunk_replays += 1
+            return self._read_back(self._chunk_tokens, k, n)
         # Step 0: the usual host -> device copies (ids from the device when chained), then the graph.
         self._replay(batch, g, ahead=ahead)
         out = self._step_tokens
@@ -280,9 +300,7 @@ class ModelRunner:
         if k > 1:
             self._stage64[:k - 1].copy_(self._stage_host64[:k - 1], non_blocking=True)
             self._stage32[:k - 1].copy_(self._stage_host32[:k - 1], non_blocking=True)
-        if self.device.type == "cuda":
-            self._inputs_consumed = torch.cuda.Event()
-            self._inputs_consumed.record()
+        self._record_inputs_consumed()
         for j in range(1, k):
             self._packed64[max_bs:].copy_(self._stage64[j - 1])  # positions, slots
             self._packed32[:max_bs].copy_(self._stage32[j - 1])  # context lengths
@@ -290,6 +308,16 @@ class ModelRunner:
             g.replay()
             self.num_graph_replays += 1
             out[j, :n].copy_(s["tokens"][:n])
+        return self._read_back(out, k, n)
+
+    def _record_inputs_consumed(self) -> None:
+        """Mark the point after this chunk's host->device copies (see _inputs_consumed)."""
+        if self.device.type == "cuda":
+            self._inputs_consumed = torch.cuda.Event()
+            self._inputs_consumed.record()
+
+    def _read_back(self, out: torch.Tensor, k: int, n: int) -> DecodeChunk:
+        """The chunk's token rows out[:k] copied to a pinned host buffer without waiting."""
         host = self._step_tokens_host[self._chunk_parity]
         self._chunk_parity ^= 1  # the next chunk copies into the other buffer while this one is read
         host[:k].copy_(out[:k], non_blocking=True)  # whole rows: a contiguous copy stays asynchronous
@@ -330,6 +358,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _replay(self, batch: ScheduledBatch, g: _Graph, ahead: int = 0) -> torch.Tensor:
+        self._copy_inputs(batch, g, ahead)
+        g.replay()
+        self.num_graph_replays += 1
+        return self._graph_logits[(g.batch_size, g.width)][:len(batch.seqs)]
+
+    def _copy_inputs(self, batch: ScheduledBatch, g: _Graph, ahead: int = 0) -> None:
+        """A replay's inputs into the static buffers: host arrays through the pinned packs, and
+        when chained (``ahead``) the token ids from the device's last argmax."""
         n = len(batch.seqs)
         input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch, ahead)
         host = self._static_host
@@ -349,14 +385,13 @@ class ModelRunner:
         self._packed32[:end].copy_(self._packed32_host[:end], non_blocking=True)
         if ahead:
             self._static["input_ids"][:n].copy_(self._static["tokens"][:n])  # the chained chunk's last tokens
-        g.replay()
-        self.num_graph_replays += 1
-        return self._graph_logits[(g.batch_size, g.width)][:n]
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """(Re)capture decode graphs for every (batch bucket, width bucket); CUDA only."""
         self.graphs.clear()
+        self.chunk_graphs.clear()
+        self._chunk_steps = 0
         self._graph_pool = None
         self.graph_batch_sizes, self.graph_widths = [], []
         capture = self.device.type == "cuda"
@@ -441,6 +476,68 @@ class ModelRunner:
                 torch.cuda.synchronize(dev)
         self.graph_batch_sizes = sizes
         self.graph_widths = widths
+        self._greedy_argmax = greedy_argmax
+        self._capture_chunk_graphs()
+
+    @torch.inference_mode()
+    def recapture_chunk_graphs(self) -> None:
+        """Capture the whole-chunk graphs again for the current decode_steps (the one-step graphs
+        stay); the engine calls it when decode_steps changes at run time."""
+        if not self.graphs:
+            return
+        self.chunk_graphs.clear()
+        self._chunk_steps = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._capture_chunk_graphs()
+
+    def _capture_chunk_graphs(self) -> None:
+        """Whole-chunk graphs (EngineConfig.chunk_graph_max_batch) for chunks of decode_steps
+        steps, per (batch bucket <= that size, width). Step 0 reads the static inputs, as the
+        one-step graphs do; step j >= 1 reads row j-1 of the chunk's own staging (positions |
+        slots, context lengths) and step j-1's argmax as its token ids; every step's argmax
+        goes to its row of the chunk's token rows, and the last one to the static tokens too
+        (the next chained chunk's step 0 reads them there). Nothing is copied between steps."""
+        k = self.config.decode_steps
+        sizes = [bs for bs in self.graph_batch_sizes if bs <= self.config.chunk_graph_max_batch]
+        if k < 2 or not sizes:
+            return
+        s, max_bs, dev = self._static, self._max_bs, self.device
+        greedy_argmax, capture_stream = self._greedy_argmax, self._capture_stream if dev.type == "cuda" else None
+        # Padded rows and the warm-up write to the null slot, as the one-step graphs' buffers do.
+        self._chunk_stage64 = torch.zeros(k - 1, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
+        self._chunk_stage64[:, max_bs:] = self.kv_cache.null_slot
+        self._chunk_stage32 = torch.ones(k - 1, max_bs, dtype=torch.int32, device=dev)  # context lengths
+        self._chunk_tokens = torch.zeros(k, max_bs, dtype=torch.int64, device=dev)
+        for width in reversed(self.graph_widths):
+            for bs in reversed(sizes):
+                contexts = [AttentionContext(
+                    is_prefill=False, slot_mapping=slots, block_tables=s["block_tables"][:bs, :width],
+                    context_lens=lens, query_start_loc=s["query_start_loc"][:bs + 1], max_query_len=1,
+                    max_context_len=width * self.block_size, last_token_indices=s["last_token_indices"][:bs])
+                    for slots, lens in [(s["slot_mapping"][:bs], s["context_lens"][:bs])]
+                    + [(self._chunk_stage64[j, max_bs:max_bs + bs], self._chunk_stage32[j, :bs]) for j in range(k - 1)]]
+
+                def run_chunk(bs: int = bs, contexts: list[AttentionContext] = contexts) -> None:
+                    for j, ctx in enumerate(contexts):
+                        ids = s["input_ids"][:bs] if j == 0 else self._chunk_tokens[j - 1, :bs]
+                        positions = s["positions"][:bs] if j == 0 else self._chunk_stage64[j - 1, :bs]
+                        logits = self.forward_pass.forward(ids, positions, ctx, self.kv_cache)
+                        greedy_argmax(logits, self._chunk_tokens[j, :bs])
+                    s["tokens"][:bs].copy_(self._chunk_tokens[len(contexts) - 1, :bs])
+
+                if capture_stream is None:  # emulated on the CPU
+                    self.chunk_graphs[(bs, width)] = _Graph(run_chunk, bs, width)
+                    continue
+                with torch.cuda.stream(capture_stream):
+                    run_chunk()  # warm-up: writes only the null slot
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
+                    run_chunk()
+                self.chunk_graphs[(bs, width)] = _Graph(graph.replay, bs, width)
+                torch.cuda.synchronize(dev)
+        self._chunk_steps = k
 
 
 def _graph_argmax(on_cuda: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:

@@ -224,7 +224,7 @@ def make_engine(args, device: torch.device, max_batch: int, max_model_len: int, 
         # Every run prefills its prompts in full: with prefix caching, a repeat (or the next
         # decode_steps setting) would reuse the first run's prompt blocks and start from a
         # prefill computed another way, and bf16 greedy tokens then differ for that reason alone.
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, chunk_graph_max_batch=args.chunk_graph_max_batch,
         forward_pass_recipe=RECIPES[recipe] or None)
     return LLMEngine(config)
 
@@ -282,8 +282,7 @@ def measure_recipe(engine: LLMEngine, recipe: str, batch_sizes: list[int], args,
     its rows are named ``shapeshift[<recipe>+k<k>]``, or ``+k<k>o`` with ``overlap`` (the next
     chunk launched before the host reads the current one: EngineConfig.overlap_decode).
     """
-    engine.config.decode_steps = decode_steps
-    engine.config.overlap_decode = overlap
+    engine.set_runtime_settings({"decode_steps": decode_steps, "overlap_decode": overlap})  # chunk graphs follow
     label = recipe if decode_steps == 1 else f"{recipe}+{steps_label(decode_steps, overlap)}"
     vocab = engine.model_config.vocab_size
     engine_decode(engine, baselines.random_prompts(min(batch_sizes), args.prompt_len, vocab, seed=1), 8)  # warm-up
@@ -737,6 +736,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--time-budget", type=float, default=240.0,
                         help="seconds for the whole run; baselines get what is left (each point is saved)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    parser.add_argument("--chunk-graph-max-batch", type=int, default=EngineConfig.chunk_graph_max_batch,
+                        help="EngineConfig.chunk_graph_max_batch: batches up to this size replay one graph per chunk "
+                             "of multi-step decode (0: a graph launch per step; default %(default)s)")
     parser.add_argument("--curve", action="store_true", help="throughput vs p90 per-user tok/s, batch 1..256")
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of a batch-1 decode step")
     parser.add_argument("--profile-batch", type=int, default=1,
@@ -837,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if mode == "profile":
         profiles = {}
-        engine.config.decode_steps, engine.config.overlap_decode = decode_steps[0]
+        engine.set_runtime_settings(dict(zip(("decode_steps", "overlap_decode"), decode_steps[0])))
         for recipe in recipes:
             if recipe != recipes[0]:
                 engine.set_forward_pass(load_bundle(STOCK_BUNDLE_DIR, RECIPES[recipe]))
@@ -880,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{steps_label(*decode_steps[0])}")
                 rec.add({"impl": f"shapeshift[{recipe}+{steps_label(k, overlap)}]",
                          "error": "greedy tokens differ from single steps"})
-        engine.config.decode_steps, engine.config.overlap_decode = 1, False
+        engine.set_runtime_settings({"decode_steps": 1, "overlap_decode": False})
 
     best = args.check_recipe or next((r for r in (BEST_RECIPE, "triton", "fused", "stock") if r in recipes),
                                      recipes[-1])

@@ -118,6 +118,48 @@ def test_single_steps_when_multi_step_does_not_apply():
     assert got == want
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_whole_chunk_graphs_give_the_tokens_of_single_steps(overlap):
+    """With chunk graphs for every bucket, a chunk of k steps is one replay of a graph whose
+    steps read their staging and the previous step's tokens themselves; the tokens, the stop
+    reasons and the freed KV are those of single steps. Chunks of another length (a request's
+    last) take the one-step graph."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
+    want, want_reasons, _, _ = run(graph_engine(), PROMPTS, params)
+    engine = graph_engine(decode_steps=4, overlap_decode=overlap, chunk_graph_max_batch=8)
+    assert set(engine.runner.chunk_graphs) == set(engine.runner.graphs)
+    got, reasons, widest, _ = run(engine, PROMPTS, params)
+    assert got == want and reasons == want_reasons and widest == 4
+    runner = engine.runner
+    assert runner.num_chunk_replays > 0
+    assert runner.num_graph_replays > 4 * runner.num_chunk_replays  # some chunks were shorter than 4
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_whole_chunk_graphs_only_up_to_their_batch_size_and_chunk_length():
+    engine = graph_engine(decode_steps=4)  # default: the batch-1 bucket only
+    assert sorted(engine.runner.chunk_graphs) == [(1, w) for w in engine.runner.graph_widths]
+    assert not graph_engine(decode_steps=4, chunk_graph_max_batch=0).runner.chunk_graphs
+    assert not graph_engine(decode_steps=1).runner.chunk_graphs  # no chunks to capture
+    # decode_steps changed at run time: the chunk graphs are captured again for the new length
+    # (19 decode steps: 8 + 8 in chunk graphs, then 3 through the one-step graph).
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want, _, _, _ = run(graph_engine(), PROMPTS[:1], greedy)
+    engine.set_runtime_settings({"decode_steps": 8})
+    assert engine.runner._chunk_steps == 8
+    got, _, widest, _ = run(engine, PROMPTS[:1], greedy)
+    assert got == want and widest == 8 and engine.runner.num_chunk_replays == 2
+    engine.runner.num_chunk_replays = 0
+    engine.set_runtime_settings({"decode_steps": 4})
+    want, _, _, _ = run(graph_engine(), PROMPTS[1:2], greedy)  # a prompt not in the prefix cache
+    got, _, widest, _ = run(engine, PROMPTS[1:2], greedy)
+    assert got == want and widest == 4 and engine.runner.num_chunk_replays == 4  # 19 decode steps: 4 x 4 + 3
+    from shapeshift.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="chunk_graph_max_batch"):
+        EngineConfig(chunk_graph_max_batch=-1)
+
+
 def test_decode_steps_must_be_positive():
     from shapeshift.engine.config import EngineConfig
 
@@ -126,13 +168,15 @@ def test_decode_steps_must_be_positive():
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (real graph replays)")
-def test_k_steps_on_cuda_graphs_give_the_tokens_of_single_steps():
+@pytest.mark.parametrize("chunk_graphs", [0, 8])
+def test_k_steps_on_cuda_graphs_give_the_tokens_of_single_steps(chunk_graphs):
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.llm_engine import LLMEngine
 
     def cuda_engine(k: int):
         return LLMEngine(EngineConfig(model="tiny-llama", device="cuda", dtype="float32", max_num_seqs=8,
-                                      max_model_len=64, block_size=4, decode_steps=k))
+                                      max_model_len=64, block_size=4, decode_steps=k,
+                                      chunk_graph_max_batch=chunk_graphs))
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
     single, multi = cuda_engine(1), cuda_engine(8)
@@ -140,3 +184,4 @@ def test_k_steps_on_cuda_graphs_give_the_tokens_of_single_steps():
     want, _, _, _ = run(single, PROMPTS, params)
     got, _, widest, _ = run(multi, PROMPTS, params)
     assert got == want and widest == 8
+    assert (multi.runner.num_chunk_replays > 0) == bool(chunk_graphs)

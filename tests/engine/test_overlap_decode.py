@@ -122,7 +122,8 @@ def test_a_new_forward_pass_waits_for_the_chunk_in_flight():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real graphs, events, pinned buffers)")
-def test_chained_chunks_on_cuda_graphs_give_the_tokens_of_single_steps():
+@pytest.mark.parametrize("chunk_graphs", [0, 8])
+def test_chained_chunks_on_cuda_graphs_give_the_tokens_of_single_steps(chunk_graphs):
     from shapeshift.engine.config import EngineConfig
     from shapeshift.engine.llm_engine import LLMEngine
 
@@ -132,7 +133,8 @@ def test_chained_chunks_on_cuda_graphs_give_the_tokens_of_single_steps():
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
     want, _, _, _ = run(cuda_engine(), PROMPTS, params)
-    engine = cuda_engine(decode_steps=4, overlap_decode=True)
+    engine = cuda_engine(decode_steps=4, overlap_decode=True, chunk_graph_max_batch=chunk_graphs)
     assert engine.runner.graphs
     got, _, widest, _ = run(engine, PROMPTS, params)
     assert got == want and widest == 4
+    assert (engine.runner.num_chunk_replays > 0) == bool(chunk_graphs)
