@@ -144,6 +144,13 @@ def attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens
     """Pass 1 for one (sequence b, kv head, split): every query head of the kv group over one
     slice of the context (see the module doc). Shared by the split kernel and the batch-1 layer
     kernel (kernels/decode_layer_tail.py), which runs it as its attention phase."""
+    # The block-table entries of tile `split`, loaded before the context length arrives: when
+    # every split holds at most one tile (the default split counts), that is the split's tile,
+    # and its K/V loads wait for one round trip (context length and table together), not two.
+    # Entries past the row (stride_bt_b; 0: no speculation) are not read.
+    spec_tok = split * BLOCK_N + tl.arange(0, BLOCK_N)
+    spec_block = tl.load(block_tables_ptr + b * stride_bt_b + spec_tok // block_size,
+                         mask=spec_tok // block_size < stride_bt_b, other=0).to(tl.int64)
     context_len = tl.load(context_lens_ptr + b)
     # Split the context into NUM_SPLITS slices of whole BLOCK_N tiles (computed on the device).
     num_tiles = tl.cdiv(context_len, BLOCK_N)
@@ -198,10 +205,15 @@ def attend_split(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens
     if not USE_DOT:
         q = q.to(tl.float32)
 
+    speculated = (tiles_per_split == 1) & (end <= stride_bt_b * block_size)  # the one tile, inside the row
     for tile_start in range(start, end, BLOCK_N):
         tok = tile_start + tl.arange(0, BLOCK_N)
         tok_mask = tok < cached_end
-        block_id = tl.load(block_tables_ptr + b * stride_bt_b + tok // block_size, mask=tok_mask, other=0).to(tl.int64)
+        if speculated:
+            block_id = spec_block
+        else:
+            block_id = tl.load(block_tables_ptr + b * stride_bt_b + tok // block_size, mask=tok_mask,
+                               other=0).to(tl.int64)
         slot = tok % block_size
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + block_id[:, None] * stride_k_block + slot[:, None] * stride_k_slot
