@@ -29,7 +29,6 @@ no copies between steps (chunks of another length replay the one-step graph as a
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -97,8 +96,6 @@ class ModelRunner:
         # Tests set this to exercise the static-buffer decode path on the CPU: "graphs"
         # are then eager calls over the same static buffers, padding and widths.
         self.emulate_graphs = False
-        self._greedy_argmax: Callable[[torch.Tensor, torch.Tensor], Any] = _torch_argmax  # set at capture
-        self._greedy_in_forward = False  # the forward pass writes the graphs' greedy tokens (set at capture)
         self.num_graph_replays = 0  # decode steps run by graphs (a chunk graph counts its steps)
         # Whole-chunk graphs (EngineConfig.chunk_graph_max_batch) per (batch bucket, width), for
         # chunks of _chunk_steps steps, with their own staging and token rows (fixed addresses).
@@ -436,11 +433,7 @@ class ModelRunner:
         self._graph_logits.clear()
         self._static_host = {k: v.numpy() for k, v in views(self._packed64_host, self._packed32_host).items()}
         s = self._static
-        self._greedy_argmax = _graph_argmax(capture)
-        # The forward pass takes the greedy tokens itself (stock: in the lm_head GEMV's epilogue)
-        # where it accepts greedy_out and, on CUDA, the graphs use the Triton argmax it matches.
-        self._greedy_in_forward = ((not capture or self._greedy_argmax is not _torch_argmax)
-                                   and "greedy_out" in inspect.signature(self.forward_pass.forward).parameters)
+        greedy_argmax = _graph_argmax(capture)
         if capture:
             torch.cuda.synchronize(dev)
             # This runner's own capture stream: another runner capturing at the same time (hot
@@ -457,13 +450,13 @@ class ModelRunner:
                     last_token_indices=s["last_token_indices"][:bs])
 
                 def run_static(bs: int = bs, width: int = width, ctx: AttentionContext = ctx) -> None:
-                    # Logits and the greedy tokens inside the graph (first index of the max, as
-                    # sampling's argmax). The logits are the graph's own output: their address is
-                    # fixed once captured (the reference kept here keeps the pool from handing it to
-                    # another graph), so replays need no copy into a static logits buffer ([B, V]
-                    # float32: ~47 us a step at B=128).
-                    self._graph_logits[(bs, width)] = self._forward_greedy(
-                        s["input_ids"][:bs], s["positions"][:bs], ctx, s["tokens"][:bs])
+                    logits = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
+                    # The graph's own output: its address is fixed once captured (the reference kept
+                    # here keeps the pool from handing it to another graph), so replays need no
+                    # copy into a static logits buffer ([B, V] float32: ~47 us a step at B=128).
+                    self._graph_logits[(bs, width)] = logits
+                    # Greedy tokens inside the graph (first index of the max, as sampling's argmax).
+                    greedy_argmax(logits, s["tokens"][:bs])
 
                 if not capture:
                     self.graphs[(bs, width)] = _Graph(run_static, bs, width)
@@ -483,16 +476,8 @@ class ModelRunner:
                 torch.cuda.synchronize(dev)
         self.graph_batch_sizes = sizes
         self.graph_widths = widths
+        self._greedy_argmax = greedy_argmax
         self._capture_chunk_graphs()
-
-    def _forward_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                        tokens: torch.Tensor) -> torch.Tensor:
-        """A decode graph's body: the forward's logits, and its greedy tokens into ``tokens``."""
-        if self._greedy_in_forward:
-            return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache, greedy_out=tokens)
-        logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
-        self._greedy_argmax(logits, tokens)
-        return logits
 
     @torch.inference_mode()
     def recapture_chunk_graphs(self) -> None:
@@ -518,7 +503,7 @@ class ModelRunner:
         if k < 2 or not sizes:
             return
         s, max_bs, dev = self._static, self._max_bs, self.device
-        capture_stream = self._capture_stream if dev.type == "cuda" else None
+        greedy_argmax, capture_stream = self._greedy_argmax, self._capture_stream if dev.type == "cuda" else None
         # Padded rows and the warm-up write to the null slot, as the one-step graphs' buffers do.
         self._chunk_stage64 = torch.zeros(k - 1, 2 * max_bs, dtype=torch.int64, device=dev)  # positions | slots
         self._chunk_stage64[:, max_bs:] = self.kv_cache.null_slot
@@ -537,7 +522,8 @@ class ModelRunner:
                     for j, ctx in enumerate(contexts):
                         ids = s["input_ids"][:bs] if j == 0 else self._chunk_tokens[j - 1, :bs]
                         positions = s["positions"][:bs] if j == 0 else self._chunk_stage64[j - 1, :bs]
-                        self._forward_greedy(ids, positions, ctx, self._chunk_tokens[j, :bs])
+                        logits = self.forward_pass.forward(ids, positions, ctx, self.kv_cache)
+                        greedy_argmax(logits, self._chunk_tokens[j, :bs])
                     s["tokens"][:bs].copy_(self._chunk_tokens[len(contexts) - 1, :bs])
 
                 if capture_stream is None:  # emulated on the CPU
@@ -570,8 +556,4 @@ def _graph_argmax(on_cuda: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
             pass
         else:
             return lambda logits, out: argmax(logits, out=out)
-    return _torch_argmax
-
-
-def _torch_argmax(logits: torch.Tensor, out: torch.Tensor) -> Any:
-    return torch.argmax(logits, dim=-1, out=out)
+    return lambda logits, out: torch.argmax(logits, dim=-1, out=out)

@@ -42,7 +42,6 @@ from .checks import (FLOAT_DTYPES, StreamCounters, cdiv, check_runnable_device, 
                      dot_flags, dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active,
                      next_power_of_2, pdl_options)
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .sampling import argmax, merge_argmax_partials
 from .triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
 MAX_M = 16
@@ -128,12 +127,6 @@ def _gemv_kernel(
     TRIGGER_LATE: tl.constexpr = False,  # with USE_PDL: the next kernel launches after the weight stream
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT_K > 1: the last split of each row tile reduces (one launch)
     counter_ptr=None,  # [cdiv(N, BLOCK_N)] int32, zero between launches (FUSED_REDUCE)
-    # SPLIT_K == 1: each program also writes, per row, its tile's largest stored value and the
-    # first column holding it (NaN ignored), [M, cdiv(N, BLOCK_N)] each, for the greedy argmax
-    # (gemv's argmax_out merges them in a one-program pass).
-    ARGMAX: tl.constexpr = False,
-    amax_val_ptr=None,  # float32
-    amax_idx_ptr=None,  # int32
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -188,14 +181,6 @@ def _gemv_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + m[:, None] * stride_y_m + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-        if ARGMAX:
-            stored = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-            vals = tl.where(out_mask & (stored == stored), stored, float("-inf"))
-            best = tl.max(vals, axis=1)  # [BLOCK_M]
-            first = tl.min(tl.where(vals == best[:, None], n[None, :], 2147483647), axis=1)
-            tiles = tl.num_programs(0)
-            tl.store(amax_val_ptr + m * tiles + pid_n, best, mask=m_mask)
-            tl.store(amax_idx_ptr + m * tiles + pid_n, first, mask=m_mask)
     else:
         partial_tile = partial_ptr + m[:, None] * N + n[None, :]  # split 0's [BLOCK_M, BLOCK_N] tile
         tl.store(partial_tile + pid_k * M * N, acc, mask=out_mask)
@@ -408,17 +393,12 @@ def gemv(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
-    argmax_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = x @ weight^T (+ bias) for x [M, K] with 1 <= M <= 16 and weight [N, K].
 
     The output has x's dtype, or float32 when `out_dtype` (or a given `out`) says so. With
     `norm_weight`, y = rmsnorm(x (+ residual)) @ weight^T, and `(y, residual_out)` is returned
-    when a residual is given (residual_out = x + residual). ``argmax_out`` (int64 [M]): each
-    row's greedy token is written there too, the first index of the maximum of y as stored
-    (NaN ignored, as kernels.sampling.argmax): each program's tile maximum comes out of the
-    GEMV's epilogue and one small launch merges them, instead of re-reading y (split-K configs
-    call kernels.sampling.argmax on y).
+    when a residual is given (residual_out = x + residual).
     """
     op = "gemv"
     M, K = _check_x_and_weight(op, x, "weight", weight)
@@ -434,10 +414,6 @@ def gemv(
     res_arg, res_out_arg, norm_arg, res_ret = _norm_args(op, x, norm_weight, residual, residual_out)
     if config is None:
         config = GEMV_SPEC.default_config({"m": M, "n": N, "k": K, "dtype": dtype_name(x.dtype)}, x.device)
-    if argmax_out is not None:
-        check_tensor(op, "argmax_out", argmax_out, shape=(M,), dtypes=(torch.int64,), device=x.device)
-        if N == 0:
-            raise ValueError(f"{op}: argmax_out needs at least one output column")
     if N == 0:
         return out if res_ret is None else (out, res_ret)
     use_dot, block_m = _variant_rows(op, config, M)
@@ -447,10 +423,6 @@ def gemv(
     partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out
     fused = {}
-    tiles = cdiv(N, block_n)
-    if argmax_out is not None and split_k == 1:
-        fused = {"ARGMAX": True, "amax_val_ptr": torch.empty((M, tiles), dtype=torch.float32, device=x.device),
-                 "amax_idx_ptr": torch.empty((M, tiles), dtype=torch.int32, device=x.device)}
     if split_k > 1 and split_k_fixup_enabled(x.device):
         counters = _SPLIT_K_COUNTERS.for_stream(x.device, cdiv(N, block_n))
         if counters is not None:
@@ -472,11 +444,6 @@ def gemv(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
             **pdl_options(x.device, "gemv"),
         )
-    if argmax_out is not None:
-        if fused.get("ARGMAX"):
-            merge_argmax_partials(fused["amax_val_ptr"], fused["amax_idx_ptr"], argmax_out)
-        else:
-            argmax(out, out=argmax_out)
     return out if res_ret is None else (out, res_ret)
 
 

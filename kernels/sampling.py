@@ -525,17 +525,6 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
-def merge_argmax_partials(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Each row's greedy token from per-chunk partials: values float32 [B, S] (a chunk's
-    maximum), indices int32 [B, S] (the first index holding it) -> out int64 [B], the smallest
-    index among the chunks that hold the row's maximum. argmax's second pass; the GEMV's
-    argmax epilogue (kernels.gemv.gemv argmax_out) feeds it too."""
-    rows, splits = values.shape
-    _argmax_reduce_kernel[(rows,)](values, indices, out, NUM_SPLITS=splits, BLOCK_S=max(2, next_power_of_2(splits)),
-                                   num_warps=4 if splits <= 1024 else 8, **pdl_options(values.device, "sampling"))
-    return out
-
-
 def argmax(logits: torch.Tensor, *, out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Greedy sampling: first index of each row's maximum, logits [B, V] -> int64 [B]."""
     op = "argmax"

@@ -44,9 +44,6 @@ def launch_decode_paths(prefix: str = "") -> None:
     gemv.gemv_silu_and_mul(e(1, 2048, dtype=BF16), e(16384, 2048, dtype=BF16), config=cfg(8192, 2048))
     check._CURRENT["label"] = prefix + "gemv float32 out"
     gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048))
-    check._CURRENT["label"] = prefix + "gemv float32 out, greedy tokens from the epilogue"
-    gemv.gemv(e(1, 2048, dtype=BF16), e(128256, 2048, dtype=BF16), out_dtype=torch.float32, config=cfg(128256, 2048),
-              argmax_out=e(1, dtype=torch.int64))
     decode_layer_tail.check_runnable_device = lambda op, tensor: None
     for name, sync, nxt, split in (("decode_layer_tail, one launch with grid barriers", True, True, True),
                                    ("decode_layer_tail, last layer", True, False, True),

@@ -37,42 +37,6 @@ def test_gemv_bias_and_default_config(split_k, device):
     assert_close_norm(gemv(x, w), gemv_ref(x, w), torch.float32)
 
 
-@pytest.mark.parametrize("config", [KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=1),
-                                    KernelConfig.make("fma", BLOCK_N=8, BLOCK_K=32, SPLIT_K=1),
-                                    KernelConfig.make("dot", BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)])
-@pytest.mark.parametrize("m", [1, 3])
-def test_gemv_argmax_out_is_the_first_maximum_of_the_stored_output(config, m, device):
-    """argmax_out: each row's first index of the maximum of y as stored, with the maximum in
-    several tiles (ties across and inside tiles go to the smallest index) and NaN ignored; the
-    output itself is unchanged. Split-K configs take kernels.sampling.argmax on y instead."""
-    n, k = 70, 64
-    x = torch.zeros(m, k, device=device)
-    x[:, 0] = 1.0
-    w = torch.randn(n, k, device=device)
-    w[:, 0] = torch.randn(n, device=device)
-    w[[9, 40, 41], 0] = 5.0  # row 0 of x picks column 0 of w: the same maximum in tiles 0 and 2 (BLOCK_N 16)
-    if m > 1:
-        x[1, 0], x[1, 1] = 0.0, 1.0
-        w[:, 1] = torch.randn(n, device=device)
-        w[69, 1] = 7.0  # row 1: the last column, in a tile with masked columns
-        x[2] = torch.randn(k, device=device)
-    out = poisoned((m, n), torch.float32, device)
-    tokens = torch.full((m,), -1, dtype=torch.int64, device=device)
-    gemv(x, w, out=out, config=config, argmax_out=tokens)
-    assert_close_norm(out, gemv_ref(x, w), torch.float32)
-    assert tokens.tolist() == out.argmax(dim=-1).tolist()
-    assert tokens[0].item() == 9
-    if m > 1:
-        assert tokens[1].item() == 69
-    # A NaN in the output is passed over (as kernels.sampling.argmax does), not taken as the maximum.
-    w_nan = w.clone()
-    w_nan[3, 0] = float("nan")
-    gemv(x, w_nan, out=out, config=config, argmax_out=tokens)
-    assert tokens[0].item() == 9
-    with pytest.raises(ValueError, match="argmax_out"):
-        gemv(x, w, config=config, argmax_out=torch.zeros(m, dtype=torch.int32, device=device))
-
-
 def test_gemv_sm90_defaults_fill_the_gpu():
     # Shapes without a measured table entry (Llama-3-8B's): the rule keeps >= 0.9 programs per SM
     # busy and needs no split-K (whose second launch costs as much as streaming several MB).

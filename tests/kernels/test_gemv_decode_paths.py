@@ -156,12 +156,7 @@ def test_decode_path_kernels_compile_for_sm90_without_spills():
     failed = [r for r in rows if not r["ok"]]
     assert not failed, "\n".join(f"{r['label']} {r['kernel']}: {r['error']}" for r in failed)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert {r["kernel"] for r in rows} == {"_gemv_kernel", "_gemv_silu_and_mul_kernel", "_decode_layer_tail_kernel",
-                                          "_argmax_reduce_kernel"}
-    # The lm_head with its greedy-token epilogue, in every pass (the merge kernel is compiled once
-    # without PDL and once with it: the prefetch passes change only the GEMV).
-    epilogue = collections.Counter(r["kernel"] for r in rows if r["label"].endswith("greedy tokens from the epilogue"))
-    assert epilogue == {"_gemv_kernel": 4, "_argmax_reduce_kernel": 2}
+    assert {r["kernel"] for r in rows} == {"_gemv_kernel", "_gemv_silu_and_mul_kernel", "_decode_layer_tail_kernel"}
     tail = [r for r in rows if r["kernel"] == "_decode_layer_tail_kernel"]
     labels = collections.Counter(r["label"] for r in tail)
     # decode_layer_tail: one launch with (split) barriers, the last layer's, unsplit barriers, 1 early

@@ -22,10 +22,7 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   linear_backend: torch | triton      projections and lm_head on <= 16 rows (decode) through the
                                       weight-streaming GEMV (kernels.gemv); F.linear above that.
                                       The lm_head then writes float32 logits directly (no
-                                      bf16 rounding of the logits, no cast launch), and when
-                                      forward is asked for greedy tokens (greedy_out, as the
-                                      runner's CUDA graphs do) its epilogue takes each tile's
-                                      maximum, merged by one small launch (no re-read of them)
+                                      bf16 rounding of the logits, no cast launch)
   gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
                                       dicts) overriding the per-shape defaults, e.g. from tuning
   kernel_configs: {"op": config}      tile config (KernelConfig dict) per Triton op the backend
@@ -458,26 +455,6 @@ class StockForwardPass:
         y = F.linear(x, weight, bias)
         return y.float() if float32_out else y
 
-    def lm_head_logits(self, x: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [B, V] of the final-normed x [B, H]; with ``greedy_out`` each row's
-        greedy token too: from the Triton GEMV's epilogue where the lm_head streams through it
-        (and ``linear`` is this class's), else kernels.sampling.argmax over the logits on CUDA
-        (torch.argmax elsewhere)."""
-        if greedy_out is None:
-            return self.linear(x, self.lm_head, float32_out=True)
-        if (self._gemv is not None and x.shape[0] <= self._gemv_max_rows and x.stride(-1) == 1
-                and type(self).linear is StockForwardPass.linear):
-            return self._gemv(x, self.lm_head, None, out_dtype=torch.float32, argmax_out=greedy_out,
-                              config=self._gemv_config(x.shape[0], self.lm_head, False))
-        logits = self.linear(x, self.lm_head, float32_out=True)
-        if logits.is_cuda:
-            from shapeshift.kernels.sampling import argmax
-
-            argmax(logits, out=greedy_out)
-        else:
-            torch.argmax(logits, dim=-1, out=greedy_out)
-        return logits
-
     def norm_linear(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, float32_out: bool = False,
                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -583,10 +560,8 @@ class StockForwardPass:
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                kv_cache: Any, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token.
-        ``greedy_out`` (int64 [B], CUDA): each row's greedy token (first index of the maximum,
-        NaN passed over, as kernels.sampling.argmax) is written there too (see lm_head)."""
+                kv_cache: Any) -> torch.Tensor:
+        """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
         h = F.embedding(input_ids, self.embed)  # [T, H]
         cos = sin = None
         if self._rotary_kv_write is None:
@@ -597,7 +572,7 @@ class StockForwardPass:
             self._call.attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S]
         residual = None
         if self._layer_tail is not None and h.shape[0] == 1 and not ctx.is_prefill:
-            return self._decode_one_token(h, positions, cos, sin, ctx, kv_cache, greedy_out)
+            return self._decode_one_token(h, positions, cos, sin, ctx, kv_cache)
         if self.fuse_norm and h.shape[0] <= self._gemv_max_rows and not ctx.is_prefill:
             # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
             for i, layer in enumerate(self.layers):
@@ -614,7 +589,7 @@ class StockForwardPass:
             # The final norm stays a launch of its own: the lm_head's ~2000 programs would each
             # pay the prologue's L2 round trip, ~8 waves of it, for one saved launch.
             x, _ = self.norm(h, self.final_norm, residual)
-            return self.lm_head_logits(x, greedy_out)
+            return self.linear(x, self.lm_head, float32_out=True)
         for i, layer in enumerate(self.layers):
             x, residual = self.norm(h, layer.input_norm, residual)
             h = self.attention(i, layer, x, positions, cos, sin, ctx, kv_cache)
@@ -625,11 +600,10 @@ class StockForwardPass:
             h, residual = h[rows], residual[rows]
         # Decode: one token per sequence, so every row is a last row (no gather launches).
         x, _ = self.norm(h, self.final_norm, residual)
-        return self.lm_head_logits(x, greedy_out)  # [B, V] float32
+        return self.linear(x, self.lm_head, float32_out=True)  # [B, V] float32
 
     def _decode_one_token(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
-                          sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any,
-                          greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+                          sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
         """Batch-1 decode with fuse_layer_tail: the first qkv projection (norm prologue), then per
         layer its attention and one persistent kernel for o_proj, the MLP and the next layer's
         qkv projection (2 launches per layer; 1 with fuse_attention_into_layer, or with
@@ -660,7 +634,7 @@ class StockForwardPass:
             # The next layer's attention output, or its qkv; after the last layer, its MLP output.
             o, qkv = (out, None) if following is not None else (None, out)
         x, _ = self.norm(qkv, self.final_norm, residual)
-        return self.lm_head_logits(x, greedy_out)
+        return self.linear(x, self.lm_head, float32_out=True)
 
 
 # kernel_configs op -> (attribute holding its launcher, the recipe knob that switches it on)
