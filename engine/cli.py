@@ -76,6 +76,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="with --decode-steps > 1: launch the next chunk of decode steps before the host reads "
                         "the current one (host work overlaps the GPU; a request that stops mid-chunk discards one "
                         "more chunk)")
+    p.add_argument("--chunk-graph-max-batch", type=_nonnegative_int, default=None,
+                   help="with --decode-steps > 1: batches up to this size replay one CUDA graph per chunk of "
+                        "decode steps instead of one per step (0: none; default 1)")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
     from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
 
@@ -146,7 +149,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments for the options given; unset ones keep EngineConfig defaults."""
     kwargs = {"model": args.model}
     for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "dtype", "device", "forward_pass", "seed", "decode_steps"):
+                 "dtype", "device", "forward_pass", "seed", "decode_steps", "chunk_graph_max_batch"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

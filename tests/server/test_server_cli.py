@@ -39,9 +39,9 @@ def test_serve_options_map_to_engine_config():
     args = build_parser().parse_args([
         "serve", "--model", "tiny-llama", "--port", "9001", "--max-num-seqs", "3", "--max-model-len", "512",
         "--dtype", "float32", "--device", "cpu", "--max-waiting", "7", "--no-prefix-caching", "--decode-steps", "4",
-        "--overlap-decode"])
+        "--overlap-decode", "--chunk-graph-max-batch", "0"])
     config = EngineConfig(**engine_config_kwargs(args))
-    assert config.decode_steps == 4 and config.overlap_decode is True
+    assert config.decode_steps == 4 and config.overlap_decode is True and config.chunk_graph_max_batch == 0
     assert (config.model, config.max_num_seqs, config.max_model_len, config.dtype, config.device) == \
         ("tiny-llama", 3, 512, "float32", "cpu")
     assert config.enable_prefix_caching is False
@@ -50,6 +50,7 @@ def test_serve_options_map_to_engine_config():
     defaults = EngineConfig(**engine_config_kwargs(build_parser().parse_args(["serve", "--model", "m"])))
     assert defaults.max_num_seqs == EngineConfig(model="m").max_num_seqs
     assert defaults.decode_steps == 1 and defaults.overlap_decode is False
+    assert defaults.chunk_graph_max_batch == EngineConfig(model="m").chunk_graph_max_batch
 
 
 @pytest.mark.parametrize("argv,needle", [
