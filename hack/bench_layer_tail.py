@@ -163,17 +163,23 @@ def _whole_layers(args, layers, residual, record, rows, rand, dev, dt) -> None:
     qkv, attn_in = rand(1, NQKV), rand(1, Q_DIM)
     q, k, v = (t.view(1, -1, head_dim) for t in qkv.split([Q_DIM, kv_heads * head_dim, kv_heads * head_dim], -1))
 
-    def separate(stamps=None):
+    def separate(stamps=None, attention_stamps=None):
         for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
             o = decode_attention_rope(q, k, v, step["positions"], step["cos_sin_cache"], step["slot_mapping"], kc, vc,
-                                      step["block_tables"], step["context_lens"], step["scale"])
+                                      step["block_tables"], step["context_lens"], step["scale"],
+                                      timestamps=None if attention_stamps is None else attention_stamps[i])
             decode_layer_tail(o.view(1, -1), residual, eps=1e-5, timestamps=None if stamps is None else stamps[i], **w)
 
     os.environ["SHAPESHIFT_PDL"] = "0"
     name = f"attention (rope fused) + layer tail, {args.context} tokens"
     record(name, _graph_us(separate), context=args.context)
-    if args.phases:  # the tail's phases between attention launches
+    if args.phases:  # the tail's phases between attention launches, and the launches themselves
         rows.append(_phases(name, lambda stamps: separate(stamps=stamps)))
+        try:
+            rows.append(_attention_timeline(name, separate))
+        except Exception as exc:  # report, go on
+            print(f"{name}, attention stamps: failed: {exc}", flush=True)
+            rows.append(dict(variant=name + ", attention launch", error=str(exc)[:500]))
     for pdl, splits in ((p, n) for p in args.pdl.split(",") for n in args.next_attention_splits.split(",")):
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"  # each tail ends in the next attention
         count = None if splits == "default" else int(splits)
@@ -263,6 +269,39 @@ def _phases(name, step) -> dict:
               f"work; layers 0-7 against 8-15, correlation of each SM's mean work {per_sm['half_correlation']:.2f}; "
               f"slowest SMs {per_sm['slowest_sms']}", flush=True)
     return dict(variant=name, phases=mean, gate_up_by_sm=per_sm)
+
+
+def _attention_timeline(name, separate) -> dict:
+    """Replay 16 x (attention launch, layer tail) with both kernels' clock stamps and print, as
+    means over the layers (us): the gap from the tail before (its last program's last stamp) to
+    the attention's first program, the spread of its programs' starts, their work to the split's
+    partial stored (median, max), the merge after it (the merging programs' extra time), the
+    attention's span, and the gap from its last program to the next tail's first."""
+    from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS
+
+    tails = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    attention = [torch.zeros((1024, 16), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    _graph_us(lambda: separate(stamps=tails, attention_stamps=attention))
+    tails = [t[t[:, 0] > 0].cpu().double() / 1e3 for t in tails]
+    attention = [t[t[:, 0] > 0].cpu().double() / 1e3 for t in attention]
+    rows = {k: [] for k in ("gap_before", "start_spread", "attend_med", "attend_max", "merge", "span", "gap_after")}
+    for i in range(1, LAYERS):  # layer i's attention sits between tail i-1 and tail i
+        a, before, after = attention[i], tails[i - 1], tails[i]
+        start, stored, end = a[:, 0], a[:, 1], a[:, 2]
+        rows["gap_before"].append(float(start.min() - before[:, 1:15].max()))
+        rows["start_spread"].append(float(start.median() - start.min()))
+        rows["attend_med"].append(float((stored - start).median()))
+        rows["attend_max"].append(float((stored - start).max()))
+        rows["merge"].append(float((end - stored).max()))
+        rows["span"].append(float(end.max() - start.min()))
+        rows["gap_after"].append(float(after[:, 0].min() - end.max()))
+    mean = {k: sum(v) / len(v) for k, v in rows.items()}
+    print(f"-- {name}: the attention launch between two tails, us (mean of {LAYERS - 1} layers)\n"
+          f"   gap after the tail {mean['gap_before']:5.2f}  starts spread {mean['start_spread']:5.2f}  "
+          f"to the partial stored med {mean['attend_med']:5.2f} max {mean['attend_max']:5.2f}  "
+          f"merge {mean['merge']:5.2f}  span {mean['span']:5.2f}  gap to the next tail {mean['gap_after']:5.2f}",
+          flush=True)
+    return dict(variant=name + ", attention launch", attention_timeline=mean)
 
 
 def _gate_up_by_sm(ran) -> dict | None:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
-from .triton_helpers import dot, grid_dependency_sync, prefetch_share_l2
+from .triton_helpers import clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
@@ -91,7 +91,13 @@ def _decode_attention_split_kernel(
     MERGE_LAST: tl.constexpr = False,
     counter_ptr=None,
     BLOCK_S: tl.constexpr = 2,
+    # Clock stamps (decode_attention's timestamps; CUDA only): per program (b, kv head, split),
+    # row-major, the kernel's start, its split's partial stored, and its end (after the merge).
+    TIMING: tl.constexpr = False,
+    stamps_ptr=None,
 ):
+    stamp_row = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    clock_stamp(stamps_ptr, stamp_row, 0, TIMING)
     grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -108,10 +114,12 @@ def _decode_attention_split_kernel(
                  block_size, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS,
                  USE_DOT, UPCAST_DOT, DOT_PRECISION, FUSE_ROPE, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr,
                  slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_cs, HALF)
+    clock_stamp(stamps_ptr, stamp_row, 1, TIMING)
     if MERGE_LAST:
         merge_if_last(counter_ptr + b * tl.num_programs(1) + kv_head, partial_out_ptr, partial_lse_ptr, out_ptr, b,
                       kv_head, stride_o_b, stride_o_h, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D,
                       NUM_SPLITS, BLOCK_S)
+    clock_stamp(stamps_ptr, stamp_row, 2, TIMING)
 
 
 @triton.jit
@@ -341,6 +349,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
     l2_prefetch: tuple[tuple[torch.Tensor, int], ...] = (),
+    timestamps: torch.Tensor | None = None,
     _rope: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention for q [B, Hq, D] over paged caches [num_blocks, block_size, Hkv, D].
@@ -350,6 +359,9 @@ def decode_attention(
     `l2_prefetch`: up to two (contiguous tensor, bytes) regions the kernel's programs ask to be
     brought into L2 while they work, e.g. the weights of the projections that follow: at decode
     batch sizes attention reads little and leaves HBM idle. CUDA only (ignored elsewhere).
+    ``timestamps`` (CUDA, int64 [>= B * Hkv * splits, 16], zeros): each program (b, kv head,
+    split; row-major) writes the GPU clock at its start, once its split's partial is stored and
+    at its end (after the merge), in ns (slots 0-2; its SM in slot 15): the benchmark's view.
     """
     config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs, merge_last = _PLANS.plan(
         attention_plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
@@ -368,13 +380,24 @@ def decode_attention(
                 merge = {**merge_last, "counter_ptr": counters}
     else:
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    timing = {}
+    if timestamps is not None:
+        if not q.is_cuda or interpreter_active():
+            raise ValueError("decode_attention: timestamps read the GPU clock (%globaltimer): CUDA only, "
+                             "not the interpreter")
+        check_tensor("decode_attention", "timestamps", timestamps, shape=(None, 16), dtypes=(torch.int64,),
+                     device=q.device, contiguous=True)
+        if timestamps.shape[0] < B * num_kv_heads * num_splits:
+            raise ValueError(f"decode_attention: timestamps needs a row for each of the {B * num_kv_heads * num_splits} "
+                             f"programs, got {timestamps.shape[0]}")
+        timing = {"TIMING": True, "stamps_ptr": timestamps}
     _decode_attention_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         float(scale) * LOG2E,
         *strides,
         block_size, num_q_heads,
         **constexprs, **pdl_options(q.device, "attention"), **(_rope or {}), **_prefetch_args(q, l2_prefetch),
-        **merge, num_warps=config.num_warps, num_stages=config.num_stages,
+        **merge, **timing, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1 and not merge:
         _decode_attention_reduce_kernel[(B, num_kv_heads)](
@@ -443,6 +466,7 @@ def decode_attention_rope(
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
     l2_prefetch: tuple[tuple[torch.Tensor, int], ...] = (),
+    timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding, the paged KV write and decode attention in one pass (one launch fewer
     per layer than kernels.rotary.rotary_kv_write followed by decode_attention).
@@ -451,14 +475,14 @@ def decode_attention_rope(
     a fused qkv output are fine); positions [B]; cos_sin_cache [max_position, D] float32 (see
     kernels.rotary.rope_cos_sin_cache); slot_mapping [B] (negative: no cache write). The new
     token is the last of each sequence's context_lens (which count it). Writes the rotated key
-    and the value to the caches and returns out [B, Hq, D].
+    and the value to the caches and returns out [B, Hq, D]. ``timestamps`` as decode_attention's.
     """
     shape_args = _ROPE_PLANS.plan(rope_plan, (q, k_new, v_new, positions, cos_sin_cache, slot_mapping, k_cache),
                                   None)
     rope = {"FUSE_ROPE": True, "k_new_ptr": k_new, "v_new_ptr": v_new, "positions_ptr": positions,
             "cos_sin_ptr": cos_sin_cache, "slot_mapping_ptr": slot_mapping, **shape_args}
     return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out, config=config,
-                            l2_prefetch=l2_prefetch, _rope=rope)
+                            l2_prefetch=l2_prefetch, timestamps=timestamps, _rope=rope)
 
 
 # (argument metadata) -> the rotary arguments' checks passed and their strides (see rope_plan).

@@ -68,7 +68,7 @@ from .decode_attention import (LOG2E, attend_split, attention_plan, decode_atten
                                rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
-from .triton_helpers import grid_dependency_wait, launch_dependents
+from .triton_helpers import clock_stamp, grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
@@ -286,17 +286,10 @@ SM_SLOT = STAMP_SLOTS - 1  # the SM the program ran on (%smid), written with the
 
 @triton.jit
 def _stamp(stamps_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
-    """With TIMING, store the GPU's nanosecond clock (%globaltimer, one clock for every SM) as
-    this program's stamp `slot`; phase p's work begins at slot 2p and ends at slot 2p + 1 (phase
+    """With TIMING, this program's GPU clock stamp `slot` (triton_helpers.clock_stamp, STAMP_SLOTS
+    a program, the SM in SM_SLOT); phase p's work begins at slot 2p and ends at slot 2p + 1 (phase
     0 begins with the kernel). CUDA only: the benchmark's view of where a layer's time goes."""
-    if TIMING:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(stamps_ptr + pid * 16 + slot, now)  # STAMP_SLOTS a program
-        if slot == 0:
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid], dtype=tl.int32,
-                                           is_pure=False, pack=1)
-            tl.store(stamps_ptr + pid * 16 + 15, sm.to(tl.int64))  # SM_SLOT
+    clock_stamp(stamps_ptr, pid, slot, TIMING)
 
 
 @triton.jit

@@ -42,6 +42,22 @@ def launch_dependents(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def clock_stamp(stamps_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
+    """With TIMING, store the GPU's nanosecond clock (%globaltimer, one clock for every SM) as
+    stamp `slot` of this program's row of 16 int64 in stamps_ptr; with slot 0 also the SM it runs
+    on (%smid) in the row's last slot. CUDA only: the benchmarks' view of where a kernel's time
+    goes (hack/bench_layer_tail.py --phases)."""
+    if TIMING:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(stamps_ptr + pid * 16 + slot, now)
+        if slot == 0:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid], dtype=tl.int32,
+                                           is_pure=False, pack=1)
+            tl.store(stamps_ptr + pid * 16 + 15, sm.to(tl.int64))
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask for the 128-byte lines holding `ptrs` to be brought into L2; no registers are written
     and nothing waits for the data (PTX prefetch.global.L2). CUDA only, never in the interpreter."""

@@ -100,6 +100,26 @@ def test_decode_attention_errors(device):
         decode_attention(q, kc, vc[:-1], bt, cl, 1.0)
 
 
+def test_decode_attention_timestamps(device):
+    """timestamps: refused off the GPU (they read its clock); on CUDA every program stamps its
+    start, its partial stored and its end, in that order, and the output is unchanged."""
+    q, kc, vc, bt, cl = _paged_problem([40, 7], 8, 2, 16, 8, torch.float32, device)
+    config = KernelConfig.make("dot", num_warps=4, num_stages=1, BLOCK_N=16, NUM_SPLITS=2, MERGE_LAST=1)
+    stamps = torch.zeros(8, 16, dtype=torch.int64, device=device)
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="CUDA only"):
+            decode_attention(q, kc, vc, bt, cl, 0.3, config=config, timestamps=stamps)
+        return
+    with pytest.raises(ValueError, match="a row for each of the 8 programs"):
+        decode_attention(q, kc, vc, bt, cl, 0.3, config=config, timestamps=stamps[:7])
+    out = decode_attention(q, kc, vc, bt, cl, 0.3, config=config, timestamps=stamps)
+    torch.cuda.synchronize()
+    assert_close_norm(out, decode_attention_ref(q, kc, vc, bt, cl, 0.3), torch.float32)
+    ran = stamps.cpu()
+    assert (ran[:, 0] > 0).all() and (ran[:, 1] >= ran[:, 0]).all() and (ran[:, 2] >= ran[:, 1]).all()
+    assert (ran[:, 3:15] == 0).all()  # nothing else written but the SM in slot 15
+
+
 @pytest.mark.parametrize("batch,max_context,block_n,splits", [
     (1, 512, 64, 8),       # tuned on the H200: 4.80 us against 6.96 us for 2 four-tile splits
     (1, 400, 64, 8),       # 6 tiles: one-tile splits (2 empty), 1,142 against 1,132 tok/s for 4
