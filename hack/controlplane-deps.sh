@@ -56,7 +56,9 @@ for member in ("helm/helm", "kubectl/kubectl"):
 PY
 fi
 
-"$SHAPESHIFT_BIN/kubectl" version --client 2>/dev/null | head -1 | sed 's/^/kubectl: /' >&2
+# sed reads all of each tool's output: `head -1` exits early, and under pipefail the SIGPIPE it
+# leaves the tool fails the script (seen as exit 141 when kubectl writes its second line late).
+"$SHAPESHIFT_BIN/kubectl" version --client 2>/dev/null | sed -n '1s/^/kubectl: /p' >&2
 "$SHAPESHIFT_BIN/helm" version --short 2>/dev/null | sed 's/^/helm: /' >&2
-"$SHAPESHIFT_BIN/prometheus" --version 2>&1 | head -1 | sed 's/^/prometheus: /' >&2
+"$SHAPESHIFT_BIN/prometheus" --version 2>&1 | sed -n '1s/^/prometheus: /p' >&2
 log "cluster test tools ready in $SHAPESHIFT_BIN"
