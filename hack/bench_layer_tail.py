@@ -277,10 +277,10 @@ def _attention_timeline(name, separate) -> dict:
     the attention's first program, the spread of its programs' starts, their work to the split's
     partial stored (median, max), the merge after it (the merging programs' extra time), the
     attention's span, and the gap from its last program to the next tail's first."""
-    from shapeshift.kernels.decode_layer_tail import STAMP_SLOTS
+    from shapeshift.kernels.triton_helpers import SM_SLOT, STAMP_SLOTS
 
     tails = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
-    attention = [torch.zeros((1024, 16), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
+    attention = [torch.zeros((1024, STAMP_SLOTS), dtype=torch.int64, device="cuda") for _ in range(LAYERS)]
     _graph_us(lambda: separate(stamps=tails, attention_stamps=attention))
     tails = [t[t[:, 0] > 0].cpu().double() / 1e3 for t in tails]
     attention = [t[t[:, 0] > 0].cpu().double() / 1e3 for t in attention]
@@ -288,7 +288,7 @@ def _attention_timeline(name, separate) -> dict:
     for i in range(1, LAYERS):  # layer i's attention sits between tail i-1 and tail i
         a, before, after = attention[i], tails[i - 1], tails[i]
         start, stored, end = a[:, 0], a[:, 1], a[:, 2]
-        rows["gap_before"].append(float(start.min() - before[:, 1:15].max()))
+        rows["gap_before"].append(float(start.min() - before[:, 1:SM_SLOT].max()))
         rows["start_spread"].append(float(start.median() - start.min()))
         rows["attend_med"].append(float((stored - start).median()))
         rows["attend_max"].append(float((stored - start).max()))

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
-from .triton_helpers import clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
+from .triton_helpers import STAMP_SLOTS, clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
 from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
@@ -96,14 +96,15 @@ def _decode_attention_split_kernel(
     TIMING: tl.constexpr = False,
     stamps_ptr=None,
 ):
-    stamp_row = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    clock_stamp(stamps_ptr, stamp_row, 0, TIMING)
+    # This program's index in the (b, kv head, split) grid, row-major: its stamp row and its share
+    # of the L2 prefetch.
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    clock_stamp(stamps_ptr, pid, 0, TIMING)
     grid_dependency_sync(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PREFETCH:
-        pid = (tl.program_id(0) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
         prefetch_share_l2(pf_ptr0, pf_lines0, pid, programs, PF_LINE, 256)
         prefetch_share_l2(pf_ptr1, pf_lines1, pid, programs, PF_LINE, 256)
@@ -114,12 +115,12 @@ def _decode_attention_split_kernel(
                  block_size, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS,
                  USE_DOT, UPCAST_DOT, DOT_PRECISION, FUSE_ROPE, k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr,
                  slot_mapping_ptr, stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_cs, HALF)
-    clock_stamp(stamps_ptr, stamp_row, 1, TIMING)
+    clock_stamp(stamps_ptr, pid, 1, TIMING)
     if MERGE_LAST:
         merge_if_last(counter_ptr + b * tl.num_programs(1) + kv_head, partial_out_ptr, partial_lse_ptr, out_ptr, b,
                       kv_head, stride_o_b, stride_o_h, num_q_heads, QUERY_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D,
                       NUM_SPLITS, BLOCK_S)
-    clock_stamp(stamps_ptr, stamp_row, 2, TIMING)
+    clock_stamp(stamps_ptr, pid, 2, TIMING)
 
 
 @triton.jit
@@ -359,9 +360,9 @@ def decode_attention(
     `l2_prefetch`: up to two (contiguous tensor, bytes) regions the kernel's programs ask to be
     brought into L2 while they work, e.g. the weights of the projections that follow: at decode
     batch sizes attention reads little and leaves HBM idle. CUDA only (ignored elsewhere).
-    ``timestamps`` (CUDA, int64 [>= B * Hkv * splits, 16], zeros): each program (b, kv head,
-    split; row-major) writes the GPU clock at its start, once its split's partial is stored and
-    at its end (after the merge), in ns (slots 0-2; its SM in slot 15): the benchmark's view.
+    ``timestamps`` (CUDA, int64 [>= B * Hkv * splits, STAMP_SLOTS], zeros): each program (b, kv
+    head, split; row-major) writes the GPU clock at its start, once its split's partial is stored
+    and at its end (after the merge), in ns (slots 0-2; its SM in SM_SLOT): the benchmark's view.
     """
     config, strides, num_kv_heads, block_size, num_splits, constexprs, reduce_constexprs, merge_last = _PLANS.plan(
         attention_plan, (q, k_cache, v_cache, block_tables, context_lens, out), config)
@@ -385,7 +386,7 @@ def decode_attention(
         if not q.is_cuda or interpreter_active():
             raise ValueError("decode_attention: timestamps read the GPU clock (%globaltimer): CUDA only, "
                              "not the interpreter")
-        check_tensor("decode_attention", "timestamps", timestamps, shape=(None, 16), dtypes=(torch.int64,),
+        check_tensor("decode_attention", "timestamps", timestamps, shape=(None, STAMP_SLOTS), dtypes=(torch.int64,),
                      device=q.device, contiguous=True)
         if timestamps.shape[0] < B * num_kv_heads * num_splits:
             raise ValueError(f"decode_attention: timestamps needs a row for each of the {B * num_kv_heads * num_splits} "

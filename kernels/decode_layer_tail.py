@@ -68,7 +68,7 @@ from .decode_attention import (LOG2E, attend_split, attention_plan, decode_atten
                                rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
 from .rmsnorm import rmsnorm_ref
-from .triton_helpers import clock_stamp, grid_dependency_wait, launch_dependents
+from .triton_helpers import SM_SLOT, STAMP_SLOTS, clock_stamp, grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
@@ -280,8 +280,8 @@ def _barrier(counter_ptr, target, ARRIVED: tl.constexpr):
         _grid_barrier(counter_ptr, target)
 
 
-STAMP_SLOTS = 16  # per program: [kernel start, phase 0 end, then (begin, end) of phases 1-5, unused..., SM]
-SM_SLOT = STAMP_SLOTS - 1  # the SM the program ran on (%smid), written with the kernel-start stamp
+# A program's stamps (STAMP_SLOTS, from triton_helpers): [kernel start, phase 0 end, then (begin, end)
+# of phases 1-5, unused..., the SM it ran on (SM_SLOT)].
 
 
 @triton.jit

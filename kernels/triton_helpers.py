@@ -41,20 +41,26 @@ def launch_dependents(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# A program's row of clock stamps (clock_stamp): STAMP_SLOTS int64, the SM it ran on in SM_SLOT.
+# (The jit function below spells them as literals: Triton reads no plain Python globals.)
+STAMP_SLOTS = 16
+SM_SLOT = STAMP_SLOTS - 1
+
+
 @triton.jit
 def clock_stamp(stamps_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr):
     """With TIMING, store the GPU's nanosecond clock (%globaltimer, one clock for every SM) as
-    stamp `slot` of this program's row of 16 int64 in stamps_ptr; with slot 0 also the SM it runs
-    on (%smid) in the row's last slot. CUDA only: the benchmarks' view of where a kernel's time
+    stamp `slot` of this program's row of STAMP_SLOTS int64 in stamps_ptr; with slot 0 also the
+    SM it runs on (%smid) in SM_SLOT. CUDA only: the benchmarks' view of where a kernel's time
     goes (hack/bench_layer_tail.py --phases)."""
     if TIMING:
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid], dtype=tl.int64,
                                         is_pure=False, pack=1)
-        tl.store(stamps_ptr + pid * 16 + slot, now)
+        tl.store(stamps_ptr + pid * 16 + slot, now)  # STAMP_SLOTS a row
         if slot == 0:
             sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid], dtype=tl.int32,
                                            is_pure=False, pack=1)
-            tl.store(stamps_ptr + pid * 16 + 15, sm.to(tl.int64))
+            tl.store(stamps_ptr + pid * 16 + 15, sm.to(tl.int64))  # SM_SLOT
 
 
 @triton.jit
