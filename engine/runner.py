@@ -390,7 +390,7 @@ class ModelRunner:
     def capture_cudagraphs(self) -> None:
         """(Re)capture decode graphs for every (batch bucket, width bucket); CUDA only."""
         self.graphs.clear()
-        self.chunk_graphs.clear()
+        self.chunk_graphs.clear()  # captured again below, after the one-step graphs (if any are)
         self._chunk_steps = 0
         self._graph_pool = None
         self.graph_batch_sizes, self.graph_widths = [], []
@@ -443,11 +443,7 @@ class ModelRunner:
             capture_stream = self._capture_stream
         for width in reversed(widths):
             for bs in reversed(sizes):
-                ctx = AttentionContext(
-                    is_prefill=False, slot_mapping=s["slot_mapping"][:bs], block_tables=s["block_tables"][:bs, :width],
-                    context_lens=s["context_lens"][:bs], query_start_loc=s["query_start_loc"][:bs + 1],
-                    max_query_len=1, max_context_len=width * self.block_size,
-                    last_token_indices=s["last_token_indices"][:bs])
+                ctx = self._graph_context(bs, width, s["slot_mapping"][:bs], s["context_lens"][:bs])
 
                 def run_static(bs: int = bs, width: int = width, ctx: AttentionContext = ctx) -> None:
                     logits = self.forward_pass.forward(s["input_ids"][:bs], s["positions"][:bs], ctx, self.kv_cache)
@@ -479,14 +475,21 @@ class ModelRunner:
         self._greedy_argmax = greedy_argmax
         self._capture_chunk_graphs()
 
+    def _graph_context(self, bs: int, width: int, slots: torch.Tensor, lens: torch.Tensor) -> AttentionContext:
+        """A captured decode step's context: ``bs`` rows of the static block tables, ``width``
+        blocks wide, with these slots and context lengths (static, or a chunk's staging row)."""
+        s = self._static
+        return AttentionContext(
+            is_prefill=False, slot_mapping=slots, block_tables=s["block_tables"][:bs, :width], context_lens=lens,
+            query_start_loc=s["query_start_loc"][:bs + 1], max_query_len=1, max_context_len=width * self.block_size,
+            last_token_indices=s["last_token_indices"][:bs])
+
     @torch.inference_mode()
     def recapture_chunk_graphs(self) -> None:
         """Capture the whole-chunk graphs again for the current decode_steps (the one-step graphs
         stay); the engine calls it when decode_steps changes at run time."""
         if not self.graphs:
             return
-        self.chunk_graphs.clear()
-        self._chunk_steps = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._capture_chunk_graphs()
@@ -498,6 +501,8 @@ class ModelRunner:
         slots, context lengths) and step j-1's argmax as its token ids; every step's argmax
         goes to its row of the chunk's token rows, and the last one to the static tokens too
         (the next chained chunk's step 0 reads them there). Nothing is copied between steps."""
+        self.chunk_graphs.clear()
+        self._chunk_steps = 0
         k = self.config.decode_steps
         sizes = [bs for bs in self.graph_batch_sizes if bs <= self.config.chunk_graph_max_batch]
         if k < 2 or not sizes:
@@ -511,12 +516,9 @@ class ModelRunner:
         self._chunk_tokens = torch.zeros(k, max_bs, dtype=torch.int64, device=dev)
         for width in reversed(self.graph_widths):
             for bs in reversed(sizes):
-                contexts = [AttentionContext(
-                    is_prefill=False, slot_mapping=slots, block_tables=s["block_tables"][:bs, :width],
-                    context_lens=lens, query_start_loc=s["query_start_loc"][:bs + 1], max_query_len=1,
-                    max_context_len=width * self.block_size, last_token_indices=s["last_token_indices"][:bs])
-                    for slots, lens in [(s["slot_mapping"][:bs], s["context_lens"][:bs])]
-                    + [(self._chunk_stage64[j, max_bs:max_bs + bs], self._chunk_stage32[j, :bs]) for j in range(k - 1)]]
+                contexts = [self._graph_context(bs, width, s["slot_mapping"][:bs], s["context_lens"][:bs])] + [
+                    self._graph_context(bs, width, self._chunk_stage64[j, max_bs:max_bs + bs], self._chunk_stage32[j, :bs])
+                    for j in range(k - 1)]
 
                 def run_chunk(bs: int = bs, contexts: list[AttentionContext] = contexts) -> None:
                     for j, ctx in enumerate(contexts):
