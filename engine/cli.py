@@ -78,7 +78,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "more chunk)")
     p.add_argument("--chunk-graph-max-batch", type=_nonnegative_int, default=None,
                    help="with --decode-steps > 1: batches up to this size replay one CUDA graph per chunk of "
-                        "decode steps instead of one per step (0: none; default 1)")
+                        "decode steps instead of one per step (0: none; default 16)")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
     from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
 

@@ -196,8 +196,9 @@ class EngineConfig:
     # per-step copies and graph launches idled the GPU ~12 us a token at batch 1 on an H200).
     # Costs decode_steps times the capture time and graph memory of those buckets. Chunks of
     # another length (a request's last) replay the one-step graph; changing decode_steps at run
-    # time captures them again. 0: none.
-    chunk_graph_max_batch: int = 1
+    # time captures them again. 0: none. Measured on an H200 at 8 overlapped steps: +1.2% at
+    # batch 1, +0.7-1.0% at batches 2-16 (docs/decode-performance.md, tenth and eleventh sets).
+    chunk_graph_max_batch: int = 16
     num_layers_override: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.90

@@ -59,6 +59,7 @@ from shapeshift.engine.presets import PRESETS
 from shapeshift.engine.recipes import NAMED_RECIPES
 from shapeshift.engine.sampling import SamplingParams
 from shapeshift.engine.verify.agreement import judge, teacher_forced
+from shapeshift.kernels.checks import pdl_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINES_SCRIPT = Path(__file__).resolve().parent / "decode_baselines.py"
@@ -817,7 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "baseline_new_tokens": args.baseline_new_tokens,
         "batch_sizes": batch_sizes, "recipes": {r: RECIPES[r] for r in recipes}, "status": "running",
         # Engine switches read from the environment (diagnostics that change what is measured).
-        "environment": {k: v for k, v in os.environ.items() if k.startswith("SHAPESHIFT_") and k != "SHAPESHIFT_GIT_COMMIT"}})
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("SHAPESHIFT_") and k != "SHAPESHIFT_GIT_COMMIT"},
+        # The kernel families launched with programmatic dependent launch where the GPU allows it
+        # (SHAPESHIFT_PDL, or its default when unset).
+        "pdl_families": sorted(pdl_families())})
     log(f"{mode} run: {args.model} on {gpu}; results -> {out_json}")
 
     ceilings = measure_ceilings(device)

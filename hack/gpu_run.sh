@@ -57,12 +57,12 @@ for step in "${steps[@]}"; do
     parallel-tests) timeout 300 python3 -m pytest -q --timeout 280 -p no:cacheprovider tests/parallel/test_parallel_cuda.py \
                 2>&1 | tee "$OUT/parallel-tests.log" | tail -25 ;;
     parallel) timeout "${PARALLEL_TIMEOUT_S:-500}" python3 hack/bench_parallel.py ${PARALLEL_ARGS:-} 2>&1 | tee "$OUT/parallel.log" ;;
-    pdl)      # Programmatic dependent launch (SHAPESHIFT_PDL) off, on, and on with the GEMVs' L2 weight
+    pdl)      # Programmatic dependent launch (SHAPESHIFT_PDL) off, every family on, and on with the GEMVs' L2 weight
               # prefetch ahead of the wait (SHAPESHIFT_GEMV_PREFETCH columns), in one session; then the
               # CUDA engine and decode-path kernel tests with both on.
               a="--recipes ${PDL_RECIPES:-triton,fast,fast+fuse_gate_up_activation=false} --batch-sizes 1,32"
               a="$a --baselines none --repeats 3 --time-budget 60"
-              timeout 120 python3 hack/bench_decode.py $a --skip-check 2>&1 | tee "$OUT/pdl-off.log" | tail -9
+              SHAPESHIFT_PDL=0 timeout 120 python3 hack/bench_decode.py $a --skip-check 2>&1 | tee "$OUT/pdl-off.log" | tail -9
               SHAPESHIFT_PDL=1 timeout 150 python3 hack/bench_decode.py $a 2>&1 | tee "$OUT/pdl-on.log" | tail -10
               for columns in ${PDL_PREFETCH:-512 2048}; do
                 SHAPESHIFT_PDL=1 SHAPESHIFT_GEMV_PREFETCH=$columns timeout 120 python3 hack/bench_decode.py $a --skip-check \

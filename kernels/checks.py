@@ -225,12 +225,18 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
 _PDL: dict[Any, dict[str, bool]] = {}
 # Kernel families that can launch with programmatic dependent launch (each launcher names its own).
 PDL_FAMILIES = ("gemv", "norm", "rotary", "activation", "attention", "sampling", "layer_tail")
+# The families on when SHAPESHIFT_PDL is unset. Measured on an H200 (batch-1 decode, fast recipe with
+# the rotary fusion, 8 overlapped steps; docs/decode-performance.md, eleventh set): these three
+# +1.3-1.5% against none; the attention as well gave back half of that, the attention alone -1%;
+# the layer tails cost 2% (sixth set).
+DEFAULT_PDL_FAMILIES = "gemv,norm,sampling"
 
 
 def pdl_families(raw: str | None = None) -> frozenset[str]:
     """The kernel families SHAPESHIFT_PDL turns on: "1" / "on" / "all" every one, "0" / "off" /
-    unset none, else a comma list of PDL_FAMILIES (e.g. "norm,rotary,attention")."""
-    raw = (os.environ.get("SHAPESHIFT_PDL", "0") if raw is None else raw).strip().lower()
+    empty none, else a comma list of PDL_FAMILIES (e.g. "norm,rotary,attention"); unset,
+    DEFAULT_PDL_FAMILIES."""
+    raw = (os.environ.get("SHAPESHIFT_PDL", DEFAULT_PDL_FAMILIES) if raw is None else raw).strip().lower()
     if raw in ("", "0", "off", "false", "none"):
         return frozenset()
     if raw in ("1", "on", "true", "all"):
@@ -250,14 +256,14 @@ def pdl_options(device: torch.device, family: str) -> dict[str, bool]:
     in the stream has finished: each such kernel waits on the grid dependency (``USE_PDL``, see
     triton_helpers.grid_dependency_sync) before it touches memory, then lets the next one launch.
     What it saves is the launch and dispatch gap between dependent kernels, which dominates the
-    small kernels of a batch-1 decode step. Off unless SHAPESHIFT_PDL names the family (see
-    pdl_families; CUDA, compute capability 9.0 or newer, a Triton that knows ``launch_pdl``; never
-    in the interpreter).
+    small kernels of a batch-1 decode step. On where SHAPESHIFT_PDL names the family, or, unset,
+    for DEFAULT_PDL_FAMILIES (see pdl_families); only on CUDA, compute capability 9.0 or newer, a
+    Triton that knows ``launch_pdl``; never in the interpreter.
     Returns the keyword arguments for the launch: {"USE_PDL": bool} plus ``launch_pdl`` when on.
     """
     if family not in PDL_FAMILIES:
         raise ValueError(f"pdl_options: unknown kernel family {family!r}; one of {', '.join(PDL_FAMILIES)}")
-    raw = os.environ.get("SHAPESHIFT_PDL", "0")
+    raw = os.environ.get("SHAPESHIFT_PDL", DEFAULT_PDL_FAMILIES)
     key = (device.type, device.index, family, raw)
     if key not in _PDL:
         on = (device.type == "cuda" and not interpreter_active() and family in pdl_families(raw)

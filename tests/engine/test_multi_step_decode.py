@@ -137,8 +137,12 @@ def test_whole_chunk_graphs_give_the_tokens_of_single_steps(overlap):
 
 
 def test_whole_chunk_graphs_only_up_to_their_batch_size_and_chunk_length():
-    engine = graph_engine(decode_steps=4)  # default: the batch-1 bucket only
-    assert sorted(engine.runner.chunk_graphs) == [(1, w) for w in engine.runner.graph_widths]
+    engine = graph_engine(decode_steps=4, chunk_graph_max_batch=2)  # the buckets of 1 and 2 sequences
+    assert 4 in engine.runner.graph_batch_sizes  # a bucket left to the one-step graph
+    assert sorted(engine.runner.chunk_graphs) == [(b, w) for b in (1, 2) for w in engine.runner.graph_widths]
+    default = graph_engine(decode_steps=4)  # default: every bucket up to 16 sequences
+    assert sorted(default.runner.chunk_graphs) == [(b, w) for b in default.runner.graph_batch_sizes if b <= 16
+                                                   for w in default.runner.graph_widths]
     assert not graph_engine(decode_steps=4, chunk_graph_max_batch=0).runner.chunk_graphs
     assert not graph_engine(decode_steps=1).runner.chunk_graphs  # no chunks to capture
     # decode_steps changed at run time: the chunk graphs are captured again for the new length

@@ -98,8 +98,8 @@ def test_check_tensor_messages_are_unchanged(device):
 
 
 def test_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch):
-    """SHAPESHIFT_PDL=1 turns it on for Hopper-class CUDA devices only; the CPU (and the
-    interpreter) never get launch_pdl, whatever the environment says."""
+    """SHAPESHIFT_PDL turns it on for Hopper-class CUDA devices only (unset: the default
+    families); the CPU (and the interpreter) never get launch_pdl, whatever the environment says."""
     from shapeshift.kernels import checks
 
     monkeypatch.setattr(checks, "_PDL", {})
@@ -116,15 +116,26 @@ def test_programmatic_dependent_launch_only_where_asked_and_possible(monkeypatch
         hopper = torch.cuda.get_device_capability()[0] >= 9 and checks._triton_knows_pdl()
         assert checks.pdl_options(cuda, "gemv") == ({"USE_PDL": True, "launch_pdl": True} if hopper
                                                     else {"USE_PDL": False})
+        monkeypatch.delenv("SHAPESHIFT_PDL")  # the default families: gemv yes, layer tail no
+        assert checks.pdl_options(cuda, "gemv")["USE_PDL"] == hopper
+        assert checks.pdl_options(cuda, "layer_tail") == {"USE_PDL": False}
+        monkeypatch.setenv("SHAPESHIFT_PDL", "0")
+        assert checks.pdl_options(cuda, "gemv") == {"USE_PDL": False}
         monkeypatch.setenv("SHAPESHIFT_PDL", "norm,attention")
         assert checks.pdl_options(cuda, "gemv") == {"USE_PDL": False}
         assert checks.pdl_options(cuda, "norm")["USE_PDL"] == hopper
 
 
-def test_pdl_families_parse_the_environment_value():
+def test_pdl_families_parse_the_environment_value(monkeypatch):
     from shapeshift.kernels import checks
 
+    monkeypatch.delenv("SHAPESHIFT_PDL", raising=False)
+    assert checks.pdl_families() == {"gemv", "norm", "sampling"}
+    monkeypatch.setenv("SHAPESHIFT_PDL", "off")
+    assert checks.pdl_families() == frozenset()
+
     assert checks.pdl_families("0") == checks.pdl_families("") == checks.pdl_families("off") == frozenset()
+    assert checks.pdl_families(checks.DEFAULT_PDL_FAMILIES) == {"gemv", "norm", "sampling"}
     assert checks.pdl_families("1") == checks.pdl_families("all") == frozenset(checks.PDL_FAMILIES)
     assert checks.pdl_families(" norm, rotary ") == {"norm", "rotary"}
     with pytest.raises(ValueError, match=r"unknown kernel families \['gemm'\]"):
