@@ -312,6 +312,7 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
             {"name": "SHAPESHIFT_ENGINE_CONFIG", "value": f"{CONFIG_MOUNT}/{ENGINE_CONFIG_KEY}"},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *user_env(spec),
         ],
         "resources": place.resources,
         # Loading weights and capturing CUDA graphs can take minutes: the startup
@@ -410,6 +411,11 @@ def build_compile_rbac(parent: Parent, run: CompileRunSpec) -> list[dict[str, An
     return [_finish(sa), _finish(role), _finish(binding)]
 
 
+def user_env(spec: InferenceDeploymentSpec) -> list[dict[str, str]]:
+    """spec.engine.env as container env entries (names the operator sets are refused at admission)."""
+    return [{"name": e.name, "value": e.value} for e in spec.engine.env or []]
+
+
 def compile_command(parent: Parent) -> list[str]:
     return ["shapeshift", "compile", "--compile-run", f"{parent.namespace}/{parent.name}"]
 
@@ -436,6 +442,7 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
         # The worker writes <sha256>.tar.gz here and records its path in the ForwardPass; without
         # it the archive stays in the pod's emptyDir and the ForwardPass is marked not durable.
         env.append({"name": "SHAPESHIFT_ARTIFACT_DIR", "value": ARTIFACT_MOUNT})
+    env.extend(user_env(deployment))  # measured under the kernel switches it will serve with
     for index, agent in enumerate(run.agents):
         if agent.llm is not None and agent.llm.api_key_secret_ref is not None:
             ref = agent.llm.api_key_secret_ref

@@ -259,6 +259,39 @@ class AdminTokenSecret(WireModel):
     key: str = Field(default="token", max_length=253, description="Key in the Secret.")
 
 
+# Environment variables the operator sets in engine and compile pods itself; a spec may not set
+# them (the container's later entry would silently win over the user's, or the user's over ours).
+RESERVED_ENV_NAMES = (
+    "POD_NAME", "POD_NAMESPACE", "SHAPESHIFT_INFERENCE_DEPLOYMENT", "SHAPESHIFT_ENGINE_CONFIG",
+    "SHAPESHIFT_NAMESPACE", "SHAPESHIFT_COMPILE_RUN", "SHAPESHIFT_ACCELERATOR", "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS",
+    "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR",
+)
+RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class EnvVar(WireModel):
+    """An environment variable of the engine and compile containers (a literal value)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!(self.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
+                    f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
+                    "spec.engine.env: this name is set by the operator itself"),
+            ]
+        }
+    )
+    name: str = Field(max_length=128, pattern=_ENV_NAME, description="Variable name (a C identifier).")
+    value: str = Field(default="", max_length=4096, description="Its value.")
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> "EnvVar":
+        if self.name in RESERVED_ENV_NAMES or self.name.startswith(RESERVED_ENV_PREFIX):
+            raise ValueError(f"spec.engine.env: {self.name} is set by the operator itself")
+        return self
+
+
 class EngineSettings(WireModel):
     """Engine server settings. The bounds mirror `shapeshift.engine.config.EngineConfig`
     (dtype choices, power-of-two block size, batched tokens >= batch size,
@@ -294,12 +327,23 @@ class EngineSettings(WireModel):
         default=None,
         description="Secret with the admin API's bearer token, mounted into the engine (no Secret: admin API off).",
     )
+    env: list[EnvVar] | None = Field(
+        default=None,
+        max_length=32,
+        description="Extra environment variables of the engine and compile containers, e.g. SHAPESHIFT_PDL=0 "
+                    "(kernel launch switches; compile pods get them too, so candidates are measured as they "
+                    "will serve). Changing them rolls the engine pods.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "EngineSettings":
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch_size:
             raise ValueError("spec.engine.maxNumBatchedTokens must be at least spec.engine.maxBatchSize, "
                              "so every running sequence can decode each step")
+        names = [e.name for e in self.env or []]
+        if len(names) != len(set(names)):
+            raise ValueError(f"spec.engine.env: duplicate names {sorted({n for n in names if names.count(n) > 1})}")
         return self
 
 

@@ -57,6 +57,15 @@ def rejected(cluster, namespace, plural, body) -> str:
      ["a compile budget needs wallClockSeconds > 0 or trials > 0"]),
     ("batched tokens below batch size (CEL)", lambda s: s.update(engine={"maxBatchSize": 64, "maxNumBatchedTokens": 16}),
      ["maxNumBatchedTokens must be at least spec.engine.maxBatchSize"]),
+    ("env name the operator sets (CEL)", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_ENGINE_CONFIG", "value": "/x"}]}),
+     ["spec.engine.env: this name is set by the operator itself"]),
+    ("env name of an agent's key (CEL)", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_AGENT_0_API_KEY"}]}),
+     ["spec.engine.env: this name is set by the operator itself"]),
+    ("env name not an identifier", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT-PDL", "value": "0"}]}),
+     ["spec.engine.env[0].name", "should match"]),
+    ("env name twice", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_PDL", "value": "0"},
+                                                          {"name": "SHAPESHIFT_PDL", "value": "1"}]}),
+     ["spec.engine.env[1]", "Duplicate value"]),
 ])
 def test_bad_inference_deployment_is_rejected(crds, namespace, case, mutate, expect):
     body = idep()

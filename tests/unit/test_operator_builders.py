@@ -201,3 +201,44 @@ def test_template_annotations_change_the_spec_hash_and_only_the_template():
     assert "shapeshift.dev/forward-pass" not in plain["spec"]["template"]["metadata"]["annotations"]
     assert plain["metadata"]["annotations"][builders.SPEC_HASH] != pinned["metadata"]["annotations"][builders.SPEC_HASH]
     assert builders.build_engine_deployment(IDEP, spec(), {}) == plain
+
+
+def test_engine_env_reaches_the_engine_and_compile_pods_and_rolls_the_engine():
+    switches = [{"name": "SHAPESHIFT_PDL", "value": "0"}, {"name": "NCCL_DEBUG", "value": "WARN"}]
+    with_env = spec(engine={"env": switches})
+    d = builders.build_engine_deployment(IDEP, with_env)
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    assert c["env"][-2:] == switches
+    job = builders.build_compile_job(RUN, run_spec(), with_env)
+    assert job["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == switches
+    plain = builders.build_engine_deployment(IDEP, spec())
+    assert builders.spec_hash(plain) != builders.spec_hash(d)
+    assert not {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]} & {"SHAPESHIFT_PDL"}
+
+
+def test_reserved_env_names_cover_every_name_the_operator_sets():
+    """A name the builders set that RESERVED_ENV_NAMES misses could be set twice in one container."""
+    from shapeshift.operator.models import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIX
+
+    full = spec(artifacts={"pvc": {"claimName": "artifacts"}})
+    r = run_spec(agents=[{"kind": "llm", "llm": {"endpoint": "http://llm:8080/v1", "model": "m",
+                                                 "apiKeySecretRef": {"name": "llm-key"}}}])
+    containers = [builders.build_engine_deployment(IDEP, full)["spec"]["template"]["spec"]["containers"][0],
+                  builders.build_compile_job(RUN, r, full)["spec"]["template"]["spec"]["containers"][0]]
+    names = {e["name"] for c in containers for e in c["env"]}
+    assert {"SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_AGENT_0_API_KEY", "SHAPESHIFT_ENGINE_CONFIG"} <= names
+    assert {n for n in names if n not in RESERVED_ENV_NAMES and not n.startswith(RESERVED_ENV_PREFIX)} == set()
+
+
+def test_engine_env_refuses_names_the_operator_sets_duplicates_and_non_identifiers():
+    import pytest
+    from pydantic import ValidationError
+
+    for env, message in (([{"name": "POD_NAME", "value": "x"}], "set by the operator itself"),
+                         ([{"name": "SHAPESHIFT_AGENT_3_API_KEY"}], "set by the operator itself"),
+                         ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "duplicate names"),
+                         ([{"name": "1BAD"}], "should match pattern")):
+        with pytest.raises(ValidationError, match=message):
+            spec(engine={"env": env})
+    assert spec(engine={"env": [{"name": "SHAPESHIFT_PDL"}]}).engine.env[0].value == ""
+
