@@ -120,8 +120,14 @@ def test_digest_mismatch_refused_and_not_retried_in_a_hot_loop(rollout):
         # When the server started each attempt (its own clock: the test's polling delays do not blur it).
         first_failure = gauge(base, "shapeshift_forward_pass_last_reload_timestamp_seconds")
         assert forward_pass_info(base) == active  # the old pass keeps serving
-        time.sleep(RETRY_BACKOFF_S * 0.6)  # polls every 0.2 s, but a retry waits for the backoff
-        assert reloads(base, "digest_mismatch") == mismatches + 1
+        # The agent polls every 0.2 s, but a retry waits for the backoff. The server stamps attempts
+        # with the host's wall clock, so the test can tell when it reads the count: a loaded machine
+        # may see the first failure late, and a read after the backoff would prove nothing here (the
+        # spacing is checked on the server's stamps below).
+        time.sleep(max(0.0, first_failure + RETRY_BACKOFF_S * 0.6 - time.time()))
+        count = reloads(base, "digest_mismatch")
+        if time.time() - first_failure < RETRY_BACKOFF_S * 0.9:
+            assert count == mismatches + 1
         wait_for(lambda: reloads(base, "digest_mismatch") >= mismatches + 2, RETRY_BACKOFF_S * 5,
                  "a retry after the backoff", lambda: debug(server))
         retried_after = gauge(base, "shapeshift_forward_pass_last_reload_timestamp_seconds") - first_failure
