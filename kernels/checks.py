@@ -232,11 +232,16 @@ PDL_FAMILIES = ("gemv", "norm", "rotary", "activation", "attention", "sampling",
 DEFAULT_PDL_FAMILIES = "gemv,norm,sampling"
 
 
+def _pdl_setting() -> str:
+    """SHAPESHIFT_PDL as set, or DEFAULT_PDL_FAMILIES when unset."""
+    return os.environ.get("SHAPESHIFT_PDL", DEFAULT_PDL_FAMILIES)
+
+
 def pdl_families(raw: str | None = None) -> frozenset[str]:
     """The kernel families SHAPESHIFT_PDL turns on: "1" / "on" / "all" every one, "0" / "off" /
     empty none, else a comma list of PDL_FAMILIES (e.g. "norm,rotary,attention"); unset,
     DEFAULT_PDL_FAMILIES."""
-    raw = (os.environ.get("SHAPESHIFT_PDL", DEFAULT_PDL_FAMILIES) if raw is None else raw).strip().lower()
+    raw = (_pdl_setting() if raw is None else raw).strip().lower()
     if raw in ("", "0", "off", "false", "none"):
         return frozenset()
     if raw in ("1", "on", "true", "all"):
@@ -263,7 +268,7 @@ def pdl_options(device: torch.device, family: str) -> dict[str, bool]:
     """
     if family not in PDL_FAMILIES:
         raise ValueError(f"pdl_options: unknown kernel family {family!r}; one of {', '.join(PDL_FAMILIES)}")
-    raw = os.environ.get("SHAPESHIFT_PDL", DEFAULT_PDL_FAMILIES)
+    raw = _pdl_setting()
     key = (device.type, device.index, family, raw)
     if key not in _PDL:
         on = (device.type == "cuda" and not interpreter_active() and family in pdl_families(raw)
