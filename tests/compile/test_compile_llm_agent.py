@@ -184,12 +184,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_engine_server_with_smollm2_replies_are_handled(tmp_path: Path, space) -> None:
+def test_engine_server_with_smollm2_replies_are_handled(tmp_path: Path, space, smollm2_folder) -> None:
     """A real model (SmolLM2-135M on the engine's own server) writes no valid module: skipped cleanly."""
-    from shapeshift.engine.smollm2 import is_imported
-
-    if not is_imported(Path(os.environ.get("SHAPESHIFT_CACHE", Path.home() / ".cache/shapeshift")) / "models/smollm2-135m"):
-        pytest.skip("smollm2-135m is not imported (run `shapeshift import-smollm2`)")
     port = _free_port()
     cmd = [sys.executable, "-c", "import sys; from shapeshift.engine.cli import main; sys.exit(main(sys.argv[1:]))",
            "serve", "--model", "smollm2-135m", "--port", str(port), "--max-model-len", "8192",

