@@ -225,7 +225,10 @@ KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attentio
                        "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
 # the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
 KERNEL_CONFIGS_KNOB = "kernel_configs"
-INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32)}
+# grid of each int recipe knob; its first value is the default when the stock recipe sets none
+INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32),
+                   "gemv_max_rows": (16, 8, 4, 2, 1)}
+GEMV_ROW_LIMIT = 16  # kernels.gemv.MAX_M: gemv_max_rows at this value changes nothing
 
 
 def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
@@ -253,6 +256,9 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
             missing.insert(0, "linear_backend=triton")
         if missing:
             return f"{knob}=true needs {', '.join(missing)} (the fusion lives in the Triton GEMV)"
+    rows = recipe.get("gemv_max_rows", GEMV_ROW_LIMIT)
+    if rows != GEMV_ROW_LIMIT and recipe.get("linear_backend") != "triton":
+        return f"gemv_max_rows={rows} needs linear_backend=triton (it limits the Triton GEMV's rows)"
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
@@ -461,6 +467,10 @@ def build_search_space(
     if not gemv or model_family == "moe":
         knobs = [k for k in knobs if k.name not in needs_gemv]
         needs_gemv = []
+    if not gemv:  # the GEMV's row limit: searched wherever the GEMV is (MoE models too)
+        knobs = [k for k in knobs if k.name != "gemv_max_rows"]
+    elif "gemv_max_rows" in {k.name for k in knobs}:
+        needs_gemv.append("gemv_max_rows")  # constrained with the fusions: linear_backend=triton
 
     # The rotary fusion needs both Triton backends and a model without q/k norm (its build refuses).
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)

@@ -169,6 +169,13 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
     assert any("attention_l2_prefetch_mb" in problem for problem in cuda_space.validate(bad))
+    # The GEMV's row limit: searched with the GEMV, its default the kernel's 16 rows (no change).
+    assert cuda_space.knob("gemv_max_rows").values == (16, 8, 4, 2, 1)
+    assert cuda_space.default()["gemv_max_rows"] == 16
+    bad = {**cuda_space.default(), "gemv_max_rows": 1, "linear_backend": "torch"}
+    assert any("gemv_max_rows=1 needs linear_backend=triton" in problem for problem in cuda_space.validate(bad))
+    assert not any("gemv_max_rows" in problem
+                   for problem in cuda_space.validate({**bad, "linear_backend": "triton"}))
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
@@ -177,3 +184,4 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "engine.decode_steps" not in cpu_space.names  # multi-step decode needs graph replays
     assert "engine.overlap_decode" not in cpu_space.names
     assert "attention_l2_prefetch_mb" not in cpu_space.names
+    assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU

@@ -35,11 +35,21 @@ SCRIPT = textwrap.dedent('''
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
     if fuse_norm:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
         fast.update(fuse_layer_tail=tail, fuse_attention_into_layer=whole, fuse_attention_into_tail=into_tail)
+    if int(sys.argv[8]):  # the most rows the GEMV takes; larger batches go through F.linear
+        fast["gemv_max_rows"] = int(sys.argv[8])
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
     tri = LLMEngine(EngineConfig(**base, forward_pass_recipe=fast))
     tail_calls, next_attention_calls = [0], [0]
+    gemv_rows = set()  # the row counts the GEMV launchers were called with
+    for name in ("_gemv", "_gemv_gated"):
+        gemv_launcher = getattr(tri.forward_pass, name)
+
+        def gemv_counted(x, *args, _launch=gemv_launcher, **kwargs):
+            gemv_rows.add(x.shape[0])
+            return _launch(x, *args, **kwargs)
+        setattr(tri.forward_pass, name, gemv_counted)
     if tail:  # the layer kernel in use: attention and tail (whole), or the tail alone
         name = "_whole_layer" if whole else "_layer_tail"
         launcher = getattr(tri.forward_pass, name)
@@ -49,8 +59,8 @@ SCRIPT = textwrap.dedent('''
             next_attention_calls[0] += kwargs.get("next_attention") is not None
             return launcher(*args, **kwargs)
         setattr(tri.forward_pass, name, counted)
-        if device == "cuda":  # graphs were captured with the engine: capture again through the counter
-            tri.runner.capture_cudagraphs()
+    if device == "cuda":  # graphs were captured with the engine: capture again through the counters
+        tri.runner.capture_cudagraphs()
     if device == "cpu":
         tri.runner.emulate_graphs = True  # the static-buffer path with the in-graph argmax
         tri.runner.capture_cudagraphs()
@@ -65,7 +75,7 @@ SCRIPT = textwrap.dedent('''
               # one request at a time: batch-1 decode steps (the layer-tail kernel's batch)
               "ref_single": [ref.generate([p], greedy)[0] for p in prompts],
               "fast_single": [tri.generate([p], greedy)[0] for p in prompts], "tail_calls": tail_calls[0],
-              "next_attention_calls": next_attention_calls[0],
+              "next_attention_calls": next_attention_calls[0], "gemv_rows": sorted(gemv_rows),
               "layers": len(tri.forward_pass.layers),
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
               "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
@@ -75,12 +85,13 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail", [
-    ("tiny-llama", True, False, False, False, False), ("tiny-qwen3", True, False, False, False, False),
-    ("tiny-llama", False, False, False, False, False), ("tiny-llama", True, True, False, False, False),
-    ("tiny-llama", True, True, True, False, False), ("tiny-qwen3", True, False, True, False, False),
-    ("tiny-llama", True, True, True, True, False), ("tiny-llama", True, True, True, False, True)])
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail):
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail,max_rows", [
+    ("tiny-llama", True, False, False, False, False, 0), ("tiny-qwen3", True, False, False, False, False, 0),
+    ("tiny-llama", False, False, False, False, False, 0), ("tiny-llama", True, True, False, False, False, 0),
+    ("tiny-llama", True, True, True, False, False, 0), ("tiny-qwen3", True, False, True, False, False, 0),
+    ("tiny-llama", True, True, True, True, False, 0), ("tiny-llama", True, True, True, False, True, 0),
+    ("tiny-llama", True, True, True, False, False, 1), ("tiny-llama", True, False, False, False, False, 2)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,7 +100,7 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, in
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
                            "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0",
-                           "1" if into_tail else "0"],
+                           "1" if into_tail else "0", str(max_rows)],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -106,6 +117,10 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, in
     assert result["next_attention_calls"] == (result["tail_calls"] // layers * (layers - 1) if into_tail else 0)
     assert len({tuple(t) for t in result["ref"]}) == 3  # distinct continuations: a real comparison
     assert result["fast_sampled"] == result["ref_sampled"]  # seeded sampling falls back to the logits
+    # gemv_max_rows: more rows than it took F.linear; without it the GEMV also took the 3-sequence
+    # decode batch and the prefill chunks (<= 16 tokens).
+    rows = result["gemv_rows"]
+    assert 1 in rows and (max(rows) <= max_rows if max_rows else max(rows) >= 3), rows
     assert result["max_logit_diff"] < 1e-4
 
 
@@ -160,5 +175,13 @@ def test_fast_recipe_knob_errors():
     o_bytes = layer.o_proj.numel() * layer.o_proj.element_size()
     assert [(t is layer.o_proj, t is layer.gate_up_proj, n) for t, n in fp._attention_prefetch[0]] == \
         [(True, False, 1 << 20), (False, True, (1 << 20) - o_bytes)]
+    for bad in (0, 17, True, "4"):  # 17: above the kernel's 16 rows
+        with pytest.raises(ValueError, match="gemv_max_rows must be an integer from 1 to 16"):
+            build_forward_pass(load_bundle(None, {**NAMED_RECIPES["gemv"], "gemv_max_rows": bad}), cfg, weights)
+    with pytest.raises(ValueError, match="gemv_max_rows must be an integer from 1"):
+        build_forward_pass(load_bundle(None, {"gemv_max_rows": -1}), cfg, weights)
+    assert build_forward_pass(load_bundle(None, {"gemv_max_rows": 32}), cfg, weights)._gemv_max_rows == 0
+    assert build_forward_pass(load_bundle(None, {**NAMED_RECIPES["gemv"], "gemv_max_rows": 4}), cfg,
+                              weights)._gemv_max_rows == 4
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)

@@ -23,6 +23,11 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       weight-streaming GEMV (kernels.gemv); F.linear above that.
                                       The lm_head then writes float32 logits directly (no
                                       bf16 rounding of the logits, no cast launch)
+  gemv_max_rows: int                  the most rows (decode batch) that take the GEMV and its
+                                      fusions, 1..16 (default 16, the kernel's limit); larger
+                                      batches use F.linear and the separate norm and SwiGLU
+                                      kernels (cuBLAS wins from 2 rows on the H200). A no-op
+                                      with linear_backend: torch
   gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
                                       dicts) overriding the per-shape defaults, e.g. from tuning
   kernel_configs: {"op": config}      tile config (KernelConfig dict) per Triton op the backend
@@ -250,6 +255,7 @@ class StockForwardPass:
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
+                 "gemv_max_rows",
                  "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
                  "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
@@ -311,6 +317,15 @@ class StockForwardPass:
         if _choice(self.recipe, "linear_backend") == "triton":
             self._gemv = _kernel("gemv", "gemv", "linear_backend")
             self._gemv_max_rows = _kernel("gemv", "MAX_M", "linear_backend")
+        max_rows = self.recipe.get("gemv_max_rows")
+        if max_rows is not None:
+            limit = self._gemv_max_rows if self._gemv is not None else None  # the kernel's MAX_M
+            if (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+                    or (limit is not None and max_rows > limit)):
+                raise ValueError(f"recipe gemv_max_rows must be an integer from 1 to {limit or 'the GEMV limit'}"
+                                 f", got {max_rows!r}")
+            if self._gemv is not None:
+                self._gemv_max_rows = max_rows
             self._gemv_overrides = _gemv_overrides(self.recipe.get("gemv_configs") or {})
         elif self.recipe.get("gemv_configs"):
             raise ValueError("recipe gemv_configs needs linear_backend: triton")
@@ -446,8 +461,9 @@ class StockForwardPass:
                float32_out: bool = False) -> torch.Tensor:
         """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N]; float32 when ``float32_out``.
 
-        With linear_backend: triton, T <= 16 rows stream the weight through the Triton GEMV
-        (cuBLAS reaches ~70% of bandwidth at batch 1); larger T stays on cuBLAS.
+        With linear_backend: triton, T <= gemv_max_rows (at most 16) rows stream the weight
+        through the Triton GEMV (cuBLAS reaches ~70% of bandwidth at batch 1); larger T stays
+        on cuBLAS.
         """
         if self._gemv is not None and x.shape[0] <= self._gemv_max_rows and x.stride(-1) == 1:
             return self._gemv(x, weight, bias, out_dtype=torch.float32 if float32_out else None,
