@@ -6,9 +6,9 @@ are the ones hack/bench_decode.py measures (it calls `torch` "stock"); H200 figu
 bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json: `torch` is plain PyTorch
 (462.9 tok/s at batch 1 on llama-3.2-1b-shape), `triton` fuses the q/k/v and gate/up
 projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s),
-`fast` adds, at batch 1 only, the weight-streaming GEMV with the norms and SwiGLU fused into
-it and one persistent kernel per layer for o_proj, the MLP and the next qkv projection; larger
-batches run as `triton` does (best at every batch measured, 1 to 32). `auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a
+`fast` adds the weight-streaming GEMV with SwiGLU in its epilogue (batches up to 16) and, at
+batch 1 only, the norms in its prologue and one persistent kernel per layer for o_proj, the MLP
+and the next qkv projection (best at every batch measured, 1 to 32). `auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a
 GPU, or the slow interpreter on a CPU). Imports nothing heavy.
 """
 
@@ -30,9 +30,9 @@ NAMED_RECIPES: dict[str, dict[str, Any]] = {
     "gemv": _GEMV,
     # ... and every RMSNorm inside the GEMV that consumes it; at batch 1, each layer's o_proj,
     # MLP and the next layer's qkv in one persistent kernel (kernels/decode_layer_tail.py).
-    # The GEMV only at batch 1: from 2 rows cuBLAS with the separate kernels was faster on the
-    # H200 (+5/+14/+19/+9% at batches 2/4/8/16; docs/decode-performance.md, twelfth set).
-    "fast": {**_GEMV, "fuse_norm_into_linear": True, "fuse_layer_tail": True, "gemv_max_rows": 1},
+    # The norm-fused GEMVs only at batch 1: from 2 rows the separate norm kernel and the plain
+    # GEMVs were 9-25% faster on the H200 (docs/decode-performance.md, twelfth set).
+    "fast": {**_GEMV, "fuse_norm_into_linear": True, "fuse_layer_tail": True, "fuse_norm_max_rows": 1},
 }
 RECIPE_CHOICES = ("auto", *NAMED_RECIPES)
 

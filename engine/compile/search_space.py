@@ -227,7 +227,7 @@ KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attentio
 KERNEL_CONFIGS_KNOB = "kernel_configs"
 # grid of each int recipe knob; its first value is the default when the stock recipe sets none
 INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32),
-                   "gemv_max_rows": (16, 8, 4, 2, 1)}
+                   "gemv_max_rows": (16, 8, 4, 2, 1), "fuse_norm_max_rows": (16, 8, 4, 2, 1)}
 GEMV_ROW_LIMIT = 16  # kernels.gemv.MAX_M: gemv_max_rows at this value changes nothing
 
 
@@ -259,6 +259,9 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
     rows = recipe.get("gemv_max_rows", GEMV_ROW_LIMIT)
     if rows != GEMV_ROW_LIMIT and recipe.get("linear_backend") != "triton":
         return f"gemv_max_rows={rows} needs linear_backend=triton (it limits the Triton GEMV's rows)"
+    rows = recipe.get("fuse_norm_max_rows", GEMV_ROW_LIMIT)
+    if rows != GEMV_ROW_LIMIT and not recipe.get("fuse_norm_into_linear"):
+        return f"fuse_norm_max_rows={rows} needs fuse_norm_into_linear=true (it limits the norm-fused GEMVs' rows)"
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
@@ -465,12 +468,12 @@ def build_search_space(
     gemv = any(k.name == "linear_backend" and "triton" in k.values for k in knobs)
     needs_gemv = [name for name in GEMV_FUSION_NEEDS if name in {k.name for k in knobs}]
     if not gemv or model_family == "moe":
-        knobs = [k for k in knobs if k.name not in needs_gemv]
+        knobs = [k for k in knobs if k.name not in needs_gemv and k.name != "fuse_norm_max_rows"]
         needs_gemv = []
     if not gemv:  # the GEMV's row limit: searched wherever the GEMV is (MoE models too)
         knobs = [k for k in knobs if k.name != "gemv_max_rows"]
-    elif "gemv_max_rows" in {k.name for k in knobs}:
-        needs_gemv.append("gemv_max_rows")  # constrained with the fusions: linear_backend=triton
+    else:  # the row limits: constrained with the fusions (linear_backend=triton, the norm fusion)
+        needs_gemv += [name for name in ("gemv_max_rows", "fuse_norm_max_rows") if name in {k.name for k in knobs}]
 
     # The rotary fusion needs both Triton backends and a model without q/k norm (its build refuses).
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)

@@ -176,6 +176,12 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert any("gemv_max_rows=1 needs linear_backend=triton" in problem for problem in cuda_space.validate(bad))
     assert not any("gemv_max_rows" in problem
                    for problem in cuda_space.validate({**bad, "linear_backend": "triton"}))
+    # The norm fusion's row limit: the same grid, constrained to fuse_norm_into_linear.
+    assert cuda_space.knob("fuse_norm_max_rows").values == (16, 8, 4, 2, 1)
+    assert cuda_space.default()["fuse_norm_max_rows"] == 16
+    bad = {**cuda_space.default(), "fuse_norm_max_rows": 1, "fuse_norm_into_linear": False}
+    assert any("fuse_norm_max_rows=1 needs fuse_norm_into_linear=true" in problem
+               for problem in cuda_space.validate(bad))
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
@@ -185,3 +191,4 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "engine.overlap_decode" not in cpu_space.names
     assert "attention_l2_prefetch_mb" not in cpu_space.names
     assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU
+    assert "fuse_norm_max_rows" not in cpu_space.names

@@ -35,8 +35,10 @@ SCRIPT = textwrap.dedent('''
         fast.update(fuse_rotary_into_attention=True, attention_l2_prefetch_mb=1)
     if fuse_norm:  # batch-1 decode: o_proj, MLP and the next qkv in one persistent kernel per layer
         fast.update(fuse_layer_tail=tail, fuse_attention_into_layer=whole, fuse_attention_into_tail=into_tail)
-    if int(sys.argv[8]):  # the most rows the GEMV takes (fast: 1); larger batches go through F.linear
+    if int(sys.argv[8]):  # the most rows the GEMV takes; larger batches go through F.linear
         fast["gemv_max_rows"] = int(sys.argv[8])
+    if int(sys.argv[9]):  # the most decode rows the norm-fused GEMVs take (fast: 1)
+        fast["fuse_norm_max_rows"] = int(sys.argv[9])
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])
     ref = LLMEngine(EngineConfig(**base))
@@ -50,6 +52,13 @@ SCRIPT = textwrap.dedent('''
             gemv_rows.add(x.shape[0])
             return _launch(x, *args, **kwargs)
         setattr(tri.forward_pass, name, gemv_counted)
+    norm_rows = set()  # the row counts of the norm-fused GEMV calls
+    norm_linear = tri.forward_pass.norm_linear
+
+    def norm_counted(h, *args, **kwargs):
+        norm_rows.add(h.shape[0])
+        return norm_linear(h, *args, **kwargs)
+    tri.forward_pass.norm_linear = norm_counted
     if tail:  # the layer kernel in use: attention and tail (whole), or the tail alone
         name = "_whole_layer" if whole else "_layer_tail"
         launcher = getattr(tri.forward_pass, name)
@@ -76,7 +85,8 @@ SCRIPT = textwrap.dedent('''
               "ref_single": [ref.generate([p], greedy)[0] for p in prompts],
               "fast_single": [tri.generate([p], greedy)[0] for p in prompts], "tail_calls": tail_calls[0],
               "next_attention_calls": next_attention_calls[0], "gemv_rows": sorted(gemv_rows),
-              "gemv_max_rows": tri.forward_pass._gemv_max_rows,
+              "gemv_max_rows": tri.forward_pass._gemv_max_rows, "norm_rows": sorted(norm_rows),
+              "fuse_norm_max_rows": tri.forward_pass._fuse_norm_max_rows,
               "layers": len(tri.forward_pass.layers),
               "max_logit_diff": diff, "graphs": len(tri.runner.graphs), "replays": tri.runner.num_graph_replays,
               "uses_gemv": tri.forward_pass._gemv is not None, "gated": tri.forward_pass._gemv_gated is not None,
@@ -86,15 +96,17 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-# max_rows: gemv_max_rows, 0 = the named recipe's own (fast: 1, gemv: the kernel's 16); 16 keeps
-# the norm-fused GEMVs on multi-row decode batches and prefill chunks, so they stay tested.
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail,max_rows", [
-    ("tiny-llama", True, False, False, False, False, 16), ("tiny-qwen3", True, False, False, False, False, 16),
-    ("tiny-llama", False, False, False, False, False, 0), ("tiny-llama", True, True, False, False, False, 16),
-    ("tiny-llama", True, True, True, False, False, 0), ("tiny-qwen3", True, False, True, False, False, 0),
-    ("tiny-llama", True, True, True, True, False, 0), ("tiny-llama", True, True, True, False, True, 0),
-    ("tiny-llama", True, True, True, False, False, 16), ("tiny-llama", True, False, False, False, False, 2)])
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows):
+# max_rows: gemv_max_rows, norm_rows: fuse_norm_max_rows; 0 = the named recipe's own (fast: the
+# GEMV up to 16 rows, the norm fusion at 1). norm_rows 16 keeps the norm-fused GEMVs on the
+# multi-row decode batches, so they stay tested.
+@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail,max_rows,norm_rows", [
+    ("tiny-llama", True, False, False, False, False, 0, 16), ("tiny-qwen3", True, False, False, False, False, 0, 16),
+    ("tiny-llama", False, False, False, False, False, 0, 0), ("tiny-llama", True, True, False, False, False, 0, 16),
+    ("tiny-llama", True, True, True, False, False, 0, 0), ("tiny-qwen3", True, False, True, False, False, 0, 0),
+    ("tiny-llama", True, True, True, True, False, 0, 0), ("tiny-llama", True, True, True, False, True, 0, 0),
+    ("tiny-llama", True, True, True, False, False, 0, 16), ("tiny-llama", True, False, False, False, False, 2, 16),
+    ("tiny-llama", True, True, True, False, False, 1, 0)])
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows, norm_rows):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,7 +115,7 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, in
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
                            "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0",
-                           "1" if into_tail else "0", str(max_rows)],
+                           "1" if into_tail else "0", str(max_rows), str(norm_rows)],
                           capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -122,10 +134,16 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, in
     assert result["fast_sampled"] == result["ref_sampled"]  # seeded sampling falls back to the logits
     # gemv_max_rows: more rows than it took F.linear; at 16 the GEMV also took the 3-sequence
     # decode batch and the prefill chunks (<= 16 tokens).
-    limit = max_rows or (1 if fuse_norm else 16)
+    limit = max_rows or 16
     rows = result["gemv_rows"]
     assert result["gemv_max_rows"] == limit
     assert 1 in rows and max(rows) <= limit and (max(rows) >= 3 or limit < 3), rows
+    # fuse_norm_max_rows: the norm-fused GEMVs took decode batches up to it (and the GEMV's limit).
+    norm_limit = min(limit, norm_rows or 1) if fuse_norm else 0
+    assert result["fuse_norm_max_rows"] == norm_limit
+    seen = result["norm_rows"]
+    assert (1 in seen and max(seen) <= norm_limit and (max(seen) >= 3 or norm_limit < 3)) if fuse_norm \
+        else seen == [], seen
     assert result["max_logit_diff"] < 1e-4
 
 
@@ -180,6 +198,14 @@ def test_fast_recipe_knob_errors():
     o_bytes = layer.o_proj.numel() * layer.o_proj.element_size()
     assert [(t is layer.o_proj, t is layer.gate_up_proj, n) for t, n in fp._attention_prefetch[0]] == \
         [(True, False, 1 << 20), (False, True, (1 << 20) - o_bytes)]
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ValueError, match="fuse_norm_max_rows must be an integer from 1 to 16"):
+            build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "fuse_norm_max_rows": bad}), cfg, weights)
+    with pytest.raises(ValueError, match="fuse_norm_max_rows needs fuse_norm_into_linear: true"):
+        build_forward_pass(load_bundle(None, {**NAMED_RECIPES["gemv"], "fuse_norm_max_rows": 4}), cfg, weights)
+    fp = build_forward_pass(load_bundle(None, {**NAMED_RECIPES["fast"], "gemv_max_rows": 4, "fuse_norm_max_rows": 8}),
+                            cfg, weights)
+    assert (fp._gemv_max_rows, fp._fuse_norm_max_rows) == (4, 4)  # never more rows than the GEMV takes
     for bad in (0, 17, True, "4"):  # 17: above the kernel's 16 rows
         with pytest.raises(ValueError, match="gemv_max_rows must be an integer from 1 to 16"):
             build_forward_pass(load_bundle(None, {**NAMED_RECIPES["gemv"], "gemv_max_rows": bad}), cfg, weights)

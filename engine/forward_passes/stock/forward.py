@@ -39,6 +39,12 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv and
                                       gate/up GEMVs (decode, <= 16 rows; needs
                                       linear_backend: triton, fuse_qkv, fuse_gate_up)
+  fuse_norm_max_rows: int             the most rows (decode batch) that take the norm-fused GEMVs,
+                                      1..16 (default 16); larger decode batches up to
+                                      gemv_max_rows run the separate norm kernel and the plain
+                                      GEMVs (each program of a fused GEMV renormalises every row:
+                                      on the H200 that lost from 2 rows). Needs
+                                      fuse_norm_into_linear
   fuse_rotary_into_attention: bool    decode: rotary, the KV-cache write and attention in one
                                       kernel (kernels.decode_attention.decode_attention_rope;
                                       needs attention_backend and rotary_backend: triton; models
@@ -255,7 +261,7 @@ class StockForwardPass:
         known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
                  "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
-                 "gemv_max_rows",
+                 "gemv_max_rows", "fuse_norm_max_rows",
                  "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
                  "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
@@ -339,6 +345,15 @@ class StockForwardPass:
                                or cfg.family == "moe"):
             raise ValueError("recipe fuse_norm_into_linear needs linear_backend: triton, fuse_qkv: true and "
                              "fuse_gate_up: true on a dense model")
+        # The most decode rows that take the norm-fused GEMVs (never more than the GEMV takes).
+        self._fuse_norm_max_rows = self._gemv_max_rows if self.fuse_norm else 0
+        norm_rows = self.recipe.get("fuse_norm_max_rows")
+        if norm_rows is not None:
+            if isinstance(norm_rows, bool) or not isinstance(norm_rows, int) or not 1 <= norm_rows <= 16:
+                raise ValueError(f"recipe fuse_norm_max_rows must be an integer from 1 to 16, got {norm_rows!r}")
+            if norm_rows != 16 and not self.fuse_norm:
+                raise ValueError("recipe fuse_norm_max_rows needs fuse_norm_into_linear: true")
+            self._fuse_norm_max_rows = min(self._fuse_norm_max_rows, norm_rows)
         self._layer_tail = None
         if self.recipe.get("fuse_layer_tail", False):
             if not self.fuse_norm:
@@ -589,7 +604,7 @@ class StockForwardPass:
         residual = None
         if self._layer_tail is not None and h.shape[0] == 1 and not ctx.is_prefill:
             return self._decode_one_token(h, positions, cos, sin, ctx, kv_cache)
-        if self.fuse_norm and h.shape[0] <= self._gemv_max_rows and not ctx.is_prefill:
+        if h.shape[0] <= self._fuse_norm_max_rows and not ctx.is_prefill:
             # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
             for i, layer in enumerate(self.layers):
                 qkv, residual = self.norm_linear(h, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias)
