@@ -8,8 +8,9 @@ bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json: `torch` is plain PyT
 projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s),
 `fast` adds the weight-streaming GEMV with SwiGLU in its epilogue (batches up to 16) and, at
 batch 1 only, the norms in its prologue and one persistent kernel per layer for o_proj, the MLP
-and the next qkv projection (best at every batch measured, 1 to 32). `auto` picks `triton` on CUDA and `torch` elsewhere (the Triton kernels need a
-GPU, or the slow interpreter on a CPU). Imports nothing heavy.
+and the next qkv projection (best at every batch measured, 1 to 32). `auto` picks `triton` on
+CUDA and `torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on a CPU).
+Imports nothing heavy.
 """
 
 from __future__ import annotations

@@ -216,3 +216,14 @@ def test_fast_recipe_knob_errors():
                               weights)._gemv_max_rows == 4
     with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):
         build_forward_pass(load_bundle(None, {"gemv_configs": {"64x64": {"variant": "dot"}}}), cfg, weights)
+    with pytest.raises(ValueError, match="gemv_configs needs linear_backend: triton"):  # with a row limit too
+        build_forward_pass(load_bundle(None, {"gemv_max_rows": 4, "gemv_configs": {"64x64": {"variant": "dot"}}}),
+                           cfg, weights)
+    # With the GEMV, per-shape configs are taken whether or not a row limit is set.
+    from shapeshift.kernels.registry import KernelConfig
+
+    tuned = {"64x64": {"variant": "dot", "num_warps": 4, "num_stages": 1, "BLOCK_N": 32}}
+    for extra in ({}, {"gemv_max_rows": 2}):
+        fp = build_forward_pass(load_bundle(None, {**NAMED_RECIPES["gemv"], "gemv_configs": tuned, **extra}), cfg,
+                                weights)
+        assert fp._gemv_overrides == {(64, 64): KernelConfig.from_dict(tuned["64x64"])}, extra

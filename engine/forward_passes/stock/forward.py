@@ -26,8 +26,7 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
   gemv_max_rows: int                  the most rows (decode batch) that take the GEMV and its
                                       fusions, 1..16 (default 16, the kernel's limit); larger
                                       batches use F.linear and the separate norm and SwiGLU
-                                      kernels (cuBLAS wins from 2 rows on the H200). A no-op
-                                      with linear_backend: torch
+                                      kernels. A no-op with linear_backend: torch
   gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
                                       dicts) overriding the per-shape defaults, e.g. from tuning
   kernel_configs: {"op": config}      tile config (KernelConfig dict) per Triton op the backend
@@ -323,6 +322,9 @@ class StockForwardPass:
         if _choice(self.recipe, "linear_backend") == "triton":
             self._gemv = _kernel("gemv", "gemv", "linear_backend")
             self._gemv_max_rows = _kernel("gemv", "MAX_M", "linear_backend")
+            self._gemv_overrides = _gemv_overrides(self.recipe.get("gemv_configs") or {})
+        elif self.recipe.get("gemv_configs"):
+            raise ValueError("recipe gemv_configs needs linear_backend: triton")
         max_rows = self.recipe.get("gemv_max_rows")
         if max_rows is not None:
             limit = self._gemv_max_rows if self._gemv is not None else None  # the kernel's MAX_M
@@ -332,9 +334,6 @@ class StockForwardPass:
                                  f", got {max_rows!r}")
             if self._gemv is not None:
                 self._gemv_max_rows = max_rows
-            self._gemv_overrides = _gemv_overrides(self.recipe.get("gemv_configs") or {})
-        elif self.recipe.get("gemv_configs"):
-            raise ValueError("recipe gemv_configs needs linear_backend: triton")
         if self.recipe.get("fuse_gate_up_activation", False):
             if self._gemv is None or not self.fuse_gate_up or cfg.family == "moe":
                 raise ValueError("recipe fuse_gate_up_activation needs linear_backend: triton and fuse_gate_up: true "
