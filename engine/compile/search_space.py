@@ -226,9 +226,12 @@ KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attentio
 # the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
 KERNEL_CONFIGS_KNOB = "kernel_configs"
 # grid of each int recipe knob; its first value is the default when the stock recipe sets none
+# (for the row limits, kernels.gemv.MAX_M: the value that changes nothing)
 INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32),
                    "gemv_max_rows": (16, 8, 4, 2, 1), "fuse_norm_max_rows": (16, 8, 4, 2, 1)}
-GEMV_ROW_LIMIT = 16  # kernels.gemv.MAX_M: gemv_max_rows at this value changes nothing
+# row-limit knob -> (the recipe knob whose path it limits, the value that turns that path on)
+ROW_LIMIT_NEEDS = {"gemv_max_rows": ("linear_backend", "triton"),
+                   "fuse_norm_max_rows": ("fuse_norm_into_linear", True)}
 
 
 def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
@@ -256,15 +259,17 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
             missing.insert(0, "linear_backend=triton")
         if missing:
             return f"{knob}=true needs {', '.join(missing)} (the fusion lives in the Triton GEMV)"
-    rows = recipe.get("gemv_max_rows", GEMV_ROW_LIMIT)
-    if rows != GEMV_ROW_LIMIT and recipe.get("linear_backend") != "triton":
-        return f"gemv_max_rows={rows} needs linear_backend=triton (it limits the Triton GEMV's rows)"
-    rows = recipe.get("fuse_norm_max_rows", GEMV_ROW_LIMIT)
-    if rows != GEMV_ROW_LIMIT and not recipe.get("fuse_norm_into_linear"):
-        return f"fuse_norm_max_rows={rows} needs fuse_norm_into_linear=true (it limits the norm-fused GEMVs' rows)"
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
+    return None
+
+
+def _constraint_row_limits(recipe: Mapping[str, Any]) -> str | None:
+    for knob, (path, on) in ROW_LIMIT_NEEDS.items():
+        rows, unlimited = recipe.get(knob, INT_KNOB_VALUES[knob][0]), INT_KNOB_VALUES[knob][0]
+        if rows != unlimited and recipe.get(path) != on:
+            return f"{knob}={rows} needs {path}={str(on).lower()} (it limits the rows of that path only)"
     return None
 
 
@@ -468,12 +473,13 @@ def build_search_space(
     gemv = any(k.name == "linear_backend" and "triton" in k.values for k in knobs)
     needs_gemv = [name for name in GEMV_FUSION_NEEDS if name in {k.name for k in knobs}]
     if not gemv or model_family == "moe":
-        knobs = [k for k in knobs if k.name not in needs_gemv and k.name != "fuse_norm_max_rows"]
+        knobs = [k for k in knobs if k.name not in needs_gemv]
         needs_gemv = []
-    if not gemv:  # the GEMV's row limit: searched wherever the GEMV is (MoE models too)
-        knobs = [k for k in knobs if k.name != "gemv_max_rows"]
-    else:  # the row limits: constrained with the fusions (linear_backend=triton, the norm fusion)
-        needs_gemv += [name for name in ("gemv_max_rows", "fuse_norm_max_rows") if name in {k.name for k in knobs}]
+    # A row limit is searched only where the space can turn on the path it limits (the GEMV on
+    # CUDA, MoE models too; the norm fusion where that knob survived the rule above).
+    row_limits = [knob for knob, (path, on) in ROW_LIMIT_NEEDS.items()
+                  if any(k.name == path and any(_same(v, on) for v in k.values) for k in knobs)]
+    knobs = [k for k in knobs if k.name not in ROW_LIMIT_NEEDS or k.name in row_limits]
 
     # The rotary fusion needs both Triton backends and a model without q/k norm (its build refuses).
     triton_attention = any(k.name == "attention_backend" and "triton" in k.values for k in knobs)
@@ -492,6 +498,8 @@ def build_search_space(
         constraints.append(("activation", _constraint_activation_needs_fused))
     if needs_gemv:
         constraints.append(("gemv fusion", _constraint_gemv_fusion))
+    if any(k.name in ROW_LIMIT_NEEDS for k in knobs):
+        constraints.append(("row limits", _constraint_row_limits))
     if cuda:
         constraints.append(("graph buckets", _constraint_graph_buckets))
     if include_kernels is None:

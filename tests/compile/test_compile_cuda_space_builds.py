@@ -170,7 +170,9 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
     assert any("attention_l2_prefetch_mb" in problem for problem in cuda_space.validate(bad))
     # The GEMV's row limit: searched with the GEMV, its default the kernel's 16 rows (no change).
-    assert cuda_space.knob("gemv_max_rows").values == (16, 8, 4, 2, 1)
+    from shapeshift.kernels.gemv import MAX_M
+
+    assert cuda_space.knob("gemv_max_rows").values == (16, 8, 4, 2, 1) == (MAX_M, 8, 4, 2, 1)
     assert cuda_space.default()["gemv_max_rows"] == 16
     bad = {**cuda_space.default(), "gemv_max_rows": 1, "linear_backend": "torch"}
     assert any("gemv_max_rows=1 needs linear_backend=triton" in problem for problem in cuda_space.validate(bad))
@@ -192,3 +194,7 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "attention_l2_prefetch_mb" not in cpu_space.names
     assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU
     assert "fuse_norm_max_rows" not in cpu_space.names
+    # MoE: the GEMV (and its row limit) without the norm fusion (dense models only).
+    moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
+                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+    assert "gemv_max_rows" in moe_space.names and "fuse_norm_max_rows" not in moe_space.names
