@@ -42,8 +42,8 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       1..16 (default 16); larger decode batches up to
                                       gemv_max_rows run the separate norm kernel and the plain
                                       GEMVs (each program of a fused GEMV renormalises every row:
-                                      on the H200 that lost from 2 rows). Needs
-                                      fuse_norm_into_linear
+                                      on the H200 that lost from 2 rows). Below 16 it needs
+                                      fuse_norm_into_linear; a no-op without the GEMV
   fuse_rotary_into_attention: bool    decode: rotary, the KV-cache write and attention in one
                                       kernel (kernels.decode_attention.decode_attention_rope;
                                       needs attention_backend and rotary_backend: triton; models
@@ -325,15 +325,10 @@ class StockForwardPass:
             self._gemv_overrides = _gemv_overrides(self.recipe.get("gemv_configs") or {})
         elif self.recipe.get("gemv_configs"):
             raise ValueError("recipe gemv_configs needs linear_backend: triton")
-        max_rows = self.recipe.get("gemv_max_rows")
-        if max_rows is not None:
-            limit = self._gemv_max_rows if self._gemv is not None else None  # the kernel's MAX_M
-            if (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
-                    or (limit is not None and max_rows > limit)):
-                raise ValueError(f"recipe gemv_max_rows must be an integer from 1 to {limit or 'the GEMV limit'}"
-                                 f", got {max_rows!r}")
-            if self._gemv is not None:
-                self._gemv_max_rows = max_rows
+        gemv_limit = self._gemv_max_rows  # the kernel's MAX_M with the GEMV, else 0
+        max_rows = _row_limit(self.recipe, "gemv_max_rows", gemv_limit)
+        if max_rows is not None and self._gemv is not None:
+            self._gemv_max_rows = max_rows
         if self.recipe.get("fuse_gate_up_activation", False):
             if self._gemv is None or not self.fuse_gate_up or cfg.family == "moe":
                 raise ValueError("recipe fuse_gate_up_activation needs linear_backend: triton and fuse_gate_up: true "
@@ -346,11 +341,9 @@ class StockForwardPass:
                              "fuse_gate_up: true on a dense model")
         # The most decode rows that take the norm-fused GEMVs (never more than the GEMV takes).
         self._fuse_norm_max_rows = self._gemv_max_rows if self.fuse_norm else 0
-        norm_rows = self.recipe.get("fuse_norm_max_rows")
+        norm_rows = _row_limit(self.recipe, "fuse_norm_max_rows", gemv_limit)
         if norm_rows is not None:
-            if isinstance(norm_rows, bool) or not isinstance(norm_rows, int) or not 1 <= norm_rows <= 16:
-                raise ValueError(f"recipe fuse_norm_max_rows must be an integer from 1 to 16, got {norm_rows!r}")
-            if norm_rows != 16 and not self.fuse_norm:
+            if norm_rows < gemv_limit and not self.fuse_norm:  # a limit that would bind, on no fusion
                 raise ValueError("recipe fuse_norm_max_rows needs fuse_norm_into_linear: true")
             self._fuse_norm_max_rows = min(self._fuse_norm_max_rows, norm_rows)
         self._layer_tail = None
@@ -693,6 +686,16 @@ def _kernel_config(config: Any) -> Any:
     from shapeshift.kernels.registry import KernelConfig
 
     return config if isinstance(config, KernelConfig) else KernelConfig.from_dict(config)
+
+
+def _row_limit(recipe: dict[str, Any], knob: str, most: int) -> int | None:
+    """recipe[knob] (None when unset), refused unless an integer from 1 to ``most`` (the GEMV
+    kernel's row limit; 0 = no GEMV, where any limit is a no-op)."""
+    value = recipe.get(knob)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                              or (most and value > most)):
+        raise ValueError(f"recipe {knob} must be an integer from 1 to {most or 'the GEMV limit'}, got {value!r}")
+    return value
 
 
 def _gemv_overrides(table: dict[str, Any]) -> dict[tuple[int, int], Any]:
