@@ -129,6 +129,82 @@ def test_layer_tail_early_tiles_only_move_loads(device):
         decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, early_tiles=3)
 
 
+# ---------------------------------------------------------------- split_down (phases 2 and 3 as one)
+
+def _transposed(weights):
+    return dict(weights, down_proj=weights["down_proj"].t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(64, 64, 128, 96), (96, 80, 176, 144)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_down_matches_the_reference_and_the_unsplit_tail(dtype, dims, bias, device):
+    """split_down (the down projection summed from each program's own act slices) gives the
+    reference's qkv and residual stream, and the unsplit tail's within the dtype's rounding (the
+    float32 sum's order differs, so not bit for bit)."""
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("the interpreter truncates float32 -> bf16 (test_interpreter_quirks.py); the GPU rounds to nearest")
+    hidden, q_dim, inner, nqkv = dims
+    attn, residual, weights, following = _layer(hidden, q_dim, inner, nqkv, dtype, device, bias)
+    qkv, res_out = decode_layer_tail(attn, residual, **_transposed(weights), eps=1e-5, **following, split_down=True)
+    plain_qkv, plain_res = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following)
+    ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
+    assert qkv.shape == (1, nqkv) and qkv.dtype == dtype and res_out.dtype == dtype
+    assert_close_norm(qkv, ref, dtype, "qkv")
+    assert_close_norm(res_out, ref_res, dtype, "residual out")
+    assert_close_norm(res_out, plain_res, dtype, "residual out against the unsplit tail")
+    assert_close_norm(qkv, plain_qkv, dtype, "qkv against the unsplit tail")
+
+
+def test_split_down_sums_every_programs_slice_once(device):
+    """With 1, 2 and 5 programs (act slices per program from all to one) the sums agree within
+    float32 rounding: no slice of the down projection is skipped or added twice (either would move
+    the qkv far past that), whatever order the programs' adds arrive in."""
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
+    ref, _ = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
+    for g in (1, 2, 5):
+        qkv, _ = decode_layer_tail(attn, residual, **_transposed(weights), eps=1e-5, **following, programs=g,
+                                   sync=False, split_down=True)
+        torch.testing.assert_close(qkv, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_split_down_errors(device):
+    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, False)
+    with pytest.raises(ValueError, match="split_down needs the next layer"):
+        decode_layer_tail(attn, residual, **_transposed(weights), eps=1e-5, split_down=True)
+    with pytest.raises(ValueError, match=r"down_proj \(transposed, split_down\)"):  # given untransposed
+        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, split_down=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
+def test_split_down_in_one_launch_in_replayed_graphs():
+    """One launch with barriers (the float32 sum zeroed in phase 1 of every launch) inside a graph
+    of 16 launches replayed 50 times: each replay's qkv stays at the per-phase launches' result
+    within bf16 rounding (a sum left over from the replay before would double it), and the
+    counters end at zero."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
+    transposed = _transposed(weights)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        expected = decode_layer_tail(attn, residual, **transposed, eps=1e-5, **following, sync=False, split_down=True)
+        decode_layer_tail(attn, residual, **transposed, eps=1e-5, **following, sync=True, split_down=True)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [decode_layer_tail(attn, residual, **transposed, eps=1e-5, **following, sync=True,
+                                      split_down=True) for _ in range(16)]
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    for qkv, res_out in outs:
+        assert_close_norm(qkv, expected[0], dtype, "qkv after replays")
+        assert_close_norm(res_out, expected[1], dtype, "residual out after replays")
+    with torch.cuda.stream(stream):
+        assert not _COUNTERS.for_stream(device, 2).any()
+    ref, _ = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **following)
+    assert_close_norm(expected[0], ref, dtype, "qkv")
+
+
 # ---------------------------------------------------------------- decode_layer (attention first)
 
 def _attention_problem(context_len, hq, hkv, d, block_size, dtype, device):
