@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--early-tiles", default="2", help="of each weight's first two tiles of phases 2-4, how "
                         "many load before the barrier's wait (0, 1, 2; the rest after it)")
     parser.add_argument("--split-down", default="off", help="off, on: phase 2 also runs the down projection on "
-                        "its own act slices (transposed weight, float32 atomic sums; no phase 3)")
+                        "its own act slices (transposed weight, fixed-point atomic sums; no phase 3)")
     parser.add_argument("--next-attention-splits", default="default",
                         help="split counts of the tail ending in the next layer's attention (--layer-splits), "
                              "e.g. default,1,4")

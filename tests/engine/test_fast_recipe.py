@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent('''
         fast["gemv_max_rows"] = int(sys.argv[8])
     if int(sys.argv[9]):  # the most decode rows the norm-fused GEMVs take (fast: 1)
         fast["fuse_norm_max_rows"] = int(sys.argv[9])
-    if sys.argv[10] == "1":  # the tail's gate/up phase runs the down projection (float32 atomic sums)
+    if sys.argv[10] == "1":  # the tail's gate/up phase runs the down projection (fixed-point atomic sums)
         fast["layer_tail_split_down"] = True
     base = dict(model=preset, device=device, dtype="float32", max_num_seqs=4, max_model_len=64, block_size=4,
                 max_num_batched_tokens=16, cuda_graph_batch_sizes=[1, 2, 4], cuda_graph_context_lens=[16, 64])

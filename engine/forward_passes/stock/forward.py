@@ -55,8 +55,8 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       the separate GEMVs)
   layer_tail_split_down: bool         batch-1 decode: the layer-tail kernel runs the down projection
                                       in its gate/up phase, each program on its own act slice,
-                                      summed by float32 atomic adds (one grid barrier fewer a
-                                      layer; the sum's order varies between runs). Needs
+                                      summed by int64 fixed-point atomic adds (one grid barrier
+                                      fewer a layer; the same bits every run). Needs
                                       fuse_layer_tail and not fuse_attention_into_layer; keeps a
                                       transposed copy of each down_proj (its memory once more)
   fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
