@@ -15,7 +15,7 @@ Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU,
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
                                        [--pdl off,on] [--split-barrier off,on] [--grid 256,264]
-                                       [--early-tiles 0,1,2] [--split-down off,on]
+                                       [--early-tiles 0,1,2]
                                        [--layer-splits 1,2,4,8 --context 256] [--phases]
 """
 
@@ -55,8 +55,6 @@ def main(argv=None) -> int:
                                                              "tile loads, wait after them")
     parser.add_argument("--early-tiles", default="2", help="of each weight's first two tiles of phases 2-4, how "
                         "many load before the barrier's wait (0, 1, 2; the rest after it)")
-    parser.add_argument("--split-down", default="off", help="off, on: phase 2 also runs the down projection on "
-                        "its own act slices (transposed weight, fixed-point atomic sums; no phase 3)")
     parser.add_argument("--next-attention-splits", default="default",
                         help="split counts of the tail ending in the next layer's attention (--layer-splits), "
                              "e.g. default,1,4")
@@ -86,8 +84,6 @@ def main(argv=None) -> int:
                    next_input_norm=torch.ones(HIDDEN, device=dev, dtype=dt), next_qkv=rand(NQKV, HIDDEN))
               for _ in range(LAYERS)]
     attn, residual = rand(1, Q_DIM), rand(1, HIDDEN)
-    split_down_modes = args.split_down.split(",")
-    transposed = ([w["down_proj"].t().contiguous() for w in layers] if "on" in split_down_modes else None)
     layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
     copy = measure_ceilings(dev)["copy_gbps"]
 
@@ -111,26 +107,23 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, int(early), down) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split, int(early)) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")
-            for down in split_down_modes]
+            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split, early, down in grid:
-        name = (f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles "
-                f"{early}" + (", split down" if down == "on" else ""))
+    for warps, tile, programs, label, pdl, split, early in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles {early}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, down=down, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, stamps=None):
             for i, w in enumerate(layers):
-                weights = dict(w, down_proj=transposed[i]) if down == "on" else w
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
                                   split_barrier=split == "on", timestamps=None if stamps is None else stamps[i],
-                                  early_tiles=early, split_down=down == "on", **weights)
+                                  early_tiles=early, **w)
         try:
             record(name, _graph_us(fused), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, early_tiles=early, split_down=down)
+                   pdl=pdl, split_barrier=split, early_tiles=early)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps)))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on
@@ -241,14 +234,12 @@ def _phases(name, step) -> dict:
     _graph_us(lambda: step(stamps))  # the last replay's stamps stay
     ran = [t[t[:, 0] > 0].cpu() for t in stamps]  # per layer, the rows of programs that ran
     table = {}
-    merged = False  # split_down: phase 2 streamed the down projection too, phase 3 did not run
     for t in ran:
         t = t.double() / 1e3  # us
         t0 = t[:, 0].min()
         for p in range(len(PHASES)):
             begin, end = (t[:, 0], t[:, 1]) if p == 0 else (t[:, 2 * p], t[:, 2 * p + 1])
             if (end == 0).all():
-                merged = merged or p == 3
                 continue
             if p == 5:  # only the attention items' programs run the next layer's attention
                 begin, end = begin[end > 0], end[end > 0]
@@ -258,8 +249,6 @@ def _phases(name, step) -> dict:
             row["work_med"].append(float((end - begin).median()))
             row["work_max"].append(float((end - begin).max()))
             prev = 2 * p - 1 if p > 1 else 1
-            while prev > 1 and (t[:, prev] == 0).all():  # the phase before did not run (split_down)
-                prev -= 2
             if p > 0 and (t[:, prev] > 0).all():  # a barrier ends the previous phase in this launch
                 row["barrier"].append(float(begin.median() - t[:, prev].max()))
     mean = {PHASES[p]: {k: (sum(v) / len(v) if v else None) for k, v in row.items()} for p, row in table.items()}
@@ -269,8 +258,7 @@ def _phases(name, step) -> dict:
         rate = ""
         p_index = PHASES.index(phase)
         if p_index in PHASE_BYTES:
-            phase_bytes = PHASE_BYTES[p_index] + (PHASE_BYTES[3] if merged and p_index == 2 else 0)
-            gbps = phase_bytes / ((row["end"] - row["begin"]) * 1e-6) / 1e9
+            gbps = PHASE_BYTES[p_index] / ((row["end"] - row["begin"]) * 1e-6) / 1e9
             row["gbps"] = gbps
             rate = f"{gbps:6.0f} GB/s"
         barrier = f"barrier {row['barrier']:5.2f}" if row["barrier"] is not None else " " * 13
@@ -280,7 +268,7 @@ def _phases(name, step) -> dict:
         print(f"   gate/up by SM: slowest SM {per_sm['slowest_minus_median_us']:.2f} us behind the median SM's mean "
               f"work; layers 0-7 against 8-15, correlation of each SM's mean work {per_sm['half_correlation']:.2f}; "
               f"slowest SMs {per_sm['slowest_sms']}", flush=True)
-    return dict(variant=name, phases=mean, gate_up_by_sm=per_sm, gate_up_includes_down=merged)
+    return dict(variant=name, phases=mean, gate_up_by_sm=per_sm)
 
 
 def _attention_timeline(name, separate) -> dict:

@@ -8,9 +8,6 @@ Math (one token, dense Llama-family layer, rounding points of the unfused GEMV p
     y3   = act @ Wd^T                                      phase 3   [H]
     h3   = y3 + h2                  (written to res3)
     qkv  = rms(h3) * in_w @ Wqkv^T (+ bias)                phase 4   [NQKV]  (the next layer's)
-With split_down, phase 2 also runs phase 3 on the act slices each program has just formed
-(the transposed down projection, summed by integer atomic adds in fixed point, the same every
-run; one barrier fewer a layer).
 The launcher returns (qkv, res3) with the next layer's weights, else (y3, res2) for the final
 norm and the lm_head. decode_layer puts the layer's attention in front as phase 0 (rotary, the
 KV-cache write and split attention, kernels/decode_attention.py's pass 1 per (kv head, split)
@@ -168,20 +165,14 @@ def _vector(ptr, K: tl.constexpr, KP: tl.constexpr, COHERENT: tl.constexpr):
 
 
 @triton.jit
-def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.constexpr, KP: tl.constexpr,
-                   FIXED: tl.constexpr = False):
-    """round(round(h * 1/rms(h)) * norm_w) for h = round(round(x) + res), as float32 [KP]; h is
-    written to res_out when WRITE (one program). Same rounding points as kernels/gemv.py's
-    prologue. FIXED: x is the split down projection's int64 fixed-point sum, rounded to the
-    residual's dtype first as the down GEMV rounds its output."""
+def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.constexpr, KP: tl.constexpr):
+    """round(round(h * 1/rms(h)) * norm_w) for h = round(x + res), as float32 [KP]; h is written
+    to res_out when WRITE (one program). Same rounding points as kernels/gemv.py's prologue."""
     kk = tl.arange(0, KP)
     mask = kk < K
-    dtype = res_ptr.dtype.element_ty
-    if FIXED:
-        x = _from_fixed(tl.load(x_ptr + kk, mask=mask, other=0, cache_modifier=".cg")).to(dtype)
-    else:
-        x = tl.load(x_ptr + kk, mask=mask, other=0.0, cache_modifier=".cg")
+    x = tl.load(x_ptr + kk, mask=mask, other=0.0, cache_modifier=".cg")
     r = tl.load(res_ptr + kk, mask=mask, other=0.0, cache_modifier=".cg")
+    dtype = x_ptr.dtype.element_ty
     h = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
     tl.store(res_out_ptr + kk, h, mask=mask & WRITE)
     hf = h.to(tl.float32)
@@ -226,57 +217,6 @@ def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: 
         u0 = u1
         g1 = g2
         u1 = u2
-
-
-@triton.jit
-def _stream_gated_down(w_ptr, wdt_ptr, x, y_ptr, pid, g0, u0, g1, u1, d0, G: tl.constexpr, INNER: tl.constexpr,
-                       K: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr):
-    """Phases 2 and 3 as one (split_down): for each of this program's gate/up tiles t it forms
-    act[t] = silu(x . gate[t]) * (x . up[t]) (rounded as _stream_gated writes it) and at once
-    adds act[t] @ down^T[t] (rows t of the transposed down projection [INNER, K]) into a float32
-    [K] partial, which goes to y (int64 [K], zeroed in phase 1) as fixed point (_to_fixed) in
-    one integer atomic add per element. Integer sums do not depend on the order the programs'
-    adds arrive in, so the result is the same every run. The down projection needs no barrier
-    of its own: its input is this program's own act slice. Gate/up tiles are kept two ahead
-    (as _stream_gated), down tiles one ahead (three weights two ahead did not fit two programs
-    an SM by registers on the H200)."""
-    dtype = w_ptr.dtype.element_ty
-    partial = tl.zeros([KP], tl.float32)
-    for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
-        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
-        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
-        d1 = _row_tile(wdt_ptr, t + G, 0, INNER, K, BLOCK_N, KP)
-        gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
-        up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        act = (activated * up).to(dtype).to(tl.float32)  # [BLOCK_N]; 0 for rows past INNER (zero tiles)
-        partial += tl.sum(d0.to(tl.float32) * act[:, None], axis=0)
-        g0 = g1
-        u0 = u1
-        g1 = g2
-        u1 = u2
-        d0 = d1
-    kk = tl.arange(0, KP)
-    tl.atomic_add(y_ptr + kk, _to_fixed(partial), mask=kk < K, sem="relaxed", scope="gpu")
-
-
-# The split down projection's sum in fixed point: int64 with FIXED_POINT_BITS fraction bits, so
-# values up to 2^(63 - FIXED_POINT_BITS) = 2^31 in magnitude (activations stay far below) at a
-# resolution of 2^-32 (2.3e-10, far under a bf16 or float16 activation's rounding; a float32 model
-# sees an absolute error of that size on each element).
-FIXED_POINT_BITS = 32
-
-
-@triton.jit
-def _to_fixed(v):
-    """float32 -> int64 fixed point (FIXED_POINT_BITS fraction bits), rounded to nearest."""
-    return tl.floor(v * 4294967296.0 + 0.5).to(tl.int64)
-
-
-@triton.jit
-def _from_fixed(v):
-    """int64 fixed point (FIXED_POINT_BITS fraction bits) -> float32."""
-    return v.to(tl.float32) * (1.0 / 4294967296.0)
 
 
 @triton.jit
@@ -385,10 +325,6 @@ def _decode_layer_tail_kernel(
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
     # arguments above name the next layer's caches; its output goes to attn_out.
     attn_out_ptr=None,
-    # split_down (0 or 1): wd_ptr is the transposed down projection [INNER, H], y3_ptr an int64
-    # fixed-point [H] sum; phase 2 also runs the down projection on its own act slices (_stream_gated_down)
-    # and phase 3 is skipped, one barrier fewer.
-    DOWN_T: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     _stamp(stamps_ptr, pid, 0, TIMING)
@@ -419,34 +355,21 @@ def _decode_layer_tail_kernel(
         else:
             x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
         _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
-        if DOWN_T:  # phase 2's programs add into y3: zero it before the barrier in front of them
-            kk = tl.arange(0, HP)
-            tl.store(y3_ptr + kk, tl.zeros([HP], tl.int64), mask=(kk < H) & (pid == 0))
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
         g0, g1 = _tiles_before(wgu_ptr, pid, 0, G, INNER, H, BN_GU, HP, EARLY_TILES)
         u0, u1 = _tiles_before(wgu_ptr, pid, INNER, G, INNER, H, BN_GU, HP, EARLY_TILES)
-        if DOWN_T:  # its first down tile (they run one ahead), before the wait unless EARLY_TILES is 0
-            if EARLY_TILES >= 1:
-                d0 = _row_tile(wd_ptr, pid, 0, INNER, H, BN_GU, HP)
-            else:
-                d0 = tl.zeros([BN_GU, HP], wd_ptr.dtype.element_ty)
         if SYNC:
             _barrier(counter_ptr, (2 - FIRST) * G, SPLIT_BARRIER)
         g0, g1 = _tiles_after(wgu_ptr, pid, 0, g0, g1, G, INNER, H, BN_GU, HP, EARLY_TILES)
         u0, u1 = _tiles_after(wgu_ptr, pid, INNER, u0, u1, G, INNER, H, BN_GU, HP, EARLY_TILES)
-        if DOWN_T and EARLY_TILES < 1:
-            d0 = _row_tile(wd_ptr, pid, 0, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        if DOWN_T:
-            _stream_gated_down(wgu_ptr, wd_ptr, x, y3_ptr, pid, g0, u0, g1, u1, d0, G, INNER, H, BN_GU, HP)
-        else:
-            _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
-    if FIRST <= 3 and LAST >= 3 and not DOWN_T:
+    if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
         w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES)
@@ -464,11 +387,11 @@ def _decode_layer_tail_kernel(
             _barrier_arrive(counter_ptr)
         w0, w1 = _tiles_before(wqkv_ptr, pid, 0, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
         if SYNC:
-            _barrier(counter_ptr, (4 - FIRST - DOWN_T) * G, SPLIT_BARRIER)
+            _barrier(counter_ptr, (4 - FIRST) * G, SPLIT_BARRIER)
         w0, w1 = _tiles_after(wqkv_ptr, pid, 0, w0, w1, G, NQKV, H, BN_QKV, HP, EARLY_TILES)
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
-        x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP, DOWN_T)
+        x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
         _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
         _stamp(stamps_ptr, pid, 9, TIMING)
     if FIRST <= 5 and LAST >= 5:
@@ -479,7 +402,7 @@ def _decode_layer_tail_kernel(
             _barrier_arrive(counter_ptr)
         if pid < HKV * SPLITS:
             if SYNC:
-                _barrier_wait(counter_ptr, (5 - FIRST - DOWN_T) * G)
+                _barrier_wait(counter_ptr, (5 - FIRST) * G)
             _stamp(stamps_ptr, pid, 10, TIMING)
             for item in range(pid, HKV * SPLITS, G):
                 _attend_item(qkv_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, attn_out_ptr,
@@ -564,7 +487,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    split_down: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -588,13 +510,6 @@ def decode_layer_tail(
     next layer's caches, split attention, each kv head's splits merged by its last split), and
     the launcher returns (attn [1, QD], residual_out): the next layer's attention output, the
     input of its own tail. One launch a layer instead of two.
-    ``split_down`` (with the next layer's weights): ``down_proj`` is given transposed, [I, H]
-    contiguous (``down_proj.t().contiguous()``, made once when the weights load). Phase 2 then
-    runs the down projection too, each program on the act slice it has just formed, summing the
-    programs' float32 partials as int64 fixed point (FIXED_POINT_BITS fraction bits) with integer
-    atomic adds: phase 3 and the barrier in front of it are gone, and the sum does not depend on
-    the order the adds arrive in (the same bits every run; not the unsplit tail's bits, whose
-    float32 sums run in another order).
     """
     attention_tensors, scale, splits = (None,) * 7, 1.0, None
     if next_attention is not None:
@@ -606,7 +521,7 @@ def decode_layer_tail(
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles, split_down=bool(split_down)),
+                            early_tiles=early_tiles),
                    timestamps)
 
 
@@ -759,7 +674,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    split_down: bool = False  # decode_layer_tail: down_proj given as [I, H]; phase 2 runs it (no phase 3)
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -789,17 +703,12 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if gate_up.shape[1] != hidden or gate_up.shape[0] % 2:
         raise ValueError(f"{op}: gate_up must be [2I, {hidden}] (= [gate; up]), got {tuple(gate_up.shape)}")
     inner = gate_up.shape[0] // 2
-    split_down = options.split_down
-    check_tensor(op, "down_proj" + (" (transposed, split_down)" if split_down else ""), down_proj,
-                 shape=(inner, hidden) if split_down else (hidden, inner), device=device, contiguous=True)
+    check_tensor(op, "down_proj", down_proj, shape=(hidden, inner), device=device, contiguous=True)
     check_same_dtype(op, first_name, first_input, residual=residual, o_proj=o_proj, post_norm=post_norm,
                      gate_up=gate_up, down_proj=down_proj)
     has_next = next_qkv is not None
     if has_next != (next_input_norm is not None) or (next_qkv_bias is not None and not has_next):
         raise ValueError(f"{op}: next_input_norm and next_qkv come together (next_qkv_bias only with them)")
-    if split_down and not has_next:
-        raise ValueError(f"{op}: split_down needs the next layer's next_input_norm and next_qkv (its phase 4 "
-                         f"rounds the float32 down-projection sum; the last layer's tail returns the GEMV's output)")
     nqkv = 1
     if has_next:
         check_tensor(op, "next_input_norm", next_input_norm, shape=(hidden,), device=device, contiguous=True)
@@ -835,11 +744,10 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
                 SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
-                DOWN_T=int(split_down), **pdl)
+                **pdl)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
-    phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1)
-                                                 if not (split_down and p == 3))
+    phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
     plan = _Plan(has_next, sync, G, phases, meta, attention)
     if sync and device.type == "cuda":
         # Compile the variant (once per plan) to read what one SM holds: PROGRAMS_PER_SM programs
@@ -931,9 +839,7 @@ def _outputs(plan: _Plan, first_input: torch.Tensor) -> tuple[torch.Tensor, ...]
     """(y1, res2, act, y3, res3, qkv[, attn, partial_out, partial_lse]); without a next layer res3
     and qkv stand in as y1 (unused); decode_layer adds its attention output and split partials."""
     device, dtype = first_input.device, first_input.dtype
-    y1, res2 = (torch.empty((1, plan.hidden), dtype=dtype, device=device) for _ in range(2))
-    # split_down: phase 2's programs sum the down projection into int64 fixed-point y3 (zeroed in phase 1).
-    y3 = torch.empty((1, plan.hidden), dtype=torch.int64 if plan.meta["DOWN_T"] else dtype, device=device)
+    y1, res2, y3 = (torch.empty((1, plan.hidden), dtype=dtype, device=device) for _ in range(3))
     act = torch.empty((1, plan.inner), dtype=dtype, device=device)
     if plan.has_next:
         tail = (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),

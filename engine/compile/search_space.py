@@ -247,8 +247,7 @@ GEMV_FUSION_NEEDS = {"fuse_gate_up_activation": ("fuse_gate_up",),
                      "fuse_norm_into_linear": ("fuse_qkv", "fuse_gate_up"),
                      "fuse_layer_tail": ("fuse_norm_into_linear", "fuse_qkv", "fuse_gate_up"),
                      "fuse_attention_into_layer": ("fuse_layer_tail", "fuse_rotary_into_attention"),
-                     "fuse_attention_into_tail": ("fuse_layer_tail", "fuse_rotary_into_attention"),
-                     "layer_tail_split_down": ("fuse_layer_tail",)}
+                     "fuse_attention_into_tail": ("fuse_layer_tail", "fuse_rotary_into_attention")}
 
 
 def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
@@ -263,8 +262,6 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
-    if recipe.get("layer_tail_split_down") and recipe.get("fuse_attention_into_layer"):
-        return "layer_tail_split_down needs fuse_attention_into_layer off (decode_layer does not split the down projection)"
     return None
 
 

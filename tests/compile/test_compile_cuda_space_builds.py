@@ -165,15 +165,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert any("at most one of them" in problem for problem in cuda_space.validate(both))
     assert not any("at most one" in problem
                    for problem in cuda_space.validate({**both, "fuse_attention_into_layer": False}))
-    # The tail's split down projection: with the tail, not with the whole-layer kernel.
-    assert "layer_tail_split_down" in cuda_space.names
-    split = {**both, "fuse_attention_into_tail": False, "layer_tail_split_down": True}
-    assert any("layer_tail_split_down needs fuse_attention_into_layer off" in problem
-               for problem in cuda_space.validate(split))
-    assert cuda_space.validate({**split, "fuse_attention_into_layer": False}) == []
-    assert any("layer_tail_split_down=true needs" in problem
-               for problem in cuda_space.validate({**split, "fuse_attention_into_layer": False,
-                                                   "fuse_layer_tail": False}))
     # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
@@ -203,7 +194,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "attention_l2_prefetch_mb" not in cpu_space.names
     assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU
     assert "fuse_norm_max_rows" not in cpu_space.names
-    assert "layer_tail_split_down" not in cpu_space.names
     # MoE: the GEMV (and its row limit) without the norm fusion (dense models only).
     moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)

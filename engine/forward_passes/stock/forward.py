@@ -53,12 +53,6 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       (kernels.decode_layer_tail; needs fuse_norm_into_linear;
                                       a launch per phase in the interpreter; larger batches keep
                                       the separate GEMVs)
-  layer_tail_split_down: bool         batch-1 decode: the layer-tail kernel runs the down projection
-                                      in its gate/up phase, each program on its own act slice,
-                                      summed by int64 fixed-point atomic adds (one grid barrier
-                                      fewer a layer; the same bits every run). Needs
-                                      fuse_layer_tail and not fuse_attention_into_layer; keeps a
-                                      transposed copy of each down_proj (its memory once more)
   fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
                                       split attention) as the first phase of the layer-tail kernel,
                                       one launch a layer (kernels.decode_layer_tail.decode_layer;
@@ -251,7 +245,6 @@ class LayerWeights:
     up_proj: torch.Tensor | None = None
     gate_up_proj: torch.Tensor | None = None
     down_proj: torch.Tensor | None = None
-    down_proj_t: torch.Tensor | None = None  # [I, H] copy for layer_tail_split_down
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
@@ -269,7 +262,7 @@ class StockForwardPass:
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
                  "gemv_max_rows", "fuse_norm_max_rows",
                  "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
-                 "fuse_attention_into_tail", "layer_tail_split_down"}
+                 "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -381,13 +374,6 @@ class StockForwardPass:
             if problem:
                 raise ValueError(f"recipe fuse_attention_into_tail: the model's {problem}")
             self._next_attention = _kernel("decode_layer_tail", "NextAttention", "fuse_attention_into_tail")
-        self._split_down = bool(self.recipe.get("layer_tail_split_down", False))
-        if self._split_down:
-            if self._layer_tail is None or self._whole_layer is not None:
-                raise ValueError("recipe layer_tail_split_down needs fuse_layer_tail: true and "
-                                 "fuse_attention_into_layer off (decode_layer does not split the down projection)")
-            for layer in self.layers:  # derived copies, made once: the kernel streams rows of down^T
-                layer.down_proj_t = layer.down_proj.t().contiguous()
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -665,11 +651,9 @@ class StockForwardPass:
             if self._next_attention is not None and nxt is not None:
                 following = self._next_attention(positions, self.cos_sin, ctx.slot_mapping, kv_cache.k[i + 1],
                                                   kv_cache.v[i + 1], ctx.block_tables, ctx.context_lens, self.scale)
-            split = self._split_down and nxt is not None  # the last layer's tail returns the GEMV's output
             out, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
-                                             layer.down_proj_t if split else layer.down_proj, eps,
-                                             nxt and nxt.input_norm, nxt and nxt.qkv_proj, nxt and nxt.qkv_bias,
-                                             next_attention=following, split_down=split)
+                                             layer.down_proj, eps, nxt and nxt.input_norm, nxt and nxt.qkv_proj,
+                                             nxt and nxt.qkv_bias, next_attention=following)
             # The next layer's attention output, or its qkv; after the last layer, its MLP output.
             o, qkv = (out, None) if following is not None else (None, out)
         x, _ = self.norm(qkv, self.final_norm, residual)
