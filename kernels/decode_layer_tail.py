@@ -487,7 +487,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -511,10 +510,6 @@ def decode_layer_tail(
     next layer's caches, split attention, each kv head's splits merged by its last split), and
     the launcher returns (attn [1, QD], residual_out): the next layer's attention output, the
     input of its own tail. One launch a layer instead of two.
-    ``out_dtype``: torch.float32 writes phase 4's output in float32, unrounded: the last layer's
-    tail given the final norm and the lm_head as its "next" norm and projection returns the
-    logits as the float32 lm_head GEMV does (one launch and one ramp fewer a step). Default:
-    the activations' dtype.
     """
     attention_tensors, scale, splits = (None,) * 7, 1.0, None
     if next_attention is not None:
@@ -526,17 +521,8 @@ def decode_layer_tail(
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles, out_float32=_out_float32(attn, out_dtype)),
+                            early_tiles=early_tiles),
                    timestamps)
-
-
-def _out_float32(first_input: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
-    if out_dtype is None or out_dtype == first_input.dtype:
-        return False
-    if out_dtype != torch.float32:
-        raise ValueError(f"decode_layer_tail: out_dtype must be torch.float32 or the activations' dtype "
-                         f"({first_input.dtype}), got {out_dtype}")
-    return True
 
 
 class NextAttention(NamedTuple):
@@ -665,7 +651,6 @@ class _Plan:
     phases: tuple[tuple[int, int], ...]
     meta: dict
     attention: dict | None  # decode_layer's phase 0 or the tail's phase 5: constexprs and strides
-    out_float32: bool = False  # phase 4's output in float32
 
     hidden = property(lambda self: self.meta["H"])
     q_dim = property(lambda self: self.meta["QD"])
@@ -689,7 +674,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    out_float32: bool = False  # decode_layer_tail: phase 4 writes float32 (the logits, given the lm_head)
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -742,9 +726,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if options.next_attention:
         attention = _next_attention_plan(op, first_input, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping,
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
-    if options.out_float32 and (not has_next or options.next_attention):
-        raise ValueError(f"{op}: out_dtype float32 is for phase 4's output (the next norm and projection given, "
-                         f"no next_attention)")
     if options.early_tiles not in (0, 1, 2):
         raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
     if sync is None:
@@ -767,7 +748,7 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
-    plan = _Plan(has_next, sync, G, phases, meta, attention, options.out_float32)
+    plan = _Plan(has_next, sync, G, phases, meta, attention)
     if sync and device.type == "cuda":
         # Compile the variant (once per plan) to read what one SM holds: PROGRAMS_PER_SM programs
         # where they fit, else one per SM; an explicit grid that cannot be resident is refused.
@@ -862,7 +843,7 @@ def _outputs(plan: _Plan, first_input: torch.Tensor) -> tuple[torch.Tensor, ...]
     act = torch.empty((1, plan.inner), dtype=dtype, device=device)
     if plan.has_next:
         tail = (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),
-                torch.empty((1, plan.nqkv), dtype=torch.float32 if plan.out_float32 else dtype, device=device))
+                torch.empty((1, plan.nqkv), dtype=dtype, device=device))
     else:
         tail = (y1, res2, act, y3, y1, y1)
     if plan.attention is None:
@@ -915,19 +896,15 @@ def _launch_counters(device: torch.device) -> torch.Tensor:
 
 
 def decode_layer_tail_ref(attn, residual, o_proj, post_norm, gate_up, down_proj, eps, next_input_norm=None,
-                          next_qkv=None, next_qkv_bias=None, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          next_qkv=None, next_qkv_bias=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused ops' references in sequence (kernels.gemv, kernels.rmsnorm): float32 math with
     the same rounding points (each projection output, the residual sums, the norm's two
-    roundings, silu(gate) and the product, in the input dtype); out_dtype float32: the last
-    projection unrounded."""
+    roundings, silu(gate) and the product, in the input dtype)."""
     x, h2 = rmsnorm_ref(gemv_ref(attn, o_proj), post_norm, eps, residual)
     y3 = gemv_ref(gemv_silu_and_mul_ref(x, gate_up), down_proj)
     if next_qkv is None:
         return y3, h2
     x, h3 = rmsnorm_ref(y3, next_input_norm, eps, h2)
-    if out_dtype == torch.float32:
-        out = x.float() @ next_qkv.float().t()
-        return (out + next_qkv_bias.float() if next_qkv_bias is not None else out), h3
     return gemv_ref(x, next_qkv, next_qkv_bias), h3
 
 

@@ -247,8 +247,7 @@ GEMV_FUSION_NEEDS = {"fuse_gate_up_activation": ("fuse_gate_up",),
                      "fuse_norm_into_linear": ("fuse_qkv", "fuse_gate_up"),
                      "fuse_layer_tail": ("fuse_norm_into_linear", "fuse_qkv", "fuse_gate_up"),
                      "fuse_attention_into_layer": ("fuse_layer_tail", "fuse_rotary_into_attention"),
-                     "fuse_attention_into_tail": ("fuse_layer_tail", "fuse_rotary_into_attention"),
-                     "lm_head_in_layer_tail": ("fuse_layer_tail",)}
+                     "fuse_attention_into_tail": ("fuse_layer_tail", "fuse_rotary_into_attention")}
 
 
 def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
@@ -263,8 +262,6 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
-    if recipe.get("lm_head_in_layer_tail") and recipe.get("fuse_attention_into_layer"):
-        return "lm_head_in_layer_tail needs fuse_attention_into_layer off (the whole-layer kernel has no lm_head phase)"
     return None
 
 

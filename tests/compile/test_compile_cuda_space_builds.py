@@ -165,15 +165,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert any("at most one of them" in problem for problem in cuda_space.validate(both))
     assert not any("at most one" in problem
                    for problem in cuda_space.validate({**both, "fuse_attention_into_layer": False}))
-    # The lm_head in the last layer's tail: with the tail, not with the whole-layer kernel.
-    assert "lm_head_in_layer_tail" in cuda_space.names
-    head = {**both, "fuse_attention_into_tail": False, "lm_head_in_layer_tail": True}
-    assert any("lm_head_in_layer_tail needs fuse_attention_into_layer off" in problem
-               for problem in cuda_space.validate(head))
-    assert cuda_space.validate({**head, "fuse_attention_into_layer": False}) == []
-    assert any("lm_head_in_layer_tail=true needs" in problem
-               for problem in cuda_space.validate({**head, "fuse_attention_into_layer": False,
-                                                   "fuse_layer_tail": False}))
     # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
@@ -203,7 +194,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "attention_l2_prefetch_mb" not in cpu_space.names
     assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU
     assert "fuse_norm_max_rows" not in cpu_space.names
-    assert "lm_head_in_layer_tail" not in cpu_space.names
     # MoE: the GEMV (and its row limit) without the norm fusion (dense models only).
     moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)

@@ -129,35 +129,6 @@ def test_layer_tail_early_tiles_only_move_loads(device):
         decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, early_tiles=3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_last_layer_tail_with_the_lm_head_writes_float32_logits(dtype, device):
-    """The last layer's tail given the final norm and the lm_head as its next norm and projection,
-    out_dtype float32: the logits as the reference computes them in float32, not rounded to the
-    activations' dtype (what the float32 lm_head GEMV writes)."""
-    if dtype == torch.bfloat16 and device.type != "cuda":
-        pytest.skip("the interpreter truncates float32 -> bf16 (test_interpreter_quirks.py); the GPU rounds to nearest")
-    attn, residual, weights, following = _layer(64, 64, 128, 300, dtype, device, False)  # 300 "vocabulary" rows
-    head = dict(next_input_norm=following["next_input_norm"], next_qkv=following["next_qkv"])
-    logits, res_out = decode_layer_tail(attn, residual, **weights, eps=1e-5, **head, out_dtype=torch.float32)
-    ref, ref_res = decode_layer_tail_ref(attn, residual, **weights, eps=1e-5, **head, out_dtype=torch.float32)
-    assert logits.dtype == torch.float32 and logits.shape == (1, 300) and res_out.dtype == dtype
-    assert_close_norm(logits, ref, dtype, "logits")
-    assert_close_norm(res_out, ref_res, dtype, "residual out")
-    if dtype != torch.float32:  # unrounded: not what a dtype output would hold
-        assert (logits - logits.to(dtype).float()).abs().max() > 0
-    same, _ = decode_layer_tail(attn, residual, **weights, eps=1e-5, **head, out_dtype=dtype)
-    assert same.dtype == dtype
-
-
-def test_layer_tail_out_dtype_errors(device):
-    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float16, device, False)
-    with pytest.raises(ValueError, match="out_dtype float32 is for phase 4's output"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, out_dtype=torch.float32)
-    with pytest.raises(ValueError, match="out_dtype must be torch.float32 or the activations' dtype"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, next_input_norm=following["next_input_norm"],
-                          next_qkv=following["next_qkv"], out_dtype=torch.bfloat16)
-
-
 # ---------------------------------------------------------------- decode_layer (attention first)
 
 def _attention_problem(context_len, hq, hkv, d, block_size, dtype, device):

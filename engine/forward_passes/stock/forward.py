@@ -53,10 +53,6 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       (kernels.decode_layer_tail; needs fuse_norm_into_linear;
                                       a launch per phase in the interpreter; larger batches keep
                                       the separate GEMVs)
-  lm_head_in_layer_tail: bool         batch-1 decode: the last layer's tail kernel also runs the
-                                      final norm and the lm_head as its last phase, writing float32
-                                      logits (one launch fewer a step; needs fuse_layer_tail and
-                                      not fuse_attention_into_layer)
   fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
                                       split attention) as the first phase of the layer-tail kernel,
                                       one launch a layer (kernels.decode_layer_tail.decode_layer;
@@ -266,7 +262,7 @@ class StockForwardPass:
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
                  "gemv_max_rows", "fuse_norm_max_rows",
                  "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
-                 "fuse_attention_into_tail", "lm_head_in_layer_tail"}
+                 "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -378,10 +374,6 @@ class StockForwardPass:
             if problem:
                 raise ValueError(f"recipe fuse_attention_into_tail: the model's {problem}")
             self._next_attention = _kernel("decode_layer_tail", "NextAttention", "fuse_attention_into_tail")
-        self._lm_head_in_tail = bool(self.recipe.get("lm_head_in_layer_tail", False))
-        if self._lm_head_in_tail and (self._layer_tail is None or self._whole_layer is not None):
-            raise ValueError("recipe lm_head_in_layer_tail needs fuse_layer_tail: true and fuse_attention_into_layer "
-                             "off (the last layer's tail kernel runs the final norm and the lm_head)")
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -659,11 +651,6 @@ class StockForwardPass:
             if self._next_attention is not None and nxt is not None:
                 following = self._next_attention(positions, self.cos_sin, ctx.slot_mapping, kv_cache.k[i + 1],
                                                   kv_cache.v[i + 1], ctx.block_tables, ctx.context_lens, self.scale)
-            if nxt is None and self._lm_head_in_tail:  # the final norm and the lm_head as the last phase
-                logits, _ = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
-                                             layer.down_proj, eps, self.final_norm, self.lm_head,
-                                             out_dtype=torch.float32)
-                return logits  # [1, V] float32, as the lm_head GEMV writes them
             out, residual = self._layer_tail(o, residual, layer.o_proj, layer.post_norm, layer.gate_up_proj,
                                              layer.down_proj, eps, nxt and nxt.input_norm, nxt and nxt.qkv_proj,
                                              nxt and nxt.qkv_bias, next_attention=following)
