@@ -15,7 +15,7 @@ Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU,
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
                                        [--pdl off,on] [--split-barrier off,on] [--grid 256,264]
-                                       [--early-tiles 0,1,2] [--static-share 1,0.75]
+                                       [--early-tiles 0,1,2]
                                        [--layer-splits 1,2,4,8 --context 256] [--phases]
 """
 
@@ -55,8 +55,6 @@ def main(argv=None) -> int:
                                                              "tile loads, wait after them")
     parser.add_argument("--early-tiles", default="2", help="of each weight's first two tiles of phases 2-4, how "
                         "many load before the barrier's wait (0, 1, 2; the rest after it)")
-    parser.add_argument("--static-share", default="1", help="shares of each phase's tiles dealt statically, the "
-                        "rest taken from a counter by free programs (decode_layer_tail's static_share), e.g. 1,0.75")
     parser.add_argument("--next-attention-splits", default="default",
                         help="split counts of the tail ending in the next layer's attention (--layer-splits), "
                              "e.g. default,1,4")
@@ -109,25 +107,23 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     totals = ([(int(g), f"{int(g)} programs") for g in args.grid.split(",")] if args.grid else
               [(int(p) * sms, f"{int(p)}/SM") for p in args.programs.split(",")])
-    grid = [(int(w), int(t), programs, label, pdl, split, int(early), float(share)) for w in args.warps.split(",")
+    grid = [(int(w), int(t), programs, label, pdl, split, int(early)) for w in args.warps.split(",")
             for t in args.tiles.split(",") for programs, label in totals for pdl in args.pdl.split(",")
-            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")
-            for share in args.static_share.split(",")]
+            for split in args.split_barrier.split(",") for early in args.early_tiles.split(",")]
     # Variants whose programs do not all fit on the SMs at once are refused by the launcher (the
     # grid barrier would wait forever) and reported as failed below.
-    for warps, tile, programs, label, pdl, split, early, share in grid:
-        name = (f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles "
-                f"{early}, static share {share:g}")
+    for warps, tile, programs, label, pdl, split, early in grid:
+        name = f"layer tail, {warps} warps, {tile}/tile, {label}, PDL {pdl}, split barrier {split}, early tiles {early}"
         os.environ["SHAPESHIFT_PDL"] = "layer_tail" if pdl == "on" else "0"
 
-        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, share=share, stamps=None):
+        def fused(warps=warps, tile=tile, programs=programs, split=split, early=early, stamps=None):
             for i, w in enumerate(layers):
                 decode_layer_tail(attn, residual, eps=1e-5, num_warps=warps, tile_elements=tile, programs=programs,
                                   split_barrier=split == "on", timestamps=None if stamps is None else stamps[i],
-                                  early_tiles=early, static_share=share, **w)
+                                  early_tiles=early, **w)
         try:
             record(name, _graph_us(fused), num_warps=warps, tile_elements=tile, programs=programs,
-                   pdl=pdl, split_barrier=split, early_tiles=early, static_share=share)
+                   pdl=pdl, split_barrier=split, early_tiles=early)
             if args.phases and pdl == "off":
                 rows.append(_phases(name, lambda stamps, fused=fused: fused(stamps=stamps)))
         except Exception as exc:  # a variant that does not compile (registers, layout): report, go on

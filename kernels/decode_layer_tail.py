@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, cdiv, check_runnable_device, check_same_dtype,
-                     check_tensor, interpreter_active, next_power_of_2, pdl_options)
+from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
+                     interpreter_active, next_power_of_2, pdl_options)
 from .decode_attention import (LOG2E, attend_split, attention_plan, decode_attention_rope_ref, merge_if_last,
                                rope_plan)
 from .gemv import gemv_ref, gemv_silu_and_mul_ref
@@ -82,10 +82,6 @@ SPLIT_BARRIER = True
 # Of each weight's first two row tiles of phases 2-4, how many load between a program's arrival at
 # the barrier in front of the phase and its wait there (the rest load after the wait).
 EARLY_TILES = 2
-# The share of each phase's row tiles dealt out statically (tile t = pid, pid + G, ...; whole
-# rounds of G, at least two); the rest are taken one at a time from a counter by whichever
-# program is free (_next_tile). 1.0: all static.
-STATIC_SHARE = 1.0
 
 
 @triton.jit
@@ -187,71 +183,40 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 
 @triton.jit
-def _next_tile(t, steal_ptr, G: tl.constexpr, TILES: tl.constexpr, STATIC: tl.constexpr):
-    """The tile a program takes after tile t: t + G while that is below STATIC (the static rounds,
-    a multiple of G), then the next unclaimed one of [STATIC, TILES) from the phase's counter
-    (steal_ptr, zero at the launch's start), TILES once none is left. STATIC 0: static only
-    (t + G, ...). Stealing the last tiles lets the programs on fast SMs take the slow ones'
-    share; every tile is still computed whole by one program, so the results are the same bits
-    whoever takes it."""
-    nxt = t + G
-    if STATIC > 0:
-        if nxt >= STATIC:
-            nxt = TILES
-            if t < TILES:
-                nxt = STATIC + tl.atomic_add(steal_ptr, 1, sem="relaxed", scope="gpu")
-    return tl.minimum(nxt, TILES)
-
-
-@triton.jit
 def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, steal_ptr=None,
-                 STATIC: tl.constexpr = 0):
-    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ... (then stolen
-    ones: _next_tile); w0 and w1 are its first two tiles (pid and pid + G, both static), loaded
-    already (before the barrier in front of this phase). Three tiles are in flight while one is
-    reduced: the one reduced and the next two."""
-    TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    t0 = pid
-    t1 = pid + G
-    while t0 < TILES:
-        t2 = _next_tile(t1, steal_ptr, G, TILES, STATIC)
-        w2 = _row_tile(w_ptr, t2, 0, N, K, BLOCK_N, KP)
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
+    are its first two tiles, loaded already (before the barrier in front of this phase). Three
+    tiles are in flight while one is reduced: the one reduced and the next two."""
+    for t in range(pid, tl.cdiv(N, BLOCK_N), G):
+        w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
         acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
-        rows = t0 * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
         w0 = w1
         w1 = w2
-        t0 = t1
-        t1 = t2
 
 
 @triton.jit
 def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KP: tl.constexpr, steal_ptr=None, STATIC: tl.constexpr = 0):
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
-    points of kernels/gemv.py's gated epilogue; tiles in flight and taken as in _stream_rows."""
+    points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
-    TILES: tl.constexpr = (INNER + BLOCK_N - 1) // BLOCK_N
-    t0 = pid
-    t1 = pid + G
-    while t0 < TILES:
-        t2 = _next_tile(t1, steal_ptr, G, TILES, STATIC)
-        g2 = _row_tile(w_ptr, t2, 0, INNER, K, BLOCK_N, KP)
-        u2 = _row_tile(w_ptr, t2, INNER, INNER, K, BLOCK_N, KP)
+    for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
+        g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
+        u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
         gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        rows = t0 * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
         g0 = g1
         u0 = u1
         g1 = g2
         u1 = u2
-        t0 = t1
-        t1 = t2
 
 
 @triton.jit
@@ -360,10 +325,6 @@ def _decode_layer_tail_kernel(
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
     # arguments above name the next layer's caches; its output goes to attn_out.
     attn_out_ptr=None,
-    # Tile stealing (_next_tile): int32 [4], phases 1-4's counters, zero at the launch's start;
-    # each phase's STATIC_* is where its stolen tiles begin (0: none stolen).
-    steal_ptr=None, STATIC_O: tl.constexpr = 0, STATIC_GU: tl.constexpr = 0, STATIC_D: tl.constexpr = 0,
-    STATIC_QKV: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     _stamp(stamps_ptr, pid, 0, TIMING)
@@ -393,7 +354,7 @@ def _decode_layer_tail_kernel(
                               HEAD_DIM)
         else:
             x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False, steal_ptr, STATIC_O)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
@@ -406,7 +367,7 @@ def _decode_layer_tail_kernel(
         u0, u1 = _tiles_after(wgu_ptr, pid, INNER, u0, u1, G, INNER, H, BN_GU, HP, EARLY_TILES)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP, steal_ptr + 1, STATIC_GU)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
@@ -419,7 +380,7 @@ def _decode_layer_tail_kernel(
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
         x = _vector(act_ptr, INNER, IP, True)
-        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False, steal_ptr + 2, STATIC_D)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
         _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
@@ -431,8 +392,7 @@ def _decode_layer_tail_kernel(
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS, steal_ptr + 3,
-                     STATIC_QKV)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
         _stamp(stamps_ptr, pid, 9, TIMING)
     if FIRST <= 5 and LAST >= 5:
         # The next layer's attention on the qkv row phase 4 wrote (NEXT_ATTENTION): one program
@@ -465,18 +425,14 @@ def _decode_layer_tail_kernel(
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
             slot = tl.arange(0, 2)
             tl.store(counter_ptr + slot, tl.zeros([2], tl.int32))
-            if STATIC_O + STATIC_GU + STATIC_D + STATIC_QKV > 0:  # and the phases' tile counters
-                phase = tl.arange(0, 4)
-                tl.store(steal_ptr + phase, tl.zeros([4], tl.int32))
 
 
 # Phase 5 (the next layer's attention) merges each kv head's splits through a counter of its own.
 MAX_NEXT_ATTENTION_KV_HEADS = 64
-# Barrier counters [arrivals, exits, phase 5's merge counters, phases 1-4's tile counters]: one set
-# per stream serves every layer (kernels on one stream never overlap); allocated at full size once,
-# so a CUDA graph keeps the address it captured.
-STEAL_SLOT = 2 + MAX_NEXT_ATTENTION_KV_HEADS
-_COUNTERS = StreamCounters(STEAL_SLOT + 4)
+# Barrier counters [arrivals, exits, phase 5's merge counters]: one set per stream serves every
+# layer (kernels on one stream never overlap); allocated at full size once, so a CUDA graph keeps
+# the address it captured.
+_COUNTERS = StreamCounters(2 + MAX_NEXT_ATTENTION_KV_HEADS)
 
 
 def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention: dict) -> int:
@@ -531,7 +487,6 @@ def decode_layer_tail(
     timestamps: torch.Tensor | None = None,
     next_attention: NextAttention | None = None,
     early_tiles: int = EARLY_TILES,
-    static_share: float = STATIC_SHARE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's layer tail (see the module doc).
 
@@ -555,10 +510,6 @@ def decode_layer_tail(
     next layer's caches, split attention, each kv head's splits merged by its last split), and
     the launcher returns (attn [1, QD], residual_out): the next layer's attention output, the
     input of its own tail. One launch a layer instead of two.
-    ``static_share`` (0-1): the share of each phase's row tiles dealt out statically, in whole
-    rounds of the grid (at least two); programs take the rest one at a time from a counter as
-    they become free, so slow SMs do fewer. Every tile is computed whole by one program: the
-    result is the same bits at any share.
     """
     attention_tensors, scale, splits = (None,) * 7, 1.0, None
     if next_attention is not None:
@@ -570,7 +521,7 @@ def decode_layer_tail(
                    _Options(programs, sync, num_warps, tile_elements, split_barrier, timestamps is not None,
                             use_pdl=pdl_options(attn.device, "layer_tail")["USE_PDL"],
                             next_attention=next_attention is not None, attention_splits=splits,
-                            early_tiles=early_tiles, static_share=float(static_share)),
+                            early_tiles=early_tiles),
                    timestamps)
 
 
@@ -682,16 +633,8 @@ def _launch(first_input, residual, o_proj, post_norm, gate_up, down_proj, eps, n
             raise ValueError("timestamps need the phases in one launch (sync): a launch per phase would overwrite "
                              "each program's kernel-start stamp")
         attention["stamps_ptr"] = timestamps
-    # Stolen tiles count through the stream's counters (zeroed by the launch's last program) in
-    # one launch, else through zeros of their own (a launch per phase resets nothing).
-    steals = any(plan.meta[name] for name in ("STATIC_O", "STATIC_GU", "STATIC_D", "STATIC_QKV"))
-    if plan.sync:
-        steal = _launch_counters(first_input.device)[STEAL_SLOT:]
-    else:
-        steal = torch.zeros(4, dtype=torch.int32, device=first_input.device) if steals else counters
     for first, final in plan.phases:
-        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention,
-                                                    steal_ptr=steal)
+        _decode_layer_tail_kernel[(plan.programs,)](*args, FIRST=first, LAST=final, **plan.meta, **attention)
     y1, res2, act, y3, res3, qkv = outputs[:6]
     if plan.next_attention:
         return outputs[6], res3
@@ -731,7 +674,6 @@ class _Options(NamedTuple):
     early_o_proj_tiles: bool = False
     next_attention: bool = False  # decode_layer_tail: phase 5 runs the next layer's attention
     early_tiles: int = EARLY_TILES
-    static_share: float = STATIC_SHARE  # decode_layer_tail: the rest of each phase's tiles are stolen
 
 
 # (argument metadata, launch options) -> _Plan, see checks.LaunchPlans.
@@ -784,8 +726,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     if options.next_attention:
         attention = _next_attention_plan(op, first_input, has_next, qd, nqkv, positions, cos_sin_cache, slot_mapping,
                                          k_cache, v_cache, block_tables, context_lens, options.attention_splits)
-    if not 0.0 <= options.static_share <= 1.0:
-        raise ValueError(f"{op}: static_share must be in [0, 1], got {options.static_share!r}")
     if options.early_tiles not in (0, 1, 2):
         raise ValueError(f"{op}: early_tiles must be 0, 1 or 2, got {options.early_tiles!r}")
     if sync is None:
@@ -805,7 +745,6 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
                 SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
                 **pdl)
-    meta.update(_static_tiles(meta, options.static_share))
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -818,37 +757,18 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                             next_qkv, next_qkv_bias, outputs, _launch_counters(device), 1e-6)
         extra = _attention_args(plan, first_input, (positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
                                                     block_tables, context_lens), outputs, 1.0)
-        extra["steal_ptr"] = _launch_counters(device)[STEAL_SLOT:]
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if timing:
             extra["stamps_ptr"] = torch.empty((G * PROGRAMS_PER_SM, STAMP_SLOTS), dtype=torch.int64, device=device)
         doubled = dict(meta, G=G * PROGRAMS_PER_SM)
-        doubled.update(_static_tiles(doubled, options.static_share))
         if programs is None and _resident_per_sm(args, doubled, phases[0], extra) >= PROGRAMS_PER_SM:
             G = G * PROGRAMS_PER_SM
-            plan = replace(plan, programs=G, meta=doubled)
+            plan = replace(plan, programs=G, meta=dict(meta, G=G))
         per_sm = _resident_per_sm(args, plan.meta, phases[0], extra)
         if G > per_sm * sms:
             raise ValueError(f"{op}: {G} programs cannot all be resident ({per_sm} per SM fit by registers x "
                              f"{sms} SMs); the grid barriers need them all at once")
     return plan
-
-
-def _static_tiles(meta: dict, share: float) -> dict:
-    """Each phase's STATIC_* constexpr for the grid meta["G"]: where its stolen tiles begin, after
-    max(2, floor(share x tiles / G)) whole static rounds (the first two tiles of every program
-    load before the phase's barrier, so they are static); 0 where those rounds cover every tile,
-    and everywhere at share 1 (the static deal t = pid, pid + G, ... to the end)."""
-    G = meta["G"]
-    if share >= 1.0:
-        return dict(STATIC_O=0, STATIC_GU=0, STATIC_D=0, STATIC_QKV=0)
-    tiles = {"STATIC_O": cdiv(meta["H"], meta["BN_O"]), "STATIC_GU": cdiv(meta["INNER"], meta["BN_GU"]),
-             "STATIC_D": cdiv(meta["H"], meta["BN_D"]), "STATIC_QKV": cdiv(meta["NQKV"], meta["BN_QKV"])}
-    static = {}
-    for name, count in tiles.items():
-        rounds = max(2, int(share * count / G))
-        static[name] = rounds * G if rounds * G < count else 0
-    return static
 
 
 def head_dim_problem(head_dim: int) -> str | None:

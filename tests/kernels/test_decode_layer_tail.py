@@ -70,42 +70,9 @@ def test_layer_tail_errors(device):
         decode_layer_tail(attn, residual.half(), **weights, eps=1e-5)
 
 
-def test_stolen_tiles_give_the_same_bits(device):
-    """Tiles taken from the phases' counters (static_share below 1) are computed whole by whoever
-    takes them: the same bits as the static deal, at any share and grid. Small tiles (256
-    elements) give every phase more tiles than two static rounds, so each phase steals."""
-    from shapeshift.kernels.decode_layer_tail import _static_tiles
-
-    attn, residual, weights, following = _layer(64, 64, 128, 96, torch.float32, device, True)
-    meta = dict(G=3, H=64, BN_O=4, INNER=128, BN_GU=2, BN_D=2, NQKV=96, BN_QKV=4)  # the tiles of tile_elements=256
-    assert all(_static_tiles(meta, 0.5).values())  # every phase steals at 3 programs
-    expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=3, tile_elements=256,
-                                 static_share=1.0)
-    for programs, share in ((3, 0.5), (3, 0.0), (2, 0.75)):
-        got = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, programs=programs,
-                                tile_elements=256, static_share=share)
-        for a, b in zip(got, expected):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"static_share must be in \[0, 1\]"):
-        decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, static_share=1.5)
-
-
-def test_static_rounds_are_whole_at_least_two_and_none_when_they_cover_every_tile():
-    from shapeshift.kernels.decode_layer_tail import _static_tiles
-
-    h200 = dict(G=264, H=2048, BN_O=4, INNER=8192, BN_GU=2, BN_D=1, NQKV=3072, BN_QKV=4)  # the 1B shape's tiles
-    # tiles: o_proj 512, gate/up 4096, down 2048, qkv 768
-    assert _static_tiles(h200, 1.0) == dict(STATIC_O=0, STATIC_GU=0, STATIC_D=0, STATIC_QKV=0)
-    assert _static_tiles(h200, 0.75) == dict(STATIC_O=0, STATIC_GU=11 * 264, STATIC_D=5 * 264, STATIC_QKV=2 * 264)
-    assert _static_tiles(h200, 0.0) == dict(STATIC_O=0, STATIC_GU=2 * 264, STATIC_D=2 * 264, STATIC_QKV=2 * 264)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="grid barriers need every program resident (CUDA)")
-@pytest.mark.parametrize("split_barrier,static_share", [(False, 1.0), (True, 1.0), (True, 0.5)])
-def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier, static_share):
-    """One launch with grid barriers equals a launch per phase bit for bit, in a graph of 16
-    launches replayed 50 times, with tiles stolen or not; every counter (the barriers' and the
-    stolen tiles') is zero after."""
+@pytest.mark.parametrize("split_barrier", [False, True])
+def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(split_barrier):
     device = torch.device("cuda")
     dtype = torch.bfloat16
     attn, residual, weights, following = _layer(2048, 2048, 8192, 3072, dtype, device, True)
@@ -113,12 +80,12 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     with torch.cuda.stream(stream):
         expected = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=False)
         first = decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                  split_barrier=split_barrier, static_share=static_share)  # warm-up
+                                  split_barrier=split_barrier)  # warm-up
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             # 16 layers' worth of launches in one graph, as a decode step has.
             outs = [decode_layer_tail(attn, residual, **weights, eps=1e-5, **following, sync=True,
-                                      split_barrier=split_barrier, static_share=static_share) for _ in range(16)]
+                                      split_barrier=split_barrier) for _ in range(16)]
     stream.synchronize()
     for got in first:
         assert not torch.isnan(got).any()
