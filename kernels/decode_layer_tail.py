@@ -191,15 +191,15 @@ def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.
     the second token's input, its outputs go to y[N + n] (each weight tile serves both)."""
     for t in range(pid, tl.cdiv(N, BLOCK_N), G):
         w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
-        wf = w0.to(tl.float32)
-        acc = tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
+        acc = tl.sum(w0.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
             acc += bias
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
         if ROWS == 2:
-            acc1 = tl.sum(wf * x1.to(tl.float32)[None, :], axis=1)
+            # The tile converted again rather than kept in float32 (registers: two programs an SM).
+            acc1 = tl.sum(w0.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
             if HAS_BIAS:
                 acc1 += bias
             tl.store(y_ptr + N + rows, acc1.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -210,10 +210,11 @@ def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.
 @triton.jit
 def _gated(g, u, x, dtype: tl.constexpr):
     """silu(x . g[n]) * (x . u[n]) as float32 [BLOCK_N], rounded as kernels/gemv.py's gated
-    epilogue rounds (g and u as float32 tiles)."""
+    epilogue rounds (g and u the weight tiles, converted here: kept in float32 across both rows
+    they would cost the registers of a second program an SM)."""
     xf = x.to(tl.float32)[None, :]
-    gate = tl.sum(g * xf, axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(u * xf, axis=1).to(dtype).to(tl.float32)
+    gate = tl.sum(g.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(u.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return activated * up
 
@@ -227,12 +228,10 @@ def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: 
     for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
         g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
         u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
-        gf = g0.to(tl.float32)
-        uf = u0.to(tl.float32)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(y_ptr + rows, _gated(gf, uf, x, dtype).to(dtype), mask=rows < INNER)
+        tl.store(y_ptr + rows, _gated(g0, u0, x, dtype).to(dtype), mask=rows < INNER)
         if ROWS == 2:
-            tl.store(y_ptr + INNER + rows, _gated(gf, uf, x1, dtype).to(dtype), mask=rows < INNER)
+            tl.store(y_ptr + INNER + rows, _gated(g0, u0, x1, dtype).to(dtype), mask=rows < INNER)
         g0 = g1
         u0 = u1
         g1 = g2
