@@ -123,47 +123,6 @@ def _row_tile(w_ptr, t, row0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _half_tile(w_ptr, t, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, C0: tl.constexpr,
-               KH: tl.constexpr):
-    """Columns [C0, C0 + KH) of row tile t of a row-major [N, K] weight, [BLOCK_N, KH] (zeros past
-    N and K): half of _row_tile's tile (KH = KP / 2)."""
-    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = C0 + tl.arange(0, KH)
-    mask = (rows < N)[:, None] & (kk < K)[None, :]
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _halves_dot(a, b, xa, xb):
-    """x . w[n] for each row n of the tile whose column halves are a and b (x's halves xa, xb)."""
-    return (tl.sum(a.to(tl.float32) * xa.to(tl.float32)[None, :], axis=1)
-            + tl.sum(b.to(tl.float32) * xb.to(tl.float32)[None, :], axis=1))
-
-
-@triton.jit
-def _stream_rows_halves(w_ptr, xa, xb, x1a, x1b, y_ptr, pid, a0, b0, a1, b1, G: tl.constexpr, N: tl.constexpr,
-                        K: tl.constexpr, BLOCK_N: tl.constexpr, KH: tl.constexpr):
-    """_stream_rows for two tokens over a wide K (the down projection): every tile and both
-    inputs in column halves, so that no whole row of them is converted to float32 at once (two
-    programs an SM by registers). Each row's sum is its two halves' sums added, a different
-    float32 order than the one-token tail's single reduction. Two tiles in flight; the inputs'
-    float32 conversions stay inside the loop (hoisted, they would hold 64 registers a thread)."""
-    for t in tl.range(pid, tl.cdiv(N, BLOCK_N), G, disable_licm=True):
-        acc = _halves_dot(a0, b0, xa, xb)
-        acc1 = _halves_dot(a0, b0, x1a, x1b)
-        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-        tl.store(y_ptr + N + rows, acc1.to(y_ptr.dtype.element_ty), mask=rows < N)
-        a2 = _half_tile(w_ptr, t + 2 * G, N, K, BLOCK_N, 0, KH)
-        b2 = _half_tile(w_ptr, t + 2 * G, N, K, BLOCK_N, KH, KH)
-        a0 = a1
-        b0 = b1
-        a1 = a2
-        b1 = b2
-
-
-@triton.jit
 def _tiles_before(w_ptr, pid, row0, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   KP: tl.constexpr, EARLY: tl.constexpr):
     """A program's first two row tiles of a phase (pid and pid + G), of which the first EARLY (0-2)
@@ -225,54 +184,35 @@ def _normed_vector(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, eps, WRITE, K: tl.co
 
 @triton.jit
 def _stream_rows(w_ptr, x, y_ptr, bias_ptr, pid, w0, w1, G: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, x1=None, ROWS: tl.constexpr = 1):
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """y[n] = x . w[n] (+ bias) for this program's row tiles t = pid, pid + G, ...; w0 and w1
     are its first two tiles, loaded already (before the barrier in front of this phase). Three
-    tiles are in flight while one is reduced: the one reduced and the next two. ROWS 2: x1 is
-    the second token's input, its outputs go to y[N + n] (each weight tile serves both)."""
+    tiles are in flight while one is reduced: the one reduced and the next two."""
     for t in range(pid, tl.cdiv(N, BLOCK_N), G):
         w2 = _row_tile(w_ptr, t + 2 * G, 0, N, K, BLOCK_N, KP)
-        acc = tl.sum(w0.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc = tl.sum(w0.to(tl.float32) * x[None, :], axis=1)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-            acc += bias
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-        if ROWS == 2:
-            # The tile converted again rather than kept in float32 (registers: two programs an SM).
-            acc1 = tl.sum(w0.to(tl.float32) * x1.to(tl.float32)[None, :], axis=1)
-            if HAS_BIAS:
-                acc1 += bias
-            tl.store(y_ptr + N + rows, acc1.to(y_ptr.dtype.element_ty), mask=rows < N)
         w0 = w1
         w1 = w2
 
 
 @triton.jit
-def _gated(g, u, x, dtype: tl.constexpr):
-    """silu(x . g[n]) * (x . u[n]) as float32 [BLOCK_N], rounded as kernels/gemv.py's gated
-    epilogue rounds (g and u the weight tiles, converted here: kept in float32 across both rows
-    they would cost the registers of a second program an SM)."""
-    xf = x.to(tl.float32)[None, :]
-    gate = tl.sum(g.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(u.to(tl.float32) * xf, axis=1).to(dtype).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return activated * up
-
-
-@triton.jit
 def _stream_gated(w_ptr, x, y_ptr, pid, g0, u0, g1, u1, G: tl.constexpr, INNER: tl.constexpr, K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KP: tl.constexpr, x1=None, ROWS: tl.constexpr = 1):
+                  BLOCK_N: tl.constexpr, KP: tl.constexpr):
     """y[n] = silu(x . gate[n]) * (x . up[n]) over [gate; up] [2 INNER, K], with the rounding
-    points of kernels/gemv.py's gated epilogue; tiles in flight and ROWS as in _stream_rows."""
+    points of kernels/gemv.py's gated epilogue; tiles in flight as in _stream_rows."""
     dtype = y_ptr.dtype.element_ty
     for t in range(pid, tl.cdiv(INNER, BLOCK_N), G):
         g2 = _row_tile(w_ptr, t + 2 * G, 0, INNER, K, BLOCK_N, KP)
         u2 = _row_tile(w_ptr, t + 2 * G, INNER, INNER, K, BLOCK_N, KP)
+        gate = tl.sum(g0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        up = tl.sum(u0.to(tl.float32) * x[None, :], axis=1).to(dtype).to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(y_ptr + rows, _gated(g0, u0, x, dtype).to(dtype), mask=rows < INNER)
-        if ROWS == 2:
-            tl.store(y_ptr + INNER + rows, _gated(g0, u0, x1, dtype).to(dtype), mask=rows < INNER)
+        tl.store(y_ptr + rows, (activated * up).to(dtype), mask=rows < INNER)
         g0 = g1
         u0 = u1
         g1 = g2
@@ -385,12 +325,8 @@ def _decode_layer_tail_kernel(
     # Phase 5, the next layer's attention (decode_layer_tail's next_attention): the attention
     # arguments above name the next layer's caches; its output goes to attn_out.
     attn_out_ptr=None,
-    # ROWS 2: two decode tokens (every activation buffer [2, width], rows contiguous); each weight
-    # tile serves both; inputs kept in the activations' dtype (exact: they were rounded to it).
-    ROWS: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
-    dtype = attn_ptr.dtype.element_ty
     _stamp(stamps_ptr, pid, 0, TIMING)
     if FIRST <= 0 and LAST >= 0:
         # A program per (kv head, split) item (the rest go straight to phase 1's first tiles);
@@ -418,11 +354,7 @@ def _decode_layer_tail_kernel(
                               HEAD_DIM)
         else:
             x = _vector(attn_ptr, QD, QDP, HAS_ATTENTION)
-        x1 = x
-        if ROWS == 2:
-            x = x.to(dtype)
-            x1 = _vector(attn_ptr + QD, QD, QDP, HAS_ATTENTION).to(dtype)
-        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False, x1, ROWS)
+        _stream_rows(wo_ptr, x, y1_ptr, y1_ptr, pid, w0, w1, G, H, QD, BN_O, QDP, False)
         _stamp(stamps_ptr, pid, 3, TIMING)
     if FIRST <= 2 and LAST >= 2:
         if SYNC and SPLIT_BARRIER:
@@ -435,39 +367,20 @@ def _decode_layer_tail_kernel(
         u0, u1 = _tiles_after(wgu_ptr, pid, INNER, u0, u1, G, INNER, H, BN_GU, HP, EARLY_TILES)
         _stamp(stamps_ptr, pid, 4, TIMING)
         x = _normed_vector(y1_ptr, res_ptr, res2_ptr, post_w_ptr, eps, pid == 0, H, HP)
-        x1 = x
-        if ROWS == 2:
-            x = x.to(dtype)
-            x1 = _normed_vector(y1_ptr + H, res_ptr + H, res2_ptr + H, post_w_ptr, eps, pid == 0, H, HP).to(dtype)
-        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP, x1, ROWS)
+        _stream_gated(wgu_ptr, x, act_ptr, pid, g0, u0, g1, u1, G, INNER, H, BN_GU, HP)
         _stamp(stamps_ptr, pid, 5, TIMING)
     if FIRST <= 3 and LAST >= 3:
         if SYNC and SPLIT_BARRIER:
             _barrier_arrive(counter_ptr)
-        if ROWS == 1:
-            w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES)
-        else:  # two tokens: column halves (_stream_rows_halves), loaded before the wait
-            a0 = _half_tile(wd_ptr, pid, H, INNER, BN_D, 0, IP // 2)
-            b0 = _half_tile(wd_ptr, pid, H, INNER, BN_D, IP // 2, IP // 2)
-            a1 = _half_tile(wd_ptr, pid + G, H, INNER, BN_D, 0, IP // 2)
-            b1 = _half_tile(wd_ptr, pid + G, H, INNER, BN_D, IP // 2, IP // 2)
+        w0, w1 = _tiles_before(wd_ptr, pid, 0, G, H, INNER, BN_D, IP, EARLY_TILES)
         if SYNC:
             _barrier(counter_ptr, (3 - FIRST) * G, SPLIT_BARRIER)
-        if ROWS == 1:
-            w0, w1 = _tiles_after(wd_ptr, pid, 0, w0, w1, G, H, INNER, BN_D, IP, EARLY_TILES)
+        w0, w1 = _tiles_after(wd_ptr, pid, 0, w0, w1, G, H, INNER, BN_D, IP, EARLY_TILES)
         if LAST == 3:
             launch_dependents(USE_PDL)  # the next kernel's programs may take their places now
         _stamp(stamps_ptr, pid, 6, TIMING)
-        if ROWS == 1:
-            x = _vector(act_ptr, INNER, IP, True)
-            _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
-        else:
-            kk = tl.arange(0, IP // 2)
-            xa = tl.load(act_ptr + kk, mask=kk < INNER, other=0.0, cache_modifier=".cg")
-            xb = tl.load(act_ptr + IP // 2 + kk, mask=IP // 2 + kk < INNER, other=0.0, cache_modifier=".cg")
-            x1a = tl.load(act_ptr + INNER + kk, mask=kk < INNER, other=0.0, cache_modifier=".cg")
-            x1b = tl.load(act_ptr + INNER + IP // 2 + kk, mask=IP // 2 + kk < INNER, other=0.0, cache_modifier=".cg")
-            _stream_rows_halves(wd_ptr, xa, xb, x1a, x1b, y3_ptr, pid, a0, b0, a1, b1, G, H, INNER, BN_D, IP // 2)
+        x = _vector(act_ptr, INNER, IP, True)
+        _stream_rows(wd_ptr, x, y3_ptr, y3_ptr, pid, w0, w1, G, H, INNER, BN_D, IP, False)
         _stamp(stamps_ptr, pid, 7, TIMING)
     if FIRST <= 4 and LAST >= 4:
         if SYNC and SPLIT_BARRIER:
@@ -479,11 +392,7 @@ def _decode_layer_tail_kernel(
         launch_dependents(USE_PDL)
         _stamp(stamps_ptr, pid, 8, TIMING)
         x = _normed_vector(y3_ptr, res2_ptr, res3_ptr, in_w_ptr, eps, pid == 0, H, HP)
-        x1 = x
-        if ROWS == 2:
-            x = x.to(dtype)
-            x1 = _normed_vector(y3_ptr + H, res2_ptr + H, res3_ptr + H, in_w_ptr, eps, pid == 0, H, HP).to(dtype)
-        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS, x1, ROWS)
+        _stream_rows(wqkv_ptr, x, qkv_ptr, bqkv_ptr, pid, w0, w1, G, NQKV, H, BN_QKV, HP, HAS_QKV_BIAS)
         _stamp(stamps_ptr, pid, 9, TIMING)
     if FIRST <= 5 and LAST >= 5:
         # The next layer's attention on the qkv row phase 4 wrote (NEXT_ATTENTION): one program
@@ -518,9 +427,6 @@ def _decode_layer_tail_kernel(
             tl.store(counter_ptr + slot, tl.zeros([2], tl.int32))
 
 
-# The most decode tokens (rows) decode_layer_tail takes: each weight tile serves every row, and two
-# rows' inputs (in the activations' dtype) still leave two programs an SM on the H200.
-MAX_ROWS = 2
 # Phase 5 (the next layer's attention) merges each kv head's splits through a counter of its own.
 MAX_NEXT_ATTENTION_KV_HEADS = 64
 # Barrier counters [arrivals, exits, phase 5's merge counters]: one set per stream serves every
@@ -784,17 +690,14 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
     first_name = "qkv" if has_attention else "attn"
     check_tensor(op, first_name, first_input, ndim=2, dtypes=FLOAT_DTYPES, contiguous=True)
     check_runnable_device(op, first_input)
-    tokens = first_input.shape[0]
-    most = 1 if (has_attention or options.next_attention) else MAX_ROWS
-    if not 1 <= tokens <= most:
-        raise ValueError(f"{op}: serves {'one token' if most == 1 else f'1 to {most} tokens'} (decode), got "
-                         f"{first_name} with {tokens} rows")
+    if first_input.shape[0] != 1:
+        raise ValueError(f"{op}: serves one token (batch-1 decode), got {first_name} with {first_input.shape[0]} rows")
     device = first_input.device
     check_tensor(op, "o_proj", o_proj, ndim=2, device=device, contiguous=True)
     hidden, qd = o_proj.shape
     if not has_attention:
         check_tensor(op, "o_proj", o_proj, shape=(hidden, first_input.shape[1]), device=device, contiguous=True)
-    check_tensor(op, "residual", residual, shape=(tokens, hidden), device=device, contiguous=True)
+    check_tensor(op, "residual", residual, shape=(1, hidden), device=device, contiguous=True)
     check_tensor(op, "post_norm", post_norm, shape=(hidden,), device=device, contiguous=True)
     check_tensor(op, "gate_up", gate_up, ndim=2, device=device, contiguous=True)
     if gate_up.shape[1] != hidden or gate_up.shape[0] % 2:
@@ -840,13 +743,8 @@ def _plan(first_input, residual, o_proj, post_norm, gate_up, down_proj, next_inp
                 IP=next_power_of_2(inner), BN_O=rows(qd), BN_GU=max(1, rows(hidden) // 2), BN_D=rows(inner),
                 BN_QKV=rows(hidden), G=G, SYNC=sync, HAS_QKV_BIAS=next_qkv_bias is not None, num_warps=num_warps,
                 EARLY_O=bool(options.early_o_proj_tiles), TIMING=bool(timing),
-                SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles), ROWS=tokens,
+                SPLIT_BARRIER=bool(options.split_barrier), EARLY_TILES=int(options.early_tiles),
                 **pdl)
-    if tokens > 1 and device.type == "cuda" and not interpreter_active():
-        # Two tokens: cap the registers at what PROGRAMS_PER_SM programs an SM leave each thread
-        # (ptxas fits the down phase's 140 into 128 without spilling, sm_90, Triton's ptxas).
-        props = torch.cuda.get_device_properties(device)
-        meta["maxnreg"] = getattr(props, "regs_per_multiprocessor", 65536) // (PROGRAMS_PER_SM * num_warps * 32)
     if timing and interpreter_active():
         raise ValueError(f"{op}: timestamps read the GPU clock (%globaltimer): CUDA only, not the interpreter")
     phases = ((first, last),) if sync else tuple((p, p) for p in range(first, last + 1))
@@ -940,12 +838,12 @@ def _attention_plan(op, qkv, qd, positions, cos_sin_cache, slot_mapping, k_cache
 def _outputs(plan: _Plan, first_input: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(y1, res2, act, y3, res3, qkv[, attn, partial_out, partial_lse]); without a next layer res3
     and qkv stand in as y1 (unused); decode_layer adds its attention output and split partials."""
-    device, dtype, tokens = first_input.device, first_input.dtype, plan.meta["ROWS"]
-    y1, res2, y3 = (torch.empty((tokens, plan.hidden), dtype=dtype, device=device) for _ in range(3))
-    act = torch.empty((tokens, plan.inner), dtype=dtype, device=device)
+    device, dtype = first_input.device, first_input.dtype
+    y1, res2, y3 = (torch.empty((1, plan.hidden), dtype=dtype, device=device) for _ in range(3))
+    act = torch.empty((1, plan.inner), dtype=dtype, device=device)
     if plan.has_next:
-        tail = (y1, res2, act, y3, torch.empty((tokens, plan.hidden), dtype=dtype, device=device),
-                torch.empty((tokens, plan.nqkv), dtype=dtype, device=device))
+        tail = (y1, res2, act, y3, torch.empty((1, plan.hidden), dtype=dtype, device=device),
+                torch.empty((1, plan.nqkv), dtype=dtype, device=device))
     else:
         tail = (y1, res2, act, y3, y1, y1)
     if plan.attention is None:

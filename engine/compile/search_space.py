@@ -228,12 +228,10 @@ KERNEL_CONFIGS_KNOB = "kernel_configs"
 # grid of each int recipe knob; its first value is the default when the stock recipe sets none
 # (for the row limits, kernels.gemv.MAX_M: the value that changes nothing)
 INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32),
-                   "gemv_max_rows": (16, 8, 4, 2, 1), "fuse_norm_max_rows": (16, 8, 4, 2, 1),
-                   "layer_tail_max_rows": (1, 2)}
+                   "gemv_max_rows": (16, 8, 4, 2, 1), "fuse_norm_max_rows": (16, 8, 4, 2, 1)}
 # row-limit knob -> (the recipe knob whose path it limits, the value that turns that path on)
 ROW_LIMIT_NEEDS = {"gemv_max_rows": ("linear_backend", "triton"),
-                   "fuse_norm_max_rows": ("fuse_norm_into_linear", True),
-                   "layer_tail_max_rows": ("fuse_layer_tail", True)}
+                   "fuse_norm_max_rows": ("fuse_norm_into_linear", True)}
 
 
 def _constraint_kernels_need_backend(recipe: Mapping[str, Any]) -> str | None:
@@ -264,10 +262,6 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
     if recipe.get("fuse_attention_into_layer") and recipe.get("fuse_attention_into_tail"):
         return ("fuse_attention_into_layer and fuse_attention_into_tail both put the attention into the layer "
                 "kernel: at most one of them")
-    if recipe.get("layer_tail_max_rows", 1) > 1 and (recipe.get("fuse_attention_into_layer")
-                                                     or recipe.get("fuse_attention_into_tail")):
-        return ("layer_tail_max_rows above 1 needs fuse_attention_into_layer and fuse_attention_into_tail off (their "
-                "attention phases serve one token)")
     return None
 
 

@@ -165,18 +165,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert any("at most one of them" in problem for problem in cuda_space.validate(both))
     assert not any("at most one" in problem
                    for problem in cuda_space.validate({**both, "fuse_attention_into_layer": False}))
-    # The layer tail's row limit: 1 (no change) or 2, with the tail and without its attention phases.
-    assert cuda_space.knob("layer_tail_max_rows").values == (1, 2)
-    assert cuda_space.default()["layer_tail_max_rows"] == 1
-    tail = {**cuda_space.default(), "linear_backend": "triton", "fuse_qkv": True, "fuse_gate_up": True,
-            "fuse_norm_into_linear": True, "fuse_layer_tail": True, "layer_tail_max_rows": 2}
-    assert cuda_space.validate(tail) == []
-    assert any("layer_tail_max_rows=2 needs fuse_layer_tail=true" in problem
-               for problem in cuda_space.validate({**tail, "fuse_layer_tail": False}))
-    assert any("layer_tail_max_rows above 1 needs" in problem
-               for problem in cuda_space.validate({**tail, "attention_backend": "triton", "rotary_backend": "triton",
-                                                   "fuse_rotary_into_attention": True,
-                                                   "fuse_attention_into_tail": True}))
     # The attention kernel's L2 prefetch is searched on CUDA only, with the Triton attention.
     assert cuda_space.default()["attention_l2_prefetch_mb"] == 0
     bad = {**cuda_space.default(), "attention_l2_prefetch_mb": 16, "attention_backend": "torch"}
@@ -206,7 +194,6 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "attention_l2_prefetch_mb" not in cpu_space.names
     assert "gemv_max_rows" not in cpu_space.names  # no Triton GEMV on the CPU
     assert "fuse_norm_max_rows" not in cpu_space.names
-    assert "layer_tail_max_rows" not in cpu_space.names
     # MoE: the GEMV (and its row limit) without the norm fusion (dense models only).
     moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
                                    stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)

@@ -53,11 +53,6 @@ Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
                                       (kernels.decode_layer_tail; needs fuse_norm_into_linear;
                                       a launch per phase in the interpreter; larger batches keep
                                       the separate GEMVs)
-  layer_tail_max_rows: int            the most decode rows (batch) the layer-tail kernel takes, 1..2
-                                      (default 1); larger batches run the separate GEMVs. 2 needs
-                                      fuse_layer_tail, not fuse_attention_into_layer or
-                                      fuse_attention_into_tail (their attention phases serve one
-                                      token)
   fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
                                       split attention) as the first phase of the layer-tail kernel,
                                       one launch a layer (kernels.decode_layer_tail.decode_layer;
@@ -267,7 +262,7 @@ class StockForwardPass:
                  "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
                  "gemv_max_rows", "fuse_norm_max_rows",
                  "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
-                 "fuse_attention_into_tail", "layer_tail_max_rows"}
+                 "fuse_attention_into_tail"}
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
@@ -379,15 +374,6 @@ class StockForwardPass:
             if problem:
                 raise ValueError(f"recipe fuse_attention_into_tail: the model's {problem}")
             self._next_attention = _kernel("decode_layer_tail", "NextAttention", "fuse_attention_into_tail")
-        # The most decode rows the layer tail takes (its attention phases serve one token).
-        self._layer_tail_rows = 1 if self._layer_tail is not None else 0
-        if self.recipe.get("layer_tail_max_rows", 1) != 1:
-            if self._layer_tail is None or self._whole_layer is not None or self._next_attention is not None:
-                raise ValueError("recipe layer_tail_max_rows above 1 needs fuse_layer_tail: true, and "
-                                 "fuse_attention_into_layer and fuse_attention_into_tail off (their attention phases "
-                                 "serve one token)")
-            self._layer_tail_rows = _row_limit(self.recipe, "layer_tail_max_rows",
-                                               _kernel("decode_layer_tail", "MAX_ROWS", "layer_tail_max_rows"))
 
     def _apply_kernel_configs(self, table: dict[str, Any]) -> None:
         """Bind each op's recipe tile config into the launcher picked above (partial(config=...))."""
@@ -608,7 +594,7 @@ class StockForwardPass:
             width = ctx.block_tables.shape[1] * kv_cache.block_size
             self._call.attn_bias = decode_attention_bias(ctx.context_lens, width, h.dtype)  # [B, 1, 1, S]
         residual = None
-        if h.shape[0] <= self._layer_tail_rows and not ctx.is_prefill:
+        if self._layer_tail is not None and h.shape[0] == 1 and not ctx.is_prefill:
             return self._decode_one_token(h, positions, cos, sin, ctx, kv_cache)
         if h.shape[0] <= self._fuse_norm_max_rows and not ctx.is_prefill:
             # Decode: every RMSNorm runs inside the GEMV that consumes it (6 launches per layer).
@@ -641,17 +627,12 @@ class StockForwardPass:
 
     def _decode_one_token(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
                           sin: torch.Tensor | None, ctx: AttentionContext, kv_cache: Any) -> torch.Tensor:
-        """Decode of 1 (up to layer_tail_max_rows) tokens with fuse_layer_tail: the first qkv
-        projection (norm prologue or the separate norm, fuse_norm_max_rows), then per
+        """Batch-1 decode with fuse_layer_tail: the first qkv projection (norm prologue), then per
         layer its attention and one persistent kernel for o_proj, the MLP and the next layer's
         qkv projection (2 launches per layer; 1 with fuse_attention_into_layer, or with
         fuse_attention_into_tail after the first layer's attention)."""
         first = self.layers[0]
-        if h.shape[0] <= self._fuse_norm_max_rows:
-            qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
-        else:  # more rows than the norm-fused GEMV takes: the separate norm
-            x, residual = self.norm(h, first.input_norm, None)
-            qkv = self.linear(x, first.qkv_proj, first.qkv_bias)
+        qkv, residual = self.norm_linear(h, None, first.input_norm, first.qkv_proj, first.qkv_bias)
         eps = self.cfg.rms_norm_eps
         o = None  # this layer's attention output, when the tail before it ran it (fuse_attention_into_tail)
         for i, layer in enumerate(self.layers):
