@@ -449,13 +449,20 @@ def _resident_per_sm(args: tuple, meta: dict, phases: tuple[int, int], attention
     if registers <= 0:  # a Triton that does not say: assume only one program per SM fits
         return 1
     props = torch.cuda.get_device_properties(device)
-    threads = meta["num_warps"] * 32
-    per_program = -(-registers // 8) * 8 * threads  # allocated in units of 8 a thread
-    per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // per_program,
-                 props.max_threads_per_multi_processor // threads)
-    shared = int(getattr(kernel.metadata, "shared", 0) or 0)
-    if shared:
-        per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // shared)
+    return programs_per_sm(registers, meta["num_warps"], int(getattr(kernel.metadata, "shared", 0) or 0),
+                           regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                           threads_per_sm=props.max_threads_per_multi_processor,
+                           shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int = 0, *, regs_per_sm: int = 65536,
+                    threads_per_sm: int = 2048, shared_per_sm: int = 228 * 1024) -> int:
+    """Programs of a compiled variant (registers a thread, warps, shared memory) one SM holds at
+    once; the defaults are an H100/H200 SM's. Registers are allocated 8 a thread at a time."""
+    threads = num_warps * 32
+    per_sm = min(regs_per_sm // (-(-registers // 8) * 8 * threads), threads_per_sm // threads)
+    if shared_bytes:
+        per_sm = min(per_sm, shared_per_sm // shared_bytes)
     return per_sm
 
 

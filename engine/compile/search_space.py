@@ -267,7 +267,8 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
 
 def _constraint_row_limits(recipe: Mapping[str, Any]) -> str | None:
     for knob, (path, on) in ROW_LIMIT_NEEDS.items():
-        rows, unlimited = recipe.get(knob, INT_KNOB_VALUES[knob][0]), INT_KNOB_VALUES[knob][0]
+        unlimited = INT_KNOB_VALUES[knob][0]
+        rows = recipe.get(knob, unlimited)
         if rows != unlimited and recipe.get(path) != on:
             return f"{knob}={rows} needs {path}={str(on).lower()} (it limits the rows of that path only)"
     return None

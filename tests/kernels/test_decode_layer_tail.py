@@ -103,6 +103,20 @@ def test_one_launch_with_barriers_equals_a_launch_per_phase_in_replayed_graphs(s
     assert_close_norm(expected[0], ref, dtype, "qkv")
 
 
+def test_programs_per_sm_counts_registers_in_eights_threads_and_shared_memory():
+    """The residency arithmetic the launcher (and the sm_90 register check) uses, on an H100/H200
+    SM: 65,536 registers allocated 8 a thread at a time, 2,048 threads, 228 KB of shared memory."""
+    from shapeshift.kernels.decode_layer_tail import programs_per_sm
+
+    assert programs_per_sm(109, 8) == 2  # the default tail: 112 x 256 x 2 <= 65,536
+    assert programs_per_sm(128, 8) == 2 and programs_per_sm(121, 8) == 2  # 121 rounds up to 128
+    assert programs_per_sm(129, 8) == 1  # 136 x 256 x 2 > 65,536
+    assert programs_per_sm(83, 16) == 1  # 88 x 512 x 2 > 65,536
+    assert programs_per_sm(16, 4) == 16  # the thread limit binds: 2,048 / 128
+    assert programs_per_sm(32, 4, 100 * 1024) == 2  # the shared-memory limit binds
+    assert programs_per_sm(109, 8, regs_per_sm=32768) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="residency is read from the compiled kernel (CUDA)")
 def test_a_grid_that_cannot_be_resident_is_refused_not_launched():
     """More programs than the SMs hold at once would leave the barrier waiting forever."""
