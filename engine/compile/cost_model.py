@@ -9,7 +9,8 @@ Data flow:
          overhead) and prefill throughput; memory footprint per GPU -> infeasible layouts pruned
       -> ranked list (best decode throughput first, prefill as tie-break)
     calibrate(measurements) fits the efficiency factors (bandwidth, FLOP/s and interconnect
-    efficiency, fixed per-step overhead) to measured steps by least squares.
+    efficiency, fixed per-step overhead, per-sequence host time) to measured steps by least
+    squares.
 
 Units: bytes, seconds, FLOP. Defaults are an H200: 4.8 TB/s nominal HBM (about 4.2-4.3 TB/s
 reached by a copy), about 790 TFLOP/s bf16 dense, NVLink 900 GB/s per GPU.
@@ -285,41 +286,82 @@ class CostModel:
     def calibrate(self, measurements: Iterable[Measurement], iterations: int = 60) -> Efficiency:
         """Fit the efficiency factors to measured steps; returns (and keeps) the fitted factors.
 
-        Minimises the sum of squared relative errors of the full model (roofline max included)
-        by a pattern search over the logarithms of the five factors: bandwidth, FLOP/s and
-        link efficiency (each at most 1), fixed step overhead and per-sequence host time.
-        Factors that no measurement depends on do not move.
+        Minimises the sum of squared relative errors of the full model (roofline max included).
+        The two host terms (fixed step overhead, per-sequence time) enter a step time linearly,
+        so for any rate factors their best non-negative values are solved exactly
+        (`_fit_host_terms`); a pattern search over the logarithms of the three rate factors
+        (bandwidth, FLOP/s and link efficiency, each at most 1) does the rest. Searching all
+        five factors by one pattern search stalled: once an additive term shrinks to a few
+        nanoseconds its log no longer moves the loss, and measured CPU steps were fitted with
+        no overhead at all (errors near 20%). Factors that no measurement depends on do not
+        move: the link factor without communication, the per-sequence time when every
+        measurement has the same sequence count.
         """
         data = [(m.layout, m.workload, m.seconds) for m in measurements]
         if not data:
             raise ValueError("calibrate() needs at least one measurement")
         if any(s <= 0 for _, _, s in data):
             raise ValueError("calibrate() needs positive measured step times")
-        names = ("bandwidth", "flops", "interconnect", "step_overhead_s", "per_sequence_s")
+        names = ("bandwidth", "flops", "interconnect")
         x = np.log(np.array([max(getattr(self.eff, n), 1e-12) for n in names]))
-        upper = np.array([0.0, 0.0, 0.0, np.inf, np.inf])  # efficiencies cannot exceed 1
+        seconds = np.array([s for _, _, s in data])
+        seqs = np.array([float(self.step_terms(layout, work)["seqs_per_replica"]) for layout, work, _ in data])
+        fixed_per_sequence = None if len(set(seqs.tolist())) > 1 else self.eff.per_sequence_s
 
-        def loss(logs: np.ndarray) -> float:
-            self.eff = Efficiency(**{n: float(np.exp(v)) for n, v in zip(names, logs)})
-            return float(sum((self.step_time(layout, work)[0] / sec - 1.0) ** 2 for layout, work, sec in data))
+        def fitted(logs: np.ndarray) -> tuple[float, Efficiency]:
+            rates = {n: float(np.exp(v)) for n, v in zip(names, logs)}
+            self.eff = dataclasses.replace(self.eff, **rates, step_overhead_s=0.0, per_sequence_s=0.0)
+            rest = np.array([self.step_time(layout, work)[0] for layout, work, _ in data])
+            overhead, per_seq = _fit_host_terms(rest, seqs, seconds, fixed_per_sequence)
+            eff = dataclasses.replace(self.eff, step_overhead_s=overhead, per_sequence_s=per_seq)
+            pred = rest + overhead + per_seq * seqs
+            return float(np.sum((pred / seconds - 1.0) ** 2)), eff
 
-        best = loss(x)
+        best, best_eff = fitted(x)
         step = 2.0
         for _ in range(iterations):
             improved = False
             for i in range(len(x)):
                 for direction in (1.0, -1.0):
                     trial = x.copy()
-                    trial[i] = min(trial[i] + direction * step, upper[i])
-                    value = loss(trial)
+                    trial[i] = min(trial[i] + direction * step, 0.0)  # efficiencies cannot exceed 1
+                    value, eff = fitted(trial)
                     if value < best - 1e-15:
-                        x, best, improved = trial, value, True
+                        x, best, best_eff, improved = trial, value, eff, True
             if not improved:
                 step /= 2
                 if step < 1e-3:
                     break
-        loss(x)  # leave the best factors in place
+        self.eff = best_eff
         return self.eff
+
+
+def _fit_host_terms(rest: np.ndarray, seqs: np.ndarray, seconds: np.ndarray,
+                    fixed_per_sequence: float | None) -> tuple[float, float]:
+    """Non-negative (step overhead, per-sequence time) minimising sum(((rest + o + p*seqs) / seconds - 1)^2).
+
+    A least-squares problem in two bounded variables: its optimum lies on one of the four faces
+    (both free, either at zero, both at zero), so each face is solved and the best feasible
+    one kept. With `fixed_per_sequence` set, only the overhead is fitted.
+    """
+    w = 1.0 / seconds
+    target = 1.0 - rest * w  # what the host terms must add, in units of each measured step
+
+    def loss(o: float, p: float) -> float:
+        return float(np.sum((o * w + p * seqs * w - target) ** 2))
+
+    def overhead_only(p: float) -> float:
+        return max(0.0, float(np.dot(w, target - p * seqs * w) / np.dot(w, w)))
+
+    if fixed_per_sequence is not None:
+        return overhead_only(fixed_per_sequence), fixed_per_sequence
+    candidates = [(0.0, 0.0), (overhead_only(0.0), 0.0)]
+    ws = seqs * w
+    candidates.append((0.0, max(0.0, float(np.dot(ws, target) / np.dot(ws, ws)))))
+    (o, p), *_ = np.linalg.lstsq(np.stack([w, ws], axis=1), target, rcond=None)
+    if o >= 0 and p >= 0:
+        candidates.append((float(o), float(p)))
+    return min(candidates, key=lambda c: loss(*c))
 
 
 def calibrate_from_forward(model_config: Any, hardware: HardwareSpec, dtype: str,

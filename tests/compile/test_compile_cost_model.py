@@ -84,6 +84,23 @@ def test_calibration_recovers_known_factors() -> None:
     assert eff.bandwidth == pytest.approx(0.7, rel=0.1)
 
 
+def test_calibration_recovers_host_dominated_steps() -> None:
+    """Steps where host time (1.2 ms fixed, 40 us a sequence) dwarfs the weight stream, as on a
+    CPU: the fit must find both host terms, not explain everything with a low bandwidth."""
+    cpu = HardwareSpec(name="cpu", hbm_bandwidth=20e9, measured_copy_bandwidth=10e9, peak_flops=50e9,
+                       hbm_bytes=24e9, interconnect_bandwidth=1e9)
+    truth = CostModel(cfg("tiny-llama"), cpu, "float32",
+                      Efficiency(bandwidth=0.3, flops=0.5, step_overhead_s=1.2e-3, per_sequence_s=40e-6))
+    measured = [Measurement(Layout(), w, truth.step_time(Layout(), w)[0])
+                for w in (Workload("decode", batch=b, context=14) for b in (1, 4, 16))]
+    model = CostModel(cfg("tiny-llama"), cpu, "float32")
+    eff = model.calibrate(measured)
+    for m in measured:
+        assert model.step_time(m.layout, m.workload)[0] == pytest.approx(m.seconds, rel=0.01)
+    assert eff.step_overhead_s == pytest.approx(1.2e-3, rel=0.1)
+    assert eff.per_sequence_s == pytest.approx(40e-6, rel=0.25)
+
+
 def test_calibration_on_measured_cpu_forward_passes() -> None:
     """Measured eager steps of tiny-llama on this CPU (no GPU here): after calibration the
     model predicts the measured step times it was fitted to within 25%."""
