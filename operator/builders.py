@@ -443,6 +443,9 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
         # it the archive stays in the pod's emptyDir and the ForwardPass is marked not durable.
         env.append({"name": "SHAPESHIFT_ARTIFACT_DIR", "value": ARTIFACT_MOUNT})
     env.extend(user_env(deployment))  # measured under the kernel switches it will serve with
+    # Which of those came from spec.engine.env: the worker records them in its ForwardPass, and
+    # rollout refuses that pass for a deployment whose spec.engine.env has changed since.
+    env.append({"name": "SHAPESHIFT_ENGINE_ENV_NAMES", "value": ",".join(e.name for e in deployment.engine.env or [])})
     for index, agent in enumerate(run.agents):
         if agent.llm is not None and agent.llm.api_key_secret_ref is not None:
             ref = agent.llm.api_key_secret_ref

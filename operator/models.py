@@ -264,7 +264,7 @@ class AdminTokenSecret(WireModel):
 RESERVED_ENV_NAMES = (
     "POD_NAME", "POD_NAMESPACE", "SHAPESHIFT_INFERENCE_DEPLOYMENT", "SHAPESHIFT_ENGINE_CONFIG",
     "SHAPESHIFT_NAMESPACE", "SHAPESHIFT_COMPILE_RUN", "SHAPESHIFT_ACCELERATOR", "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS",
-    "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR",
+    "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_ENGINE_ENV_NAMES",
 )
 RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -791,6 +791,19 @@ class ReasoningNote(WireModel):
     note: str = Field(max_length=8192, description="Why the change should help.")
 
 
+class ForwardPassEngine(WireModel):
+    """The engine settings a forward pass was measured under, beyond its recipe."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=32,
+        description="The deployment's spec.engine.env in the compile pod (kernel launch switches such as "
+                    "SHAPESHIFT_PDL); empty: none set. Rollout refuses the forward pass for a deployment "
+                    "whose spec.engine.env differs.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+
 class ForwardPassSpec(WireModel):
     """A verified champion: an entry of the registry. Immutable once created."""
 
@@ -813,6 +826,9 @@ class ForwardPassSpec(WireModel):
     metrics: ForwardPassMetrics = Field(default_factory=ForwardPassMetrics, json_schema_extra=_default_of(ForwardPassMetrics),
                                         description="Measured performance.")
     verification: VerificationReport = Field(description="Verification report.")
+    engine: ForwardPassEngine | None = Field(
+        default=None, description="Engine environment it was measured under (absent: not recorded, as for "
+                                  "forward passes published outside a cluster).")
     reasoning: list[ReasoningNote] | None = Field(default=None, max_length=64, description="The agents' reasoning.")
     parent: str | None = Field(default=None, max_length=253, description="ForwardPass this one was derived from.")
     compile_run: str | None = Field(default=None, max_length=253, description="CompileRun that produced it.")

@@ -144,7 +144,7 @@ class RolloutEnv:
                    query_timeout_seconds=drift.query_timeout_seconds)
 
 
-REJECTED = "TargetRejected"  # not verified, wrong accelerator, or not found
+REJECTED = "TargetRejected"  # not verified, wrong accelerator, other engine env, or not found
 NOT_DURABLE = "ArtifactNotDurable"  # its archive lived in its compile pod only
 REJECTION_REASONS = (REJECTED, NOT_DURABLE)
 
@@ -224,6 +224,12 @@ def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
     if accelerator != spec.hardware.accelerator:
         return Target(None, refused=name, problem=f"ForwardPass {name} is for accelerator {accelerator}, the "
                                                   f"deployment runs on {spec.hardware.accelerator}")
+    changed = engine_env_changes(fp, spec)
+    if changed:
+        return Target(None, refused=name, problem=(
+            f"ForwardPass {name} was measured with another spec.engine.env than the deployment sets now "
+            f"({'; '.join(changed)}): kernel launch switches change what is fastest. Set spec.engine.env back, "
+            "or compile again (a CompileRun) under the new one"))
     artifact = fp.get("artifact") or {}
     annotations = (forward_pass.get("metadata") or {}).get("annotations") or {}
     if annotations.get(ARTIFACT_DURABLE_ANNOTATION) == "false":
@@ -235,6 +241,25 @@ def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
             "forward passes where engine pods read them, and compile again"))
     return Target(ForwardPassIdentity(name, artifact.get("sha256"), artifact.get("uri")),
                   speedup=(fp.get("metrics") or {}).get("speedup"), traffic=fp.get("traffic"))
+
+
+def engine_env_changes(forward_pass_spec: Mapping[str, Any], spec: InferenceDeploymentSpec) -> list[str]:
+    """How the deployment's spec.engine.env differs from the one the forward pass was measured
+    under (its spec.engine.env), one line a variable; empty when equal or not recorded."""
+    recorded = (forward_pass_spec.get("engine") or {}).get("env")
+    if recorded is None:
+        return []
+    then = {e["name"]: e.get("value", "") for e in recorded}
+    now = {e.name: e.value for e in spec.engine.env or []}
+    lines = []
+    for key in sorted(then.keys() | now.keys()):
+        if key not in now:
+            lines.append(f"{key}={then[key]!r} then, unset now")
+        elif key not in then:
+            lines.append(f"{key} unset then, {now[key]!r} now")
+        elif then[key] != now[key]:
+            lines.append(f"{key}={then[key]!r} then, {now[key]!r} now")
+    return lines
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:

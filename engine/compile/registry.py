@@ -224,7 +224,10 @@ class ClusterRegistry:
         self.namespace = namespace
 
     def to_object(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
-                  annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+                  annotations: Mapping[str, str] | None = None,
+                  engine_env: list[dict[str, str]] | None = None) -> dict[str, Any]:
+        """The ForwardPass object of `entry`; `engine_env` (name/value pairs, None: unknown) is the
+        engine environment it was measured under, recorded as spec.engine.env."""
         gates = [{"name": n, "passed": bool(ok)} for n, ok in (entry.verification.get("gates") or {}).items()]
         spec: dict[str, Any] = {
             "model": {"name": entry.model, "architecture": entry.family,
@@ -244,6 +247,8 @@ class ClusterRegistry:
         }
         if entry.profile:
             spec["traffic"] = entry.profile
+        if engine_env is not None:
+            spec["engine"] = {"env": [{"name": e["name"], "value": e.get("value", "")} for e in engine_env]}
         if entry.notes:
             spec["reasoning"] = [{"agent": n.get("agent", "?")[:63], "note": n.get("note", "")[:8192]} for n in entry.notes][:64]
         if entry.parent:
@@ -264,10 +269,11 @@ class ClusterRegistry:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": metadata, "spec": spec}
 
     def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
-                annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+                annotations: Mapping[str, str] | None = None,
+                engine_env: list[dict[str, str]] | None = None) -> dict[str, Any]:
         """Create the ForwardPass. Its spec is immutable, so an existing object of the same name
         is kept when it pins the same bundle, and refused (ValueError) when it pins another."""
-        body = self.to_object(entry, artifact_uri, size_bytes, annotations)
+        body = self.to_object(entry, artifact_uri, size_bytes, annotations, engine_env)
         try:
             return self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
         except Exception as exc:  # noqa: BLE001 - 409: look at what is there

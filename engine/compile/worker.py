@@ -8,7 +8,8 @@ Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
     loop status callbacks --patch_status--> CompileRun status: trials, bestSpeedup,
       leaderboard, message (throttled; the operator owns phase, job, pod and conditions)
     champion --publish--> <sha256>.tar.gz in the artifact folder + a ForwardPass object (the
-      cluster registry) whose artifact URI names that file
+      cluster registry) whose artifact URI names that file, and whose spec.engine.env records the
+      deployment's spec.engine.env as this pod got it ($SHAPESHIFT_ENGINE_ENV_NAMES names them)
     end --finish / fail--> final status: champion name, counts, message
 
 The engine config file gives the model, dtype and context, and the engine settings the
@@ -50,6 +51,16 @@ AGENT_KINDS = {"coordinate-sweep": "sweep", "evolutionary": "evolve", "model-bas
 # engine.yaml keys (EngineConfig fields) the measuring engines take over from the deployment
 DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size")
 ARTIFACT_DURABLE_ANNOTATION = f"{GROUP}/artifact-durable"
+ENGINE_ENV_NAMES = "SHAPESHIFT_ENGINE_ENV_NAMES"  # comma-separated; set by the operator in compile pods
+
+
+def engine_env(environ: Any = os.environ) -> list[dict[str, str]] | None:
+    """The deployment's spec.engine.env as this process sees it, from the names the operator lists
+    in $SHAPESHIFT_ENGINE_ENV_NAMES; None when that variable is unset (not an operator's pod)."""
+    names = environ.get(ENGINE_ENV_NAMES)
+    if names is None:
+        return None
+    return [{"name": n, "value": environ.get(n, "")} for n in sorted({n.strip() for n in names.split(",")} - {""})]
 
 
 # CompileRun spec fields the worker does not act on yet: (section, field) -> what happens instead
@@ -283,7 +294,7 @@ class CompileRunContext:
                         "engines cannot fetch it. Set $SHAPESHIFT_ARTIFACT_DIR (or --artifact-dir) to a folder on a "
                         "volume the engine pods mount", archive)
         obj = ClusterRegistry(self.custom, self.namespace).publish(entry, self.artifact_uri, archive.stat().st_size,
-                                                                   annotations=annotations)
+                                                                   annotations=annotations, engine_env=engine_env())
         self.champion_name = obj["metadata"]["name"]
 
     def finish(self, result: Any, exported: dict[str, Any] | None) -> None:

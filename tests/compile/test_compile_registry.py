@@ -97,3 +97,20 @@ def test_cluster_object_validates_against_the_crd_model() -> None:
     assert obj["spec"]["verification"]["gates"][0] == {"name": "smoke", "passed": True}
     assert obj["spec"]["model"]["dtype"] == "float32"
     assert obj["metadata"]["labels"]["shapeshift.dev/model-signature"] == sig
+    assert "engine" not in obj["spec"]  # not recorded: published outside an operator's compile pod
+
+
+def test_cluster_object_records_the_engine_env_it_was_measured_under() -> None:
+    from shapeshift.engine.compile.worker import engine_env
+
+    environ = {"SHAPESHIFT_ENGINE_ENV_NAMES": "SHAPESHIFT_PDL, NCCL_DEBUG,", "SHAPESHIFT_PDL": "0"}
+    recorded = engine_env(environ)
+    # a listed name missing from the process environment reads as the empty value it would serve with
+    assert recorded == [{"name": "NCCL_DEBUG", "value": ""}, {"name": "SHAPESHIFT_PDL", "value": "0"}]
+    assert engine_env({}) is None and engine_env({"SHAPESHIFT_ENGINE_ENV_NAMES": ""}) == []
+    e = entry("tiny/chat", model_signature(cfg("tiny-llama")), digest="b" * 64)
+    e.verification = {"passed": True, "gates": {"smoke": True}}
+    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///b.tar.gz", engine_env=recorded)
+    assert obj["spec"]["engine"] == {"env": recorded}
+    empty = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///b.tar.gz", engine_env=[])
+    assert empty["spec"]["engine"] == {"env": []}

@@ -71,7 +71,7 @@ def worker(crds, namespace, tmp_path, monkeypatch):
         "spec": {"deploymentRef": {"name": "llama"}, "budget": {"trials": 4},
                  "verification": {"greedySteps": 8, "freshPrompts": 2}}})
     kubeconfig = worker_kubeconfig(crds, namespace, "run-1", tmp_path)
-    for name in ("SHAPESHIFT_ENGINE_CONFIG", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR"):
+    for name in ("SHAPESHIFT_ENGINE_CONFIG", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_ENGINE_ENV_NAMES"):
         monkeypatch.delenv(name, raising=False)
     return CompileRunContext.connect(f"{namespace}/run-1", str(kubeconfig))
 
@@ -108,7 +108,8 @@ def test_worker_takes_engine_fields_verification_and_artifact_folder(worker, tmp
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("shared", [True, False])
-def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds, namespace, tmp_path, shared) -> None:
+def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds, namespace, tmp_path, shared,
+                                                                  monkeypatch) -> None:
     import shutil
 
     from shapeshift.engine.bundle import create_bundle
@@ -120,6 +121,9 @@ def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds,
     create_bundle(source, {}, bundle, name="champion")
     digest = verify_bundle(bundle).digest
     worker.artifact_dir = str(tmp_path / "shared") if shared else None
+    if shared:  # as in an operator's compile pod: the deployment's spec.engine.env, and their names
+        monkeypatch.setenv("SHAPESHIFT_ENGINE_ENV_NAMES", "SHAPESHIFT_PDL")
+        monkeypatch.setenv("SHAPESHIFT_PDL", "0")
     worker.publish(_entry(digest), bundle)
 
     fp = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", worker.champion_name)
@@ -131,6 +135,8 @@ def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds,
     assert _archive_digest(path, tmp_path / "unpacked") == digest
     assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == ("true" if shared else "false")
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".partial-")]
+    # the engine env it was measured under, accepted by the API server's schema (absent: not recorded)
+    assert fp["spec"].get("engine") == ({"env": [{"name": "SHAPESHIFT_PDL", "value": "0"}]} if shared else None)
 
 
 @pytest.mark.cluster

@@ -210,7 +210,12 @@ def test_engine_env_reaches_the_engine_and_compile_pods_and_rolls_the_engine():
     (c,) = d["spec"]["template"]["spec"]["containers"]
     assert c["env"][-2:] == switches
     job = builders.build_compile_job(RUN, run_spec(), with_env)
-    assert job["spec"]["template"]["spec"]["containers"][0]["env"][-2:] == switches
+    job_env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert job_env[-3:-1] == switches
+    # the worker records these names' values in its ForwardPass (spec.engine.env)
+    assert job_env[-1] == {"name": "SHAPESHIFT_ENGINE_ENV_NAMES", "value": "SHAPESHIFT_PDL,NCCL_DEBUG"}
+    plain_job = builders.build_compile_job(RUN, run_spec(), spec())
+    assert {"name": "SHAPESHIFT_ENGINE_ENV_NAMES", "value": ""} in plain_job["spec"]["template"]["spec"]["containers"][0]["env"]
     plain = builders.build_engine_deployment(IDEP, spec())
     assert builders.spec_hash(plain) != builders.spec_hash(d)
     assert not {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]} & {"SHAPESHIFT_PDL"}

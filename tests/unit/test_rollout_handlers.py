@@ -42,10 +42,34 @@ def forward_pass(passed=True, accelerator="cpu", sha="b" * 64):
         "traffic": {"name": "chat"}, "verification": {"passed": passed}}}
 
 
+def measured_under(env):
+    fp = forward_pass()
+    fp["spec"]["engine"] = {"env": env}
+    return fp
+
+
 def pod(name, ready=True, annotations=None):
     return {"metadata": {"name": name, "annotations": annotations or {}},
             "spec": {"nodeName": "cpu-0"},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_target_measured_under_another_engine_env_is_refused():
+    pdl_off = [{"name": "SHAPESHIFT_PDL", "value": "0"}]
+    # recorded and equal (order and the empty-value default do not matter)
+    same = resolve_target("fp-2", measured_under(pdl_off), spec(engine={"env": pdl_off}))
+    assert same.identity == FAST and same.problem is None
+    assert resolve_target("fp-2", measured_under([]), spec()).identity == FAST
+    # not recorded (published outside a cluster): no refusal on that ground
+    assert resolve_target("fp-2", forward_pass(), spec(engine={"env": pdl_off})).identity == FAST
+    changed = resolve_target("fp-2", measured_under(pdl_off), spec(engine={"env": [{"name": "SHAPESHIFT_PDL",
+                                                                                    "value": "layer_tail"}]}))
+    assert changed.identity is None and changed.refused == "fp-2" and changed.reason == "TargetRejected"
+    assert "SHAPESHIFT_PDL='0' then, 'layer_tail' now" in changed.problem and "CompileRun" in changed.problem
+    dropped = resolve_target("fp-2", measured_under(pdl_off), spec())
+    assert "SHAPESHIFT_PDL='0' then, unset now" in dropped.problem
+    added = resolve_target("fp-2", measured_under([]), spec(engine={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}))
+    assert "NCCL_DEBUG unset then, 'WARN' now" in added.problem
 
 
 def test_settings_come_from_the_spec():
