@@ -268,6 +268,8 @@ RESERVED_ENV_NAMES = (
 )
 RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_ENV_VARS = 32
+ENV_LIST_SCHEMA = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}  # keyed by name
 
 
 class EnvVar(WireModel):
@@ -329,11 +331,11 @@ class EngineSettings(WireModel):
     )
     env: list[EnvVar] | None = Field(
         default=None,
-        max_length=32,
+        max_length=MAX_ENV_VARS,
         description="Extra environment variables of the engine and compile containers, e.g. SHAPESHIFT_PDL=0 "
                     "(kernel launch switches; compile pods get them too, so candidates are measured as they "
                     "will serve). Changing them rolls the engine pods.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        json_schema_extra=ENV_LIST_SCHEMA,
     )
 
     @model_validator(mode="after")
@@ -796,11 +798,11 @@ class ForwardPassEngine(WireModel):
 
     env: list[EnvVar] = Field(
         default_factory=list,
-        max_length=32,
+        max_length=MAX_ENV_VARS,
         description="The deployment's spec.engine.env in the compile pod (kernel launch switches such as "
                     "SHAPESHIFT_PDL); empty: none set. Rollout refuses the forward pass for a deployment "
                     "whose spec.engine.env differs.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        json_schema_extra=ENV_LIST_SCHEMA,
     )
 
 
