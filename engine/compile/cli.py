@@ -17,6 +17,7 @@ resumes from the board.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
@@ -147,6 +148,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def _check_rebuilt(evaluator: Any, cand: Any) -> None:
+    """Warn when the pass to beat, rebuilt here from its source and recipe, is not the bundle that
+    was published (another engine version's stock folder, or knobs this search space lacks):
+    the run then compares with the rebuilt pass."""
+    from ..bundle import verify_bundle
+
+    rebuilt = verify_bundle(evaluator.materialize(cand)).digest
+    expected = cand.extra.get("sha256")
+    if expected and rebuilt != expected:
+        log.warning("the pass to beat (%s) rebuilt here has digest %s, not the published %s; comparing with "
+                    "the rebuilt pass", cand.note, rebuilt[:12], expected[:12])
+
+
 def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     from .agents import make_agents
     from .board import Board, format_leaderboard
@@ -206,10 +220,17 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     if not args.no_recipe_seeds:
         seeds.extend(recipe_seeds(space))
 
+    pass_to_beat = None
+    if run_ref is not None:
+        pass_to_beat = run_ref.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts")
+    if pass_to_beat is not None:
+        pass_to_beat = dataclasses.replace(pass_to_beat, recipe=project_recipe(pass_to_beat.recipe, space))
+        _check_rebuilt(evaluator, pass_to_beat)
+
     on_status = run_ref.patch_status if run_ref is not None else None
     loop = CompileLoop(evaluator, space, board, agents, budget,
                        LoopConfig(seed=args.seed, deterministic=args.deterministic,
-                                  min_speedup=args.min_speedup or 1.0), on_status, seeds)
+                                  min_speedup=args.min_speedup or 1.0), on_status, seeds, pass_to_beat)
     result = loop.run()
 
     context = {"command": ["shapeshift", "compile", *args.argv], "commit": _git_commit(),

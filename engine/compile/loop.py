@@ -12,6 +12,9 @@ Data flow:
     every few trials the incumbent is re-screened (the machine's load drifts)
     budget (trials, wall clock) spent -> stop agents -> final paired comparison of the
       incumbent with the stock pass (the reported speedup; within noise -> nothing published)
+      -> with a pass to beat (the deployment's active forward pass, measured first like a
+         seed): a paired comparison with it too; not faster by min_speedup beyond the noise,
+         or the pass itself -> nothing published
       -> champion bundle + report (JSON, markdown)
     every trial -> progress log line (trials, best speedup, ETA, agents' states) and the
       status callback
@@ -30,6 +33,7 @@ it is the same; later rounds depend on measured results (timings are never exact
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import queue
@@ -121,7 +125,9 @@ class CompileResult:
 class CompileLoop:
     def __init__(self, evaluator: Evaluator, space: SearchSpace, board: Board, agents: list[Agent],
                  budget: Budget, config: LoopConfig | None = None, on_status: StatusCallback | None = None,
-                 seed_candidates: list[Candidate] | None = None):
+                 seed_candidates: list[Candidate] | None = None, pass_to_beat: Candidate | None = None):
+        """`pass_to_beat`: a forward pass already serving (e.g. the deployment's active one) that a
+        champion must beat besides the stock pass; it is measured first, as a seed."""
         self.evaluator = evaluator
         self.space = space
         self.board = board
@@ -130,6 +136,11 @@ class CompileLoop:
         self.config = config or LoopConfig()
         self.on_status = on_status
         self.seed_candidates = list(seed_candidates or [])
+        # completed as submit() completes every candidate, so its digest is the one on the board
+        self.pass_to_beat = None if pass_to_beat is None else dataclasses.replace(
+            pass_to_beat, recipe=space.complete(pass_to_beat.recipe), agent=pass_to_beat.agent or "pass-to-beat")
+        if self.pass_to_beat is not None:
+            self.seed_candidates.insert(0, self.pass_to_beat)
         self.experiments: queue.Queue[Candidate] = queue.Queue(maxsize=max(1, self.config.queue_size))
         self.pending: collections.deque[tuple[Candidate, str | None]] = collections.deque()  # (cand, trial id)
         self.stop = threading.Event()
@@ -417,6 +428,33 @@ class CompileLoop:
                         f"(95% bounds {low:.3f}..{high:.3f})", final=True, gain=gain, low=low, high=high)
         return gain
 
+    def _loses_to_pass_to_beat(self, champion: Candidate) -> str | None:
+        """Champion against the pass to beat, alternated in one window: why it is withdrawn
+        (not faster by min_speedup beyond the noise, or a failed measurement), else None."""
+        rival = self.pass_to_beat
+        assert rival is not None
+        compare = getattr(self.evaluator, "compare_final", None) or getattr(self.evaluator, "compare", None)
+        tid = self._trial_id(champion) + "-final-vs-pass"
+        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final-vs-pass")
+        if callable(compare):
+            champ_m, rival_m = compare(champion, rival)
+        else:
+            champ_m, rival_m = self.evaluator.confirm(champion), self.evaluator.confirm(rival)
+        self._record(rival, tid + "-pass", FULL, rival_m, None, role="final-pass")
+        self._record(champion, tid, FULL, champ_m, rival_m, role="final-vs-pass")
+        if not (champ_m.ok and rival_m.ok):
+            return f"the comparison with the pass to beat failed ({champ_m.error or rival_m.error})"
+        paired = callable(compare) and len(champ_m.samples) == len(rival_m.samples)
+        won = (beats_paired(champ_m, rival_m, self.config.min_speedup - 1) if paired
+               else beats(champ_m, rival_m) and champ_m.mean >= rival_m.mean * self.config.min_speedup)
+        gain, low, high = paired_gain(champ_m, rival_m) if paired else (champ_m.mean / rival_m.mean,) * 3
+        self.board.note("loop", f"final: champion {champion.short} vs the pass to beat ({rival.note}), speed ratio "
+                        f"{gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final_vs_pass=True, gain=gain, won=won)
+        if won:
+            return None
+        return (f"not faster than the pass to beat beyond the noise (speed ratio {gain:.3f}, "
+                f"95% bounds {low:.3f}..{high:.3f}, needs {self.config.min_speedup:.3f})")
+
     # ------------------------------------------------------------------ agents
     def _start_agents(self) -> None:
         if self.config.deterministic:
@@ -571,6 +609,11 @@ class CompileLoop:
         assert self.incumbent is not None and self.baseline_fast is not None
         champion = None if self.incumbent.candidate.agent == "baseline" else self.incumbent.candidate
         speedup = None
+        if champion is not None and self.pass_to_beat is not None and champion.digest == self.pass_to_beat.digest:
+            self.board.note("loop", f"the pass to beat ({self.pass_to_beat.note}) is still the best: nothing new "
+                            "to publish", withdrawn=True)
+            stop_reason = (stop_reason + "; " if stop_reason else "") + "the pass to beat is still the best"
+            champion = None
         if champion is not None:
             speedup = self._final_comparison(champion)
             if self.final is not None and not beats_paired(*self.final):
@@ -580,6 +623,11 @@ class CompileLoop:
                 self.board.note("loop", f"champion {champion.short} withdrawn: against the stock pass its paired "
                                 f"speed ratio is {gain:.3f} ({low:.3f}..{high:.3f}), within the noise", withdrawn=True)
                 stop_reason = (stop_reason + "; " if stop_reason else "") + "final comparison with the stock pass within noise"
+                champion, speedup = None, None
+        if champion is not None and self.pass_to_beat is not None:
+            why = self._loses_to_pass_to_beat(champion)
+            if why:
+                stop_reason = (stop_reason + "; " if stop_reason else "") + why
                 champion, speedup = None, None
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,

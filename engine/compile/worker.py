@@ -5,6 +5,9 @@ Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
       + $SHAPESHIFT_ENGINE_CONFIG (the deployment's engine.yaml: model, dtype, context)
       + $SHAPESHIFT_AGENT_<i>_API_KEY (LLM keys the kubelet took from Secrets)
       --apply_to_args--> the CLI's settings (model, profile, budget, agents, tiers, baseline)
+    spec.baseline.forwardPass, else the deployment's status.activeForwardPass
+      --pass_to_beat--> that ForwardPass's bundle (fetched, sha256 checked) as a candidate the
+      champion must beat besides the stock pass (compile/pass_to_beat.py)
     loop status callbacks --patch_status--> CompileRun status: trials, bestSpeedup,
       leaderboard, message (throttled; the operator owns phase, job, pod and conditions)
     champion --publish--> <sha256>.tar.gz in the artifact folder + a ForwardPass object (the
@@ -69,7 +72,6 @@ _NOT_ACTED_ON = {
     ("tiers", "full"): "every candidate is confirmed on the full tier",
     ("verification", "logprob_tolerance"): "the gates use their own tolerances",
     ("verification", "kv_contamination"): "the KV-contamination gates always run",
-    ("baseline", "forward_pass"): "the baseline is the stock forward pass",
     ("agents", "replicas"): "one instance per agent kind",
 }
 
@@ -78,10 +80,10 @@ def unhonored_fields(spec: dict[str, Any]) -> list[str]:
     """CompileRun spec fields set away from their CRD defaults that this worker does not act
     on (each named with the value given), so a user who set one hears that it had no effect.
     The defaults are the CompileRun models' own."""
-    from shapeshift.operator.models import AgentSpec, BaselineSpec, TierSpec, VerificationSpec
+    from shapeshift.operator.models import AgentSpec, TierSpec, VerificationSpec
 
-    models = {"tiers": TierSpec, "verification": VerificationSpec, "baseline": BaselineSpec, "agents": AgentSpec}
-    sections = {name: [spec.get(name) or {}] for name in ("tiers", "verification", "baseline")}
+    models = {"tiers": TierSpec, "verification": VerificationSpec, "agents": AgentSpec}
+    sections = {name: [spec.get(name) or {}] for name in ("tiers", "verification")}
     sections["agents"] = list(spec.get("agents") or [])
     out = []
     for (section, name), instead in _NOT_ACTED_ON.items():
@@ -121,6 +123,7 @@ class CompileRunContext:
         self.artifact_durable = False
         self.artifact_dir: str | None = None
         self.counts = {"total": 0, "improved": 0, "rejected": 0, "failed": 0}
+        self.pass_to_beat_name: str | None = None
 
     @classmethod
     def connect(cls, ref: str, kubeconfig: str | None = None) -> "CompileRunContext":
@@ -154,6 +157,36 @@ class CompileRunContext:
             raise ValueError("spec.traffic.prometheus: the deployment has no observed traffic in its status yet; "
                              "give spec.traffic.builtin or spec.traffic.inline")
         return builtin_profile("chat")
+
+    def pass_to_beat(self, stock_source: str, cache_dir: Path) -> Any:
+        """The forward pass the champion must beat besides the stock pass, as a Candidate: the
+        run's spec.baseline.forwardPass, else the deployment's active one (None: only stock).
+
+        A named one that cannot be read fails the run (ValueError): its comparison was asked
+        for. The active one is best effort: when it cannot be read the run compares with the
+        stock pass alone and says so in its log."""
+        from .pass_to_beat import from_forward_pass
+
+        named = (self.spec.get("baseline") or {}).get("forwardPass")
+        name = named
+        if not name:
+            status = (self._deployment() or {}).get("status") or {}
+            name = (status.get("activeForwardPass") or {}).get("name")
+        if not name or name == "stock":
+            return None
+        where = "spec.baseline.forwardPass" if named else "the deployment's active forward pass"
+        try:
+            obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "forwardpasses", name)
+            cand = from_forward_pass(obj, stock_source, cache_dir)
+        except Exception as exc:  # noqa: BLE001 - not found, forbidden, unreadable artifact, bad bundle
+            detail = f"ForwardPass {self.namespace}/{name} ({where}) cannot be compared with: {_reason(exc)}"
+            if named:
+                raise ValueError(detail) from exc
+            log.warning("%s; comparing with the stock forward pass only", detail)
+            return None
+        self.pass_to_beat_name = name
+        log.info("the champion must beat %s (%s) besides the stock forward pass", name, where)
+        return cand
 
     def apply_to_args(self, args: argparse.Namespace) -> None:
         """Fill the CLI settings from the run (explicit command-line values win)."""
@@ -299,7 +332,8 @@ class CompileRunContext:
 
     def finish(self, result: Any, exported: dict[str, Any] | None) -> None:
         if result.champion is None:
-            message = f"no verified improvement over the stock forward pass ({result.stop_reason})"
+            beaten = f" and ForwardPass {self.pass_to_beat_name}" if self.pass_to_beat_name else ""
+            message = f"no verified improvement over the stock forward pass{beaten} ({result.stop_reason})"
         else:
             message = (f"champion {self.champion_name or result.champion.digest[:12]}: {result.speedup:.3f}x the "
                        f"stock pass, verified ({result.stop_reason})")
@@ -326,3 +360,9 @@ class CompileRunContext:
         except Exception as exc:  # noqa: BLE001 - seeding is optional
             log.warning("reading ForwardPass champions failed: %s", exc)
             return []
+
+
+def _reason(exc: Exception) -> str:
+    """An API error as "404 Not Found", anything else as its message."""
+    status = getattr(exc, "status", None)
+    return f"{status} {getattr(exc, 'reason', '')}".strip() if status else str(exc)

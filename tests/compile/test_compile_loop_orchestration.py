@@ -140,6 +140,47 @@ def test_never_accepts_within_noise(tmp_path: Path) -> None:
     assert not [c for c in ev.calls if c[0] == "verify"]  # verification only for confirmed winners
 
 
+def run_with_pass_to_beat(tmp_path, speed, items, **kw):
+    board = Board(tmp_path / "board.jsonl")
+    sp = space()
+    ev = FakeEvaluatorForOrchestrationTests(speed, **kw)
+    active = Candidate({"variant": "fast"}, agent="pass-to-beat", note="ForwardPass fp-1")
+    loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, items)], Budget(max_trials=10),
+                       LoopConfig(deterministic=True), pass_to_beat=active)
+    return loop.run(), board, ev
+
+
+def test_a_champion_must_also_beat_the_pass_to_beat(tmp_path: Path) -> None:
+    # faster than the active pass: published, its speedup still quoted against the stock pass
+    result, board, ev = run_with_pass_to_beat(tmp_path / "a", {"stock": 100, "fast": 130, "faster": 160}, ["faster"])
+    assert result.champion is not None and result.champion.recipe["variant"] == "faster"
+    assert 1.55 < result.speedup < 1.65
+    assert [k for op, k in ev.calls if op == "screen" and k != "stock"][0] == "fast"  # the pass first
+    roles = [r.get("role") for r in board.entries("result")]
+    assert "final-vs-pass" in roles and "final-pass" in roles
+    # measured first, like a seed: the pass to beat becomes the incumbent the search must beat
+    assert board.entries("incumbent")[0]["digest"] == Candidate({"variant": "fast"}).digest
+
+    # nothing beats it: the active pass is still the best, nothing new is published
+    result, board, ev = run_with_pass_to_beat(tmp_path / "b", {"stock": 100, "fast": 130, "same": 130.2}, ["same"])
+    assert result.champion is None and result.speedup is None
+    assert "the pass to beat is still the best" in result.stop_reason
+
+    # the pass could not become the incumbent (here it fails verification, as a pass verified
+    # under an older engine might), so the search's
+    # champion beat only the stock pass; the final comparison with the pass withdraws it
+    result, board, ev = run_with_pass_to_beat(tmp_path / "c", {"stock": 100, "fast": 130, "same": 130.2}, ["same"],
+                                              fails_verification={"fast"})
+    assert result.champion is None
+    assert "not faster than the pass to beat beyond the noise" in result.stop_reason
+    assert any(n.get("final_vs_pass") and not n["won"] for n in board.entries("note"))
+
+    # without a pass to beat the same search publishes that champion
+    result, _, _, _ = run_loop(tmp_path / "d", {"stock": 100, "fast": 130, "same": 130.2}, ["same"],
+                            fails_verification={"fast"})
+    assert result.champion is not None and result.champion.recipe["variant"] == "same"
+
+
 def test_crashing_candidate_is_a_failed_trial_and_the_run_goes_on(tmp_path: Path) -> None:
     result, board, ev, _ = run_loop(tmp_path, {"stock": 100, "fast": 150}, ["crash", "fast"], crashes={"crash"})
     failed = [r for r in board.entries("result") if r["status"] == "failed"]

@@ -169,5 +169,5 @@ def test_fields_the_worker_does_not_act_on_are_named():
                                                                          "kvContamination": False},
                               "baseline": {"forwardPass": "fp-1"}, "agents": [{"kind": "evolutionary", "replicas": 3}]})
     assert [n.split(" ", 1)[0] for n in notes] == ["tiers.full=false", "verification.logprobTolerance=0.2",
-                                                   "verification.kvContamination=false", "baseline.forwardPass=fp-1",
-                                                   "agents[0].replicas=3"]
+                                                   "verification.kvContamination=false", "agents[0].replicas=3"]
+    # acted on now: the pass a champion must beat besides the stock pass (test_compile_pass_to_beat.py)
