@@ -208,6 +208,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device == "neuron":  # what the operator passes on Trainium pools
+            raise ValueError("EngineConfig.device 'neuron' (AWS Trainium): this engine has no Neuron backend; "
+                             "serve on a GPU or CPU pool (spec.hardware.accelerator)")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "decode_steps"):

@@ -174,7 +174,8 @@ def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": _model_arg(spec),
         "dtype": e.dtype,
-        "device": acc.device if acc.device in ("cuda", "cpu") else None,
+        # "neuron" on Trainium: the engine refuses it by name rather than fall back to the host CPU
+        "device": acc.device,
         "max_num_seqs": e.max_batch_size,
         "max_model_len": e.max_model_len,
         "block_size": e.kv_block_size,

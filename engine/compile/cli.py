@@ -135,12 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .worker import CompileRunContext
 
         run_ref = CompileRunContext.connect(args.compile_run, args.kubeconfig)
-        run_ref.apply_to_args(args)
-    args.model = args.model or "tiny-llama"
-    args.profile = args.profile if args.profile is not None else "chat"
-    args.agents = args.agents or DEFAULT_AGENTS
-    args.out = args.out or "shapeshift-compile-out"
     try:
+        if run_ref is not None:
+            run_ref.apply_to_args(args)  # a run it cannot be read into is reported on the CompileRun too
+        args.model = args.model or "tiny-llama"
+        args.profile = args.profile if args.profile is not None else "chat"
+        args.agents = args.agents or DEFAULT_AGENTS
+        args.out = args.out or "shapeshift-compile-out"
         return run(args, run_ref)
     except Exception as exc:
         if run_ref is not None:

@@ -76,6 +76,26 @@ _NOT_ACTED_ON = {
 }
 
 
+def device_for_accelerator(accelerator: str, cuda_available: bool) -> str:
+    """The torch device a compile pod on an `accelerator` pool measures on ($SHAPESHIFT_ACCELERATOR).
+
+    Refuses (ValueError) what would be measured on the wrong chip and published as if not: a GPU
+    pool without a visible CUDA device, and Trainium, which this engine has no backend for (its
+    host CPU would be measured instead)."""
+    if accelerator == "cpu":
+        return "cpu"
+    if accelerator.startswith("nvidia-"):
+        if not cuda_available:
+            raise ValueError(f"the compile pod runs on the {accelerator} pool but torch sees no CUDA device (does "
+                             "the node's device plugin give the pod its GPU, and is the image's torch a CUDA "
+                             "build?); not measuring on the CPU in its place")
+        return "cuda"
+    if accelerator == "trainium2":
+        raise ValueError("trainium2: this engine has no Neuron backend, so a compile pod on that pool could only "
+                         "measure the host CPU; set the CompileRun's spec.hardware to a GPU or CPU pool")
+    raise ValueError(f"unknown accelerator {accelerator!r} in $SHAPESHIFT_ACCELERATOR")
+
+
 def unhonored_fields(spec: dict[str, Any]) -> list[str]:
     """CompileRun spec fields set away from their CRD defaults that this worker does not act
     on (each named with the value given), so a user who set one hears that it had no effect.
@@ -255,6 +275,11 @@ class CompileRunContext:
         if args.out_given is None and work:
             args.out = str(Path(work) / self.name)
         self.artifact_dir = args.artifact_dir = args.artifact_dir or os.environ.get("SHAPESHIFT_ARTIFACT_DIR") or None
+        accelerator = os.environ.get("SHAPESHIFT_ACCELERATOR")
+        if args.device is None and accelerator:
+            import torch
+
+            args.device = device_for_accelerator(accelerator, torch.cuda.is_available())
         args.compile_run = f"{self.namespace}/{self.name}"
 
     def _key_file(self, args: argparse.Namespace, key: str) -> Path:

@@ -157,6 +157,21 @@ def test_finish_without_champion_clears_a_best_speedup_reported_during_the_searc
     assert status["trials"]["total"] == 4 and "no verified improvement" in status["message"]
 
 
+def test_the_compile_pod_measures_on_its_pools_chip_or_refuses():
+    import pytest
+
+    from shapeshift.engine.compile.worker import device_for_accelerator
+
+    assert device_for_accelerator("cpu", cuda_available=False) == "cpu"
+    assert device_for_accelerator("nvidia-h200", cuda_available=True) == "cuda"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        device_for_accelerator("nvidia-h100", cuda_available=False)
+    with pytest.raises(ValueError, match="no Neuron backend"):
+        device_for_accelerator("trainium2", cuda_available=True)
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        device_for_accelerator("tpu-v5", cuda_available=False)
+
+
 def test_fields_the_worker_does_not_act_on_are_named():
     from shapeshift.engine.compile.worker import unhonored_fields
 

@@ -11,6 +11,7 @@ from shapeshift.engine.presets import PRESETS, resolve_model
 @pytest.mark.parametrize("kwargs, field", [
     ({"dtype": "fp8"}, "dtype"),
     ({"device": "tpu"}, "device"),
+    ({"device": "neuron"}, "no Neuron backend"),
     ({"block_size": 12}, "block_size"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"num_kv_blocks": 4, "max_model_len": 128, "block_size": 16}, "num_kv_blocks"),

@@ -60,6 +60,8 @@ def test_trainium_and_cpu_placement():
     assert pod["containers"][0]["resources"]["limits"] == {"aws.amazon.com/neuron": "4"}
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
     assert pod["tolerations"][0]["key"] == "aws.amazon.com/neuron"
+    # the engine is told it is on Trainium, and refuses that by name instead of serving from the host CPU
+    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--device") + 1] == "neuron"
     c = builders.build_engine_deployment(IDEP, spec(hardware={"accelerator": "cpu", "cpu": "4", "memory": "8Gi"}))
     pod = c["spec"]["template"]["spec"]
     assert "nodeSelector" not in pod and "tolerations" not in pod
