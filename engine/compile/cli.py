@@ -221,12 +221,17 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     if not args.no_recipe_seeds:
         seeds.extend(recipe_seeds(space))
 
+    def fit_pass_to_beat(cand: Any) -> Any:
+        cand = dataclasses.replace(cand, recipe=project_recipe(cand.recipe, space))
+        problems = space.validate(space.complete(cand.recipe))
+        if problems:
+            raise ValueError(f"its recipe does not fit this run's search space: {'; '.join(problems)}")
+        _check_rebuilt(evaluator, cand)
+        return cand
+
     pass_to_beat = None
     if run_ref is not None:
-        pass_to_beat = run_ref.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts")
-    if pass_to_beat is not None:
-        pass_to_beat = dataclasses.replace(pass_to_beat, recipe=project_recipe(pass_to_beat.recipe, space))
-        _check_rebuilt(evaluator, pass_to_beat)
+        pass_to_beat = run_ref.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts", fit_pass_to_beat)
 
     on_status = run_ref.patch_status if run_ref is not None else None
     loop = CompileLoop(evaluator, space, board, agents, budget,

@@ -429,8 +429,8 @@ class CompileLoop:
         return gain
 
     def _loses_to_pass_to_beat(self, champion: Candidate) -> str | None:
-        """Champion against the pass to beat, alternated in one window: why it is withdrawn
-        (not faster by min_speedup beyond the noise, or a failed measurement), else None."""
+        """Champion against the pass to beat, alternated in one window: why it is withdrawn (not
+        faster by min_speedup beyond the noise, or the champion failed to run), else None."""
         rival = self.pass_to_beat
         assert rival is not None
         compare = getattr(self.evaluator, "compare_final", None) or getattr(self.evaluator, "compare", None)
@@ -442,8 +442,13 @@ class CompileLoop:
             champ_m, rival_m = self.evaluator.confirm(champion), self.evaluator.confirm(rival)
         self._record(rival, tid + "-pass", FULL, rival_m, None, role="final-pass")
         self._record(champion, tid, FULL, champ_m, rival_m, role="final-vs-pass")
-        if not (champ_m.ok and rival_m.ok):
-            return f"the comparison with the pass to beat failed ({champ_m.error or rival_m.error})"
+        if not champ_m.ok:
+            return f"the champion failed in its comparison with the pass to beat ({champ_m.error})"
+        if not rival_m.ok:
+            # A serving pass that no longer runs here is nothing to hold a verified champion back.
+            self.board.note("loop", f"the pass to beat ({rival.note}) failed to run ({rival_m.error}); the champion "
+                            "stands on its comparison with the stock pass", final_vs_pass=True, won=True)
+            return None
         paired = callable(compare) and len(champ_m.samples) == len(rival_m.samples)
         won = (beats_paired(champ_m, rival_m, self.config.min_speedup - 1) if paired
                else beats(champ_m, rival_m) and champ_m.mean >= rival_m.mean * self.config.min_speedup)

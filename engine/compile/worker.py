@@ -178,12 +178,13 @@ class CompileRunContext:
                              "give spec.traffic.builtin or spec.traffic.inline")
         return builtin_profile("chat")
 
-    def pass_to_beat(self, stock_source: str, cache_dir: Path) -> Any:
+    def pass_to_beat(self, stock_source: str, cache_dir: Path, fit: Any = None) -> Any:
         """The forward pass the champion must beat besides the stock pass, as a Candidate: the
         run's spec.baseline.forwardPass, else the deployment's active one (None: only stock).
 
-        A named one that cannot be read fails the run (ValueError): its comparison was asked
-        for. The active one is best effort: when it cannot be read the run compares with the
+        `fit` (optional) takes the candidate into the run's search space and raises when it does
+        not fit. A named one that cannot be read or fitted fails the run (ValueError): its
+        comparison was asked for. The active one is best effort: then the run compares with the
         stock pass alone and says so in its log."""
         from .pass_to_beat import from_forward_pass
 
@@ -198,6 +199,8 @@ class CompileRunContext:
         try:
             obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "forwardpasses", name)
             cand = from_forward_pass(obj, stock_source, cache_dir)
+            if fit is not None:  # into the run's search space (the caller raises when it does not fit)
+                cand = fit(cand)
         except Exception as exc:  # noqa: BLE001 - not found, forbidden, unreadable artifact, bad bundle
             detail = f"ForwardPass {self.namespace}/{name} ({where}) cannot be compared with: {_reason(exc)}"
             if named:

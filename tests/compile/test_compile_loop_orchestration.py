@@ -175,6 +175,12 @@ def test_a_champion_must_also_beat_the_pass_to_beat(tmp_path: Path) -> None:
     assert "not faster than the pass to beat beyond the noise" in result.stop_reason
     assert any(n.get("final_vs_pass") and not n["won"] for n in board.entries("note"))
 
+    # a pass to beat that no longer runs here holds nothing back
+    result, board, ev = run_with_pass_to_beat(tmp_path / "e", {"stock": 100, "fast": 130, "same": 130.2}, ["same"],
+                                              crashes={"fast"})
+    assert result.champion is not None and result.champion.recipe["variant"] == "same"
+    assert any("failed to run" in n["text"] for n in board.entries("note"))
+
     # without a pass to beat the same search publishes that champion
     result, _, _, _ = run_loop(tmp_path / "d", {"stock": 100, "fast": 130, "same": 130.2}, ["same"],
                             fails_verification={"fast"})

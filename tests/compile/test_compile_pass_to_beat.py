@@ -128,9 +128,19 @@ def test_the_worker_beats_the_deployments_active_pass_or_the_named_one(crds, nam
         assert worker.pass_to_beat(ev.stock_source, tmp_path / "cache") is None
     assert "fp-gone" in caplog.text and "404" in caplog.text
 
+    def unfit(cand):
+        raise ValueError("its recipe does not fit this run's search space: unknown knob 'x'")
+
+    set_active("fp-1")  # an active pass the run cannot fit is dropped too, with the reason in the log
+    with caplog.at_level("WARNING", logger="shapeshift.engine.compile.worker"):
+        assert worker.pass_to_beat(ev.stock_source, tmp_path / "cache", unfit) is None
+    assert "unknown knob 'x'" in caplog.text
+
     (tmp_path / "run-2").mkdir()
     named = _start_run(crds, namespace, tmp_path, "run-2", {"forwardPass": "fp-1"})
     assert named.pass_to_beat(ev.stock_source, tmp_path / "cache").note == "ForwardPass fp-1"
+    with pytest.raises(ValueError, match="unknown knob 'x'"):  # a named one: the run fails, saying why
+        named.pass_to_beat(ev.stock_source, tmp_path / "cache", unfit)
     (tmp_path / "run-3").mkdir()
     missing = _start_run(crds, namespace, tmp_path, "run-3", {"forwardPass": "fp-9"})
     with pytest.raises(ValueError, match=r"fp-9 \(spec.baseline.forwardPass\) cannot be compared with: 404"):
