@@ -215,6 +215,17 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     if nearest:
         for entry in nearest:
             cand = entry.candidate()
+            if run_ref is not None and entry.bundle_path:
+                # A ForwardPass carries its recipe, not its source: an agent-written source is in the bundle.
+                from .pass_to_beat import from_artifact
+
+                try:
+                    cand = dataclasses.replace(
+                        from_artifact(entry.bundle_path, entry.bundle_digest or None, entry.recipe,
+                                      evaluator.stock_source, cand.note, out / "work" / "artifacts"),
+                        parent=cand.parent)
+                except ValueError as exc:
+                    log.warning("champion %s: its bundle cannot be read (%s); seeding its recipe alone", entry.name, exc)
             seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
         log.info("seeding with %d champion(s): %s", len(seeds), ", ".join(e.name for e in nearest))
 

@@ -9,7 +9,9 @@ Data flow:
          this engine's stock folder matches the one that built it (`rebuilt_digest` tells)
 
 A champion's recipe names its source edits (``edit.*`` knobs) and the bundle holds their
-result, so the candidate takes the bundle's forward.py as its source and switches the edits
+result. When that result is the stock module plus those edits, the candidate is the recipe
+alone, as it was searched (agents can then move its edit knobs). Otherwise (a source an LLM
+agent wrote) the candidate takes the bundle's forward.py as its source and switches the edits
 off: the materialized bundle is the published pass, not the edits applied twice.
 """
 
@@ -29,10 +31,19 @@ def candidate_from_bundle(bundle_folder: Path, recipe: Mapping[str, Any], stock_
                           sha256: str | None = None) -> Candidate:
     """The published pass in `bundle_folder` (verified) with the full recipe it was published
     with; `sha256` (the published digest) rides along in ``extra`` for the rebuild check."""
+    from .source_edits import SourceEditError, apply_edits
+
     source = (Path(bundle_folder) / ENTRY_NAME).read_text()
+    extra = {"sha256": sha256} if sha256 else {}
+    edits = [name.partition(".")[2] for name, value in recipe.items() if name.startswith("edit.") and value]
+    try:
+        derived = apply_edits(stock_source, edits)
+    except SourceEditError:
+        derived = None
+    if source == derived:  # the stock module plus the recipe's edits: the candidate as it was searched
+        return Candidate(dict(recipe), None, AGENT, note, extra=extra)
     knobs = {name: (False if name.startswith("edit.") else value) for name, value in recipe.items()}
-    return Candidate(knobs, None if source == stock_source else source, AGENT, note,
-                     extra={"sha256": sha256} if sha256 else {})
+    return Candidate(knobs, source, AGENT, note, extra=extra)
 
 
 def fetch_bundle(artifact: str, sha256: str | None, cache_dir: Path) -> OpenedBundle:
@@ -64,9 +75,16 @@ def from_forward_pass(obj: Mapping[str, Any], stock_source: str, cache_dir: Path
     artifact = spec.get("artifact") or {}
     if not artifact.get("uri"):
         raise ValueError(f"ForwardPass {name} names no artifact")
-    opened = fetch_bundle(artifact["uri"], artifact.get("sha256"), cache_dir)
+    return from_artifact(artifact["uri"], artifact.get("sha256"), spec.get("recipe") or {}, stock_source,
+                         f"ForwardPass {name}", cache_dir)
+
+
+def from_artifact(uri: str, sha256: str | None, recipe: Mapping[str, Any], stock_source: str, note: str,
+                  cache_dir: Path) -> Candidate:
+    """The bundle at `uri` (checked against `sha256`) with the `recipe` it was published with, as a
+    candidate. Raises ValueError when it cannot be read."""
+    opened = fetch_bundle(uri, sha256, cache_dir)
     try:
-        return candidate_from_bundle(opened.folder, spec.get("recipe") or {}, stock_source, f"ForwardPass {name}",
-                                     opened.manifest.digest)
+        return candidate_from_bundle(opened.folder, recipe, stock_source, note, opened.manifest.digest)
     finally:
         opened.close()

@@ -54,14 +54,24 @@ def test_a_published_pass_rebuilds_to_its_own_digest(published, tmp_path) -> Non
     ev, champion, archive, digest = published
     cand = from_forward_pass(forward_pass("fp-1", champion.recipe, archive.as_uri(), digest), ev.stock_source,
                              tmp_path / "cache")
-    # the edit's result is the source; the edit knob is off so it is not applied a second time
-    assert cand.recipe["edit.index_select_gather"] is False and cand.source is not None
-    assert cand.source != ev.stock_source and cand.recipe["engine.max_num_seqs"] == 32
+    # stock source plus the recipe's edit: the candidate as it was searched
+    assert cand.recipe == champion.recipe and cand.source is None and cand.digest == champion.digest
     assert cand.agent == AGENT and cand.note == "ForwardPass fp-1" and cand.extra["sha256"] == digest
     assert verify_bundle(ev.materialize(cand)).digest == digest
+
+    # a source of its own (as an LLM agent writes) plus an edit: the bundle's forward.py is the
+    # source and the edit knob is off, so the edit is not applied a second time
+    written = Candidate(champion.recipe, ev.stock_source + "\n# written by an agent\n", "llm", "own source")
+    exported = ev.export(written, tmp_path / "written")
+    own = pack_bundle(exported["path"], tmp_path / f"{exported['digest']}.tar.gz")
+    cand = from_forward_pass(forward_pass("fp-2", written.recipe, own.as_uri(), exported["digest"]),
+                             ev.stock_source, tmp_path / "cache")
+    assert cand.recipe["edit.index_select_gather"] is False and cand.recipe["engine.max_num_seqs"] == 32
+    assert "# written by an agent" in cand.source and "index_select" in cand.source.split("# written by")[1]
+    assert verify_bundle(ev.materialize(cand)).digest == exported["digest"]
     # a plain path works like file://
     assert from_forward_pass(forward_pass("fp-1", champion.recipe, str(archive), digest), ev.stock_source,
-                             tmp_path / "cache").source == cand.source
+                             tmp_path / "cache").digest == champion.digest
 
 
 def test_a_pass_that_cannot_be_trusted_or_read_is_refused(published, tmp_path) -> None:
@@ -179,3 +189,41 @@ def test_a_compile_run_measures_the_active_pass_and_says_what_it_had_to_beat(crd
         assert any(e.get("kind") == "note" and e.get("final_vs_pass") and e.get("won") for e in board)
     else:
         assert st["message"].startswith("no verified improvement over the stock forward pass and ForwardPass fp-1")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_champion_with_its_own_source_seeds_the_next_run_with_that_source(crds, namespace, published,
+                                                                             tmp_path) -> None:
+    """A ForwardPass records its recipe, not its source: a source an LLM agent wrote reaches the
+    next run's seeds only through the bundle, which the worker now reads."""
+    import json
+
+    from shapeshift.engine.compile.cli import main
+    from shapeshift.engine.compile.registry import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
+
+    ev = published[0]
+    written = Candidate(published[1].recipe, ev.stock_source + "\n# written by an agent\n", "llm", "own source")
+    exported = ev.export(written, tmp_path / "written")
+    archive = pack_bundle(exported["path"], tmp_path / f"{exported['digest']}.tar.gz")
+    profile = builtin_profile("chat")
+    ClusterRegistry(crds.custom, namespace).publish(ChampionEntry(
+        name="tiny-written", signature=model_signature(ev.model_config()), model="tiny-llama", family="llama",
+        hardware="cpu", regime=TrafficRegime.of(profile).to_dict(), bundle_digest=exported["digest"],
+        recipe=dict(written.recipe), speedup=1.2, verification={"passed": True, "gates": {"smoke": True}},
+        profile=profile.to_dict()), archive.as_uri(), archive.stat().st_size)
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
+        "spec": {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0}})
+    (tmp_path / "run-1").mkdir()
+    _start_run(crds, namespace, tmp_path, "run-1")
+    rc = main(["--compile-run", f"{namespace}/run-1", "--kubeconfig", str(tmp_path / "run-1" / "worker-kubeconfig"),
+               "--device", "cpu", "--budget-trials", "1", "--agents", "sweep", "--no-recipe-seeds", "--deterministic",
+               "--registry", str(tmp_path / "reg"), "--screen-requests", "8", "--confirm-requests", "8",
+               "--confirm-repeats", "2", "--final-repeats", "2", "--verify-steps", "4", "--verify-prompts", "1",
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    board = [json.loads(line) for line in (tmp_path / "out" / "board.jsonl").read_text().splitlines()]
+    [seed] = [e for e in board if e.get("kind") == "candidate" and e.get("agent") == "registry"]
+    assert "# written by an agent" in seed["source"] and "champion tiny-written" in seed["note"]
+    assert seed["recipe"]["edit.index_select_gather"] is False  # already in the source, not applied twice
