@@ -175,3 +175,22 @@ def test_a_valid_forward_pass_is_accepted_and_immutable(crds, namespace):
         crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "fp-1",
                                                    {"spec": {"metrics": {"speedup": 9.0}}})
     assert "spec of a ForwardPass is immutable" in json.loads(info.value.body)["message"]
+
+
+@pytest.mark.parametrize("example", ["inferencedeployment.yaml", "compilerun.yaml"])
+def test_the_documented_examples_are_accepted(crds, namespace, example):
+    """docs/examples/*.yaml, as a user would `kubectl apply` them: the API server's schema and CEL
+    rules accept them, and the operator's models read what it stored."""
+    from pathlib import Path
+
+    import yaml
+
+    from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec
+
+    body = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "examples" / example).read_text())
+    plural, model = {"InferenceDeployment": ("inferencedeployments", InferenceDeploymentSpec),
+                     "CompileRun": ("compileruns", CompileRunSpec)}[body["kind"]]
+    body["metadata"].pop("namespace", None)
+    stored = create(crds, namespace, plural, body)  # a refusal raises ApiException 422, naming the field
+    spec = model.model_validate(stored["spec"])  # and the operator reads what was stored
+    assert spec.model_dump(by_alias=True, exclude_unset=True).keys() >= body["spec"].keys()
