@@ -72,8 +72,26 @@ _NOT_ACTED_ON = {
     ("tiers", "full"): "every candidate is confirmed on the full tier",
     ("verification", "logprob_tolerance"): "the gates use their own tolerances",
     ("verification", "kv_contamination"): "the KV-contamination gates always run",
-    ("agents", "replicas"): "one instance per agent kind",
 }
+
+
+def agent_names(agents: list[dict[str, Any]]) -> tuple[list[str], int | None]:
+    """The CLI's agent list for a CompileRun's spec.agents, each kind repeated `replicas` times,
+    and the index of the llm agent whose endpoint is used (the first; the CLI takes one)."""
+    names: list[str] = []
+    llm_index = None
+    for index, agent in enumerate(agents):
+        kind = AGENT_KINDS.get(agent.get("kind"))
+        if kind is None:
+            continue
+        if kind == "llm":
+            if llm_index is not None:
+                log.warning("spec.agents[%d]: one LLM endpoint per run; spec.agents[%d]'s is used (give it "
+                            "replicas for more instances)", index, llm_index)
+                continue
+            llm_index = index
+        names.extend([kind] * int(agent.get("replicas") or 1))
+    return names, llm_index
 
 
 def device_for_accelerator(accelerator: str, cuda_available: bool) -> str:
@@ -100,21 +118,17 @@ def unhonored_fields(spec: dict[str, Any]) -> list[str]:
     """CompileRun spec fields set away from their CRD defaults that this worker does not act
     on (each named with the value given), so a user who set one hears that it had no effect.
     The defaults are the CompileRun models' own."""
-    from shapeshift.operator.models import AgentSpec, TierSpec, VerificationSpec
+    from shapeshift.operator.models import TierSpec, VerificationSpec
 
-    models = {"tiers": TierSpec, "verification": VerificationSpec, "agents": AgentSpec}
-    sections = {name: [spec.get(name) or {}] for name in ("tiers", "verification")}
-    sections["agents"] = list(spec.get("agents") or [])
+    models = {"tiers": TierSpec, "verification": VerificationSpec}
     out = []
     for (section, name), instead in _NOT_ACTED_ON.items():
-        model = models[section]
-        field = model.model_fields[name]
+        field = models[section].model_fields[name]
         wire = field.alias or name
-        for index, given in enumerate(sections[section]):
-            if wire in given and given[wire] != field.default:
-                where = f"{section}[{index}]" if section == "agents" else section
-                value = given[wire] if isinstance(given[wire], str) else json.dumps(given[wire])  # as written
-                out.append(f"{where}.{wire}={value} ({instead})")
+        given = spec.get(section) or {}
+        if wire in given and given[wire] != field.default:
+            value = given[wire] if isinstance(given[wire], str) else json.dumps(given[wire])  # as written
+            out.append(f"{section}.{wire}={value} ({instead})")
     return out
 
 
@@ -243,18 +257,13 @@ class CompileRunContext:
             args.budget_seconds = float(budget["wallClockSeconds"])
         agents = self.spec.get("agents") or []
         if agents and args.agents_given is None:
-            names = []
-            for index, agent in enumerate(agents):
-                kind = AGENT_KINDS.get(agent.get("kind"), None)
-                if kind is None or kind in names:
-                    continue
-                names.append(kind)
-                if kind == "llm":
-                    llm = agent.get("llm") or {}
-                    args.llm_url, args.llm_model = llm.get("endpoint"), llm.get("model")
-                    key = os.environ.get(f"SHAPESHIFT_AGENT_{index}_API_KEY")
-                    if key:
-                        args.llm_key_file = str(self._key_file(args, key))
+            names, llm_index = agent_names(agents)
+            if llm_index is not None:
+                llm = agents[llm_index].get("llm") or {}
+                args.llm_url, args.llm_model = llm.get("endpoint"), llm.get("model")
+                key = os.environ.get(f"SHAPESHIFT_AGENT_{llm_index}_API_KEY")
+                if key:
+                    args.llm_key_file = str(self._key_file(args, key))
             args.agents = ",".join(names)
         tiers = self.spec.get("tiers") or {}
         if args.fast_layers is None and tiers.get("fastLayers"):

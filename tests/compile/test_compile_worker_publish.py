@@ -184,5 +184,26 @@ def test_fields_the_worker_does_not_act_on_are_named():
                                                                          "kvContamination": False},
                               "baseline": {"forwardPass": "fp-1"}, "agents": [{"kind": "evolutionary", "replicas": 3}]})
     assert [n.split(" ", 1)[0] for n in notes] == ["tiers.full=false", "verification.logprobTolerance=0.2",
-                                                   "verification.kvContamination=false", "agents[0].replicas=3"]
+                                                   "verification.kvContamination=false"]
     # acted on now: the pass a champion must beat besides the stock pass (test_compile_pass_to_beat.py)
+    # and agents' replicas (below)
+
+
+def test_agent_replicas_become_instances_with_their_own_names_and_seeds(tmp_path):
+    from shapeshift.engine.compile.agents import make_agents
+    from shapeshift.engine.compile.board import Board
+    from shapeshift.engine.compile.search_space import Knob, SearchSpace
+    from shapeshift.engine.compile.worker import agent_names
+
+    names, llm_index = agent_names([{"kind": "coordinate-sweep"}, {"kind": "evolutionary", "replicas": 3},
+                                    {"kind": "llm", "llm": {"endpoint": "http://a/v1", "model": "m"}, "replicas": 2},
+                                    {"kind": "llm", "llm": {"endpoint": "http://b/v1", "model": "m"}}])
+    assert names == ["sweep", "evolve", "evolve", "evolve", "llm", "llm"] and llm_index == 2
+    space = SearchSpace([Knob("a", tuple(range(50)), 0), Knob("b", tuple(range(50)), 0)])
+    board = Board(tmp_path / "board.jsonl")
+    agents = make_agents(names[:4], space, board, seed=7)
+    assert [a.name for a in agents] == ["sweep", "evolve", "evolve-2", "evolve-3"]
+    assert [a.seed for a in agents] == [7, 7, 8, 9]
+    # replicas explore apart: their first random points differ
+    firsts = [tuple(sorted(a.propose(1)[0].recipe.items())) for a in agents[1:]]
+    assert len(set(firsts)) == 3

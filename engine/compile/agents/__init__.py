@@ -36,17 +36,26 @@ def agent_class(name: str) -> type[Agent]:
 
 def make_agents(names: list[str], space: SearchSpace, board: Board, seed: int = 0,
                 llm: dict[str, Any] | None = None) -> list[Agent]:
-    """Agents by name; `llm` holds the LLM agent's keyword arguments (base_url, model, ...)."""
+    """Agents by name; `llm` holds the LLM agent's keyword arguments (base_url, model, ...).
+
+    A name given n times makes n instances (a CompileRun agent's `replicas`): the k-th (from 2)
+    is called `<name>-<k>` on the board and draws from its own seed, so they propose apart."""
     agents: list[Agent] = []
+    made: dict[str, int] = {}
     for name in names:
         if name not in AGENT_NAMES:
             raise ValueError(f"unknown agent {name!r}; choose from {', '.join(AGENT_NAMES)}")
+        index = made.get(name, 0)
+        made[name] = index + 1
         if name == "llm":
             if not llm:
                 raise ValueError("agent 'llm' needs --llm-url and --llm-model")
-            agents.append(LLMAgent(space, board, seed, **llm))
+            agent = LLMAgent(space, board, seed + index, **llm)
         else:
-            agents.append(agent_class(name)(space, board, seed))
+            agent = agent_class(name)(space, board, seed + index)
+        if index:
+            agent.name = f"{name}-{index + 1}"
+        agents.append(agent)
     return agents
 
 
