@@ -3,10 +3,12 @@
 Data flow:
     ForwardPass (spec.recipe, spec.artifact.uri + sha256)
       --fetch (file path, file://, http(s)://; sha256 checked)--> opened bundle
-      --candidate_from_bundle--> Candidate(recipe with every source edit off, source = the
-         bundle's forward.py, None when that is the stock module)
+      --candidate_from_bundle--> Candidate: the published recipe with no source when the bundle's
+         forward.py is the stock module plus the recipe's edits, else that forward.py as the
+         source with every edit off; the published sha256 in ``extra``
       --the evaluator's materialize--> a bundle folder; its digest equals the published one when
-         this engine's stock folder matches the one that built it (`rebuilt_digest` tells)
+         this engine's stock folder matches the one that built it (the compile CLI's
+         `_check_rebuilt` warns when it does not)
 
 A champion's recipe names its source edits (``edit.*`` knobs) and the bundle holds their
 result. When that result is the stock module plus those edits, the candidate is the recipe
