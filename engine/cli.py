@@ -80,10 +80,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="with --decode-steps > 1: batches up to this size replay one CUDA graph per chunk of "
                         "decode steps instead of one per step (0: none; default 16)")
     p.add_argument("--forward-pass", default=None, help="forward-pass bundle folder (default: the stock one)")
-    from shapeshift.engine.recipes import RECIPE_CHOICES  # plain data, no torch
+    from shapeshift.engine.forward_pass.recipes import RECIPE_CHOICES  # plain data, no torch
 
     p.add_argument("--recipe", default="auto", choices=RECIPE_CHOICES,
-                   help="named knob set of the stock forward pass (engine/recipes.py); auto: triton on CUDA, "
+                   help="named knob set of the stock forward pass (engine/forward_pass/recipes.py); auto: triton on CUDA, "
                         "torch elsewhere; ignored with --forward-pass")
     p.add_argument("--seed", type=int, default=None, help="engine seed")
     p.add_argument("--max-waiting", type=_nonnegative_int, default=None,
@@ -135,7 +135,7 @@ def rollout_settings(args: argparse.Namespace) -> object | None:
     """RolloutSettings for --desired-forward-pass-file, or None."""
     if not args.desired_forward_pass_file:
         return None
-    from shapeshift.engine.rollout_agent import RolloutSettings, default_cache_dir
+    from shapeshift.engine.rollout.agent import RolloutSettings, default_cache_dir
 
     return RolloutSettings(
         annotations_file=args.desired_forward_pass_file,
@@ -164,12 +164,12 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
 
 def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.server import DEFAULT_MAX_WAITING, serve
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.serving.server import DEFAULT_MAX_WAITING, serve
 
     kwargs = engine_config_kwargs(args)
     if not args.forward_pass:
-        from shapeshift.engine.recipes import resolve_recipe
+        from shapeshift.engine.forward_pass.recipes import resolve_recipe
 
         device = args.device
         if device is None:
@@ -184,7 +184,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     token_file, token_from_env = admin_token_settings(args)
     if token_file is not None or token_from_env:
-        from shapeshift.engine.admin import AdminTokenSource
+        from shapeshift.engine.serving.admin import AdminTokenSource
 
         try:  # fail before loading the model, not after
             AdminTokenSource(token_file)
@@ -217,7 +217,7 @@ def _add_import_smollm2(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_import_smollm2(args: argparse.Namespace) -> int:
-    from shapeshift.engine.smollm2 import import_smollm2
+    from shapeshift.engine.models.smollm2 import import_smollm2
 
     folder = import_smollm2(args.dest, force=args.force)
     print(folder)

@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
-from shapeshift.engine.loader import load_model
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.core.config import EngineConfig
+from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.models.loader import load_model
+from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

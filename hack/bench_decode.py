@@ -51,13 +51,13 @@ from typing import Any
 
 import torch
 
-from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
-from shapeshift.engine.kv_cache import bytes_per_token
-from shapeshift.engine.llm_engine import LLMEngine
-from shapeshift.engine.presets import PRESETS
-from shapeshift.engine.recipes import NAMED_RECIPES
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.config import EngineConfig
+from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.core.kv_cache import bytes_per_token
+from shapeshift.engine.core.llm_engine import LLMEngine
+from shapeshift.engine.models.presets import PRESETS
+from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
+from shapeshift.engine.core.sampling import SamplingParams
 from shapeshift.engine.verify.agreement import judge, teacher_forced
 from shapeshift.kernels.checks import pdl_families
 
@@ -67,7 +67,7 @@ sys.path.insert(0, str(BASELINES_SCRIPT.parent))
 import decode_baselines as baselines  # noqa: E402  (sibling script: prompts, fingerprint, percentiles)
 from benchmeta import claim_result_name, git_commit  # noqa: E402  (sibling module)
 
-# The serving recipes (engine/recipes.py); the plain-torch one is "stock" here, the name its
+# The serving recipes (engine/forward_pass/recipes.py); the plain-torch one is "stock" here, the name its
 # rows carry in recorded results.
 RECIPES: dict[str, dict[str, Any]] = {("stock" if name == "torch" else name): knobs
                                       for name, knobs in NAMED_RECIPES.items()}

@@ -48,8 +48,8 @@ DEFAULT_MODELS = ("llama-3.2-1b-shape", "moe-medium-shape")
 
 # ----------------------------------------------------------------------------- plan (no torch)
 def model_config(name: str) -> Any:
-    from shapeshift.engine.config import ModelConfig
-    from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.core.config import ModelConfig
+    from shapeshift.engine.models.presets import PRESETS
 
     if name not in PRESETS or not PRESETS[name].is_random:
         raise SystemExit(f"model {name!r} is not a random preset; choose from "
@@ -127,7 +127,7 @@ def _sync(engine: Any) -> None:
 
 
 def _time_decode(engine: Any, prompts: list[list[int]], steps: int, warmup: int, barrier: Any) -> dict[str, Any]:
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
     ids = [f"decode-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
@@ -159,7 +159,7 @@ def _time_decode(engine: Any, prompts: list[list[int]], steps: int, warmup: int,
 
 
 def _time_prefill(engine: Any, prompts: list[list[int]], barrier: Any) -> dict[str, Any]:
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ids = [f"prefill-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
@@ -182,11 +182,11 @@ def bench_rank(rank: int, world_size: int, layout_name: str, model: str, opts: d
     import torch.distributed as dist
     from decode_baselines import random_prompts  # the decode benchmark's seeded prompts
 
-    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.core.config import EngineConfig
     from shapeshift.engine.parallel.engine import ParallelLLMEngine
     from shapeshift.engine.parallel.layout import ParallelLayout
     from shapeshift.engine.parallel.process_group import init_parallel
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     import faulthandler
 

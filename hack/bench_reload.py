@@ -13,7 +13,7 @@ bundle copy of the stock pass, several times (import, build, smoke, graph captur
 timed) -> replay of chat / agentic-long-context / burst (scaled to fit max_model_len)
 -> one JSON document with the commit, the GPU, the command and every number.
 
-Traffic profiles need pydantic (shapeshift.engine.traffic). Where it is missing (the
+Traffic profiles need pydantic (shapeshift.engine.contracts.traffic_profile). Where it is missing (the
 benchmark GPU machine), the request shapes come from bench/profiles/<name>.json, written
 by --write-shapes from the same profiles and seed, so both paths replay the same requests.
 """
@@ -42,8 +42,8 @@ def shapes_file(name: str, small: bool) -> Path:
 
 
 def write_shapes() -> None:
-    from shapeshift.engine.replay import save_shapes
-    from shapeshift.engine.traffic import builtin_profile
+    from shapeshift.engine.replay.driver import save_shapes
+    from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
     PROFILES_DIR.mkdir(parents=True, exist_ok=True)
     for small, plan in ((False, PLAN), (True, SMALL_PLAN)):
@@ -57,8 +57,8 @@ def load_plan(small: bool) -> dict[str, dict]:
     plan = SMALL_PLAN if small else PLAN
     out = {}
     try:
-        from shapeshift.engine.replay import sample_shapes
-        from shapeshift.engine.traffic import builtin_profile
+        from shapeshift.engine.replay.driver import sample_shapes
+        from shapeshift.engine.contracts.traffic_profile import builtin_profile
     except ImportError as exc:  # no pydantic/numpy/yaml here: use the saved shapes
         print(f"traffic profiles unavailable ({exc}); using {PROFILES_DIR}", file=sys.stderr)
         for name in plan:
@@ -96,11 +96,11 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from benchmeta import git_commit
 
-    from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.hot_reload import ForwardPassManager
-    from shapeshift.engine.llm_engine import LLMEngine
-    from shapeshift.engine.replay import make_requests, replay
+    from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.replay.driver import make_requests, replay
 
     cuda = torch.cuda.is_available()
     max_model_len = args.max_model_len or (8192 if not args.small else 256)

@@ -95,9 +95,9 @@ def point(impl: str, batch: int, step_times: list[float], tokens_first: list[int
 
 
 def load_weights(spec: dict[str, Any], device: torch.device, dtype: torch.dtype):
-    from shapeshift.engine.config import ModelConfig
-    from shapeshift.engine.loader import random_weights
-    from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.core.config import ModelConfig
+    from shapeshift.engine.models.loader import random_weights
+    from shapeshift.engine.models.presets import PRESETS
 
     preset = PRESETS[spec["model"]]
     cfg = ModelConfig.from_hf(preset.hf_config)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write crds/*.yaml from the operator's pydantic models.
 
-    shapeshift.operator.models --crdgen.render_all()--> crds/shapeshift.dev_<plural>.yaml
+    shapeshift.operator.api --crdgen.render_all()--> crds/shapeshift.dev_<plural>.yaml
 
 Usage: hack/gen_crds.py [--check] [--out DIR]
   --check  write nothing; exit 1 and name the stale files when crds/ differs.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shapeshift.engine.bundle import BundleError, declared_cache_format, stock_bundle_dir, verify_bundle, write_manifest
+from shapeshift.engine.forward_pass.bundle import BundleError, declared_cache_format, stock_bundle_dir, verify_bundle, write_manifest
 
 
 def main() -> int:

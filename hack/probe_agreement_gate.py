@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
-from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.loader import load_model
+from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
+from shapeshift.engine.core.config import EngineConfig
+from shapeshift.engine.models.loader import load_model
 from shapeshift.engine.verify import GateSettings, verify_candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
+from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
                      dtype_name, pdl_options)
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import grid_dependency_sync
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 
 @triton.jit

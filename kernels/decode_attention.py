@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
+from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
-from .triton_helpers import STAMP_SLOTS, clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import STAMP_SLOTS, clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
 
@@ -445,7 +445,7 @@ def decode_attention_rope_ref(q, k_new, v_new, positions, cos_sin_cache, slot_ma
                               block_tables, context_lens, scale):
     """Plain-torch reference of decode_attention_rope: kernels.rotary's reference (writes the
     caches), then decode_attention_ref."""
-    from .rotary import rotary_kv_write_ref
+    from shapeshift.kernels.rotary import rotary_kv_write_ref
 
     q_rot = rotary_kv_write_ref(q, k_new, v_new, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     return decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale)

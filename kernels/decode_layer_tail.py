@@ -62,13 +62,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
+from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      interpreter_active, next_power_of_2, pdl_options)
-from .decode_attention import (LOG2E, attend_split, attention_plan, decode_attention_rope_ref, merge_if_last,
+from shapeshift.kernels.decode_attention import (LOG2E, attend_split, attention_plan, decode_attention_rope_ref, merge_if_last,
                                rope_plan)
-from .gemv import gemv_ref, gemv_silu_and_mul_ref
-from .rmsnorm import rmsnorm_ref
-from .triton_helpers import SM_SLOT, STAMP_SLOTS, clock_stamp, grid_dependency_wait, launch_dependents
+from shapeshift.kernels.gemv import gemv_ref, gemv_silu_and_mul_ref
+from shapeshift.kernels.rmsnorm import rmsnorm_ref
+from shapeshift.kernels.triton_helpers import SM_SLOT, STAMP_SLOTS, clock_stamp, grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
 # NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one

@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, StreamCounters, cdiv, check_runnable_device, check_same_dtype, check_tensor,
+from shapeshift.kernels.checks import (FLOAT_DTYPES, StreamCounters, cdiv, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active,
                      next_power_of_2, pdl_options)
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
 MAX_M = 16
 

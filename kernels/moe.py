@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import silu_and_mul
-from .checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
+from shapeshift.kernels.activation import silu_and_mul
+from shapeshift.kernels.checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
                      next_power_of_2)
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import dot
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import dot
 
 MAX_EXPERTS = 1024
 

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
+from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
                      next_power_of_2, pdl_options)
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import grid_dependency_sync
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 
 @triton.jit

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2, pdl_options
-from .registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
-from .triton_helpers import grid_dependency_sync
+from shapeshift.kernels.checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2, pdl_options
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 _ONE_PLUS_ULP_BITS: tl.constexpr = tl.constexpr(0x3F800001)  # bits just above 1.0f: no w_i reaches it

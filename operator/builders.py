@@ -4,7 +4,7 @@
         -> build_engine_configmap  ConfigMap  <name>-engine     engine.yaml (EngineConfig fields)
         -> build_engine_deployment Deployment <name>-engine     engine server pods on the pool; each
                                    engine follows its pod's forward-pass annotations through a
-                                   downwardAPI volume (engine/rollout_protocol.py); under the
+                                   downwardAPI volume (engine/contracts/pod_annotations.py); under the
                                    Restart strategy the rollout passes the template's annotations;
                                    spec.artifacts.pvc mounted read-only at ARTIFACT_MOUNT
         -> build_engine_service    Service    <name>            port http -> the pods
@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from shapeshift.engine.rollout_protocol import (
+from shapeshift.engine.contracts.pod_annotations import (
     DEFAULT_ANNOTATIONS_FILE,
     DOWNWARD_API_MOUNT_PATH,
     podinfo_volume,
@@ -42,7 +42,7 @@ from shapeshift.engine.rollout_protocol import (
     serve_args,
 )
 from shapeshift.operator.hardware import accelerator, placement
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     API_VERSION,
     ARTIFACT_MOUNT,
     GROUP,
@@ -168,7 +168,7 @@ def _placement(hw: HardwareSpec):
 
 
 def engine_config(spec: InferenceDeploymentSpec) -> dict[str, Any]:
-    """The engine's EngineConfig fields (snake_case, as `shapeshift.engine.config.EngineConfig` takes them)."""
+    """The engine's EngineConfig fields (snake_case, as `shapeshift.engine.core.config.EngineConfig` takes them)."""
     e = spec.engine
     acc = accelerator(spec.hardware.accelerator)
     cfg: dict[str, Any] = {

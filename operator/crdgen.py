@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from shapeshift.operator.models import GROUP, KINDS, VERSION, Kind
+from shapeshift.operator.api import GROUP, KINDS, VERSION, Kind
 
 _DROP = ("title",)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal, Union
 
-from shapeshift.engine.traffic import TrafficProfile
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 
 __all__ = [
     "Comparison",

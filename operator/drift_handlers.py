@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import kopf
 from kubernetes.client import ApiException
 
-from shapeshift.engine.traffic import TrafficProfile, builtin_profile
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
 from shapeshift.operator.builders import LABEL_DEPLOYMENT, MANAGED_BY, Parent
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.drift import (
@@ -62,7 +62,7 @@ from shapeshift.operator.drift import (
     Stable,
     decide,
 )
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     API_VERSION,
     COMPILE_RUN,
     GROUP,

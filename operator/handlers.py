@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from shapeshift.operator import builders
 from shapeshift.operator.kube import Kube, kube_of
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     COMPILE_RUN,
     GROUP,
     INFERENCE_DEPLOYMENT,

@@ -28,7 +28,7 @@ import kubernetes
 from kubernetes.client import ApiException
 
 from shapeshift.operator.builders import SPEC_HASH
-from shapeshift.operator.models import GROUP, VERSION, Condition, Kind
+from shapeshift.operator.api import GROUP, VERSION, Condition, Kind
 from shapeshift.operator.status import StatusUpdate, merged_conditions
 
 MERGE_PATCH = "application/merge-patch+json"

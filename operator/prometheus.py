@@ -51,7 +51,7 @@ from prometheus_api_client import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from shapeshift.engine.traffic import LengthDistribution, TrafficProfile, TrafficWindow
+from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, TrafficWindow
 
 __all__ = [
     "DataQuality",

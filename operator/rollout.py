@@ -279,7 +279,7 @@ def pod_annotations(desired: ForwardPassIdentity | None) -> dict[str, str | None
 
     None or the stock pass removes all three, which the engine reads as "run stock".
     """
-    from shapeshift.engine.rollout_protocol import (
+    from shapeshift.engine.contracts.pod_annotations import (
         ROLLOUT_ANNOTATIONS,
         STOCK_FORWARD_PASS,
         DesiredForwardPass,

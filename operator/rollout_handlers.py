@@ -11,7 +11,7 @@ Data flow of one tick of one InferenceDeployment:
         --rollout.step--> next RolloutState
         HotReload: --rollout.desired_per_pod + pod_annotations--> merge-patch each pod whose
                    forward-pass annotations differ (the engine follows them, see
-                   engine/rollout_protocol.py)
+                   engine/contracts/pod_annotations.py)
         Restart:   --rollout.template_forward_pass--> the engine Deployment's pod template
                    annotations (kube.ensure replaces it; Kubernetes rolls the pods)
         --rollout_status_update--> status.rollout, status.pods, status.activeForwardPass and
@@ -56,7 +56,7 @@ from kubernetes.client import ApiException
 from pydantic import ValidationError
 
 from shapeshift.engine.compile.worker import ARTIFACT_DURABLE_ANNOTATION
-from shapeshift.engine.rollout_protocol import (
+from shapeshift.engine.contracts.pod_annotations import (
     RESULT_DIGEST_MISMATCH,
     RESULT_REFUSED,
     STOCK_FORWARD_PASS,
@@ -65,7 +65,7 @@ from shapeshift.engine.rollout_protocol import (
 from shapeshift.operator import builders
 from shapeshift.operator.drift_handlers import DriftSettings, selector_for
 from shapeshift.operator.kube import MERGE_PATCH, Kube, kube_of
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     COMPILE_RUN,
     FORWARD_PASS,
     GROUP,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Iterable
 
-from shapeshift.engine.rollout_protocol import (
+from shapeshift.engine.contracts.pod_annotations import (
     METRIC_FORWARD_PASS_INFO,
     METRIC_IN_SYNC,
     METRIC_LAST_RELOAD_STATUS,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     Condition,
     CompileRunStatus,
     ForwardPassStatus,
@@ -280,7 +280,7 @@ def forward_pass_usage(current: ForwardPassStatus, deployment: str, relation: Re
 
 
 def merged_conditions(existing: list[Condition], update: StatusUpdate, generation: int | None) -> list[Condition]:
-    from shapeshift.operator.models import set_condition
+    from shapeshift.operator.api import set_condition
 
     out = list(existing)
     for type_, status_, reason, message in update.conditions:

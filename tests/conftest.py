@@ -163,7 +163,7 @@ def artifact_store(crds, namespace, tmp_path):
 def smollm2_folder():
     import importlib.util
 
-    from shapeshift.engine.smollm2 import default_destination, import_smollm2, is_imported
+    from shapeshift.engine.models.smollm2 import default_destination, import_smollm2, is_imported
 
     if is_imported():
         return default_destination()

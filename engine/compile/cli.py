@@ -83,40 +83,40 @@ def build_parser() -> argparse.ArgumentParser:
                         "archive stays in the work folder, and the ForwardPass says it is not durable)")
     p.add_argument("--no-registry", action="store_true", help="neither seed from nor publish to the registry")
     p.add_argument("--no-recipe-seeds", action="store_true",
-                   help="do not measure the engine's named recipes (engine/recipes.py) first")
+                   help="do not measure the engine's named recipes (engine/forward_pass/recipes.py) first")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
 
 def _git_commit() -> str | None:
     """The commit of the source tree this runs from (reports name it), None where unknown."""
-    from ..provenance import git_commit
+    from shapeshift.engine.provenance import git_commit
 
     commit, _ = git_commit()
     return None if commit == "unknown" else commit
 
 
 def recipe_seeds(space: Any) -> list:
-    """The engine's named recipes (engine/recipes.py: fused projections, the Triton kernels, the
+    """The engine's named recipes (engine/forward_pass/recipes.py: fused projections, the Triton kernels, the
     GEMV) as first candidates, each projected into ``space`` (knobs it lacks, such as Triton
     backends on the CPU, keep their defaults); duplicates and the all-default point dropped.
     They are hand-made starting points; the agents search around whichever wins."""
-    from ..recipes import NAMED_RECIPES
-    from .candidate import Candidate
-    from .registry import project_recipe
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.registry import project_recipe
 
     default = space.default()
     out: dict[str, Candidate] = {}  # digest -> the first recipe that projects to it
     for name, knobs in NAMED_RECIPES.items():
         recipe = project_recipe(knobs, space)
-        cand = Candidate(recipe, None, "recipes", f'named recipe "{name}" (engine/recipes.py)', None)
+        cand = Candidate(recipe, None, "recipes", f'named recipe "{name}" (engine/forward_pass/recipes.py)', None)
         if recipe != default:
             out.setdefault(cand.digest, cand)
     return list(out.values())
 
 
 def _resolve_profile(text: str):
-    from ..traffic import load_profile
+    from shapeshift.engine.contracts.traffic_profile import load_profile
 
     try:
         return load_profile(text)
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_ref = None
     if args.compile_run:
-        from .worker import CompileRunContext
+        from shapeshift.engine.compile.worker import CompileRunContext
 
         run_ref = CompileRunContext.connect(args.compile_run, args.kubeconfig)
     try:
@@ -153,7 +153,7 @@ def _check_rebuilt(evaluator: Any, cand: Any) -> None:
     """Warn when the pass to beat, rebuilt here from its source and recipe, is not the bundle that
     was published (another engine version's stock folder, or knobs this search space lacks):
     the run then compares with the rebuilt pass."""
-    from ..bundle import verify_bundle
+    from shapeshift.engine.forward_pass.bundle import verify_bundle
 
     rebuilt = verify_bundle(evaluator.materialize(cand)).digest
     expected = cand.extra.get("sha256")
@@ -163,11 +163,11 @@ def _check_rebuilt(evaluator: Any, cand: Any) -> None:
 
 
 def run(args: argparse.Namespace, run_ref: Any = None) -> int:
-    from .agents import make_agents
-    from .board import Board, format_leaderboard
-    from .evaluator import EngineEvaluator, EvaluatorSettings
-    from .loop import Budget, CompileLoop, LoopConfig, write_report
-    from .registry import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
+    from shapeshift.engine.compile.agents import make_agents
+    from shapeshift.engine.compile.board import Board, format_leaderboard
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+    from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig, write_report
+    from shapeshift.engine.compile.registry import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
 
     profile = args.profile if not isinstance(args.profile, str) else _resolve_profile(args.profile)
     seconds = args.budget_seconds if args.budget_seconds is not None else args.budget
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
             cand = entry.candidate()
             if run_ref is not None and entry.bundle_path:
                 # A ForwardPass carries its recipe, not its source: an agent-written source is in the bundle.
-                from .pass_to_beat import from_artifact
+                from shapeshift.engine.compile.pass_to_beat import from_artifact
 
                 try:
                     cand = dataclasses.replace(

@@ -7,7 +7,7 @@ Data flow:
         (import in isolation, build, smoke check vs the stock pass)--> replay of a small
         request set drawn from the profile, `screen_repeats` times
     full tier:  LLMEngine(all layers) --reload--> replay of the traffic profile, `confirm_repeats` times
-        (each replay: the engine's closed-loop driver, shapeshift.engine.replay.run_once, timed
+        (each replay: the engine's closed-loop driver, shapeshift.engine.replay.driver.run_once, timed
         with the evaluator's clock: wall on GPUs, thread or process CPU time on the CPU)
     verify:     the verification gates (shapeshift.engine.verify) on the full model against
         the stock pass: greedy agreement, logprob tolerance, KV contamination, coverage, anti-cheat
@@ -39,13 +39,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
-from ..replay import ReplayRequest, ReplayRun, run_once
-from ..traffic import TrafficProfile
-from .candidate import Candidate
-from .measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
-from .search_space import SearchSpace, build_search_space, engine_overrides, split_recipe
-from .source_edits import SourceEditError, apply_edits
+from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
+from shapeshift.engine.replay.driver import ReplayRequest, ReplayRun, run_once
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
+from shapeshift.engine.compile.search_space import SearchSpace, build_search_space, engine_overrides, split_recipe
+from shapeshift.engine.compile.source_edits import SourceEditError, apply_edits
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) ->
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
            clock: Callable[[], float] = time.perf_counter) -> ReplayRun:
     """One closed-loop run (`concurrency` requests in flight, greedy, fixed lengths) through the
-    engine's replay driver, shapeshift.engine.replay.run_once. `clock` times everything
+    engine's replay driver, shapeshift.engine.replay.driver.run_once. `clock` times everything
     (throughput, per-user speed, TTFT): wall, process or thread CPU time.
     """
     gc_was_enabled = gc.isenabled()
@@ -146,7 +146,7 @@ class EngineEvaluator:
     """`Evaluator` over the engine: persistent fast and full tiers, hot reload, replay, gates."""
 
     def __init__(self, profile: TrafficProfile, settings: EvaluatorSettings | None = None):
-        from ..config import EngineConfig
+        from shapeshift.engine.core.config import EngineConfig
 
         settings = settings or EvaluatorSettings()
         if settings.device is None:
@@ -159,7 +159,7 @@ class EngineEvaluator:
         self.noise_floor = self.settings.noise_floor
         self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="shapeshift-compile-"))
         (self.work_dir / "bundles").mkdir(parents=True, exist_ok=True)
-        from ..bundle import stock_bundle_dir
+        from shapeshift.engine.forward_pass.bundle import stock_bundle_dir
 
         self.stock_dir = Path(stock_bundle_dir())
         self.stock_source = (self.stock_dir / "forward.py").read_text()
@@ -172,7 +172,7 @@ class EngineEvaluator:
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
-        from ..config import EngineConfig
+        from shapeshift.engine.core.config import EngineConfig
 
         s = self.settings
         kwargs: dict[str, Any] = dict(model=s.model, device=s.device, dtype=s.dtype, max_model_len=s.max_model_len,
@@ -193,7 +193,7 @@ class EngineEvaluator:
     def fast_layers(self) -> int:
         if self.settings.fast_layers is not None:
             return self.settings.fast_layers
-        from ..presets import resolve_model
+        from shapeshift.engine.models.presets import resolve_model
 
         resolved = resolve_model(self.settings.model)
         layers = None
@@ -206,8 +206,8 @@ class EngineEvaluator:
         return max(1, int(layers or 4) // 4)
 
     def _engine(self, tier: str, overrides: dict[str, Any]):
-        from ..hot_reload import ForwardPassManager
-        from ..llm_engine import LLMEngine
+        from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+        from shapeshift.engine.core.llm_engine import LLMEngine
 
         eng = self._engines.get(tier)
         if eng is None:
@@ -252,8 +252,8 @@ class EngineEvaluator:
     @staticmethod
     def _fresh_cache(eng: Any) -> None:
         """An empty prefix cache: a new block manager and scheduler over the same KV tensors."""
-        from ..block_manager import BlockManager
-        from ..scheduler import Scheduler
+        from shapeshift.engine.core.block_manager import BlockManager
+        from shapeshift.engine.core.scheduler import Scheduler
 
         if eng.has_unfinished_requests():
             raise RuntimeError("cannot reset the KV cache of an engine with requests in flight")
@@ -268,7 +268,7 @@ class EngineEvaluator:
     # ------------------------------------------------------------------ bundles
     def space(self) -> SearchSpace:
         """The search space for this model on this device."""
-        from ..bundle import load_recipe
+        from shapeshift.engine.forward_pass.bundle import load_recipe
 
         eng = self._engine(FULL, {})
         stock_recipe = load_recipe(self.stock_dir)
@@ -282,7 +282,7 @@ class EngineEvaluator:
 
     def materialize(self, cand: Candidate) -> Path:
         """The candidate as a bundle folder with a manifest (cached by digest)."""
-        from ..bundle import create_bundle
+        from shapeshift.engine.forward_pass.bundle import create_bundle
 
         out = self.work_dir / "bundles" / cand.digest[:16]
         if (out / "manifest.json").is_file():
@@ -420,7 +420,7 @@ class EngineEvaluator:
 
     # ------------------------------------------------------------------ verification
     def verify(self, candidate: Candidate) -> Verification:
-        from .gates import run_gates
+        from shapeshift.engine.compile.gates import run_gates
 
         t0 = time.perf_counter()
         path = self.materialize(candidate)
@@ -430,7 +430,7 @@ class EngineEvaluator:
         return verdict
 
     def export(self, candidate: Candidate, out_dir: Path) -> dict[str, Any]:
-        from ..bundle import verify_bundle
+        from shapeshift.engine.forward_pass.bundle import verify_bundle
 
         src = self.materialize(candidate)
         out_dir = Path(out_dir)

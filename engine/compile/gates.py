@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .measure import Verification
+from shapeshift.engine.compile.measure import Verification
 
 
 def run_gates(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16) -> Verification:
-    from ..verify import GateSettings, verify_candidate
+    from shapeshift.engine.verify import GateSettings, verify_candidate
 
     settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size)
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .agents.base import Agent, AgentWorker, submit
-from .board import Board, format_leaderboard
-from .candidate import Candidate
-from .measure import Evaluator, Measurement, Verification, beats, beats_paired, paired_gain, per_user_not_worse
-from .search_space import SearchSpace
+from shapeshift.engine.compile.agents.base import Agent, AgentWorker, submit
+from shapeshift.engine.compile.board import Board, format_leaderboard
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.measure import Evaluator, Measurement, Verification, beats, beats_paired, paired_gain, per_user_not_worse
+from shapeshift.engine.compile.search_space import SearchSpace
 
 log = logging.getLogger(__name__)
 

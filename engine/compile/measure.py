@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .candidate import Candidate
+from shapeshift.engine.compile.candidate import Candidate
 
 DEFAULT_NOISE_FLOOR = 0.01  # +-1% even when the repeats agree perfectly
 

@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..bundle import ENTRY_NAME, OpenedBundle, open_bundle
-from .candidate import Candidate
+from shapeshift.engine.forward_pass.bundle import ENTRY_NAME, OpenedBundle, open_bundle
+from shapeshift.engine.compile.candidate import Candidate
 
 AGENT = "pass-to-beat"
 
@@ -33,7 +33,7 @@ def candidate_from_bundle(bundle_folder: Path, recipe: Mapping[str, Any], stock_
                           sha256: str | None = None) -> Candidate:
     """The published pass in `bundle_folder` (verified) with the full recipe it was published
     with; `sha256` (the published digest) rides along in ``extra`` for the rebuild check."""
-    from .source_edits import SourceEditError, apply_edits
+    from shapeshift.engine.compile.source_edits import SourceEditError, apply_edits
 
     source = (Path(bundle_folder) / ENTRY_NAME).read_text()
     extra = {"sha256": sha256} if sha256 else {}
@@ -51,8 +51,8 @@ def candidate_from_bundle(bundle_folder: Path, recipe: Mapping[str, Any], stock_
 def fetch_bundle(artifact: str, sha256: str | None, cache_dir: Path) -> OpenedBundle:
     """Open the artifact at `artifact` (a path, file:// or http(s):// URL of a .tar.gz), checked
     against `sha256`. Raises ValueError saying what failed."""
-    from ..bundle import BundleError
-    from ..rollout_agent import ArtifactFetcher, AttemptFailed, RolloutSettings
+    from shapeshift.engine.forward_pass.bundle import BundleError
+    from shapeshift.engine.rollout.agent import ArtifactFetcher, AttemptFailed, RolloutSettings
 
     # The engine's own fetcher (size limit, download deadline, cache by digest); the compile
     # worker has no annotations file to watch, so that setting names nothing that is read.

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..traffic import TrafficProfile
-from .candidate import Candidate, canonical_json
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.engine.compile.candidate import Candidate, canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class LocalRegistry:
 
     def publish(self, entry: ChampionEntry, bundle_dir: str | os.PathLike[str]) -> ChampionEntry:
         """Copy the bundle in and add (or replace, by name) its entry; atomic under a lock."""
-        from ..bundle import verify_bundle
+        from shapeshift.engine.forward_pass.bundle import verify_bundle
 
         manifest = verify_bundle(bundle_dir)
         if manifest.digest != entry.bundle_digest:
@@ -256,7 +256,7 @@ class ClusterRegistry:
         if entry.compile_run:
             spec["compileRun"] = entry.compile_run
         try:  # the operator's pydantic model is the schema of the CRD: validate before sending
-            from shapeshift.operator.models import ForwardPassSpec
+            from shapeshift.operator.api import ForwardPassSpec
 
             spec = ForwardPassSpec.model_validate(spec).model_dump(mode="json", by_alias=True, exclude_none=True)
         except ImportError:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .candidate import canonical_json
+from shapeshift.engine.compile.candidate import canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ def build_search_space(
     # Recipe knobs the stock forward pass declares (its docstring), with device limits:
     # Triton backends only on CUDA, MoE knobs only for MoE models.
     if stock_source is None:
-        from ..bundle import stock_bundle_dir
+        from shapeshift.engine.forward_pass.bundle import stock_bundle_dir
 
         stock_source = (Path(stock_bundle_dir()) / "forward.py").read_text()
     declared = stock_recipe_knobs(stock_source)
@@ -458,7 +458,7 @@ def build_search_space(
     engine_knobs = [k for k in knobs if k.target == "engine"]
     knobs = [k for k in knobs if k.target != "engine"]
     if include_source_edits:
-        from .source_edits import EDITS
+        from shapeshift.engine.compile.source_edits import EDITS
 
         for edit in EDITS.values():
             if edit.cuda_only and not cuda:

@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..traffic import TrafficProfile, builtin_profile
-from .registry import GROUP, VERSION, ClusterRegistry
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
+from shapeshift.engine.compile.registry import GROUP, VERSION, ClusterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def unhonored_fields(spec: dict[str, Any]) -> list[str]:
     """CompileRun spec fields set away from their CRD defaults that this worker does not act
     on (each named with the value given), so a user who set one hears that it had no effect.
     The defaults are the CompileRun models' own."""
-    from shapeshift.operator.models import TierSpec, VerificationSpec
+    from shapeshift.operator.api import TierSpec, VerificationSpec
 
     models = {"tiers": TierSpec, "verification": VerificationSpec}
     out = []
@@ -200,7 +200,7 @@ class CompileRunContext:
         not fit. A named one that cannot be read or fitted fails the run (ValueError): its
         comparison was asked for. The active one is best effort: then the run compares with the
         stock pass alone and says so in its log."""
-        from .pass_to_beat import from_forward_pass
+        from shapeshift.engine.compile.pass_to_beat import from_forward_pass
 
         named = (self.spec.get("baseline") or {}).get("forwardPass")
         name = named
@@ -339,7 +339,7 @@ class CompileRunContext:
         """The champion packed as <sha256>.tar.gz: in the artifact folder (shared, durable) when one
         is set, else next to the bundle in the work folder. Written under a temporary name and
         renamed, so a reader on the shared volume never sees half an archive."""
-        from ..bundle import pack_bundle
+        from shapeshift.engine.forward_pass.bundle import pack_bundle
 
         folder = Path(self.artifact_dir) if self.artifact_dir else Path(bundle_dir).parent
         try:

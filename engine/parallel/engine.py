@@ -37,18 +37,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shapeshift.engine.config import EngineConfig, ModelConfig
-from shapeshift.engine.forward_pass import Bundle
-from shapeshift.engine.llm_engine import LLMEngine
-from shapeshift.engine.loader import LoadedModel, load_model
-from shapeshift.engine.runner import ModelRunner
-from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.scheduler import RunnerOutput, ScheduledBatch
-from shapeshift.engine.sequence import Sequence
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
+from shapeshift.engine.forward_pass.importer import Bundle
+from shapeshift.engine.core.llm_engine import LLMEngine
+from shapeshift.engine.models.loader import LoadedModel, load_model
+from shapeshift.engine.core.runner import ModelRunner
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.scheduler import RunnerOutput, ScheduledBatch
+from shapeshift.engine.core.sequence import Sequence
 
-from . import process_group
-from .layout import ParallelLayout
-from .sharding import shard_weights
+from shapeshift.engine.parallel import process_group
+from shapeshift.engine.parallel.layout import ParallelLayout
+from shapeshift.engine.parallel.sharding import shard_weights
 
 PARALLEL_BUNDLE_DIR = Path(__file__).resolve().parent.parent / "forward_passes" / "parallel"
 

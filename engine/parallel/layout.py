@@ -39,7 +39,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.core.config import ModelConfig
 
 
 class LayoutError(ValueError):

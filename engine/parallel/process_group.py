@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .layout import LayoutError, ParallelLayout, RankCoords
+from shapeshift.engine.parallel.layout import LayoutError, ParallelLayout, RankCoords
 
 # Shared multi-GPU hosts: NVLink SHARP / multicast objects are a host-wide resource that
 # other tenants' jobs may hold; collectives must not depend on them.

@@ -34,9 +34,9 @@ import re
 
 import torch
 
-from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.core.config import ModelConfig
 
-from .layout import ParallelLayout, RankCoords
+from shapeshift.engine.parallel.layout import ParallelLayout, RankCoords
 
 _REPLICATED = re.compile(r"(norm\.weight|mlp\.gate\.weight)$")
 

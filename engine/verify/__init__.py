@@ -4,6 +4,6 @@ Importing this package captures the anti-cheat references (clocks, math function
 so import it before any candidate code runs.
 """
 
-from .anticheat import HARDWARE, HardwareSpec, decode_step_lower_bound_s, detect_hardware  # noqa: F401  (first)
-from .gates import (GATE_NAMES, GateReport, GateSettings, VerificationReport, check_speed_of_light,  # noqa: F401
+from shapeshift.engine.verify.anticheat import HARDWARE, HardwareSpec, decode_step_lower_bound_s, detect_hardware  # noqa: F401  (first)
+from shapeshift.engine.verify.gates import (GATE_NAMES, GateReport, GateSettings, VerificationReport, check_speed_of_light,  # noqa: F401
                     verify_candidate)

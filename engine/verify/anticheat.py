@@ -46,9 +46,9 @@ PATCH_TARGETS: dict[str, tuple[str, ...]] = {
     "torch.nn.functional": ("linear", "embedding", "scaled_dot_product_attention", "silu", "softmax",
                             "log_softmax", "rms_norm"),
     "torch.cuda": ("synchronize", "Event", "CUDAGraph", "graph"),
-    "shapeshift.engine.attention": ("write_kv", "paged_attention", "paged_decode_attention",
+    "shapeshift.engine.core.attention": ("write_kv", "paged_attention", "paged_decode_attention",
                                     "paged_prefill_attention", "AttentionContext"),
-    "shapeshift.engine.kv_cache": ("KVCache",),
+    "shapeshift.engine.core.kv_cache": ("KVCache",),
 }
 TENSOR_METHODS = ("__matmul__", "argmax", "float", "copy_", "clone", "sum", "tolist", "item", "max", "abs",
                   "isfinite", "equal", "allclose", "index_copy_")

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..attention import AttentionContext
-from ..config import ModelConfig
-from ..kv_cache import KVCache
+from shapeshift.engine.core.attention import AttentionContext
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.core.kv_cache import KVCache
 
 POISON_SCALE = 50.0  # finite: masked slots see probability 0, and 0 * finite == 0
 

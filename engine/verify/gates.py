@@ -43,11 +43,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import anticheat  # first: captures clocks and function identities before any candidate
-from ..hot_reload import (DeadlineExceeded, LoadedBundle, ReloadError, fingerprint_diff, load_bundle_isolated,
+from shapeshift.engine.verify import anticheat  # first: captures clocks and function identities before any candidate
+from shapeshift.engine.forward_pass.hot_reload import (DeadlineExceeded, LoadedBundle, ReloadError, fingerprint_diff, load_bundle_isolated,
                           run_with_deadline, weights_fingerprint)
-from .agreement import score
-from .driver import PagedDriver, Seq
+from shapeshift.engine.verify.agreement import score
+from shapeshift.engine.verify.driver import PagedDriver, Seq
 
 GATE_NAMES = (
     "smoke", "outputs.finite", "outputs.agreement", "kv.prefix_hit_equals_miss", "kv.batched_equals_alone",
@@ -597,7 +597,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
 
     stock: LoadedBundle | None = None  # the reference's bundle when loaded here (unloaded at the end)
     if reference is None:
-        from ..hot_reload import load_stock_isolated
+        from shapeshift.engine.forward_pass.hot_reload import load_stock_isolated
 
         stock = load_stock_isolated()
         reference = stock.module.build(model_config, weights, dict(stock.recipe))
@@ -704,7 +704,7 @@ def _measure_calibration(ctx: GateContext, model_config: Any, weights: dict[str,
     out_of_memory: list[str] = []
     try:
         if stock is None:
-            from ..hot_reload import load_stock_isolated
+            from shapeshift.engine.forward_pass.hot_reload import load_stock_isolated
 
             stock = own = load_stock_isolated()
         for place in _calibration_places(ctx.device):

@@ -11,9 +11,9 @@ from harness.pod_environment import service_account_token, token_kubeconfig
 
 from shapeshift.engine.compile.cli import main
 from shapeshift.engine.compile.registry import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.presets import PRESETS
-from shapeshift.engine.traffic import builtin_profile
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.models.presets import PRESETS
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +49,7 @@ def worker_kubeconfig(cluster, namespace: str, run: str, tmp_path: Path) -> Path
     """A kubeconfig holding a token of the run's own ServiceAccount, with exactly the Role the
     operator gives compile workers (operator.builders.build_compile_rbac)."""
     from shapeshift.operator.builders import Parent, build_compile_rbac
-    from shapeshift.operator.models import CompileRunSpec
+    from shapeshift.operator.api import CompileRunSpec
 
     obj = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", run)
     cluster.apply(build_compile_rbac(Parent.from_body(obj), CompileRunSpec.model_validate(obj["spec"])), namespace)

@@ -8,8 +8,8 @@ import pytest
 
 from shapeshift.engine.compile.cost_model import (CostModel, Efficiency, HardwareSpec, Layout, Measurement,
                                                   Workload, calibrate_from_forward)
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.models.presets import PRESETS
 
 
 def cfg(name: str) -> ModelConfig:
@@ -106,9 +106,9 @@ def test_calibration_on_measured_cpu_forward_passes() -> None:
     model predicts the measured step times it was fitted to within 25%."""
     import torch
 
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
     eng = LLMEngine(EngineConfig(model="tiny-llama", device="cpu", max_model_len=256, max_num_seqs=16))

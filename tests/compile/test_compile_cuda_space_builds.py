@@ -17,15 +17,15 @@ import pytest
 
 pytest.importorskip("triton")
 
-from shapeshift.engine.bundle import load_recipe  # noqa: E402
+from shapeshift.engine.forward_pass.bundle import load_recipe  # noqa: E402
 from shapeshift.engine.compile.candidate import Candidate  # noqa: E402
 from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings  # noqa: E402
 from shapeshift.engine.compile.search_space import (KERNEL_BACKEND_KNOB, build_search_space,  # noqa: E402
                                                     split_recipe, stock_recipe_knobs)
-from shapeshift.engine.config import EngineConfig  # noqa: E402
-from shapeshift.engine.hot_reload import load_bundle_isolated  # noqa: E402
-from shapeshift.engine.llm_engine import LLMEngine  # noqa: E402
-from shapeshift.engine.traffic import builtin_profile  # noqa: E402
+from shapeshift.engine.core.config import EngineConfig  # noqa: E402
+from shapeshift.engine.forward_pass.hot_reload import load_bundle_isolated  # noqa: E402
+from shapeshift.engine.core.llm_engine import LLMEngine  # noqa: E402
+from shapeshift.engine.contracts.traffic_profile import builtin_profile  # noqa: E402
 from shapeshift.kernels.registry import KernelConfig  # noqa: E402
 
 # kernel.<op> knob -> attribute of the stock pass holding that op's launcher
@@ -124,7 +124,7 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     """The engine's named recipes become first candidates: on CUDA each one as declared (they are
     all valid points of the space, and they build); on the CPU only what the space can express."""
     from shapeshift.engine.compile.cli import recipe_seeds
-    from shapeshift.engine.recipes import NAMED_RECIPES
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
 
     seeds = recipe_seeds(cuda_space)
     assert [s.note.split('"')[1] for s in seeds] == [n for n in NAMED_RECIPES if n != "torch"]

@@ -12,7 +12,7 @@ import torch
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
 from shapeshift.engine.compile.measure import paired_gain
-from shapeshift.engine.traffic import builtin_profile
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

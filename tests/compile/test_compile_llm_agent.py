@@ -27,7 +27,7 @@ from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.compile.source_edits import apply_edits
-from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR
+from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR
 
 STOCK_SOURCE = (STOCK_BUNDLE_DIR / "forward.py").read_text()
 
@@ -160,7 +160,7 @@ def test_unreachable_endpoint_and_missing_key_file(tmp_path: Path, space) -> Non
 def test_llm_module_is_measured_by_the_real_evaluator(tmp_path: Path, space) -> None:
     """A scripted module goes through the real fast tier; one that breaks at build is refused."""
     from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
-    from shapeshift.engine.traffic import builtin_profile
+    from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
     ev = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
         model="tiny-llama", device="cpu", max_model_len=256, screen_requests=8, screen_repeats=1, cpu_threads=1,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from shapeshift.engine.bundle import pack_bundle
+from shapeshift.engine.forward_pass.bundle import pack_bundle
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.pass_to_beat import AGENT, from_forward_pass
-from shapeshift.engine.traffic import builtin_profile
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 
@@ -49,7 +49,7 @@ def forward_pass(name, recipe, uri, sha, passed=True):
 
 
 def test_a_published_pass_rebuilds_to_its_own_digest(published, tmp_path) -> None:
-    from shapeshift.engine.bundle import verify_bundle
+    from shapeshift.engine.forward_pass.bundle import verify_bundle
 
     ev, champion, archive, digest = published
     cand = from_forward_pass(forward_pass("fp-1", champion.recipe, archive.as_uri(), digest), ev.stock_source,
@@ -91,7 +91,7 @@ def test_a_pass_that_cannot_be_trusted_or_read_is_refused(published, tmp_path) -
 def cluster_pass(crds, namespace, published):
     """A ForwardPass object fp-1 pinning the published archive, and the deployment `llama` running it."""
     ev, champion, archive, digest = published
-    from shapeshift.operator.models import ForwardPassSpec
+    from shapeshift.operator.api import ForwardPassSpec
 
     spec = forward_pass("fp-1", champion.recipe, archive.as_uri(), digest)["spec"]
     spec["verification"]["gates"] = [{"name": "smoke", "passed": True}]

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
+from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
 from shapeshift.engine.compile.registry import (ChampionEntry, ClusterRegistry, LocalRegistry, TrafficRegime,
                                                 model_signature, project_recipe, rank)
 from shapeshift.engine.compile.search_space import build_search_space
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.presets import PRESETS
-from shapeshift.engine.traffic import builtin_profile
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.models.presets import PRESETS
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 
 def cfg(name: str) -> ModelConfig:

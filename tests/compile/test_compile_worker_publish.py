@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from shapeshift.engine.bundle import stock_bundle_dir, verify_bundle
+from shapeshift.engine.forward_pass.bundle import stock_bundle_dir, verify_bundle
 from shapeshift.engine.compile.cli import build_parser
 from shapeshift.engine.compile.measure import Measurement
 from shapeshift.engine.compile.registry import ChampionEntry, TrafficRegime
 from shapeshift.engine.compile.search_space import build_search_space
-from shapeshift.engine.traffic import builtin_profile
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 
@@ -112,7 +112,7 @@ def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds,
                                                                   monkeypatch) -> None:
     import shutil
 
-    from shapeshift.engine.bundle import create_bundle
+    from shapeshift.engine.forward_pass.bundle import create_bundle
 
     # A bundle of the stock source, built here (the shipped stock manifest may lag an edit of forward.py).
     source = tmp_path / "src"

@@ -108,7 +108,7 @@ def test_local_pod_resolves_env_and_reports_a_stop_like_a_kubelet(cluster, names
 
 def test_local_pod_emulates_a_downward_api_volume_and_follows_annotation_changes(
         cluster, namespace, run_pod_locally):
-    from shapeshift.engine.rollout_protocol import parse_downward_api_map
+    from shapeshift.engine.contracts.pod_annotations import parse_downward_api_map
 
     # The process prints the file at the path its command line names, whenever it changes,
     # and the flag it was started with (overridden locally).

@@ -1,7 +1,7 @@
 """A scrape target exporting the engine's metric series from real observations.
 
 Run as a process: ``python metrics_exporter.py PORT MODEL``. It owns one
-``shapeshift.engine.metrics.EngineMetrics`` (the engine server's own metric
+``shapeshift.engine.serving.metrics.EngineMetrics`` (the engine server's own metric
 definitions, names and buckets) and serves it on ``GET /metrics``.
 ``POST /observe`` with ``{"prompt_tokens": n, "generation_tokens": m,
 "cached_tokens": k}`` records one finished request the way the engine does:
@@ -35,7 +35,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
-from shapeshift.engine.metrics import EngineMetrics
+from shapeshift.engine.serving.metrics import EngineMetrics
 
 
 def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPRequestHandler]:

@@ -41,7 +41,7 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
         crds, namespace, engine_metrics, prometheus, monkeypatch):
     from kopf.testing import KopfRunner
 
-    from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 
     server = prometheus([{
         "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",

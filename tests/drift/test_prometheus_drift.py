@@ -35,10 +35,10 @@ import pytest
 
 from harness.controlplane import _die_with_parent, free_port
 from metrics_exporter import exporter_process, in_flight, observe
-from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
 from shapeshift.operator.drift_handlers import CheckResult, drift_status_update, run_check
-from shapeshift.operator.models import InferenceDeploymentStatus
+from shapeshift.operator.api import InferenceDeploymentStatus
 from shapeshift.operator.prometheus import (
     NoTrafficData,
     PrometheusTraffic,

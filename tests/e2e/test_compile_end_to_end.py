@@ -46,7 +46,7 @@ from harness.controlplane import POOL_LABEL, free_port
 from harness.operator_process import operator_healthy, start_operator, stop_operator
 from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
 
-from shapeshift.engine.bundle import verify_bundle
+from shapeshift.engine.forward_pass.bundle import verify_bundle
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -46,7 +46,7 @@ from harness.cluster import wait_until
 from harness.controlplane import POOL_LABEL
 from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
 from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
-from shapeshift.engine.bundle import verify_bundle
+from shapeshift.engine.forward_pass.bundle import verify_bundle
 
 # Fast timers, read when the operator modules are first imported (this test imports them).
 os.environ.setdefault("SHAPESHIFT_RESYNC_SECONDS", "2")

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from shapeshift.engine.block_manager import BlockManager
-from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.llm_engine import LLMEngine
-from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.scheduler import Scheduler
-from shapeshift.engine.sequence import Sequence
-from shapeshift.engine.tokenizer import Tokenizer
+from shapeshift.engine.core.block_manager import BlockManager
+from shapeshift.engine.core.config import EngineConfig
+from shapeshift.engine.core.llm_engine import LLMEngine
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.scheduler import Scheduler
+from shapeshift.engine.core.sequence import Sequence
+from shapeshift.engine.models.tokenizer import Tokenizer
 
 VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -119,7 +119,7 @@ def run_scheduler(scheduler: Scheduler, seqs: list[Sequence], next_token=scripte
 
     Returns (outputs per request id, the scheduled batches as (ids, num_new_tokens)).
     """
-    from shapeshift.engine.scheduler import RunnerOutput
+    from shapeshift.engine.core.scheduler import RunnerOutput
 
     for seq in seqs:
         scheduler.add(seq)

@@ -40,10 +40,10 @@ def test_layer_probe_sees_every_layer_of_a_decode_step():
     """The probe's per-layer hidden states add up: the last one, normed, gives the logits."""
     import torch
 
-    from shapeshift.engine.config import ModelConfig
-    from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
-    from shapeshift.engine.loader import random_weights
-    from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.core.config import ModelConfig
+    from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+    from shapeshift.engine.models.loader import random_weights
+    from shapeshift.engine.models.presets import PRESETS
     from shapeshift.engine.verify.agreement import teacher_forced
 
     bench = load_bench()

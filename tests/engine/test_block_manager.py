@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from engine_factories import make_requests
-from shapeshift.engine.block_manager import BlockManager
-from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.sequence import Sequence
+from shapeshift.engine.core.block_manager import BlockManager
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.sequence import Sequence
 
 
 def seq_of(tokens: list[int], rid: str = "s") -> Sequence:

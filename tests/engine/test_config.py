@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shapeshift.engine.config import EngineConfig, ModelConfig
-from shapeshift.engine.presets import PRESETS, resolve_model
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
+from shapeshift.engine.models.presets import PRESETS, resolve_model
 
 
 @pytest.mark.parametrize("kwargs, field", [

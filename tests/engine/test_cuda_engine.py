@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_factories import hf_greedy, make_engine, make_hf_checkpoint
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from shapeshift.engine.tokenizer import IncrementalDetokenizer, Tokenizer, utf8_replace
+from shapeshift.engine.models.tokenizer import IncrementalDetokenizer, Tokenizer, utf8_replace
 
 TEXTS = ["plain ascii words", "na\u00efve caf\u00e9", "\u2603 snow \u20ac5", "\U0001f600\U0001f680 emoji",
          "\u4e2d\u6587\u5b57\u7b26", "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac", "\ufffd real replacement",

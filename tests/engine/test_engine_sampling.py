@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shapeshift.engine.sampling import SamplingParams, apply_top_k_top_p, sample
+from shapeshift.engine.core.sampling import SamplingParams, apply_top_k_top_p, sample
 
 
 def reference_keep_mask(logits: np.ndarray, k: int, p: float) -> np.ndarray:

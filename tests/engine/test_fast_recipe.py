@@ -1,4 +1,4 @@
-"""The decode recipes "fast" and "gemv" of engine/recipes.py (what hack/bench_decode.py
+"""The decode recipes "fast" and "gemv" of engine/forward_pass/recipes.py (what hack/bench_decode.py
 measures: Triton GEMV projections with float32 lm_head output, SiLU-and-mul in the gate/up
 GEMV, the Triton norm/rotary/attention knobs; "fast" also runs RMSNorm in the GEMV
 prologues) equal the plain-torch stock pass, through the static-buffer decode path whose
@@ -23,10 +23,10 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent('''
     import json, sys
     import torch
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
-    from shapeshift.engine.recipes import NAMED_RECIPES
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
+    from shapeshift.engine.core.sampling import SamplingParams
 
     preset, device = sys.argv[1], sys.argv[2]
     fuse_norm, fuse_rope, tail, whole, into_tail = (a == "1" for a in sys.argv[3:8])
@@ -150,11 +150,11 @@ def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, in
 def test_fast_recipe_knob_errors():
     """Misconfigured knobs name the knob and the fix."""
     pytest.importorskip("torch")
-    from shapeshift.engine.config import ModelConfig
-    from shapeshift.engine.forward_pass import load_bundle, build_forward_pass
-    from shapeshift.engine.loader import random_weights
-    from shapeshift.engine.presets import PRESETS
-    from shapeshift.engine.recipes import NAMED_RECIPES
+    from shapeshift.engine.core.config import ModelConfig
+    from shapeshift.engine.forward_pass.importer import load_bundle, build_forward_pass
+    from shapeshift.engine.models.loader import random_weights
+    from shapeshift.engine.models.presets import PRESETS
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
     import torch
 
     cfg = ModelConfig.from_hf(PRESETS["tiny-llama"].hf_config)

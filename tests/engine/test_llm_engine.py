@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine_factories import make_engine
-from shapeshift.engine.llm_engine import InvalidRequestError, PromptTooLongError
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.llm_engine import InvalidRequestError, PromptTooLongError
+from shapeshift.engine.core.sampling import SamplingParams
 
 PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([9, 14, 5, 11, 7, 12])]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine_factories import make_engine
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([9, 14, 5, 11, 7, 12])]
 SETTINGS = dict(max_num_seqs=8, max_model_len=64, block_size=4, cuda_graph_batch_sizes=[1, 2, 4, 8],
@@ -158,14 +158,14 @@ def test_whole_chunk_graphs_only_up_to_their_batch_size_and_chunk_length():
     want, _, _, _ = run(graph_engine(), PROMPTS[1:2], greedy)  # a prompt not in the prefix cache
     got, _, widest, _ = run(engine, PROMPTS[1:2], greedy)
     assert got == want and widest == 4 and engine.runner.num_chunk_replays == 4  # 19 decode steps: 4 x 4 + 3
-    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="chunk_graph_max_batch"):
         EngineConfig(chunk_graph_max_batch=-1)
 
 
 def test_decode_steps_must_be_positive():
-    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(decode_steps=0)
@@ -174,8 +174,8 @@ def test_decode_steps_must_be_positive():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (real graph replays)")
 @pytest.mark.parametrize("chunk_graphs", [0, 8])
 def test_k_steps_on_cuda_graphs_give_the_tokens_of_single_steps(chunk_graphs):
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     def cuda_engine(k: int):
         return LLMEngine(EngineConfig(model="tiny-llama", device="cuda", dtype="float32", max_num_seqs=8,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_multi_step_decode import PROMPTS, graph_engine, run
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
@@ -124,8 +124,8 @@ def test_a_new_forward_pass_waits_for_the_chunk_in_flight():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real graphs, events, pinned buffers)")
 @pytest.mark.parametrize("chunk_graphs", [0, 8])
 def test_chained_chunks_on_cuda_graphs_give_the_tokens_of_single_steps(chunk_graphs):
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     def cuda_engine(**knobs):
         return LLMEngine(EngineConfig(model="tiny-llama", device="cuda", dtype="float32", max_num_seqs=8,

@@ -16,10 +16,10 @@ import random
 import pytest
 
 from engine_factories import make_scheduler
-from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
-from shapeshift.engine.sequence import Sequence, SequenceStatus
-from shapeshift.engine.tokenizer import Tokenizer
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
+from shapeshift.engine.core.sequence import Sequence, SequenceStatus
+from shapeshift.engine.models.tokenizer import Tokenizer
 from test_detokenizer import DecodeTwiceDetokenizer
 
 TEXT = "Hello w\u00f6rld, caf\u00e9 \u2603 \U0001f600 STOP ends; xyz and more text \u4e2d\u6587 ".encode()

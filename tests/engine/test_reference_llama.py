@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_factories import VOCAB, hf_greedy, make_engine, make_hf_checkpoint
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ in test_llm_engine.py.
 from __future__ import annotations
 
 from engine_factories import make_requests, make_scheduler, run_scheduler
-from shapeshift.engine.sampling import SamplingParams
-from shapeshift.engine.sequence import Sequence
-from shapeshift.engine.tokenizer import Tokenizer
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.sequence import Sequence
+from shapeshift.engine.models.tokenizer import Tokenizer
 
 
 def final_tokens(outputs) -> dict[str, list[int]]:
@@ -134,7 +134,7 @@ def test_abort_frees_blocks():
     assert sched.abort("r0") is seqs[0] and seqs[0].finish_reason == "abort"
     assert sched.abort("missing") is None
     # The aborted sequence is skipped by postprocess; the other continues.
-    from shapeshift.engine.scheduler import RunnerOutput
+    from shapeshift.engine.core.scheduler import RunnerOutput
 
     outs = sched.postprocess(batch, RunnerOutput(token_ids=[1, 2]))
     assert [o.request_id for o in outs] == ["r1"]

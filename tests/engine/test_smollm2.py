@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_factories import make_engine
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")

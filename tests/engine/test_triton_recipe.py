@@ -19,10 +19,10 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent('''
     import json, sys
     import torch
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
-    from shapeshift.engine.recipes import NAMED_RECIPES
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
+    from shapeshift.engine.core.sampling import SamplingParams
 
     preset, device = sys.argv[1], sys.argv[2]
     recipe = NAMED_RECIPES["triton"]  # what `serve --recipe auto` serves on CUDA, dense and MoE alike

@@ -61,7 +61,7 @@ import kubernetes
 from kubernetes.client import ApiException, CoreV1Api, V1Pod
 
 from harness.cluster import wait_until
-from shapeshift.engine.rollout_protocol import format_downward_api_map
+from shapeshift.engine.contracts.pod_annotations import format_downward_api_map
 
 # The process environment a workload starts from, before the pod's own env. A real
 # container gets only the image's env; locally the tools must still be found.

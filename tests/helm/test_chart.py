@@ -12,7 +12,7 @@ import yaml
 
 from chart_helpers import CHART, by_kind, helm, one, render, rule_triples, set_args
 from shapeshift.operator.builders import Parent, build_compile_rbac
-from shapeshift.operator.models import CompileRunSpec
+from shapeshift.operator.api import CompileRunSpec
 
 REPO = CHART.parents[1]
 
@@ -95,7 +95,7 @@ def test_options_render_namespaced_rbac_peering_and_a_service_monitor():
 
 def test_service_monitor_selects_the_services_the_operator_creates():
     from shapeshift.operator.builders import build_engine_service
-    from shapeshift.operator.models import InferenceDeploymentSpec
+    from shapeshift.operator.api import InferenceDeploymentSpec
 
     spec = InferenceDeploymentSpec.model_validate({"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}})
     service = build_engine_service(Parent("InferenceDeployment", "llama", "team-a", "uid"), spec)

@@ -63,8 +63,8 @@ def test_helm_install_and_the_service_account_is_enough_but_no_more(cluster, nam
         drift_status_update,
     )
     from shapeshift.operator.kube import Kube
-    from shapeshift.operator.models import INFERENCE_DEPLOYMENT, InferenceDeploymentSpec, InferenceDeploymentStatus
-    from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+    from shapeshift.operator.api import INFERENCE_DEPLOYMENT, InferenceDeploymentSpec, InferenceDeploymentStatus
+    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 
     release = f"ss-{uuid.uuid4().hex[:6]}"
     fullname = f"{release}-shapeshift"

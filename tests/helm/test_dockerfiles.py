@@ -59,7 +59,7 @@ def test_operator_runs_without_torch_or_the_engine_server():
 
 def test_entrypoints_match_what_the_operator_and_chart_run():
     from shapeshift.operator.builders import build_engine_deployment, Parent
-    from shapeshift.operator.models import InferenceDeploymentSpec
+    from shapeshift.operator.api import InferenceDeploymentSpec
 
     for name in ("operator.Dockerfile", "engine.Dockerfile"):
         text = (DOCKER / name).read_text()

@@ -108,7 +108,7 @@ def _wire_default(wire: dict, dotted: str):
 
 
 def test_operations_tables_state_the_model_defaults():
-    from shapeshift.operator.models import CompilationPolicy, DriftThresholds, RolloutSpec
+    from shapeshift.operator.api import CompilationPolicy, DriftThresholds, RolloutSpec
 
     compilation = _table_rows("`spec.compilation` of the InferenceDeployment")
     # drift has no default object (it is required by OnDrift only): its fields' defaults
@@ -123,7 +123,7 @@ def test_operations_tables_state_the_model_defaults():
 
 def test_operations_artifact_store_example_is_a_valid_spec_and_mounts_where_it_says():
     from shapeshift.operator import builders
-    from shapeshift.operator.models import ARTIFACT_MOUNT, InferenceDeploymentSpec
+    from shapeshift.operator.api import ARTIFACT_MOUNT, InferenceDeploymentSpec
 
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", OPERATIONS.read_text(), re.S)]
     fragment = next(b["spec"] for b in blocks if "artifacts" in (b or {}).get("spec", {}))

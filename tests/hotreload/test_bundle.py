@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shapeshift.engine.bundle import (BundleError, BundleTamperedError, Manifest, create_bundle, load_manifest,
+from shapeshift.engine.forward_pass.bundle import (BundleError, BundleTamperedError, Manifest, create_bundle, load_manifest,
                                       open_bundle, stock_bundle_dir, verify_bundle)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,11 +14,11 @@ import pytest
 import uvicorn
 
 from harness.engine_server import Load, complete, free_port, wait_for
-from shapeshift.engine.admin import mount_admin
-from shapeshift.engine.bundle import create_bundle, stock_bundle_dir
-from shapeshift.engine.config import EngineConfig
-from shapeshift.engine.hot_reload import ForwardPassManager, ReloadError, load_bundle_isolated
-from shapeshift.engine.server import build_server
+from shapeshift.engine.serving.admin import mount_admin
+from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
+from shapeshift.engine.core.config import EngineConfig
+from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError, load_bundle_isolated
+from shapeshift.engine.serving.server import build_server
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
 TOKEN = "s3cret-admin-token"
@@ -140,8 +140,8 @@ def test_broken_bundle_refused_and_old_keeps_serving(server, tmp_path, bundle, s
 
 
 def test_kv_flushed_when_cache_format_changes(tmp_path):
-    from shapeshift.engine.llm_engine import LLMEngine
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.core.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
                                     max_num_batched_tokens=256, num_kv_blocks=64))
@@ -150,7 +150,7 @@ def test_kv_flushed_when_cache_format_changes(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0)
     first = engine.generate([prompt], params)
     engine.generate([prompt], params)
-    from shapeshift.engine.sequence import Sequence
+    from shapeshift.engine.core.sequence import Sequence
 
     probe = Sequence(request_id="probe", prompt_token_ids=prompt, params=params)
     assert engine.block_manager.num_cached_tokens(probe) > 0  # the prompt is in the prefix cache
@@ -210,12 +210,12 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     import json
     import logging
 
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=256,
                                     max_num_batched_tokens=256, num_kv_blocks=64))
     manager = ForwardPassManager(engine)
-    from shapeshift.engine.async_engine import AsyncEngine
+    from shapeshift.engine.serving.async_engine import AsyncEngine
 
     server = AsyncEngine(engine, max_waiting=2)  # not started: its admission limit is what is read
     assert server.capacity == 4 + 2
@@ -224,7 +224,7 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     settings = {"decode_steps": 4, "max_num_seqs": 8, "enable_prefix_caching": False}
     (src / "engine.json").write_text(json.dumps(settings))
     create_bundle(src, None, tmp_path / "compiled-bundle", name="compiled")
-    with caplog.at_level(logging.WARNING, logger="shapeshift.engine.hot_reload"):
+    with caplog.at_level(logging.WARNING, logger="shapeshift.engine.forward_pass.hot_reload"):
         manager.reload(tmp_path / "compiled-bundle")
     assert engine.config.decode_steps == 4
     assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 8  # the batch width, live
@@ -233,7 +233,7 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     assert "enable_prefix_caching" in caplog.text and "cannot take" in caplog.text
     assert manager.listing()["active"]["engineSettings"] == settings
     # The wider batch really serves: 8 requests decode together.
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     for i in range(8):
         engine.add_request(f"wide-{i}", [3 + i, 5, 7], SamplingParams(max_tokens=3, temperature=0))
@@ -265,8 +265,8 @@ def test_a_wider_batch_from_engine_json_brings_its_token_budget(tmp_path):
     measured it with), and rollback restores both."""
     import json
 
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     assert EngineConfig.fit_token_budget({"max_num_seqs": 512}) == {"max_num_seqs": 512}  # default budget 2048
     assert EngineConfig.fit_token_budget({"max_num_seqs": 4096})["max_num_batched_tokens"] == 4096
@@ -288,7 +288,7 @@ def test_a_wider_batch_from_engine_json_brings_its_token_budget(tmp_path):
 LOGIT_NOISE_CANDIDATE = '''"""The stock pass with deterministic noise of amplitude {amplitude} added to its logits."""
 import torch
 
-from shapeshift.engine.hot_reload import import_stock_module
+from shapeshift.engine.forward_pass.hot_reload import import_stock_module
 
 stock = import_stock_module()
 CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
@@ -309,7 +309,7 @@ def build(model_config, weights, recipe):
 def test_smoke_check_tolerates_near_ties_in_bf16_but_not_wrong_logits(tmp_path):
     """In bf16 a correct candidate may flip near-tied greedy tokens: the smoke check counts a
     different token only where the incumbent prefers its own by more than the tolerance."""
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
                                     max_num_batched_tokens=256, num_kv_blocks=64))

@@ -111,7 +111,7 @@ def test_defaults_are_applied_by_the_api_server(crds, namespace):
     assert spec["compilation"] == {"policy": "Manual", "cooldownSeconds": 3600,
                                    "budget": {"wallClockSeconds": 3600, "trials": 0, "deadlineGraceSeconds": 600}}
     assert spec["rollout"]["strategy"] == "HotReload"
-    from shapeshift.operator.models import InferenceDeploymentSpec
+    from shapeshift.operator.api import InferenceDeploymentSpec
 
     # what the API server stores, the operator's model reads back unchanged
     assert InferenceDeploymentSpec.model_validate(spec).to_wire() == spec
@@ -122,11 +122,11 @@ def test_a_compile_run_template_is_stored_and_becomes_an_accepted_drift_compile_
     and the CompileRun the drift timer builds from it is one the API server accepts, carrying it."""
     from datetime import datetime, timezone
 
-    from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
     from shapeshift.operator.builders import Parent
     from shapeshift.operator.drift import Compile
     from shapeshift.operator.drift_handlers import build_drift_compile_run
-    from shapeshift.operator.models import InferenceDeploymentSpec
+    from shapeshift.operator.api import InferenceDeploymentSpec
 
     template = {"agents": [{"kind": "coordinate-sweep"}], "tiers": {"replayRequests": 24, "repeats": 2},
                 "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0}
@@ -185,7 +185,7 @@ def test_the_documented_examples_are_accepted(crds, namespace, example):
 
     import yaml
 
-    from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec
+    from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec
 
     body = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "examples" / example).read_text())
     plural, model = {"InferenceDeployment": ("inferencedeployments", InferenceDeploymentSpec),

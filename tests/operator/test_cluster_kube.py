@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from shapeshift.operator.kube import Kube
-from shapeshift.operator.models import GROUP, INFERENCE_DEPLOYMENT, VERSION
+from shapeshift.operator.api import GROUP, INFERENCE_DEPLOYMENT, VERSION
 from shapeshift.operator.status import StatusUpdate
 
 pytestmark = pytest.mark.cluster

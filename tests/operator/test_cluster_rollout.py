@@ -33,7 +33,7 @@ from harness import tools
 from harness.cluster import wait_until
 from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
 from harness.pod_environment import service_account_token, token_kubeconfig
-from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
+from shapeshift.engine.forward_pass.bundle import create_bundle, load_manifest, stock_bundle_dir
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -258,7 +258,7 @@ def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(
 SLOW_FORWARD = '''"""Exact but slow: the stock forward pass plus a pause in every step (a latency regression)."""
 import time
 
-from shapeshift.engine.hot_reload import import_stock_module
+from shapeshift.engine.forward_pass.hot_reload import import_stock_module
 
 stock = import_stock_module()
 CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shapeshift.operator import models
+from shapeshift.operator import api as models
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 SPEC_MODELS = {"InferenceDeployment": models.InferenceDeploymentSpec, "CompileRun": models.CompileRunSpec}

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from shapeshift.engine.config import EngineConfig
+from shapeshift.engine.core.config import EngineConfig
 from shapeshift.engine.parallel.engine import ControlChannel, ParallelLLMEngine, SeqStep, StepMessage
 from shapeshift.engine.parallel.layout import ParallelLayout
 from shapeshift.engine.parallel.process_group import init_parallel
-from shapeshift.engine.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 # Chunked prefill (budget 16 < the first prompt), mixed prefill+decode steps, and decode
 # batches shrinking 3 -> 2 -> 1 (MoE: the dense-expert and the gather paths both run).
@@ -96,11 +96,11 @@ def fused_layer_kernels(rank: int, world_size: int, layout_name: str, recipe: di
     kernel run a layer's projections without the all-reduces between them."""
     import torch
 
-    from shapeshift.engine.config import ModelConfig
+    from shapeshift.engine.core.config import ModelConfig
     from shapeshift.engine.forward_passes.parallel.forward import ParallelForwardPass
-    from shapeshift.engine.loader import random_weights
+    from shapeshift.engine.models.loader import random_weights
     from shapeshift.engine.parallel.sharding import shard_weights
-    from shapeshift.engine.presets import PRESETS
+    from shapeshift.engine.models.presets import PRESETS
 
     layout = ParallelLayout.parse(layout_name)
     state = init_parallel(layout, rank, world_size, device="cpu")

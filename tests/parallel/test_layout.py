@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.core.config import ModelConfig
 from shapeshift.engine.parallel.layout import (LayoutError, ParallelLayout, candidate_layouts, choose_layout,
                                                valid_tp_degrees)
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.models.presets import PRESETS
 
 
 def cfg(name: str) -> ModelConfig:

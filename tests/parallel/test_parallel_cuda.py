@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parallel_cases import engine_config, observe, run_cases
-from shapeshift.engine.llm_engine import LLMEngine
+from shapeshift.engine.core.llm_engine import LLMEngine
 from shapeshift.engine.parallel.layout import ParallelLayout
 from shapeshift.engine.parallel.process_group import launch
 

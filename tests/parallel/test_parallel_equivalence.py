@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from parallel_cases import CHANNEL_MESSAGES, engine_config, observe, run_cases, wrong_world
-from shapeshift.engine.llm_engine import LLMEngine
+from shapeshift.engine.core.llm_engine import LLMEngine
 from shapeshift.engine.parallel.engine import PARALLEL_BUNDLE_DIR
 from shapeshift.engine.parallel.process_group import launch
 
@@ -97,7 +97,7 @@ def test_tensor_parallel_turns_the_fused_layer_kernels_off(layout, kept):
     the layer tail and the whole-layer kernel (same recipe); without tensor parallelism it keeps
     both. Real 2-rank gloo world, construction only."""
     from parallel_cases import fused_layer_kernels
-    from shapeshift.engine.recipes import NAMED_RECIPES
+    from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
 
     recipe = {**NAMED_RECIPES["fast"], "fuse_rotary_into_attention": True, "fuse_attention_into_layer": True}
     ranks = launch(fused_layer_kernels, 2, layout, recipe, timeout_s=240)

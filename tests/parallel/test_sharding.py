@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.forward_pass import load_bundle
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.forward_pass.importer import load_bundle
 from shapeshift.engine.forward_passes.stock import forward as stock
-from shapeshift.engine.loader import random_weights
+from shapeshift.engine.models.loader import random_weights
 from shapeshift.engine.parallel.engine import PARALLEL_BUNDLE_DIR
 from shapeshift.engine.parallel.layout import ParallelLayout
 from shapeshift.engine.parallel.sharding import shard_weights
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.models.presets import PRESETS
 
 
 def model(name: str, **overrides) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from harness import engine_server
 from harness.engine_pods import forward_pass_info  # noqa: F401  (one definition, shared with the cluster tests)
 from harness.engine_server import Load, complete, scrape, shapeshift_command, value, wait_for  # noqa: F401
-from shapeshift.engine.rollout_protocol import DesiredForwardPass, format_downward_api_map
+from shapeshift.engine.contracts.pod_annotations import DesiredForwardPass, format_downward_api_map
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
 

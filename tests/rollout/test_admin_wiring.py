@@ -11,7 +11,7 @@ import pytest
 
 from rollout_harness import (CANDIDATES, ServerProcess, complete, forward_pass_info, shapeshift_command,
                              wait_for)
-from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
+from shapeshift.engine.forward_pass.bundle import create_bundle, load_manifest, stock_bundle_dir
 
 TOKEN = "wiring-admin-token"
 

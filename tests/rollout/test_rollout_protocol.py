@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rollout_harness import ArtifactServer
-from shapeshift.engine.rollout_agent import ArtifactFetcher, AttemptFailed, RolloutSettings
-from shapeshift.engine.rollout_protocol import (ANNOTATION_FORWARD_PASS, ANNOTATION_FORWARD_PASS_ARTIFACT,
+from shapeshift.engine.rollout.agent import ArtifactFetcher, AttemptFailed, RolloutSettings
+from shapeshift.engine.contracts.pod_annotations import (ANNOTATION_FORWARD_PASS, ANNOTATION_FORWARD_PASS_ARTIFACT,
                                                 ANNOTATION_FORWARD_PASS_SHA256, DesiredForwardPass,
                                                 DownwardAPIFormatError, format_downward_api_map,
                                                 parse_downward_api_map)
@@ -75,7 +75,7 @@ def test_a_pass_without_a_valid_digest_cannot_be_acted_on():
 
 
 def test_protocol_imports_without_torch():
-    code = ("import sys; import shapeshift.engine.rollout_protocol; "
+    code = ("import sys; import shapeshift.engine.contracts.pod_annotations; "
             "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules; print('OK')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"}, cwd="/")
@@ -172,7 +172,7 @@ def test_local_paths_are_used_in_place(tmp_path):
 
 
 def test_pod_template_pieces_point_the_engine_at_the_annotations():
-    from shapeshift.engine.rollout_protocol import (DEFAULT_ANNOTATIONS_FILE, podinfo_volume, podinfo_volume_mount,
+    from shapeshift.engine.contracts.pod_annotations import (DEFAULT_ANNOTATIONS_FILE, podinfo_volume, podinfo_volume_mount,
                                                     serve_args)
 
     volume, mount = podinfo_volume(), podinfo_volume_mount()

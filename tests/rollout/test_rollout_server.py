@@ -16,8 +16,8 @@ import pytest
 
 from rollout_harness import (CANDIDATES, ArtifactServer, Load, ServerProcess, _QuietHandler, complete, desire,
                              forward_pass_info, gauge, reloads, wait_for, write_annotations)
-from shapeshift.engine.bundle import create_bundle, load_manifest, stock_bundle_dir
-from shapeshift.engine.rollout_protocol import DesiredForwardPass
+from shapeshift.engine.forward_pass.bundle import create_bundle, load_manifest, stock_bundle_dir
+from shapeshift.engine.contracts.pod_annotations import DesiredForwardPass
 
 TOKEN = "rollout-admin-token"
 ROLLOUT_TIMEOUT_S = 90.0  # annotation written -> server reports the pass (tiny model on 2 busy cores)

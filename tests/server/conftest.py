@@ -21,8 +21,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def reference_engine():
     """An in-process LLMEngine with the server's settings, for greedy reference outputs."""
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
                                   num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS))

@@ -19,21 +19,21 @@ MAX_NUM_SEQS = 2
 
 @pytest.fixture()
 def engine():
-    from shapeshift.engine.config import EngineConfig
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=MODEL, device="cpu", max_model_len=MAX_MODEL_LEN,
                                   num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS))
 
 
 def params(max_tokens: int = 4, **kw):
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def make_async(engine, max_waiting: int = 1, metrics=None):
-    from shapeshift.engine.async_engine import AsyncEngine
+    from shapeshift.engine.serving.async_engine import AsyncEngine
 
     return AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics).start()
 
@@ -82,7 +82,7 @@ def test_concurrent_requests_from_two_event_loops(engine):
 
 
 def test_admission_is_bounded_and_released(engine):
-    from shapeshift.engine.async_engine import EngineOverloadedError
+    from shapeshift.engine.serving.async_engine import EngineOverloadedError
 
     ae = make_async(engine, max_waiting=1)  # capacity = 2 running + 1 waiting
     try:
@@ -136,8 +136,8 @@ class FlakyStep:
 
 
 def test_step_failure_fails_requests_and_loop_keeps_serving(engine):
-    from shapeshift.engine.async_engine import EngineStepError
-    from shapeshift.engine.metrics import EngineMetrics
+    from shapeshift.engine.serving.async_engine import EngineStepError
+    from shapeshift.engine.serving.metrics import EngineMetrics
 
     flaky = FlakyStep(engine)
     metrics = EngineMetrics(MODEL)
@@ -158,7 +158,7 @@ def test_step_failure_fails_requests_and_loop_keeps_serving(engine):
 
 
 def test_engine_rejection_is_a_request_error_not_a_crash(engine):
-    from shapeshift.engine.async_engine import RequestRejectedError
+    from shapeshift.engine.serving.async_engine import RequestRejectedError
 
     ae = make_async(engine)
     try:
@@ -174,9 +174,9 @@ def test_engine_rejection_is_a_request_error_not_a_crash(engine):
 
 
 def _app(engine, max_waiting=2):
-    from shapeshift.engine.async_engine import AsyncEngine
-    from shapeshift.engine.metrics import EngineMetrics
-    from shapeshift.engine.server import build_app
+    from shapeshift.engine.serving.async_engine import AsyncEngine
+    from shapeshift.engine.serving.metrics import EngineMetrics
+    from shapeshift.engine.serving.server import build_app
 
     metrics = EngineMetrics(MODEL)
     ae = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics).start()

@@ -34,7 +34,7 @@ def test_help_does_not_import_torch(tmp_path, argv):
 
 def test_serve_options_map_to_engine_config():
     from shapeshift.engine.cli import build_parser, engine_config_kwargs
-    from shapeshift.engine.config import EngineConfig
+    from shapeshift.engine.core.config import EngineConfig
 
     args = build_parser().parse_args([
         "serve", "--model", "tiny-llama", "--port", "9001", "--max-num-seqs", "3", "--max-model-len", "512",

@@ -17,7 +17,7 @@ N_TOKENS = 8
 
 
 def _reference(engine, prompt_ids: list[int], max_tokens: int = N_TOKENS) -> list[int]:
-    from shapeshift.engine.sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.generate([prompt_ids], params)[0]

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from shapeshift.operator import builders
 from shapeshift.operator.builders import Parent
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     ARTIFACT_MOUNT,
     CompileRunSpec,
     CompileRunStatus,

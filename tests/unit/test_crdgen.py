@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel
 
 from shapeshift.operator.crdgen import SchemaError, build_crd, render_all, structural
-from shapeshift.operator.models import KINDS, WireModel
+from shapeshift.operator.api import KINDS, WireModel
 
 REPO = Path(__file__).resolve().parents[2]
 

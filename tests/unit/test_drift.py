@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from shapeshift.engine.traffic import LengthDistribution, TrafficProfile
+from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import (
     Compile,
     CompileInProgress,

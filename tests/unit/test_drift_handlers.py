@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from shapeshift.engine.traffic import LengthDistribution, TrafficProfile, builtin_profile
+from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, builtin_profile
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.drift import Compile, DriftPolicy, DriftState, NoData, Observation, decide
 from shapeshift.operator.drift_handlers import (
@@ -24,7 +24,7 @@ from shapeshift.operator.drift_handlers import (
     selector_for,
     state_from_status,
 )
-from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
+from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
 from shapeshift.operator.prometheus import NoTrafficData
 
 NOW = datetime(2026, 11, 29, 12, 0, 5, tzinfo=timezone.utc)
@@ -203,7 +203,7 @@ def test_status_update_of_a_compile_and_of_missing_data():
 
 def test_a_check_that_changes_nothing_but_the_time_is_not_written():
     from shapeshift.operator.drift_handlers import only_check_time_changed
-    from shapeshift.operator.models import Condition
+    from shapeshift.operator.api import Condition
 
     def unreachable():
         from shapeshift.operator.prometheus import PrometheusUnreachable

@@ -8,7 +8,7 @@ import yaml
 
 from shapeshift.operator import builders
 from shapeshift.operator.builders import Parent
-from shapeshift.operator.models import CompileRunSpec, InferenceDeploymentSpec
+from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec
 
 IDEP = Parent("InferenceDeployment", "llama", "prod", "uid-idep")
 RUN = Parent("CompileRun", "llama-drift-1", "prod", "uid-run")
@@ -89,7 +89,7 @@ def test_configmap_holds_engine_config_fields_and_rolls_pods_on_change():
     owner_ok(cm, IDEP)
     cfg = yaml.safe_load(cm["data"]["engine.yaml"])
     assert cfg["model"] == "llama-3.2-1b-shape" and cfg["block_size"] == 16 and cfg["max_num_seqs"] == 64
-    from shapeshift.engine.config import EngineConfig  # the engine accepts exactly these keys
+    from shapeshift.engine.core.config import EngineConfig  # the engine accepts exactly these keys
 
     EngineConfig(**cfg)
     d1 = builders.build_engine_deployment(IDEP, spec())
@@ -167,7 +167,7 @@ def test_compile_rbac_is_least_privilege():
 
 
 def test_engine_follows_its_pod_annotations_through_a_downward_api_volume():
-    from shapeshift.engine.rollout_protocol import DEFAULT_ANNOTATIONS_FILE, DOWNWARD_API_MOUNT_PATH
+    from shapeshift.engine.contracts.pod_annotations import DEFAULT_ANNOTATIONS_FILE, DOWNWARD_API_MOUNT_PATH
 
     pod = builders.build_engine_deployment(IDEP, spec())["spec"]["template"]
     (c,) = pod["spec"]["containers"]
@@ -225,7 +225,7 @@ def test_engine_env_reaches_the_engine_and_compile_pods_and_rolls_the_engine():
 
 def test_reserved_env_names_cover_every_name_the_operator_sets():
     """A name the builders set that RESERVED_ENV_NAMES misses could be set twice in one container."""
-    from shapeshift.operator.models import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIX
+    from shapeshift.operator.api import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIX
 
     full = spec(artifacts={"pvc": {"claimName": "artifacts"}})
     r = run_spec(agents=[{"kind": "llm", "llm": {"endpoint": "http://llm:8080/v1", "model": "m",

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from shapeshift.operator import hardware
-from shapeshift.operator.models import (
+from shapeshift.operator.api import (
     CompileRunSpec,
     CompileBudget,
     ForwardPassSpec,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shapeshift.operator.models import CompileRunStatus
+from shapeshift.operator.api import CompileRunStatus
 from shapeshift.operator.status import compile_run_status, inference_deployment_status, merged_conditions
 
 
@@ -107,7 +107,7 @@ def test_status_writes_are_checked_against_the_model():
     from pydantic import ValidationError
 
     from shapeshift.operator.kube import _check_against_model
-    from shapeshift.operator.models import COMPILE_RUN
+    from shapeshift.operator.api import COMPILE_RUN
     from shapeshift.operator.status import StatusUpdate
 
     _check_against_model(COMPILE_RUN, StatusUpdate({"phase": "Running", "jobName": "r-compile", "nodeName": None}))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shapeshift.engine.recipes import NAMED_RECIPES, resolve_recipe
+from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES, resolve_recipe
 
 STOCK = Path(__file__).resolve().parents[2] / "engine" / "forward_passes" / "stock" / "forward.py"
 

@@ -150,7 +150,7 @@ def test_judge_thresholds(canary, promote):
 
 
 def test_pod_annotations_follow_the_engine_rollout_protocol():
-    from shapeshift.engine.rollout_protocol import DesiredForwardPass
+    from shapeshift.engine.contracts.pod_annotations import DesiredForwardPass
 
     fast = ForwardPassIdentity("llama-fp-2", "b" * 64, artifact="/var/lib/shapeshift/registry/llama-fp-2.tar.gz")
     assert fast == FAST  # the artifact is where it lives, not what it is

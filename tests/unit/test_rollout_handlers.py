@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from shapeshift.operator.models import InferenceDeploymentSpec, InferenceDeploymentStatus
+from shapeshift.operator.api import InferenceDeploymentSpec, InferenceDeploymentStatus
 from shapeshift.operator.prometheus import SeriesSelector
 from shapeshift.operator.rollout import ForwardPassIdentity, PodView, RolloutState
 from shapeshift.operator.rollout_handlers import (

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from shapeshift.engine.traffic import (
+from shapeshift.engine.contracts.traffic_profile import (
     BUILTIN_PROFILES,
     LengthDistribution,
     TrafficProfile,
@@ -30,7 +30,7 @@ def test_importable_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import shapeshift.engine.traffic; "
+    code = ("import sys; import shapeshift.engine.contracts.traffic_profile; "
             "assert 'torch' not in sys.modules, 'traffic pulled in torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

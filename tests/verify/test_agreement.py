@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.forward_pass import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
-from shapeshift.engine.loader import random_weights
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.models.loader import random_weights
+from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"

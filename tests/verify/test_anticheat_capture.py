@@ -15,7 +15,7 @@ TIMING_TRICK = Path(__file__).resolve().parents[1] / "fixtures" / "candidates" /
 
 SCRIPT = f"""
 import sys
-from shapeshift.engine.hot_reload import load_bundle_isolated
+from shapeshift.engine.forward_pass.hot_reload import load_bundle_isolated
 assert "shapeshift.engine.verify.anticheat" not in sys.modules  # nothing captured yet
 load_bundle_isolated({str(TIMING_TRICK)!r}, allow_unmanifested=True)
 from shapeshift.engine.verify import anticheat  # already imported by the load, before the candidate ran

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shapeshift.engine.config import ModelConfig
-from shapeshift.engine.loader import random_weights
-from shapeshift.engine.presets import PRESETS
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.models.loader import random_weights
+from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify import (GATE_NAMES, HARDWARE, GateSettings, check_speed_of_light,
                                       decode_step_lower_bound_s, verify_candidate)
 from shapeshift.engine.verify import anticheat
@@ -64,7 +64,7 @@ def test_good_candidates_pass_every_gate(model, name):
 
 
 def test_stock_passes_against_itself(model):
-    from shapeshift.engine.bundle import stock_bundle_dir
+    from shapeshift.engine.forward_pass.bundle import stock_bundle_dir
 
     cfg, weights = model
     report = verify_candidate(stock_bundle_dir(), cfg, weights, settings=settings())
@@ -191,7 +191,7 @@ def test_fresh_prompts_each_run(model):
 def test_speed_of_light_bound():
     cfg = ModelConfig.from_hf(PRESETS["llama-3.2-1b-shape"].hf_config)
     # Shapes only: meta tensors carry sizes and dtypes without memory.
-    from shapeshift.engine.loader import expected_weight_shapes
+    from shapeshift.engine.models.loader import expected_weight_shapes
 
     weights = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in expected_weight_shapes(cfg).items()}
     bound = decode_step_lower_bound_s(cfg, weights, torch.bfloat16, batch_size=4, context_len=512, hw=HARDWARE["h200"])

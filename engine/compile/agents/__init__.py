@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..board import Board
-from ..search_space import SearchSpace
-from .base import Agent, AgentWorker, GarbageCandidate, check_candidate, scored, submit
-from .evolve import EvolveAgent
-from .llm import LLMAgent, extract_module
-from .sweep import SweepAgent
+from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.search_space import SearchSpace
+from shapeshift.engine.compile.agents.base import Agent, AgentWorker, GarbageCandidate, check_candidate, scored, submit
+from shapeshift.engine.compile.agents.evolve import EvolveAgent
+from shapeshift.engine.compile.agents.llm import LLMAgent, extract_module
+from shapeshift.engine.compile.agents.sweep import SweepAgent
 
 AGENT_NAMES = ("sweep", "evolve", "bayes", "llm")
 
@@ -20,7 +20,7 @@ AGENT_NAMES = ("sweep", "evolve", "bayes", "llm")
 def __getattr__(name: str):
     # optuna is imported only when the model-based agent is used (GPU hosts may lack it).
     if name == "BayesAgent":
-        from .bayes import BayesAgent
+        from shapeshift.engine.compile.agents.bayes import BayesAgent
 
         return BayesAgent
     raise AttributeError(name)
@@ -28,7 +28,7 @@ def __getattr__(name: str):
 
 def agent_class(name: str) -> type[Agent]:
     if name == "bayes":
-        from .bayes import BayesAgent
+        from shapeshift.engine.compile.agents.bayes import BayesAgent
 
         return BayesAgent
     return {"sweep": SweepAgent, "evolve": EvolveAgent, "llm": LLMAgent}[name]

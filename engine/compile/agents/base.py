@@ -21,9 +21,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..board import Board
-from ..candidate import Candidate
-from ..search_space import SearchSpace
+from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.search_space import SearchSpace
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import logging
 
 import optuna
 
-from ..candidate import Candidate
-from .base import Agent, proposed_digests, scored
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.agents.base import Agent, proposed_digests, scored
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)

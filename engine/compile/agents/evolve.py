@@ -8,8 +8,8 @@ With fewer than two results it explores with random valid points.
 
 from __future__ import annotations
 
-from ..candidate import Candidate
-from .base import Agent, proposed_digests, scored
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.agents.base import Agent, proposed_digests, scored
 
 
 class EvolveAgent(Agent):

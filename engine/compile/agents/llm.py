@@ -26,10 +26,10 @@ try:  # the LLM agent is optional; GPU hosts without httpx can run the offline a
 except ImportError:  # pragma: no cover - exercised only where httpx is absent
     httpx = None
 
-from ..board import Board
-from ..candidate import Candidate
-from ..search_space import SearchSpace
-from .base import Agent, scored
+from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.search_space import SearchSpace
+from shapeshift.engine.compile.agents.base import Agent, scored
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ up again when another agent posts a better point).
 
 from __future__ import annotations
 
-from ..candidate import Candidate
-from .base import Agent, proposed_digests, scored
+from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.agents.base import Agent, proposed_digests, scored
 
 
 class SweepAgent(Agent):

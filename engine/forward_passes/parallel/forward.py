@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shapeshift.engine.attention import AttentionContext
-from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.core.attention import AttentionContext
+from shapeshift.engine.core.config import ModelConfig
 from shapeshift.engine.forward_passes.stock import forward as stock
 from shapeshift.engine.parallel import process_group
 from shapeshift.engine.parallel.layout import ParallelLayout

@@ -86,8 +86,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from shapeshift.engine.attention import AttentionContext, decode_attention_bias, paged_attention, write_kv
-from shapeshift.engine.config import ModelConfig
+from shapeshift.engine.core.attention import AttentionContext, decode_attention_bias, paged_attention, write_kv
+from shapeshift.engine.core.config import ModelConfig
 
 FORWARD_PASS_NAME = "stock"
 CACHE_FORMAT_VERSION = 1  # bump when the KV layout or its contents' meaning changes

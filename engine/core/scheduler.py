@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
-from .tokenizer import IncrementalDetokenizer
+from shapeshift.engine.core.block_manager import BlockManager
+from shapeshift.engine.core.sequence import Sequence, SequenceStatus
+from shapeshift.engine.models.tokenizer import IncrementalDetokenizer
 
 
 class RequestOutput:

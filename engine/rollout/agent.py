@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .bundle import MAX_BUNDLE_BYTES, BundleError, BundleTamperedError, load_manifest, stock_bundle_dir
-from .hot_reload import ForwardPassManager, ReloadError
-from .rollout_protocol import (RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_SUCCESS,
+from shapeshift.engine.forward_pass.bundle import MAX_BUNDLE_BYTES, BundleError, BundleTamperedError, load_manifest, stock_bundle_dir
+from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError
+from shapeshift.engine.contracts.pod_annotations import (RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_SUCCESS,
                                DesiredForwardPass, DownwardAPIFormatError, parse_downward_api_map)
 
 logger = logging.getLogger("shapeshift.engine.rollout")

@@ -46,9 +46,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from .bundle import ENGINE_SETTINGS_FILE, BundleError, Manifest, OpenedBundle, open_bundle, stock_bundle_dir
+from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE, BundleError, Manifest, OpenedBundle, open_bundle, stock_bundle_dir
 
-logger = logging.getLogger("shapeshift.engine.hot_reload")
+logger = logging.getLogger("shapeshift.engine.forward_pass.hot_reload")
 
 _load_counter = itertools.count()
 DEFAULT_BUILD_TIMEOUT_S = 120.0
@@ -154,7 +154,7 @@ def import_bundle(opened: OpenedBundle) -> LoadedBundle:
     # Capture the clocks and functions a candidate could patch before its top-level code
     # runs: every candidate is imported here, so this is the one place that sees them all.
     # (Imported in the function: shapeshift.engine.verify imports this module.)
-    from .verify import anticheat  # noqa: F401
+    from shapeshift.engine.verify import anticheat  # noqa: F401
 
     package = f"shapeshift_fp_{opened.manifest.digest[:12]}_{next(_load_counter)}"
     pkg = ModuleType(package)
@@ -240,7 +240,7 @@ class PassRecord:
     cache_format: str
     source: str
     forward_pass: Any
-    engine_bundle: Any  # shapeshift.engine.forward_pass.Bundle handed to the engine
+    engine_bundle: Any  # shapeshift.engine.forward_pass.importer.Bundle handed to the engine
     loaded: LoadedBundle | None  # None for the pass the engine started with
     activated_unix: float = field(default_factory=time.time)
     timings_s: dict[str, float] = field(default_factory=dict)
@@ -427,7 +427,7 @@ class ForwardPassManager:
         finite logits, greedy agreement (teacher-forced on the incumbent's tokens)."""
         import torch
 
-        from .verify.driver import PagedDriver, Seq
+        from shapeshift.engine.verify.driver import PagedDriver, Seq
 
         eng = self.engine
         cfg = eng.model_config
@@ -491,7 +491,7 @@ class ForwardPassManager:
     def _engine_bundle(self, loaded: LoadedBundle) -> Any:
         """The engine core's Bundle record for a loaded bundle (what LLMEngine.bundle holds)."""
         try:
-            from .forward_pass import Bundle
+            from shapeshift.engine.forward_pass.importer import Bundle
         except ImportError:
             return loaded
         return Bundle(path=loaded.opened.folder, module=loaded.module, recipe=dict(loaded.recipe),
@@ -598,7 +598,7 @@ def _engine_bundle_digest(bundle: Any) -> str:
     path = getattr(bundle, "path", None)
     if path is not None:
         try:
-            from .bundle import load_manifest
+            from shapeshift.engine.forward_pass.bundle import load_manifest
 
             return load_manifest(path).digest
         except Exception:

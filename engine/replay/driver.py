@@ -168,7 +168,7 @@ def _flush_prefix_cache(engine: Any) -> None:
 
 def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
              clock: Any = time.perf_counter) -> ReplayRun:
-    from .sampling import SamplingParams
+    from shapeshift.engine.core.sampling import SamplingParams
 
     if engine.has_unfinished_requests():
         raise RuntimeError("replay needs an idle engine")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig, ModelConfig
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
 
 
 @dataclass

@@ -85,7 +85,7 @@ class Manifest:
             raise BundleError(f"{where}: expected a JSON object")
         if data.get("format") != BUNDLE_FORMAT:
             raise BundleError(f"{where}: format {data.get('format')!r} is not {BUNDLE_FORMAT!r}; "
-                              "rebuild the bundle with shapeshift.engine.bundle.create_bundle")
+                              "rebuild the bundle with shapeshift.engine.forward_pass.bundle.create_bundle")
         missing = [k for k in ("name", "files", "digest") if k not in data]
         if missing:
             raise BundleError(f"{where}: missing keys {missing}")
@@ -444,4 +444,4 @@ def open_bundle(path: str | Path, expected_digest: str | None = None, *,
 
 def stock_bundle_dir() -> Path:
     """The stock forward pass shipped with the engine (a bundle folder)."""
-    return Path(__file__).resolve().parent / "forward_passes" / "stock"
+    return Path(__file__).resolve().parent.parent / "forward_passes" / "stock"

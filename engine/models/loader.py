@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import EngineConfig, ModelConfig
-from .presets import Preset, resolve_model
-from .tokenizer import Tokenizer
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
+from shapeshift.engine.models.presets import Preset, resolve_model
+from shapeshift.engine.models.tokenizer import Tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,7 +63,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         folder = target.folder()
         if not (folder / "config.json").is_file():
             if target.name == "smollm2-135m":
-                from .smollm2 import import_smollm2  # needs transformers + gguf
+                from shapeshift.engine.models.smollm2 import import_smollm2  # needs transformers + gguf
 
                 try:
                     folder = import_smollm2(folder)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from shapeshift.engine.traffic import BUILTIN_PROFILES, TrafficProfile
+from shapeshift.engine.contracts.traffic_profile import BUILTIN_PROFILES, TrafficProfile
 from shapeshift.operator.hardware import ACCELERATORS, AcceleratorKind
 
 GROUP = "shapeshift.dev"
@@ -295,7 +295,7 @@ class EnvVar(WireModel):
 
 
 class EngineSettings(WireModel):
-    """Engine server settings. The bounds mirror `shapeshift.engine.config.EngineConfig`
+    """Engine server settings. The bounds mirror `shapeshift.engine.core.config.EngineConfig`
     (dtype choices, power-of-two block size, batched tokens >= batch size,
     memory fraction in (0, 1]), so a spec the API server accepts is one the engine starts with."""
 

@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams
 
 _arrival = itertools.count()
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .config import EngineConfig
+from shapeshift.engine.core.config import EngineConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 DEFAULT_FAST_LAYERS = 2
@@ -39,8 +39,8 @@ def fast_tier_config(base: EngineConfig, num_layers: int) -> EngineConfig:
 
 def build_fast_tier(full_engine: Any, num_layers: int = DEFAULT_FAST_LAYERS, **overrides: Any) -> Any:
     """An LLMEngine over the first ``num_layers`` layers of ``full_engine``'s weights."""
-    from .llm_engine import LLMEngine
-    from .loader import LoadedModel
+    from shapeshift.engine.core.llm_engine import LLMEngine
+    from shapeshift.engine.models.loader import LoadedModel
 
     base = full_engine.config
     total = full_engine.model_config.num_hidden_layers
@@ -65,7 +65,7 @@ class Tiers:
 
     @classmethod
     def load(cls, config: EngineConfig, fast_layers: int = DEFAULT_FAST_LAYERS, **fast_overrides: Any) -> Tiers:
-        from .llm_engine import LLMEngine
+        from shapeshift.engine.core.llm_engine import LLMEngine
 
         full = LLMEngine(config)
         return cls(full=full, fast=build_fast_tier(full, fast_layers, **fast_overrides))

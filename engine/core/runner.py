@@ -37,11 +37,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .attention import AttentionContext
-from .config import EngineConfig, ModelConfig
-from .kv_cache import KVCache
-from .sampling import sample
-from .scheduler import RunnerOutput, ScheduledBatch
+from shapeshift.engine.core.attention import AttentionContext
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
+from shapeshift.engine.core.kv_cache import KVCache
+from shapeshift.engine.core.sampling import sample
+from shapeshift.engine.core.scheduler import RunnerOutput, ScheduledBatch
 
 
 @dataclass

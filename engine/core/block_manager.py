@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .sequence import Sequence
+from shapeshift.engine.core.sequence import Sequence
 
 
 @dataclass

@@ -4,7 +4,7 @@ Data flow of a rollout:
 
     operator --patches pod annotations--> pod metadata
       --kubelet, downwardAPI volume--> /etc/shapeshift/podinfo/annotations (key="value" lines)
-      --engine's RolloutAgent (engine/rollout_agent.py) polls and parses it-->
+      --engine's RolloutAgent (engine/rollout/agent.py) polls and parses it-->
         DesiredForwardPass(name, sha256, artifact)
       --fetch artifact, check sha256, hot reload--> the engine reports what it runs:
         shapeshift_forward_pass_info{name, sha256}          (what is active)

@@ -30,8 +30,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from .bundle import MAX_BUNDLE_BYTES
-from .hot_reload import ForwardPassManager, ReloadError
+from shapeshift.engine.forward_pass.bundle import MAX_BUNDLE_BYTES
+from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError
 
 TOKEN_ENV = "SHAPESHIFT_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "SHAPESHIFT_ADMIN_TOKEN_FILE"

@@ -51,7 +51,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from .rollout_protocol import RELOAD_RESULTS
+from shapeshift.engine.contracts.pod_annotations import RELOAD_RESULTS
 
 REQUEST_STATUSES = ("stop", "length", "abort", "error", "rejected", "invalid")
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import yaml
 
-STOCK_BUNDLE_DIR = Path(__file__).resolve().parent / "forward_passes" / "stock"
+STOCK_BUNDLE_DIR = Path(__file__).resolve().parent.parent / "forward_passes" / "stock"
 _counter = itertools.count()
 
 

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shapeshift.engine.async_engine import (
+from shapeshift.engine.serving.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
@@ -48,8 +48,8 @@ from shapeshift.engine.async_engine import (
     RequestRejectedError,
     RequestStream,
 )
-from shapeshift.engine.metrics import EngineMetrics
-from shapeshift.engine.protocol import (
+from shapeshift.engine.serving.metrics import EngineMetrics
+from shapeshift.engine.serving.protocol import (
     APIError,
     ChatChoice,
     ChatChunkChoice,
@@ -72,7 +72,7 @@ from shapeshift.engine.protocol import (
     now_unix,
 )
 
-logger = logging.getLogger("shapeshift.engine.server")
+logger = logging.getLogger("shapeshift.engine.serving.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_MAX_WAITING = 256
@@ -147,7 +147,7 @@ class _Handlers:
 
     def sampling_params(self, req: Any, prompt_len: int, max_tokens: int | None,
                         max_tokens_param: str, logprobs: bool) -> Any:
-        from shapeshift.engine.sampling import SamplingParams
+        from shapeshift.engine.core.sampling import SamplingParams
 
         if prompt_len >= self.max_model_len:
             raise APIError(400, f"The prompt is {prompt_len} tokens long but this server's context "
@@ -502,8 +502,8 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     empty token raises ValueError. `rollout`: a `rollout_agent.RolloutSettings` to
     follow a pod's desired forward pass.
     """
-    from shapeshift.engine.hot_reload import ForwardPassManager
-    from shapeshift.engine.llm_engine import LLMEngine
+    from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+    from shapeshift.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
@@ -518,13 +518,13 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     engine.forward_pass_label = manager.active.label
     admin = admin_token_file is not None or admin_token_from_env
     if admin:
-        from shapeshift.engine.admin import mount_admin
+        from shapeshift.engine.serving.admin import mount_admin
 
         mount_admin(app, async_engine, admin_token_file, manager=manager)
         logger.info("admin API enabled at /admin/forward-passes (token from %s)",
                     admin_token_file or "the environment")
     if rollout is not None:
-        from shapeshift.engine.rollout_agent import RolloutAgent
+        from shapeshift.engine.rollout.agent import RolloutAgent
 
         agent = RolloutAgent(async_engine, manager, metrics, rollout)
         app.state.rollout_agent = agent

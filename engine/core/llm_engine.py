@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from .block_manager import BlockManager
-from .config import EngineConfig, ModelConfig
-from .forward_pass import Bundle, build_forward_pass, load_bundle
-from .kv_cache import KVCache, choose_num_blocks
-from .loader import TORCH_DTYPES, LoadedModel, load_model
-from .runner import DecodeChunk, ModelRunner
-from .sampling import SamplingParams
-from .scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
-from .sequence import Sequence, SequenceStatus
+from shapeshift.engine.core.block_manager import BlockManager
+from shapeshift.engine.core.config import EngineConfig, ModelConfig
+from shapeshift.engine.forward_pass.importer import Bundle, build_forward_pass, load_bundle
+from shapeshift.engine.core.kv_cache import KVCache, choose_num_blocks
+from shapeshift.engine.models.loader import TORCH_DTYPES, LoadedModel, load_model
+from shapeshift.engine.core.runner import DecodeChunk, ModelRunner
+from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
+from shapeshift.engine.core.sequence import Sequence, SequenceStatus
 
 __all__ = ["LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "EngineStats",
            "InvalidRequestError", "PromptTooLongError"]

@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-logger = logging.getLogger("shapeshift.engine.async_engine")
+logger = logging.getLogger("shapeshift.engine.serving.async_engine")
 
 # After this many consecutive failing steps the engine counts as unhealthy
 # (so a liveness probe can restart a wedged server); one good step resets it.

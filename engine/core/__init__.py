@@ -1,0 +1,1 @@
+"""The serving core: config, sequences, KV blocks, scheduler, runner, attention, sampling, LLMEngine."""

@@ -1,0 +1,1 @@
+"""The forward-pass lifecycle: bundles, importing, recipes, hot reload."""

@@ -1,0 +1,1 @@
+"""Model loading: presets, safetensors loader, tokenizer, the SmolLM2 import."""

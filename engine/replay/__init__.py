@@ -1,0 +1,1 @@
+"""Traffic replay: requests from a traffic profile, driven through an engine; measurement tiers."""
