@@ -9,6 +9,6 @@ Data flow:
       -> loop.py: screen on the fast tier, confirm paired against the incumbent on the full
          tier, verify (gates.py -> the engine's verification suite), keep the incumbent
       -> evaluator.py: the real Evaluator over LLMEngine, hot reload and replay
-      -> champion bundle + report.json/report.md + registry.py (local folder or ForwardPass)
+      -> champion bundle + report.json/report.md + champions.py (local folder or ForwardPass)
     cost_model.py ranks parallel layouts (TP/EP/DP/PP) from specs and measured steps.
 """

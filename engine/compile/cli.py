@@ -103,7 +103,7 @@ def recipe_seeds(space: Any) -> list:
     They are hand-made starting points; the agents search around whichever wins."""
     from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES
     from shapeshift.engine.compile.candidate import Candidate
-    from shapeshift.engine.compile.registry import project_recipe
+    from shapeshift.engine.compile.champions import project_recipe
 
     default = space.default()
     out: dict[str, Candidate] = {}  # digest -> the first recipe that projects to it
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
     from shapeshift.engine.compile.board import Board, format_leaderboard
     from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
     from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig, write_report
-    from shapeshift.engine.compile.registry import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
+    from shapeshift.engine.compile.champions import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
 
     profile = args.profile if not isinstance(args.profile, str) else _resolve_profile(args.profile)
     seconds = args.budget_seconds if args.budget_seconds is not None else args.budget

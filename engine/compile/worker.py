@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
-from shapeshift.engine.compile.registry import GROUP, VERSION, ClusterRegistry
+from shapeshift.engine.compile.champions import GROUP, VERSION, ClusterRegistry
 
 log = logging.getLogger(__name__)
 

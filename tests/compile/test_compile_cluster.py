@@ -10,7 +10,7 @@ import pytest
 from harness.pod_environment import service_account_token, token_kubeconfig
 
 from shapeshift.engine.compile.cli import main
-from shapeshift.engine.compile.registry import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
+from shapeshift.engine.compile.champions import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
 from shapeshift.engine.core.config import ModelConfig
 from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.contracts.traffic_profile import builtin_profile

@@ -17,7 +17,7 @@ from shapeshift.engine.forward_pass.bundle import verify_bundle
 from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.cli import main
 from shapeshift.engine.compile.evaluator import make_prompts
-from shapeshift.engine.compile.registry import LocalRegistry
+from shapeshift.engine.compile.champions import LocalRegistry
 from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
 pytestmark = pytest.mark.slow

@@ -200,7 +200,7 @@ def test_a_champion_with_its_own_source_seeds_the_next_run_with_that_source(crds
     import json
 
     from shapeshift.engine.compile.cli import main
-    from shapeshift.engine.compile.registry import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
+    from shapeshift.engine.compile.champions import ChampionEntry, ClusterRegistry, TrafficRegime, model_signature
 
     ev = published[0]
     written = Candidate(published[1].recipe, ev.stock_source + "\n# written by an agent\n", "llm", "own source")

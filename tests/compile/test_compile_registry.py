@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
-from shapeshift.engine.compile.registry import (ChampionEntry, ClusterRegistry, LocalRegistry, TrafficRegime,
+from shapeshift.engine.compile.champions import (ChampionEntry, ClusterRegistry, LocalRegistry, TrafficRegime,
                                                 model_signature, project_recipe, rank)
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.core.config import ModelConfig

@@ -19,7 +19,7 @@ import pytest
 from shapeshift.engine.forward_pass.bundle import stock_bundle_dir, verify_bundle
 from shapeshift.engine.compile.cli import build_parser
 from shapeshift.engine.compile.measure import Measurement
-from shapeshift.engine.compile.registry import ChampionEntry, TrafficRegime
+from shapeshift.engine.compile.champions import ChampionEntry, TrafficRegime
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
