@@ -42,7 +42,7 @@ def shapes_file(name: str, small: bool) -> Path:
 
 
 def write_shapes() -> None:
-    from shapeshift.engine.replay.driver import save_shapes
+    from shapeshift.engine.replay.requests import save_shapes
     from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
     PROFILES_DIR.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ def load_plan(small: bool) -> dict[str, dict]:
     plan = SMALL_PLAN if small else PLAN
     out = {}
     try:
-        from shapeshift.engine.replay.driver import sample_shapes
+        from shapeshift.engine.replay.requests import sample_shapes
         from shapeshift.engine.contracts.traffic_profile import builtin_profile
     except ImportError as exc:  # no pydantic/numpy/yaml here: use the saved shapes
         print(f"traffic profiles unavailable ({exc}); using {PROFILES_DIR}", file=sys.stderr)
@@ -100,7 +100,8 @@ def main() -> int:
     from shapeshift.engine.core.config import EngineConfig
     from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
     from shapeshift.engine.core.llm_engine import LLMEngine
-    from shapeshift.engine.replay.driver import make_requests, replay
+    from shapeshift.engine.replay.driver import replay
+    from shapeshift.engine.replay.requests import make_requests
 
     cuda = torch.cuda.is_available()
     max_model_len = args.max_model_len or (8192 if not args.small else 256)

@@ -5,7 +5,8 @@ Data flow:
         recipe.yaml = recipe knobs, manifest.json) under work_dir/bundles/<digest>
     fast tier:  LLMEngine(num_layers_override = a few layers) --ForwardPassManager.reload
         (import in isolation, build, smoke check vs the stock pass)--> replay of a small
-        request set drawn from the profile, `screen_repeats` times
+        request set drawn from the profile (shapeshift.engine.replay.requests, the generator
+        every replay uses), `screen_repeats` times
     full tier:  LLMEngine(all layers) --reload--> replay of the traffic profile, `confirm_repeats` times
         (each replay: the engine's closed-loop driver, shapeshift.engine.replay.driver.run_once, timed
         with the evaluator's clock: wall on GPUs, thread or process CPU time on the CPU)
@@ -37,10 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
-from shapeshift.engine.replay.driver import ReplayRequest, ReplayRun, run_once
+from shapeshift.engine.replay.driver import ReplayRun, run_once
+from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
@@ -102,23 +102,6 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
     if scale >= 1.0:
         return profile
     return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
-
-
-def make_prompts(profile: TrafficProfile, n: int, seed: int, vocab_size: int) -> list[ReplayRequest]:
-    """The replayed requests (prompt token ids, output length), deterministic in `seed`.
-
-    Requests that share the prefix share its exact tokens; everything else is drawn fresh.
-    Lengths are the profile's own (fit_profile scales it into max_model_len beforehand).
-    """
-    shapes = profile.sample_requests(n, seed)
-    rng = np.random.default_rng(seed + 7919)
-    prefix = rng.integers(0, vocab_size, size=max(profile.shared_prefix_len, 1)).tolist()
-    out = []
-    for s in shapes:
-        own = rng.integers(0, vocab_size, size=s.prompt_len - s.shared_prefix_len).tolist()
-        out.append(ReplayRequest(prefix[: s.shared_prefix_len] + own, max(1, s.output_len),
-                                 shared_prefix_len=s.shared_prefix_len))
-    return out
 
 
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
@@ -365,7 +348,7 @@ class EngineEvaluator:
                     spent[i] += time.perf_counter() - t0
                     continue
                 if prompts is None:
-                    prompts = make_prompts(profile, requests, self.settings.seed, eng.model_config.vocab_size)
+                    prompts = requests_from_profile(profile, eng, requests, self.settings.seed)
                     # On CUDA the warm-up replays every prompt: the first H200 run showed a
                     # quarter-length warm-up leaves the first measured repeat 12x slower
                     # (505 vs 6272 tok/s: graph buckets and Triton compiles still cold).

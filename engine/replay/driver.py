@@ -1,12 +1,9 @@
-"""Traffic replay: deterministic requests from a traffic profile, driven through an LLMEngine.
+"""Traffic replay: requests from a traffic profile, driven through an LLMEngine.
 
 Data flow:
 
-    TrafficProfile (or a saved list of request shapes) + seed
-      --make_requests--> [ReplayRequest(prompt_token_ids, max_tokens, arrival_s)]
-         prompt and output lengths from the profile's distributions (clipped to the
-         engine's max_model_len), the shared prefix as one fixed random token string,
-         the rest random token ids; same seed -> same requests
+    TrafficProfile + seed --requests_from_profile (engine/replay/requests.py)-->
+      [ReplayRequest(prompt_token_ids, max_tokens, arrival_s)]
       --replay(engine, requests, concurrency | arrival times)--> per request: TTFT,
          per-user decode tokens/s, per-user end-to-end tokens/s (queueing included);
          per run: output tokens/s
@@ -16,30 +13,18 @@ Data flow:
 Closed loop (default): ``concurrency`` requests in flight; when one finishes the next
 enters. Open loop (profile has an arrival rate): requests enter at their arrival
 times. The prefix cache is flushed between runs so every run sees the same hits.
-
-The profile is duck-typed (``sample_requests(n, seed)``, ``concurrency``,
-``arrival_rate``, ``name``), so this module needs neither pydantic nor numpy; shapes
-saved with ``save_shapes`` replay on machines without them.
+The engine and profile are duck-typed, so this module needs neither pydantic nor numpy.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_s: float | None = None
-    shared_prefix_len: int = 0
+from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
 
 
 @dataclass
@@ -98,52 +83,6 @@ class ReplayReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "runs": [asdict(r) for r in self.runs]}
-
-
-# ---------------------------------------------------------------------- requests
-
-
-def sample_shapes(profile: Any, n: int, seed: int) -> list[dict[str, Any]]:
-    """Request shapes (plain dicts) from a profile's own sampler."""
-    return [{"prompt_len": s.prompt_len, "output_len": s.output_len, "shared_prefix_len": s.shared_prefix_len,
-             "arrival_s": s.arrival_s} for s in profile.sample_requests(n, seed)]
-
-
-def save_shapes(path: str | Path, profile: Any, n: int, seed: int, scale: float = 1.0) -> None:
-    """Write sampled shapes to JSON so machines without pydantic can replay the same requests."""
-    if scale != 1.0:
-        profile = profile.scaled(scale)
-    data = {"profile": profile.name, "seed": seed, "concurrency": profile.concurrency,
-            "arrival_rate": profile.arrival_rate, "scale": scale, "shapes": sample_shapes(profile, n, seed)}
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
-
-
-def load_shapes(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
-def make_requests(shapes: list[dict[str, Any]], seed: int, vocab_size: int, max_model_len: int,
-                  avoid_token_ids: set[int] | frozenset[int] = frozenset()) -> list[ReplayRequest]:
-    """Token ids for request shapes: one shared prefix string, the rest random, all from ``seed``."""
-    rng = random.Random(seed)
-    usable = [t for t in range(min(vocab_size, 1 << 16)) if t not in avoid_token_ids]
-    longest_prefix = max((s["shared_prefix_len"] for s in shapes), default=0)
-    shared = [rng.choice(usable) for _ in range(longest_prefix)]
-    out = []
-    for s in shapes:
-        max_tokens = max(1, min(int(s["output_len"]), max_model_len // 4))
-        prompt_len = max(1, min(int(s["prompt_len"]), max_model_len - max_tokens - 1))
-        prefix = shared[:min(int(s["shared_prefix_len"]), prompt_len - 1)] if s["shared_prefix_len"] else []
-        tail = [rng.choice(usable) for _ in range(prompt_len - len(prefix))]
-        out.append(ReplayRequest(prompt_token_ids=prefix + tail, max_tokens=max_tokens, arrival_s=s.get("arrival_s"),
-                                 shared_prefix_len=len(prefix)))
-    return out
-
-
-def requests_from_profile(profile: Any, engine: Any, n: int, seed: int) -> list[ReplayRequest]:
-    eos = set(getattr(engine.model_config, "eos_token_ids", []) or [])
-    return make_requests(sample_shapes(profile, n, seed), seed, engine.model_config.vocab_size,
-                         engine.config.max_model_len, eos)
 
 
 # ---------------------------------------------------------------------- driving

@@ -16,7 +16,7 @@ import pytest
 from shapeshift.engine.forward_pass.bundle import verify_bundle
 from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.cli import main
-from shapeshift.engine.compile.evaluator import make_prompts
+from shapeshift.engine.replay.requests import make_requests, sample_shapes
 from shapeshift.engine.compile.champions import LocalRegistry
 from shapeshift.engine.contracts.traffic_profile import builtin_profile
 
@@ -105,8 +105,11 @@ def test_resume_after_kill_continues_the_board(tmp_path: Path) -> None:
 
 def test_same_seed_same_deterministic_parts(tmp_path: Path) -> None:
     prof = builtin_profile("chat").scaled(0.05)
-    assert make_prompts(prof, 16, 3, 512) == make_prompts(prof, 16, 3, 512)
-    assert make_prompts(prof, 16, 3, 512) != make_prompts(prof, 16, 4, 512)
+    def requests(seed: int) -> list:
+        return make_requests(sample_shapes(prof, 16, seed), seed, vocab_size=512, max_model_len=256)
+
+    assert requests(3) == requests(3)
+    assert requests(3) != requests(4)
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}"

@@ -8,7 +8,8 @@ import pytest
 
 from shapeshift.engine.core.config import EngineConfig
 from shapeshift.engine.core.llm_engine import LLMEngine
-from shapeshift.engine.replay.driver import make_requests, replay_profile, requests_from_profile, sample_shapes
+from shapeshift.engine.replay.driver import replay_profile
+from shapeshift.engine.replay.requests import make_requests, requests_from_profile, sample_shapes
 from shapeshift.engine.core.sampling import SamplingParams
 from shapeshift.engine.replay.tiers import Tiers, layer_subset
 from shapeshift.engine.contracts.traffic_profile import builtin_profile
@@ -55,7 +56,8 @@ def test_replay_reports_sane_numbers(engine):
 def test_end_to_end_per_user_speed_counts_the_queue():
     """With more requests in flight than the batch admits, the waiting ones lose end-to-end speed
     that the decode-only per-user speed does not see; with room for all, the two tell the same story."""
-    from shapeshift.engine.replay.driver import ReplayRequest, run_once
+    from shapeshift.engine.replay.driver import run_once
+    from shapeshift.engine.replay.requests import ReplayRequest
 
     narrow = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=256, num_kv_blocks=192))
     requests = [ReplayRequest(prompt_token_ids=[5 + i, 9, 13, 17], max_tokens=24) for i in range(8)]
