@@ -51,6 +51,14 @@ from prometheus_api_client import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
+from shapeshift.engine.contracts.metric_names import (
+    GENERATION_TOKENS,
+    PREFIX_CACHE_HITS as CACHE_HITS,
+    PREFIX_CACHE_QUERIES as CACHE_QUERIES,
+    PROMPT_TOKENS,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+)
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, TrafficWindow
 
 __all__ = [
@@ -64,12 +72,6 @@ __all__ = [
     "parse_duration",
 ]
 
-PROMPT_TOKENS = "shapeshift_prompt_tokens"
-GENERATION_TOKENS = "shapeshift_generation_tokens"
-CACHE_QUERIES = "shapeshift_prefix_cache_queries_tokens_total"
-CACHE_HITS = "shapeshift_prefix_cache_hits_tokens_total"
-REQUESTS_RUNNING = "shapeshift_requests_running"
-REQUESTS_WAITING = "shapeshift_requests_waiting"
 CONCURRENCY_QUANTILE = 0.9  # of the in-flight count over the window's busy moments
 CONCURRENCY_SAMPLES = 120  # subquery steps per window (a step is at least a second)
 

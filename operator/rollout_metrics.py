@@ -33,21 +33,21 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Iterable
 
-from shapeshift.engine.contracts.pod_annotations import (
-    METRIC_FORWARD_PASS_INFO,
-    METRIC_IN_SYNC,
-    METRIC_LAST_RELOAD_STATUS,
-    METRIC_LAST_RELOAD_TIMESTAMP,
+from shapeshift.engine.contracts.metric_names import (
+    FAILED_REQUEST_STATUSES as FAILED_STATUSES,
+    FORWARD_PASS_INFO as METRIC_FORWARD_PASS_INFO,
+    FORWARD_PASS_IN_SYNC as METRIC_IN_SYNC,
+    FORWARD_PASS_LAST_RELOAD_STATUS as METRIC_LAST_RELOAD_STATUS,
+    FORWARD_PASS_LAST_RELOAD_TIMESTAMP as METRIC_LAST_RELOAD_TIMESTAMP,
+    GENERATION_TOKENS,
+    INTER_TOKEN_LATENCY,
+    REQUESTS,
 )
 from shapeshift.operator.prometheus import PrometheusTraffic, SeriesSelector, _promql_duration
 from shapeshift.operator.rollout import CanaryAnalysis, ForwardPassIdentity, ServingMetrics
 
 __all__ = ["PodReport", "RolloutQueries", "pod_regex"]
 
-REQUESTS = "shapeshift_requests_total"
-FAILED_STATUSES = ("error", "rejected")  # engine failures and overload; `invalid`/`abort` are the client's
-INTER_TOKEN_LATENCY = "shapeshift_inter_token_latency_seconds"
-GENERATION_TOKENS = "shapeshift_generation_tokens"
 
 
 @dataclass(frozen=True)

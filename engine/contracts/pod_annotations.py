@@ -62,14 +62,9 @@ def serve_args(annotations_file: str = DEFAULT_ANNOTATIONS_FILE) -> list[str]:
     return ["--desired-forward-pass-file", annotations_file]
 
 
-# ------------------------------------------------------------------ metric names
-# Every series also carries the `model` label (the served model name).
-
-METRIC_FORWARD_PASS_INFO = "shapeshift_forward_pass_info"  # labels: name, sha256; value 1
-METRIC_RELOADS_TOTAL = "shapeshift_forward_pass_reloads_total"  # label: result
-METRIC_LAST_RELOAD_STATUS = "shapeshift_forward_pass_last_reload_status"  # label: result; one-hot
-METRIC_LAST_RELOAD_TIMESTAMP = "shapeshift_forward_pass_last_reload_timestamp_seconds"
-METRIC_IN_SYNC = "shapeshift_forward_pass_in_sync"  # 1: the active pass is the desired one
+# ------------------------------------------------------------------ reload outcomes
+# Values of the `result` label of the forward-pass reload series (series names:
+# engine/contracts/metric_names.py).
 
 RESULT_SUCCESS = "success"  # the desired pass is active (loaded or re-activated)
 RESULT_DIGEST_MISMATCH = "digest_mismatch"  # the artifact's digest is not the annotation's sha256

@@ -8,36 +8,11 @@ requests; `/metrics` renders `EngineMetrics.registry`, a `CollectorRegistry`
 owned by this server alone (several servers in one process, as in tests, never
 share or collide on series).
 
-These names are read by the operator's drift detector; they are a stable
-interface. Every series carries a `model` label (the served model name).
-
-| name                                              | type      | extra labels   | unit / meaning                                              |
-|---------------------------------------------------|-----------|----------------|-------------------------------------------------------------|
-| shapeshift_prompt_tokens                          | histogram |                | prompt length in tokens, per request accepted by the engine |
-| shapeshift_generation_tokens                      | histogram |                | generated tokens, per finished request                      |
-| shapeshift_time_to_first_token_seconds            | histogram |                | arrival at the server -> first generated token               |
-| shapeshift_inter_token_latency_seconds            | histogram |                | gap between consecutive generated tokens of one request     |
-| shapeshift_e2e_request_latency_seconds            | histogram |                | arrival -> finish, per finished request                     |
-| shapeshift_prefix_cache_queries_tokens_total      | counter   |                | prompt tokens looked up in the prefix cache                 |
-| shapeshift_prefix_cache_hits_tokens_total         | counter   |                | prompt tokens served from the prefix cache                  |
-| shapeshift_requests_total                         | counter   | status         | requests by outcome (see `REQUEST_STATUSES`)                |
-| shapeshift_requests_running                       | gauge     |                | requests in the engine's running set                        |
-| shapeshift_requests_waiting                       | gauge     |                | requests admitted but not yet running                       |
-| shapeshift_batch_size                             | gauge     |                | sequences in the last scheduler step                        |
-| shapeshift_forward_pass_info                      | info      | name, sha256   | the active forward pass (value always 1)                    |
-| shapeshift_forward_pass_reloads_total             | counter   | result         | forward-pass rollout attempts by outcome (`RELOAD_RESULTS`) |
-| shapeshift_forward_pass_last_reload_status        | gauge     | result         | 1 on the outcome of the last attempt, 0 on the others       |
-| shapeshift_forward_pass_last_reload_timestamp_seconds | gauge |                | unix time of the last attempt (0: none yet)                 |
-| shapeshift_forward_pass_in_sync                   | gauge     |                | 1 when the active pass is the one the pod annotations ask for |
-
-`requests_total{status}` values: `stop` and `length` (finished normally, by
-the OpenAI finish reason), `abort` (client went away), `error` (engine failure,
-HTTP 500), `rejected` (overload, HTTP 429), `invalid` (bad request, HTTP 4xx).
-
-`forward_pass_*reload*` results: `success`, `digest_mismatch`, `fetch_error`,
-`refused` (see `rollout_protocol.py`, which the operator imports for these names).
-They move only when the rollout agent runs (`--desired-forward-pass-file`);
-`in_sync` is 1 when no agent runs.
+The series names and their meaning are the contract in
+`engine/contracts/metric_names.py` (the operator's drift detector and canary analysis
+read them). `forward_pass_*reload*` results are `RELOAD_RESULTS` of
+`engine/contracts/pod_annotations.py`; they move only when the rollout agent runs
+(`--desired-forward-pass-file`); `in_sync` is 1 when no agent runs.
 
 Histogram buckets: token counts are roughly exponential (factor ~1.5 above
 512) up to 131072 so that prompt-length drift at 10K-128K tokens moves mass
@@ -51,9 +26,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from shapeshift.engine.contracts import metric_names as names
+from shapeshift.engine.contracts.metric_names import REQUEST_STATUSES
 from shapeshift.engine.contracts.pod_annotations import RELOAD_RESULTS
-
-REQUEST_STATUSES = ("stop", "length", "abort", "error", "rejected", "invalid")
 
 # 1..512 by powers of two, then ~1.5x steps (768, 1024, 1536, ...) to 128K.
 TOKEN_BUCKETS: tuple[float, ...] = (
@@ -84,58 +59,57 @@ class EngineMetrics:
         r = self.registry
         m = ("model",)
         self.prompt_tokens = Histogram(
-            "shapeshift_prompt_tokens", "Prompt length in tokens of requests accepted by the engine.",
+            names.PROMPT_TOKENS, "Prompt length in tokens of requests accepted by the engine.",
             m, buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
         self.generation_tokens = Histogram(
-            "shapeshift_generation_tokens", "Generated tokens per finished request.",
+            names.GENERATION_TOKENS, "Generated tokens per finished request.",
             m, buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
         self.time_to_first_token = Histogram(
-            "shapeshift_time_to_first_token_seconds", "Arrival to first generated token.",
+            names.TIME_TO_FIRST_TOKEN, "Arrival to first generated token.",
             m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.inter_token_latency = Histogram(
-            "shapeshift_inter_token_latency_seconds", "Gap between consecutive tokens of one request.",
+            names.INTER_TOKEN_LATENCY, "Gap between consecutive tokens of one request.",
             m, buckets=INTER_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.e2e_request_latency = Histogram(
-            "shapeshift_e2e_request_latency_seconds", "Arrival to finish of a request.",
+            names.E2E_REQUEST_LATENCY, "Arrival to finish of a request.",
             m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        # prometheus_client appends `_total` to counter names itself.
         self.prefix_cache_queries = Counter(
-            "shapeshift_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+            names.client_name(names.PREFIX_CACHE_QUERIES), "Prompt tokens looked up in the prefix cache.",
             m, registry=r).labels(model_name)
         self.prefix_cache_hits = Counter(
-            "shapeshift_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+            names.client_name(names.PREFIX_CACHE_HITS), "Prompt tokens found in the prefix cache.",
             m, registry=r).labels(model_name)
         self._requests = Counter(
-            "shapeshift_requests", "Requests by outcome.", ("model", "status"), registry=r)
+            names.client_name(names.REQUESTS), "Requests by outcome.", ("model", "status"), registry=r)
         for status in REQUEST_STATUSES:  # pre-create so rate() sees zeros, not absent series
             self._requests.labels(model_name, status)
         self.requests_running = Gauge(
-            "shapeshift_requests_running", "Requests in the engine's running set.",
+            names.REQUESTS_RUNNING, "Requests in the engine's running set.",
             m, registry=r).labels(model_name)
         self.requests_waiting = Gauge(
-            "shapeshift_requests_waiting", "Requests admitted but not yet running.",
+            names.REQUESTS_WAITING, "Requests admitted but not yet running.",
             m, registry=r).labels(model_name)
         self.batch_size = Gauge(
-            "shapeshift_batch_size", "Sequences in the last scheduler step.",
+            names.BATCH_SIZE, "Sequences in the last scheduler step.",
             m, registry=r).labels(model_name)
         self._forward_pass = Info(
-            "shapeshift_forward_pass", "The active forward pass.", m, registry=r)
+            names.client_name(names.FORWARD_PASS_INFO), "The active forward pass.", m, registry=r)
         self._forward_pass_identity: tuple[str, str] | None = None
         self._reloads = Counter(
-            "shapeshift_forward_pass_reloads", "Forward-pass rollout attempts by outcome.",
+            names.client_name(names.FORWARD_PASS_RELOADS), "Forward-pass rollout attempts by outcome.",
             ("model", "result"), registry=r)
         self._last_reload_status = Gauge(
-            "shapeshift_forward_pass_last_reload_status",
+            names.FORWARD_PASS_LAST_RELOAD_STATUS,
             "1 on the outcome of the last forward-pass rollout attempt, 0 on the others.",
             ("model", "result"), registry=r)
         for result in RELOAD_RESULTS:
             self._reloads.labels(model_name, result)
             self._last_reload_status.labels(model_name, result).set(0)
         self.last_reload_timestamp = Gauge(
-            "shapeshift_forward_pass_last_reload_timestamp_seconds",
+            names.FORWARD_PASS_LAST_RELOAD_TIMESTAMP,
             "Unix time of the last forward-pass rollout attempt (0: none yet).", m, registry=r).labels(model_name)
         self.forward_pass_in_sync = Gauge(
-            "shapeshift_forward_pass_in_sync",
+            names.FORWARD_PASS_IN_SYNC,
             "1 when the active forward pass is the one the pod annotations ask for.", m, registry=r).labels(model_name)
         self.forward_pass_in_sync.set(1)
         # Last cumulative values seen in EngineStats; counters advance by the difference.
@@ -148,7 +122,7 @@ class EngineMetrics:
         self._requests.labels(self.model_name, status).inc()
 
     def requests_counter_value(self, status: str) -> float:
-        value = self.registry.get_sample_value("shapeshift_requests_total",
+        value = self.registry.get_sample_value(names.REQUESTS,
                                                {"model": self.model_name, "status": status})
         return 0.0 if value is None else value
 

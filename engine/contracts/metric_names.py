@@ -1,0 +1,70 @@
+"""The engine's Prometheus series: the names the serving pods export and the operator reads.
+
+Seam: engine server ``/metrics`` (engine/serving/metrics.py) --scraped--> Prometheus
+--PromQL--> operator (drift: operator/prometheus.py; canary analysis and what each pod
+runs: operator/rollout_metrics.py). Torch-free; both sides import these names, so a
+rename is one edit here and a test failure everywhere else.
+
+Names are the series as Prometheus stores them (counters end in ``_total``, an Info
+series in ``_info``; a histogram's name is the stem of its ``_bucket``/``_sum``/
+``_count`` series). Every series carries a ``model`` label (the served model name).
+
+| name                                                  | type      | extra labels | meaning                                           |
+|-------------------------------------------------------|-----------|--------------|---------------------------------------------------|
+| shapeshift_prompt_tokens                              | histogram |              | prompt length in tokens, per accepted request     |
+| shapeshift_generation_tokens                          | histogram |              | generated tokens, per finished request            |
+| shapeshift_time_to_first_token_seconds                | histogram |              | arrival at the server -> first generated token    |
+| shapeshift_inter_token_latency_seconds                | histogram |              | gap between consecutive tokens of one request     |
+| shapeshift_e2e_request_latency_seconds                | histogram |              | arrival -> finish, per finished request           |
+| shapeshift_prefix_cache_queries_tokens_total          | counter   |              | prompt tokens looked up in the prefix cache       |
+| shapeshift_prefix_cache_hits_tokens_total             | counter   |              | prompt tokens served from the prefix cache        |
+| shapeshift_requests_total                             | counter   | status       | requests by outcome (``REQUEST_STATUSES``)        |
+| shapeshift_requests_running                           | gauge     |              | requests in the engine's running set              |
+| shapeshift_requests_waiting                           | gauge     |              | requests admitted but not yet running             |
+| shapeshift_batch_size                                 | gauge     |              | sequences in the last scheduler step              |
+| shapeshift_forward_pass_info                          | info      | name, sha256 | the active forward pass (value always 1)          |
+| shapeshift_forward_pass_reloads_total                 | counter   | result       | rollout attempts by outcome (``RELOAD_RESULTS``)  |
+| shapeshift_forward_pass_last_reload_status            | gauge     | result       | 1 on the last attempt's outcome, 0 on the others  |
+| shapeshift_forward_pass_last_reload_timestamp_seconds | gauge     |              | unix time of the last attempt (0: none yet)       |
+| shapeshift_forward_pass_in_sync                       | gauge     |              | 1 when the active pass is the one asked for       |
+"""
+
+from __future__ import annotations
+
+PREFIX = "shapeshift_"
+
+# histograms (series: <name>_bucket, <name>_sum, <name>_count)
+PROMPT_TOKENS = "shapeshift_prompt_tokens"
+GENERATION_TOKENS = "shapeshift_generation_tokens"
+TIME_TO_FIRST_TOKEN = "shapeshift_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "shapeshift_inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "shapeshift_e2e_request_latency_seconds"
+# counters
+PREFIX_CACHE_QUERIES = "shapeshift_prefix_cache_queries_tokens_total"
+PREFIX_CACHE_HITS = "shapeshift_prefix_cache_hits_tokens_total"
+REQUESTS = "shapeshift_requests_total"  # label: status
+FORWARD_PASS_RELOADS = "shapeshift_forward_pass_reloads_total"  # label: result
+# gauges
+REQUESTS_RUNNING = "shapeshift_requests_running"
+REQUESTS_WAITING = "shapeshift_requests_waiting"
+BATCH_SIZE = "shapeshift_batch_size"
+FORWARD_PASS_LAST_RELOAD_STATUS = "shapeshift_forward_pass_last_reload_status"  # label: result; one-hot
+FORWARD_PASS_LAST_RELOAD_TIMESTAMP = "shapeshift_forward_pass_last_reload_timestamp_seconds"
+FORWARD_PASS_IN_SYNC = "shapeshift_forward_pass_in_sync"  # 1: the active pass is the desired one
+# info (labels: name, sha256; value 1)
+FORWARD_PASS_INFO = "shapeshift_forward_pass_info"
+
+# `shapeshift_requests_total{status}`: finished normally by the OpenAI finish reason
+# (`stop`, `length`), the client went away (`abort`), engine failure / HTTP 500 (`error`),
+# overload / HTTP 429 (`rejected`), bad request / HTTP 4xx (`invalid`).
+REQUEST_STATUSES = ("stop", "length", "abort", "error", "rejected", "invalid")
+FAILED_REQUEST_STATUSES = ("error", "rejected")  # the engine's failures; `invalid`/`abort` are the client's
+
+
+def client_name(series: str) -> str:
+    """The name to give prometheus_client, which appends ``_total`` to counters and
+    ``_info`` to Info metrics itself."""
+    for suffix in ("_total", "_info"):
+        if series.endswith(suffix):
+            return series[: -len(suffix)]
+    return series
