@@ -71,13 +71,13 @@ from shapeshift.kernels.rmsnorm import rmsnorm_ref
 from shapeshift.kernels.triton_helpers import SM_SLOT, STAMP_SLOTS, clock_stamp, grid_dependency_wait, launch_dependents
 
 # Defaults: the fastest of hack/bench_layer_tail.py's sweep on an H200 (bench/results/layer-tail-
-# NVIDIA-H200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
+# llama-3.2-1b-shape-nvidia-h200-20261130T030628Z.json): 40.7 us a layer (70% of copy bandwidth) against 45.2 for one
 # 16-warp program per SM with 32 KB tiles and 48.6 for the fast recipe's four GEMV launches.
 TILE_ELEMENTS = 8192  # weight elements per row tile: 16 KB of bf16
 NUM_WARPS = 8  # 256 threads: a 16 KB tile is 64 bytes (4 vector loads) per thread
 PROGRAMS_PER_SM = 2  # two programs hide each other's reductions and barrier waits (when both fit)
 # Barriers: arrive before loading the next phase's first tiles, wait after (40.29 -> 38.78 us a
-# layer, layer-tail-NVIDIA-H200-20261130T052122Z.json).
+# layer, layer-tail-llama-3.2-1b-shape-nvidia-h200-20261130T052122Z.json).
 SPLIT_BARRIER = True
 # Of each weight's first two row tiles of phases 2-4, how many load between a program's arrival at
 # the barrier in front of the phase and its wait there (the rest load after the wait).
@@ -419,7 +419,7 @@ def _decode_layer_tail_kernel(
         # The last program out resets the counters for the next launch (or graph replay): every
         # other program has passed its last barrier by then (its exit add, acq_rel, comes after).
         # Plain stores: atomic exchanges, one round trip each in sequence, kept the kernel running
-        # ~0.7 us per counter after its last weight byte (layer-tail-...-052914Z.json); the
+        # ~0.7 us per counter after its last weight byte (layer-tail-llama-3.2-1b-shape-nvidia-h200-20261130T052914Z.json); the
         # kernel's end makes the stores visible to the next launch.
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:

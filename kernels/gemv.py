@@ -538,8 +538,8 @@ def _pdl_and_prefetch(weight: torch.Tensor) -> dict:
 # CUDA graphs over HBM-resident weights and prints a replacement table.
 SM90_GEMV_TABLE: dict[tuple[int, int], KernelConfig] = {
     # Llama-3.2-1B. The qkv_proj, o_proj and down_proj entries are the best of hack/bench_kernels.py
-    # --tune on an H200 (bench/results/kernels-NVIDIA-H200-20261129T184337Z-tune.json, M=1, graph
-    # time): qkv 7.67 -> 6.53 us, o 6.67 -> 5.73 us, down 17.39 -> 13.70 us against the entries
+    # --tune on an H200 (bench/results/kernels-tune-llama-3.2-1b-qwen3-30b-a3b-nvidia-h200-20261129T184337Z.json,
+    # M=1, graph time): qkv 7.67 -> 6.53 us, o 6.67 -> 5.73 us, down 17.39 -> 13.70 us against the entries
     # they replace (cuBLAS: 6.39, 5.98, 14.05 us). qkv_proj and o_proj: 96 / 128 programs; the
     # whole K slice of a program is in flight after (num_stages - 1) tiles, so the read is one
     # latency + transfer.
@@ -564,7 +564,7 @@ SM90_GATED_GEMV_TABLE: dict[tuple[int, int], KernelConfig] = {
     # Llama-3.2-1B gate/up: against the plain up_proj entry (32 x 128, 4 stages) in one process
     # on an H200, batch-1 decode of the fast recipe 898.2 vs 889.6 / 894.5 tok/s single-step and
     # 937.8 vs 913.3 / 913.5 with 8 overlapped steps (bench/results/decode-llama-3.2-1b-shape-
-    # nvidia-h200-20261130-012823.json; bench/recipes/decode-gated-gemv.json has the variants).
+    # nvidia-h200-20261130T012823Z.json; bench/recipes/decode-gated-gemv.json has the variants).
     (8192, 2048): KernelConfig.make("dot", num_warps=4, num_stages=3, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1),
 }
 
