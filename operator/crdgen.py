@@ -1,6 +1,6 @@
 """CustomResourceDefinitions from the pydantic models.
 
-    models.KINDS --pydantic JSON Schema--> structural rewrite --> CRD dict --> crds/<plural>.yaml
+    shapeshift.operator.api.KINDS --pydantic JSON Schema--> structural rewrite --> CRD dict --> crds/<plural>.yaml
 
 Pydantic writes JSON Schema 2020-12; the API server wants a *structural*
 OpenAPI v3 schema. The rewrite:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shapeshift.operator import hardware
+from shapeshift.operator.api import hardware
 from shapeshift.operator.api import (
     CompileRunSpec,
     CompileBudget,

@@ -1,0 +1,209 @@
+"""What every Shapeshift custom resource shares: the wire base classes, conditions,
+the hardware and environment field types, and the helpers that parse cluster objects.
+
+    group.py, common.py --> inference_deployment.py, compile_run.py, forward_pass.py
+                        --crdgen.py--> crds/*.yaml (OpenAPI schema, CEL rules, columns)
+    cluster object --parse_spec()/Status.model_validate()--> typed spec/status
+    handlers --Status(...).to_patch()--> status subresource
+
+One definition serves the API server and the operator: every bound and enum
+becomes an OpenAPI constraint, every cross-field rule is written twice, once as
+a CEL rule (`x-kubernetes-validations`, enforced by the API server) and once as
+a pydantic validator (enforced when the operator or a test builds a spec in
+Python), next to each other so they stay the same rule.
+
+Field names are snake_case in Python, camelCase on the wire.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from shapeshift.engine.contracts.traffic_profile import BUILTIN_PROFILES
+from shapeshift.operator.api.hardware import ACCELERATORS, AcceleratorKind
+
+if TYPE_CHECKING:
+    from shapeshift.operator.api.group import Kind
+
+BuiltinTrafficProfile = Literal["chat", "agentic-long-context", "burst"]
+assert set(BuiltinTrafficProfile.__args__) == set(BUILTIN_PROFILES)  # type: ignore[attr-defined]
+
+# Weight and activation dtypes the engine runs in (EngineConfig's choices).
+Dtype = Literal["bfloat16", "float16", "float32"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry."""
+    return {"rule": rule, "message": message, **extra}
+
+
+class WireModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown keys rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class StatusModel(WireModel):
+    """Status is read back from the cluster, where the compile worker also writes:
+    tolerate keys this version does not know instead of failing to parse."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+def default_of(model: type[WireModel]) -> dict[str, Any]:
+    """CRD `default` of a nested object whose fields all default: the full default
+    object, so the API server fills it in when the user omits it. (A bare `{}` is
+    not enough: the API server checks defaults against CEL rules without applying
+    the inner defaults first.)"""
+    return {"default": model().to_wire()}
+
+
+# ---- shared pieces ------------------------------------------------------------------------
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(max_length=64, description="Condition type, e.g. Ready, Scheduled, Complete.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", max_length=128, description="CamelCase reason for the last transition.")
+    message: str = Field(default="", max_length=4096, description="Human-readable detail.")
+    last_transition_time: datetime | None = Field(default=None, description="When the status last changed.")
+    observed_generation: int | None = Field(default=None, description="Generation the condition was computed for.")
+
+
+def set_condition(
+    conditions: list[Condition],
+    type: str,
+    status: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str = "",
+    *,
+    now: datetime | None = None,
+    observed_generation: int | None = None,
+) -> list[Condition]:
+    """A new list with `type` set; the transition time only moves when the status does."""
+    now = now or datetime.now(timezone.utc).replace(microsecond=0)
+    out: list[Condition] = []
+    found = False
+    for c in conditions:
+        if c.type == type:
+            found = True
+            ltt = c.last_transition_time if c.status == status and c.last_transition_time else now
+            out.append(Condition(type=type, status=status, reason=reason, message=message[:4096],
+                                 last_transition_time=ltt, observed_generation=observed_generation))
+        else:
+            out.append(c)
+    if not found:
+        out.append(Condition(type=type, status=status, reason=reason, message=message[:4096],
+                             last_transition_time=now, observed_generation=observed_generation))
+    return out
+
+
+def get_condition(conditions: list[Condition], type: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type), None)
+
+
+class Toleration(WireModel):
+    """A pod toleration (the subset of core/v1 Toleration Shapeshift passes through)."""
+
+    key: str | None = Field(default=None, max_length=317, description="Taint key to tolerate; empty with Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; empty matches all."
+    )
+    toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay bound.")
+
+
+class HardwareSpec(WireModel):
+    """The accelerator pool pods run on."""
+
+    accelerator: AcceleratorKind = Field(
+        description="Accelerator kind: " + ", ".join(f"{k} ({a.description})" for k, a in ACCELERATORS.items()) + "."
+    )
+    count: int = Field(default=1, ge=1, le=64, description="Accelerators per pod (ignored for cpu).")
+    node_selector: dict[str, str] | None = Field(
+        default=None, max_length=32, description="Extra node labels, merged over the pool's own selector."
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=32, description="Extra tolerations, added to the pool's."
+    )
+    cpu: str | None = Field(default=None, max_length=32, description="CPU request per pod, e.g. '8'.")
+    memory: str | None = Field(default=None, max_length=32, description="Memory request and limit per pod, e.g. '64Gi'.")
+
+
+# ---- environment of the engine and compile containers ------------------------------------
+
+# Environment variables the operator sets in engine and compile pods itself; a spec may not set
+# them (the container's later entry would silently win over the user's, or the user's over ours).
+RESERVED_ENV_NAMES = (
+    "POD_NAME", "POD_NAMESPACE", "SHAPESHIFT_INFERENCE_DEPLOYMENT", "SHAPESHIFT_ENGINE_CONFIG",
+    "SHAPESHIFT_NAMESPACE", "SHAPESHIFT_COMPILE_RUN", "SHAPESHIFT_ACCELERATOR", "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS",
+    "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_ENGINE_ENV_NAMES",
+)
+RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+MAX_ENV_VARS = 32
+ENV_LIST_SCHEMA = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}  # keyed by name
+
+
+class EnvVar(WireModel):
+    """An environment variable of the engine and compile containers (a literal value)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!(self.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
+                    f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
+                    "spec.engine.env: this name is set by the operator itself"),
+            ]
+        }
+    )
+    name: str = Field(max_length=128, pattern=_ENV_NAME, description="Variable name (a C identifier).")
+    value: str = Field(default="", max_length=4096, description="Its value.")
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> "EnvVar":
+        if self.name in RESERVED_ENV_NAMES or self.name.startswith(RESERVED_ENV_PREFIX):
+            raise ValueError(f"spec.engine.env: {self.name} is set by the operator itself")
+        return self
+
+
+# ---- parsing helpers ------------------------------------------------------------------------
+
+
+def parse_spec(kind: Kind, spec: Any) -> Any:
+    """Typed spec from a cluster object's spec mapping (pydantic ValidationError on bad input)."""
+    return kind.spec.model_validate(dict(spec or {}))
+
+
+def parse_status(kind: Kind, status: Any) -> Any:
+    return kind.status.model_validate(dict(status or {}))
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def short_error(exc: Exception) -> str:
+    """A pydantic ValidationError as one line per error, with the wire field path."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for e in errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()))
+        lines.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(lines)

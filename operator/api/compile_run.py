@@ -1,0 +1,256 @@
+"""The CompileRun kind: one search for a faster forward pass, and the compile settings
+an InferenceDeployment's automatic runs copy (agents, tiers, verification, baseline, budget).
+
+    user or drift detector --CompileRun--> operator: compile Job (builders.py)
+                                       --> compile pod (engine/compile/worker.py) reads the spec,
+                                           writes trials, leaderboard, bestSpeedup, champion
+    spec defaults and validation: here, mirrored as CEL rules in crds/shapeshift.dev_compileruns.yaml
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.operator.api.common import (DNS_LABEL, DNS_SUBDOMAIN, BuiltinTrafficProfile, Condition, HardwareSpec,
+                                            StatusModel, WireModel, cel, default_of)
+from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
+from shapeshift.operator.api.hardware import AcceleratorKind
+
+# ---- compile settings (a CompileRun's own, and the template of automatic ones) ----------
+
+
+class SecretKeyRef(WireModel):
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Secret name.")
+    key: str = Field(default="api-key", max_length=253, description="Key in the Secret.")
+
+
+class LLMAgentSpec(WireModel):
+    """An OpenAI-compatible endpoint for an LLM coding agent."""
+
+    endpoint: str = Field(max_length=1024, pattern=r"^https?://", description="Base URL of an OpenAI-compatible API.")
+    model: str = Field(max_length=256, description="Model name to ask.")
+    api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key.")
+
+
+class AgentSpec(WireModel):
+    """One search agent."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings")]
+        }
+    )
+    kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(description="Agent strategy.")
+    name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL, description="Name on the message board (default: kind-index).")
+    replicas: int = Field(default=1, ge=1, le=16, description="Concurrent instances of this agent.")
+    llm: LLMAgentSpec | None = Field(default=None, description="Endpoint settings for kind llm.")
+
+    @model_validator(mode="after")
+    def _llm_settings(self) -> "AgentSpec":
+        if self.kind == "llm" and self.llm is None:
+            raise ValueError("an agent of kind llm needs llm settings")
+        return self
+
+
+class TierSpec(WireModel):
+    """Measurement tiers of the persistent engine."""
+
+    fast: bool = Field(default=True, description="Screen candidates on a few layers first.")
+    fast_layers: int = Field(default=2, ge=1, le=256, description="Layers the fast tier loads.")
+    full: bool = Field(default=True, description="Measure survivors on the whole model with traffic replay.")
+    replay_requests: int = Field(default=64, ge=1, le=100000, description="Requests per replay.")
+    repeats: int = Field(default=3, ge=1, le=50, description="Replays per measurement (gives the noise).")
+
+
+class VerificationSpec(WireModel):
+    """Checks a champion must pass before it is published."""
+
+    greedy_steps: int = Field(default=64, ge=1, le=8192, description="Greedy decode steps compared against the stock forward pass.")
+    fresh_prompts: int = Field(default=8, ge=1, le=1024, description="Fresh random prompts per comparison.")
+    logprob_tolerance: float = Field(default=0.05, gt=0, le=10, description="Largest allowed absolute logprob difference.")
+    kv_contamination: bool = Field(default=True, description="Run KV-cache contamination checks.")
+
+
+class BaselineSpec(WireModel):
+    """What a candidate must beat."""
+
+    forward_pass: str | None = Field(default=None, max_length=253, description="ForwardPass to beat (default: the deployment's active one).")
+    min_speedup: float = Field(default=1.02, ge=1, le=100, description="Least speedup over the baseline, beyond the noise, to publish.")
+
+
+class CompileBudget(WireModel):
+    """How much one compile run may spend; at least one limit must be positive."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.wallClockSeconds > 0 || self.trials > 0",
+                    "a compile budget needs wallClockSeconds > 0 or trials > 0"),
+            ]
+        }
+    )
+    wall_clock_seconds: int = Field(default=3600, ge=0, le=7 * 86400, description="Wall-clock limit of the search in seconds (0: no limit).")
+    trials: int = Field(default=0, ge=0, le=1_000_000, description="Candidate measurements allowed (0: no limit).")
+    deadline_grace_seconds: int = Field(
+        default=600, ge=0, le=86400,
+        description="Time on top of wallClockSeconds for loading, verification and publishing before the Job is stopped.",
+    )
+
+    @model_validator(mode="after")
+    def _positive(self) -> "CompileBudget":
+        if self.wall_clock_seconds <= 0 and self.trials <= 0:
+            raise ValueError("a compile budget needs wallClockSeconds > 0 or trials > 0")
+        return self
+
+    @property
+    def active_deadline_seconds(self) -> int | None:
+        """Job deadline: the wall clock plus grace, or none when only trials limit the run."""
+        if self.wall_clock_seconds <= 0:
+            return None
+        return self.wall_clock_seconds + self.deadline_grace_seconds
+
+
+# ---- CompileRun ---------------------------------------------------------------------------
+
+
+class DeploymentRef(WireModel):
+    name: str = Field(min_length=1, max_length=253, description="Name of the InferenceDeployment in the same namespace.")
+
+
+class PrometheusWindow(WireModel):
+    """Snapshot the deployment's traffic from Prometheus when the run starts."""
+
+    window_seconds: int = Field(default=900, ge=60, le=30 * 86400, description="Window to read, ending when the run starts.")
+
+
+class TrafficSource(WireModel):
+    """The traffic to optimise for: at most one of builtin, inline, prometheus
+    (none: the deployment's observed traffic, else its traffic profile)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("(has(self.builtin) ? 1 : 0) + (has(self.inline) ? 1 : 0) + (has(self.prometheus) ? 1 : 0) <= 1",
+                    "set at most one of spec.traffic.builtin, spec.traffic.inline, spec.traffic.prometheus"),
+            ]
+        }
+    )
+    builtin: BuiltinTrafficProfile | None = Field(default=None, description="A built-in profile.")
+    inline: TrafficProfile | None = Field(default=None, description="A profile given in full (drift-triggered runs carry their snapshot here).")
+    prometheus: PrometheusWindow | None = Field(default=None, description="Snapshot from Prometheus.")
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> "TrafficSource":
+        if sum(x is not None for x in (self.builtin, self.inline, self.prometheus)) > 1:
+            raise ValueError("set at most one of spec.traffic.builtin, spec.traffic.inline, spec.traffic.prometheus")
+        return self
+
+
+class CompileTrigger(WireModel):
+    """Why the run exists."""
+
+    reason: Literal["Manual", "Drift"] = Field(default="Manual", description="Manual or Drift.")
+    drift_score: float | None = Field(default=None, ge=0, description="Drift score that triggered the run.")
+    observed_at: datetime | None = Field(default=None, description="When the drift was confirmed.")
+
+
+_RUN_NAME_MAX = 52  # the Job is "<run>-compile"; Job names feed a 63-character pod label
+
+
+class CompileRunSpec(WireModel):
+    """One search for a faster forward pass. Immutable once created."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self == oldSelf", "spec of a CompileRun is immutable; create a new CompileRun"),
+            ]
+        }
+    )
+    deployment_ref: DeploymentRef = Field(description="The InferenceDeployment to compile for.")
+    hardware: HardwareSpec | None = Field(default=None, description="Pool to compile on (default: the deployment's).")
+    traffic: TrafficSource = Field(default_factory=TrafficSource, json_schema_extra=default_of(TrafficSource),
+                                   description="Traffic to optimise for.")
+    budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=default_of(CompileBudget), description="Limits of the search.")
+    agents: list[AgentSpec] = Field(
+        default_factory=lambda: [AgentSpec(kind="coordinate-sweep"), AgentSpec(kind="evolutionary")],
+        max_length=16,
+        json_schema_extra={"default": [{"kind": "coordinate-sweep", "replicas": 1}, {"kind": "evolutionary", "replicas": 1}]},
+        description="Search agents, run concurrently on one message board.",
+    )
+    tiers: TierSpec = Field(default_factory=TierSpec, json_schema_extra=default_of(TierSpec), description="Measurement tiers.")
+    verification: VerificationSpec = Field(default_factory=VerificationSpec, json_schema_extra=default_of(VerificationSpec),
+                                           description="Verification of the champion.")
+    baseline: BaselineSpec = Field(default_factory=BaselineSpec, json_schema_extra=default_of(BaselineSpec), description="What to beat.")
+    backoff_limit: int = Field(default=1, ge=0, le=10, description="Retries of the compile pod before the run fails.")
+    trigger: CompileTrigger = Field(default_factory=CompileTrigger, json_schema_extra=default_of(CompileTrigger), description="Why the run exists.")
+    image: str | None = Field(default=None, max_length=512, description="Compile worker image (default: the deployment's engine image).")
+
+
+class LeaderboardEntry(StatusModel):
+    candidate: str = Field(max_length=253, description="Candidate id.")
+    agent: str | None = Field(default=None, max_length=63, description="Agent that proposed it.")
+    speedup: float | None = Field(default=None, description="Speedup over the baseline.")
+    tokens_per_second: float | None = Field(default=None, description="Output tokens/s in replay.")
+    verified: bool | None = Field(default=None, description="Whether it passed verification.")
+
+
+class TrialCounts(StatusModel):
+    total: int = Field(default=0, ge=0, description="Candidates measured.")
+    improved: int = Field(default=0, ge=0, description="Candidates that beat the incumbent by more than the noise.")
+    rejected: int = Field(default=0, ge=0, description="Candidates rejected by a check.")
+    failed: int = Field(default=0, ge=0, description="Candidates that crashed, hung or did not build.")
+
+
+CompileRunPhase = Literal["Pending", "Scheduled", "Running", "Verifying", "Succeeded", "Failed"]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+class CompileRunStatus(StatusModel):
+    """Where the search stands. The operator writes phase, job, pod and conditions;
+    the compile worker writes trials, leaderboard, bestSpeedup and champion."""
+
+    observed_generation: int | None = Field(default=None, description="Generation of the spec last reconciled.")
+    phase: CompileRunPhase | None = Field(default=None, description="Pending, Scheduled, Running, Verifying, Succeeded or Failed.")
+    accelerator: AcceleratorKind | None = Field(default=None, description="Accelerator the run compiles on.")
+    job_name: str | None = Field(default=None, max_length=63, description="The compile Job.")
+    pod_name: str | None = Field(default=None, max_length=253, description="The compile pod last seen.")
+    node_name: str | None = Field(default=None, max_length=253, description="Node the compile pod is bound to.")
+    start_time: datetime | None = Field(default=None, description="When the compile pod started.")
+    completion_time: datetime | None = Field(default=None, description="When the run ended.")
+    trials: TrialCounts | None = Field(default=None, description="Candidate counts.")
+    best_speedup: float | None = Field(default=None, description="Best verified speedup so far.")
+    leaderboard: list[LeaderboardEntry] | None = Field(default=None, max_length=20, description="Best candidates so far.")
+    champion: str | None = Field(default=None, max_length=253, description="The ForwardPass published by this run.")
+    conditions: list[Condition] | None = Field(default=None, max_length=32, description="Scheduled, Complete, Failed ...")
+    message: str | None = Field(default=None, max_length=4096, description="Human-readable summary.")
+
+
+COMPILE_RUN = Kind(
+    kind="CompileRun",
+    plural="compileruns",
+    short_names=["cr", "crun"],
+    spec=CompileRunSpec,
+    status=CompileRunStatus,
+    columns=[
+        printer_column("Phase", ".status.phase", description="Pending, Scheduled, Running, Verifying, Succeeded or Failed."),
+        printer_column("Deployment", ".spec.deploymentRef.name"),
+        printer_column("Accelerator", ".status.accelerator"),
+        printer_column("Trials", ".status.trials.total", "integer"),
+        printer_column("Speedup", ".status.bestSpeedup", "number", description="Best verified speedup."),
+        printer_column("Champion", ".status.champion"),
+        printer_column("Trigger", ".spec.trigger.reason", priority=1),
+        printer_column("Node", ".status.nodeName", priority=1),
+        printer_column("Message", ".status.message", priority=1),
+        AGE_COLUMN,
+    ],
+    root_rules=[
+        cel(f"self.metadata.name.size() <= {_RUN_NAME_MAX}",
+            f"CompileRun names must be at most {_RUN_NAME_MAX} characters (the Job is named <name>-compile)"),
+    ],
+    description="One search for a faster forward pass of an InferenceDeployment.",
+)

@@ -1,0 +1,162 @@
+"""The ForwardPass kind: a verified forward pass, an entry of the champion registry.
+
+    compile pod (engine/compile/champions.py) --ForwardPassSpec(...).to_wire()--> ForwardPass object
+    operator rollout --reads spec.artifact, spec.hardware, spec.engine--> pod annotations
+    operator rollout --ForwardPassStatus--> phase, deployments that run it, refusals
+    spec validation: here, mirrored as CEL rules in crds/shapeshift.dev_forwardpasses.yaml
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.operator.api.common import (ENV_LIST_SCHEMA, MAX_ENV_VARS, Condition, Dtype, EnvVar, StatusModel,
+                                            WireModel, cel, default_of)
+from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
+from shapeshift.operator.api.hardware import AcceleratorKind
+
+class ModelSignature(WireModel):
+    """Which model a forward pass is for."""
+
+    name: str = Field(max_length=253, description="Model or preset name.")
+    architecture: str | None = Field(default=None, max_length=128, description="e.g. LlamaForCausalLM.")
+    dtype: Dtype = Field(default="bfloat16", description="Dtype it was verified in.")
+    config_sha256: str | None = Field(default=None, max_length=64, pattern=r"^[a-f0-9]{64}$",
+                                      description="sha256 of the model's config.json.")
+
+
+class ForwardPassHardware(WireModel):
+    accelerator: AcceleratorKind = Field(description="Accelerator it was compiled and verified on.")
+    count: int = Field(default=1, ge=1, le=64, description="Accelerators per engine.")
+
+
+class Artifact(WireModel):
+    """Where the bundle lives."""
+
+    uri: str = Field(max_length=2048, description="Location of the bundle (file://, s3://, http(s)://, configmap://).")
+    sha256: str = Field(pattern=r"^[a-f0-9]{64}$", max_length=64,
+                        description="Bundle digest (the manifest digest, independent of packing) the engine checks before loading.")
+    size_bytes: int | None = Field(default=None, ge=0, description="Size of the bundle.")
+
+
+class ForwardPassMetrics(WireModel):
+    """Measured on the replay of the traffic profile."""
+
+    tokens_per_second: float | None = Field(default=None, ge=0, description="Output tokens/s.")
+    baseline_tokens_per_second: float | None = Field(default=None, ge=0, description="Output tokens/s of the baseline.")
+    speedup: float | None = Field(default=None, ge=0, description="tokensPerSecond / baselineTokensPerSecond.")
+    per_user_tokens_per_second_p50: float | None = Field(default=None, ge=0, description="Per-user tokens/s, median.")
+    per_user_tokens_per_second_p90: float | None = Field(default=None, ge=0, description="Per-user tokens/s, p90.")
+    ttft_p50_seconds: float | None = Field(default=None, ge=0, description="Time to first token, median.")
+    ttft_p90_seconds: float | None = Field(default=None, ge=0, description="Time to first token, p90.")
+    noise: float | None = Field(default=None, ge=0, description="Run-to-run relative noise of the measurement.")
+
+
+class GateResult(WireModel):
+    name: str = Field(max_length=128, description="Gate name.")
+    passed: bool = Field(description="Whether it passed.")
+    message: str | None = Field(default=None, max_length=4096, description="Detail.")
+
+
+class VerificationReport(WireModel):
+    passed: bool = Field(description="Whether every gate passed.")
+    gates: list[GateResult] = Field(default_factory=list, max_length=64, description="Per-gate results.")
+
+
+class ReasoningNote(WireModel):
+    agent: str = Field(max_length=63, description="Agent that wrote it.")
+    note: str = Field(max_length=8192, description="Why the change should help.")
+
+
+class ForwardPassEngine(WireModel):
+    """The engine settings a forward pass was measured under, beyond its recipe."""
+
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=MAX_ENV_VARS,
+        description="The deployment's spec.engine.env in the compile pod (kernel launch switches such as "
+                    "SHAPESHIFT_PDL); empty: none set. Rollout refuses the forward pass for a deployment "
+                    "whose spec.engine.env differs.",
+        json_schema_extra=ENV_LIST_SCHEMA,
+    )
+
+
+class ForwardPassSpec(WireModel):
+    """A verified champion: an entry of the registry. Immutable once created."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self == oldSelf", "spec of a ForwardPass is immutable; publish a new ForwardPass"),
+            ]
+        }
+    )
+    model: ModelSignature = Field(description="Model it is for.")
+    hardware: ForwardPassHardware = Field(description="Hardware it is for.")
+    traffic: TrafficProfile | None = Field(default=None, description="Traffic profile it was compiled for.")
+    artifact: Artifact = Field(description="The bundle.")
+    recipe: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        description="Knob values (free-form: kernel variants, tile configs, batch buckets ...).",
+    )
+    metrics: ForwardPassMetrics = Field(default_factory=ForwardPassMetrics, json_schema_extra=default_of(ForwardPassMetrics),
+                                        description="Measured performance.")
+    verification: VerificationReport = Field(description="Verification report.")
+    engine: ForwardPassEngine | None = Field(
+        default=None, description="Engine environment it was measured under (absent: not recorded, as for "
+                                  "forward passes published outside a cluster).")
+    reasoning: list[ReasoningNote] | None = Field(default=None, max_length=64, description="The agents' reasoning.")
+    parent: str | None = Field(default=None, max_length=253, description="ForwardPass this one was derived from.")
+    compile_run: str | None = Field(default=None, max_length=253, description="CompileRun that produced it.")
+
+
+class ForwardPassRefusal(StatusModel):
+    """One InferenceDeployment that would not or could not run this forward pass."""
+
+    deployment: str = Field(max_length=253, description="The InferenceDeployment.")
+    reason: str = Field(max_length=128, description="RolledBack, RolloutFailed, ArtifactNotDurable or TargetRejected.")
+    message: str = Field(default="", max_length=4096, description="Why (the rollout's message).")
+    time: datetime | None = Field(default=None, description="When the refusal was first recorded.")
+
+
+ForwardPassPhase = Literal["Available", "Active", "Refused"]
+
+
+class ForwardPassStatus(StatusModel):
+    """Written by the operator's rollout from each InferenceDeployment's outcome."""
+
+    phase: ForwardPassPhase | None = Field(
+        default=None,
+        description="Active: at least one InferenceDeployment runs it. Refused: none runs it and at least one "
+                    "refused it (rolled back, or not rollable). Available: neither.")
+    deployments: list[str] | None = Field(default=None, max_length=256, description="InferenceDeployments that run it.")
+    refusals: list[ForwardPassRefusal] | None = Field(
+        default=None, max_length=256, description="InferenceDeployments that refused it, and why.")
+    conditions: list[Condition] | None = Field(default=None, max_length=32, description="Conditions.")
+
+
+FORWARD_PASS = Kind(
+    kind="ForwardPass",
+    plural="forwardpasses",
+    short_names=["fp"],
+    spec=ForwardPassSpec,
+    status=ForwardPassStatus,
+    columns=[
+        printer_column("Model", ".spec.model.name"),
+        printer_column("Accelerator", ".spec.hardware.accelerator"),
+        printer_column("Speedup", ".spec.metrics.speedup", "number"),
+        printer_column("Verified", ".spec.verification.passed", "boolean"),
+        printer_column("Phase", ".status.phase", description="Available, Active or Refused."),
+        printer_column("SHA256", ".spec.artifact.sha256", priority=1),
+        printer_column("Deployments", ".status.deployments", priority=1, description="InferenceDeployments that run it."),
+        printer_column("Parent", ".spec.parent", priority=1),
+        AGE_COLUMN,
+    ],
+    root_rules=[],
+    description="A verified forward pass: an entry of the champion registry.",
+)
