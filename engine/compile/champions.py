@@ -33,6 +33,10 @@ from typing import Any, Mapping
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.engine.compile.candidate import Candidate, canonical_json
+from shapeshift.operator.api import (API_VERSION, DTYPES, FORWARD_PASS, GROUP, VERSION, Artifact, EnvVar,
+                                     ForwardPassEngine, ForwardPassHardware, ForwardPassMetrics, ForwardPassSpec,
+                                     GateResult, ModelSignature, ReasoningNote, VerificationReport,
+                                     accelerator_of_device)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +201,12 @@ def project_recipe(recipe: Mapping[str, Any], space: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- cluster
 
-GROUP, VERSION, PLURAL = "shapeshift.dev", "v1alpha1", "forwardpasses"
+PLURAL = FORWARD_PASS.plural
+# Labels of a published ForwardPass: the registry's keys, so a lookup can select on them.
+LABEL_MODEL_SIGNATURE = f"{GROUP}/model-signature"
+LABEL_HARDWARE = f"{GROUP}/hardware"
+LABEL_REGIME = f"{GROUP}/regime"
+LABEL_FAMILY = f"{GROUP}/family"
 
 
 def _dns_name(text: str) -> str:
@@ -205,15 +214,39 @@ def _dns_name(text: str) -> str:
     return safe[:63].rstrip("-") or "fp"
 
 
-def _accelerator(hardware: str) -> str:
-    hw = hardware.lower()
-    if "h200" in hw:
-        return "nvidia-h200"
-    if "h100" in hw:
-        return "nvidia-h100"
-    if "trainium" in hw or "neuron" in hw:
-        return "trainium2"
-    return "cpu"
+def forward_pass_spec(entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
+                      engine_env: list[dict[str, str]] | None = None) -> ForwardPassSpec:
+    """The ForwardPass spec of `entry` (pydantic ValidationError when it breaks the CRD's schema);
+    `engine_env` (name/value pairs, None: unknown) is the engine environment it was measured
+    under, recorded as spec.engine.env."""
+    metrics, verification = entry.metrics, entry.verification
+    dtype = metrics.get("dtype")
+    return ForwardPassSpec(
+        model=ModelSignature(name=entry.model, architecture=entry.family,
+                             dtype=dtype if dtype in DTYPES else "bfloat16"),
+        hardware=ForwardPassHardware(accelerator=accelerator_of_device(entry.hardware), count=1),
+        traffic=entry.profile or None,
+        artifact=Artifact(uri=artifact_uri, sha256=entry.bundle_digest, size_bytes=size_bytes or None),
+        recipe=entry.recipe,
+        metrics=ForwardPassMetrics(
+            tokens_per_second=metrics.get("tokens_per_second"),
+            baseline_tokens_per_second=metrics.get("baseline_tokens_per_second"),
+            per_user_tokens_per_second_p50=metrics.get("per_user_p50"),
+            per_user_tokens_per_second_p90=metrics.get("per_user_p90"),
+            ttft_p50_seconds=metrics.get("ttft_p50"),
+            ttft_p90_seconds=metrics.get("ttft_p90"),
+            speedup=entry.speedup,
+            noise=metrics.get("noise")),
+        verification=VerificationReport(
+            passed=bool(verification.get("passed")),
+            gates=[GateResult(name=n, passed=bool(ok)) for n, ok in (verification.get("gates") or {}).items()]),
+        engine=None if engine_env is None else ForwardPassEngine(
+            env=[EnvVar(name=e["name"], value=e.get("value", "")) for e in engine_env]),
+        reasoning=[ReasoningNote(agent=n.get("agent", "?")[:63], note=n.get("note", "")[:8192])
+                   for n in entry.notes[:64]] or None,
+        parent=_dns_name(entry.parent) if entry.parent else None,
+        compile_run=entry.compile_run or None,
+    )
 
 
 class ClusterRegistry:
@@ -226,47 +259,14 @@ class ClusterRegistry:
     def to_object(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
                   annotations: Mapping[str, str] | None = None,
                   engine_env: list[dict[str, str]] | None = None) -> dict[str, Any]:
-        """The ForwardPass object of `entry`; `engine_env` (name/value pairs, None: unknown) is the
-        engine environment it was measured under, recorded as spec.engine.env."""
-        gates = [{"name": n, "passed": bool(ok)} for n, ok in (entry.verification.get("gates") or {}).items()]
-        spec: dict[str, Any] = {
-            "model": {"name": entry.model, "architecture": entry.family,
-                      "dtype": entry.metrics.get("dtype", "bfloat16") if entry.metrics.get("dtype") in ("bfloat16", "float16", "float32") else "bfloat16"},
-            "hardware": {"accelerator": _accelerator(entry.hardware), "count": 1},
-            "artifact": {"uri": artifact_uri, "sha256": entry.bundle_digest, **({"sizeBytes": size_bytes} if size_bytes else {})},
-            "recipe": entry.recipe,
-            "metrics": {k: v for k, v in {
-                "tokensPerSecond": entry.metrics.get("tokens_per_second"),
-                "baselineTokensPerSecond": entry.metrics.get("baseline_tokens_per_second"),
-                "perUserTokensPerSecondP50": entry.metrics.get("per_user_p50"),
-                "perUserTokensPerSecondP90": entry.metrics.get("per_user_p90"),
-                "ttftP50Seconds": entry.metrics.get("ttft_p50"),
-                "ttftP90Seconds": entry.metrics.get("ttft_p90"),
-                "speedup": entry.speedup, "noise": entry.metrics.get("noise")}.items() if v is not None},
-            "verification": {"passed": bool(entry.verification.get("passed")), "gates": gates},
-        }
-        if entry.profile:
-            spec["traffic"] = entry.profile
-        if engine_env is not None:
-            spec["engine"] = {"env": [{"name": e["name"], "value": e.get("value", "")} for e in engine_env]}
-        if entry.notes:
-            spec["reasoning"] = [{"agent": n.get("agent", "?")[:63], "note": n.get("note", "")[:8192]} for n in entry.notes][:64]
-        if entry.parent:
-            spec["parent"] = _dns_name(entry.parent)
-        if entry.compile_run:
-            spec["compileRun"] = entry.compile_run
-        try:  # the operator's pydantic model is the schema of the CRD: validate before sending
-            from shapeshift.operator.api import ForwardPassSpec
-
-            spec = ForwardPassSpec.model_validate(spec).model_dump(mode="json", by_alias=True, exclude_none=True)
-        except ImportError:
-            pass
-        labels = {"shapeshift.dev/model-signature": entry.signature, "shapeshift.dev/hardware": _dns_name(entry.hardware),
-                  "shapeshift.dev/regime": TrafficRegime(**entry.regime).key, "shapeshift.dev/family": entry.family}
+        """The ForwardPass object of `entry`, its spec built and validated by `forward_pass_spec`."""
+        spec = forward_pass_spec(entry, artifact_uri, size_bytes, engine_env)
+        labels = {LABEL_MODEL_SIGNATURE: entry.signature, LABEL_HARDWARE: _dns_name(entry.hardware),
+                  LABEL_REGIME: TrafficRegime(**entry.regime).key, LABEL_FAMILY: entry.family}
         metadata: dict[str, Any] = {"name": _dns_name(entry.name), "namespace": self.namespace, "labels": labels}
         if annotations:
             metadata["annotations"] = dict(annotations)
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": metadata, "spec": spec}
+        return {"apiVersion": API_VERSION, "kind": FORWARD_PASS.kind, "metadata": metadata, "spec": spec.to_wire()}
 
     def publish(self, entry: ChampionEntry, artifact_uri: str, size_bytes: int | None = None,
                 annotations: Mapping[str, str] | None = None,
@@ -292,7 +292,7 @@ class ClusterRegistry:
         for o in objs:
             labels = o.get("metadata", {}).get("labels", {})
             spec = o.get("spec", {})
-            regime_key = labels.get("shapeshift.dev/regime", "p0-h0-c0")
+            regime_key = labels.get(LABEL_REGIME, "p0-h0-c0")
             try:
                 p, h, c = (int(part[1:]) for part in regime_key.split("-"))
             except ValueError:
@@ -304,9 +304,9 @@ class ClusterRegistry:
                 except Exception:  # noqa: BLE001 - keep the label's regime
                     pass
             out.append(ChampionEntry(
-                name=o["metadata"]["name"], signature=labels.get("shapeshift.dev/model-signature", ""),
-                model=spec.get("model", {}).get("name", ""), family=labels.get("shapeshift.dev/family", ""),
-                hardware=labels.get("shapeshift.dev/hardware", spec.get("hardware", {}).get("accelerator", "")),
+                name=o["metadata"]["name"], signature=labels.get(LABEL_MODEL_SIGNATURE, ""),
+                model=spec.get("model", {}).get("name", ""), family=labels.get(LABEL_FAMILY, ""),
+                hardware=labels.get(LABEL_HARDWARE, spec.get("hardware", {}).get("accelerator", "")),
                 regime={"prompt": p, "hit": h, "concurrency": c},
                 bundle_digest=spec.get("artifact", {}).get("sha256", ""), recipe=spec.get("recipe", {}) or {},
                 bundle_path=spec.get("artifact", {}).get("uri", ""), speedup=spec.get("metrics", {}).get("speedup"),

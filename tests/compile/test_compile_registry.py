@@ -9,11 +9,12 @@ import pytest
 
 from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
 from shapeshift.engine.compile.champions import (ChampionEntry, ClusterRegistry, LocalRegistry, TrafficRegime,
-                                                model_signature, project_recipe, rank)
+                                                forward_pass_spec, model_signature, project_recipe, rank)
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.core.config import ModelConfig
 from shapeshift.engine.models.presets import PRESETS
-from shapeshift.engine.contracts.traffic_profile import builtin_profile
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
+from shapeshift.operator.api import ForwardPassSpec
 
 
 def cfg(name: str) -> ModelConfig:
@@ -114,3 +115,56 @@ def test_cluster_object_records_the_engine_env_it_was_measured_under() -> None:
     assert obj["spec"]["engine"] == {"env": recorded}
     empty = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///b.tar.gz", engine_env=[])
     assert empty["spec"]["engine"] == {"env": []}
+
+
+def test_forward_pass_object_is_built_from_the_crd_model_and_round_trips() -> None:
+    sig = model_signature(cfg("tiny-llama"))
+    e = entry("Tiny Llama/chat #1", sig, hardware="nvidia-h100-80gb-hbm3", digest="c" * 64)
+    e.verification = {"passed": True, "gates": {"smoke": True, "outputs.agreement": False}}
+    e.metrics = {"tokens_per_second": 12.5, "baseline_tokens_per_second": 10.0, "per_user_p50": 0.5,
+                 "per_user_p90": 1.0, "ttft_p50": 0.01, "ttft_p90": 0.02, "noise": 0.03, "dtype": "int8"}
+    e.profile = builtin_profile("chat").to_dict()
+    e.notes = [{"agent": "sweep-0", "note": "fused qkv"}]
+    e.parent, e.compile_run = "Parent Pass/v1", "ns/run-1"
+    env = [{"name": "SHAPESHIFT_PDL", "value": "0"}]
+    obj = ClusterRegistry(api=None, namespace="ns").to_object(
+        e, "file:///b.tar.gz", size_bytes=99, annotations={"shapeshift.dev/artifact-durable": "true"}, engine_env=env)
+
+    spec = obj["spec"]
+    assert ForwardPassSpec.model_validate(spec).model_dump(mode="json", by_alias=True, exclude_none=True) == spec
+    assert spec == forward_pass_spec(e, "file:///b.tar.gz", 99, env).to_wire()
+    assert obj["apiVersion"] == "shapeshift.dev/v1alpha1" and obj["kind"] == "ForwardPass"
+    assert obj["metadata"] == {
+        "name": "tiny-llama-chat-1", "namespace": "ns",
+        "labels": {"shapeshift.dev/model-signature": sig, "shapeshift.dev/hardware": "nvidia-h100-80gb-hbm3",
+                   "shapeshift.dev/regime": TrafficRegime(**e.regime).key, "shapeshift.dev/family": "llama"},
+        "annotations": {"shapeshift.dev/artifact-durable": "true"}}
+    assert list(spec) == ["model", "hardware", "traffic", "artifact", "recipe", "metrics", "verification", "engine",
+                          "reasoning", "parent", "compileRun"]
+    assert spec["model"] == {"name": "m", "architecture": "llama", "dtype": "bfloat16"}  # int8: not a CRD dtype
+    assert spec["hardware"] == {"accelerator": "nvidia-h100", "count": 1}  # the GPU name, in the closed set
+    assert spec["traffic"] == TrafficProfile.model_validate(e.profile).model_dump(mode="json", by_alias=True,
+                                                                                   exclude_none=True)
+    assert spec["artifact"] == {"uri": "file:///b.tar.gz", "sha256": "c" * 64, "sizeBytes": 99}
+    assert spec["recipe"] == {"fuse_qkv": True}
+    assert spec["metrics"] == {"tokensPerSecond": 12.5, "baselineTokensPerSecond": 10.0, "speedup": 1.2,
+                               "perUserTokensPerSecondP50": 0.5, "perUserTokensPerSecondP90": 1.0,
+                               "ttftP50Seconds": 0.01, "ttftP90Seconds": 0.02, "noise": 0.03}
+    assert spec["verification"] == {"passed": True, "gates": [{"name": "smoke", "passed": True},
+                                                              {"name": "outputs.agreement", "passed": False}]}
+    assert spec["engine"] == {"env": env}
+    assert spec["reasoning"] == [{"agent": "sweep-0", "note": "fused qkv"}]
+    assert (spec["parent"], spec["compileRun"]) == ("parent-pass-v1", "ns/run-1")
+
+
+def test_a_minimal_entry_leaves_the_optional_fields_out_and_a_bad_one_is_refused() -> None:
+    from pydantic import ValidationError
+
+    e = entry("tiny/chat", model_signature(cfg("tiny-llama")), digest="d" * 64, speedup=None)
+    spec = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///d.tar.gz", size_bytes=0)["spec"]
+    assert spec == {"model": {"name": "m", "architecture": "llama", "dtype": "bfloat16"},
+                    "hardware": {"accelerator": "cpu", "count": 1},
+                    "artifact": {"uri": "file:///d.tar.gz", "sha256": "d" * 64},
+                    "recipe": {"fuse_qkv": True}, "metrics": {}, "verification": {"passed": False, "gates": []}}
+    with pytest.raises(ValidationError, match="sha256"):  # always validated against the CRD's model
+        ClusterRegistry(api=None, namespace="ns").to_object(entry("x", "s", digest="not-a-digest"), "file:///x")

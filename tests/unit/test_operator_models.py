@@ -68,6 +68,18 @@ def test_every_accelerator_kind_is_accepted_and_has_a_table_entry():
         hardware.accelerator("nvidia-a100")
 
 
+@pytest.mark.parametrize("device_name, kind", [
+    ("nvidia-h200", "nvidia-h200"), ("NVIDIA H200 NVL", "nvidia-h200"),
+    ("nvidia-h100-80gb-hbm3", "nvidia-h100"), ("NVIDIA H100 PCIe", "nvidia-h100"),
+    ("trainium2", "trainium2"), ("aws-neuron-core", "trainium2"),
+    ("cpu", "cpu"), ("nvidia-a100-sxm4-80gb", "cpu"), ("", "cpu"),
+])
+def test_a_device_name_maps_into_the_closed_set(device_name, kind):
+    assert hardware.accelerator_of_device(device_name) == kind
+    for known in hardware.ACCELERATORS:  # every kind's own name maps to itself
+        assert hardware.accelerator_of_device(known) == known
+
+
 def test_compile_run_defaults_and_rules():
     run = CompileRunSpec.model_validate({"deploymentRef": {"name": "llama"}})
     assert [a.kind for a in run.agents] == ["coordinate-sweep", "evolutionary"]
