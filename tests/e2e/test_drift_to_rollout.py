@@ -44,7 +44,7 @@ import pytest
 
 from harness.cluster import wait_until
 from harness.controlplane import POOL_LABEL
-from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
+from harness.engine_pods import DeploymentLoad, forward_pass_info, serve_engine_pods
 from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
 from shapeshift.engine.forward_pass.bundle import verify_bundle
 
@@ -273,7 +273,7 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert fp["metadata"]["annotations"]["shapeshift.dev/artifact-durable"] == "true"
 
         # ---- rollout: canary first, then every pod --------------------------------------------
-        with Load(list(urls.values()), model=MODEL, max_tokens=4,
+        with DeploymentLoad(list(urls.values()), model=MODEL, max_tokens=4,
                   prompt=lambda client, n: token_prompt(LONG_PROMPT[0], n)) as load:
             st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
                 idep_status(cluster, namespace)), 120, "the canary to report the champion (Analyzing)",

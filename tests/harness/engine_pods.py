@@ -7,7 +7,7 @@
         named in the deployment's spec.prometheusUrl
       --> {pod name: base URL}
     forward_pass_info(base URL)  what the engine's /metrics says it runs (name, sha256, model)
-    Load(base URLs)              clients spread over several engines, each sending greedy
+    DeploymentLoad(base URLs)    clients spread over several engines, each sending greedy
                                  completions back to back with a prompt of the test's choosing,
                                  recording every status (-1: the request got no answer); for
                                  one engine and fixed text prompts see harness.engine_server.Load
@@ -83,7 +83,7 @@ def _text_prompt(client: int, n: int) -> str:
     return f"client {client} request {n} says"
 
 
-class Load:
+class DeploymentLoad:
     """`clients_per_url` clients per engine, each sending greedy completions back to back until
     the block ends. `statuses` holds every answer's HTTP status (-1: no answer), `errors` the body
     of every non-200 answer and every transport error."""
@@ -113,7 +113,7 @@ class Load:
                     self.errors.append(repr(exc))
                 n += 1
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> "DeploymentLoad":
         for t in self.threads:
             t.start()
         return self

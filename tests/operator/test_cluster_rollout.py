@@ -31,7 +31,7 @@ import pytest
 
 from harness import tools
 from harness.cluster import wait_until
-from harness.engine_pods import Load, forward_pass_info, serve_engine_pods
+from harness.engine_pods import DeploymentLoad, forward_pass_info, serve_engine_pods
 from harness.pod_environment import service_account_token, token_kubeconfig
 from shapeshift.engine.forward_pass.bundle import create_bundle, load_manifest, stock_bundle_dir
 
@@ -163,7 +163,7 @@ def test_good_candidate_goes_to_the_canary_first_then_to_every_pod(crds, namespa
     assert stock != digest
     forward_pass(crds, namespace, "tiny-fused-qkv", str(archive), digest)
 
-    with Load(list(urls.values()), model=MODEL) as load:
+    with DeploymentLoad(list(urls.values()), model=MODEL) as load:
         patch_spec(crds, namespace, {"forwardPass": "tiny-fused-qkv"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
             status(crds, namespace)), 90, "the canary to report the candidate (phase Analyzing)", interval_s=0.5)
@@ -288,7 +288,7 @@ def test_candidate_that_makes_latency_worse_is_rolled_back_after_the_analysis(cr
     forward_pass(crds, namespace, "tiny-slow", str(archive), digest)
     patch_spec(crds, namespace, {"rollout": {"allowedRegression": 0.5}})
 
-    with Load(list(urls.values()), model=MODEL):
+    with DeploymentLoad(list(urls.values()), model=MODEL):
         patch_spec(crds, namespace, {"forwardPass": "tiny-slow"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Analyzing" else None)(
             status(crds, namespace)), 90, "the canary to report the slow candidate", interval_s=0.5)
@@ -387,7 +387,7 @@ def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_comp
     assert len([1 for _, reason, _ in events(crds, namespace) if reason == "ArtifactNotDurable"]) == 1
 
     # Stored in the shared store: every engine pod loads it from there.
-    with Load(list(urls.values()), model=MODEL):
+    with DeploymentLoad(list(urls.values()), model=MODEL):
         patch_spec(crds, namespace, {"forwardPass": "tiny-stored"})
         st = wait_until(lambda: (lambda s: s if (s.get("rollout") or {}).get("phase") == "Complete" else None)(
             status(crds, namespace)), 150, "the stored pass on every pod (phase Complete)", interval_s=0.5)
