@@ -10,8 +10,9 @@ Data flow (one check of the drift timer):
         --> decide(...) --> (Decision, next DriftState)
 
 Everything here is pure: no clock (``now`` is an argument), no I/O, no cluster.
-The timer in ``operator.drift_handlers`` turns the decision into status, a
-condition and, under policy ``OnDrift``, a CompileRun.
+``operator/drift_check.py`` turns the decision into status, a condition and,
+under policy ``OnDrift``, a CompileRun; ``operator/handlers/drift.py`` is the
+timer that applies them.
 
 The decision is one of:
 

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.resync_seconds <= 0:
             print("shapeshift operator: --resync-seconds must be > 0", file=sys.stderr)
             return 2
-        # handlers read it at import time (their timer intervals are fixed then)
+        # read once, by operator/settings.py, when the handlers are imported (kopf fixes timer intervals then)
         os.environ["SHAPESHIFT_RESYNC_SECONDS"] = str(args.resync_seconds)
 
     import kopf

@@ -2,7 +2,7 @@
 
 Data flow (one step, driven by a timer of the InferenceDeployment):
 
-    RolloutSettings      (spec.rollout: strategy, canary size, analysis window, allowed regression)
+    RolloutPolicy        (spec.rollout: strategy, canary size, analysis window, allowed regression)
     RolloutState         (persisted in status.rollout between steps)
     target               (the ForwardPass to run: the verified champion or spec.forwardPass)
     active               (what the deployment ran before; status.activeForwardPass)
@@ -11,7 +11,7 @@ Data flow (one step, driven by a timer of the InferenceDeployment):
         --step(...)--> RolloutState (next)
         --desired_per_pod(state, pods)--> {pod: forward pass}
         --pod_annotations(forward pass)--> the shapeshift.dev/forward-pass* annotations of
-          engine.rollout_protocol, merge-patched onto each pod (HotReload); the engine reads
+          engine/contracts/pod_annotations.py, merge-patched onto each pod (HotReload); the engine reads
           them through the downward API, fetches the bundle, checks the sha256, hot-reloads
           and reports shapeshift_forward_pass_info{name, sha256}
         --template_forward_pass(state)--> forward pass for the pod template (Restart)
@@ -47,7 +47,7 @@ __all__ = [
     "CanaryAnalysis",
     "ForwardPassIdentity",
     "PodView",
-    "RolloutSettings",
+    "RolloutPolicy",
     "RolloutState",
     "ServingMetrics",
     "desired_per_pod",
@@ -87,7 +87,9 @@ class PodView:
 
 
 @dataclass(frozen=True)
-class RolloutSettings:
+class RolloutPolicy:
+    """spec.rollout as the state machine reads it (operator/rollout_tick.py maps the spec)."""
+
     strategy: Literal["HotReload", "Restart"] = "HotReload"
     canary_replicas: int = 1
     analysis_window: timedelta = timedelta(minutes=5)
@@ -161,14 +163,14 @@ def judge(analysis: CanaryAnalysis, allowed_regression: float) -> Verdict:
     return Verdict(not reasons, tuple(reasons))
 
 
-def _start(settings: RolloutSettings, state: RolloutState, target: ForwardPassIdentity,
+def _start(policy: RolloutPolicy, state: RolloutState, target: ForwardPassIdentity,
            active: ForwardPassIdentity | None, pods: list[PodView], now: datetime) -> RolloutState:
     base = RolloutState(desired=target, previous=active, started_at=now, phase_since=now)
-    if settings.strategy == "Restart" or settings.canary_replicas == 0:
+    if policy.strategy == "Restart" or policy.canary_replicas == 0:
         return replace(base, phase="Promoting",
-                       message=f"rolling {target.name} out to every pod ({settings.strategy})")
+                       message=f"rolling {target.name} out to every pod ({policy.strategy})")
     ready = sorted(p.name for p in pods if p.ready)
-    canary = tuple(ready[: settings.canary_replicas])
+    canary = tuple(ready[: policy.canary_replicas])
     if not canary:
         return replace(state, message=f"waiting for a ready pod to canary {target.name} on")
     return replace(base, phase="Canary", canary_pods=canary,
@@ -177,7 +179,7 @@ def _start(settings: RolloutSettings, state: RolloutState, target: ForwardPassId
 
 def step(
     *,
-    settings: RolloutSettings,
+    policy: RolloutPolicy,
     state: RolloutState,
     target: ForwardPassIdentity | None,
     active: ForwardPassIdentity | None,
@@ -195,11 +197,11 @@ def step(
             # Complete: already rolled out (status.activeForwardPass may lag one step behind).
             # RolledBack/Failed: this target already failed here; wait for a new one.
             return state
-        return _start(settings, state, target, active, pods, now)
+        return _start(policy, state, target, active, pods, now)
 
     if target is not None and state.desired is not None and not target.matches(state.desired):
         # A newer champion arrived mid-rollout: start over from what is active.
-        return _start(settings, state, target, active, pods, now)
+        return _start(policy, state, target, active, pods, now)
     assert state.desired is not None
 
     if state.phase == "Canary":
@@ -207,31 +209,31 @@ def step(
         if all(p is not None and p.ready and state.desired.matches(p.running) for p in canary):
             return replace(state, phase="Analyzing", phase_since=now,
                            message=f"canary runs {state.desired.name}; analysing for "
-                                   f"{int(settings.analysis_window.total_seconds())} s")
+                                   f"{int(policy.analysis_window.total_seconds())} s")
         refused = [f"{p.name} ({p.load_refused})" for p in canary
                    if p is not None and p.load_refused and not state.desired.matches(p.running)]
         if refused:
             return _rolled_back(state, now, f"canary {', '.join(refused)} refused {state.desired.name}")
-        if state.phase_since is not None and now - state.phase_since >= settings.load_timeout:
+        if state.phase_since is not None and now - state.phase_since >= policy.load_timeout:
             late = [name for name, p in zip(state.canary_pods, canary)
                     if p is None or not state.desired.matches(p.running)]
             return _rolled_back(state, now, f"canary {', '.join(late)} did not report {state.desired.name} "
-                                            f"within {int(settings.load_timeout.total_seconds())} s")
+                                            f"within {int(policy.load_timeout.total_seconds())} s")
         return state
 
     if state.phase == "Analyzing":
         since = state.phase_since or now
-        if now - since < settings.analysis_window or analysis is None:
+        if now - since < policy.analysis_window or analysis is None:
             return state
-        verdict = judge(analysis, settings.allowed_regression)
+        verdict = judge(analysis, policy.allowed_regression)
         if verdict.promote is None:
-            if now - since >= settings.analysis_window * NO_TRAFFIC_WINDOWS:
+            if now - since >= policy.analysis_window * NO_TRAFFIC_WINDOWS:
                 return _rolled_back(state, now, f"no evidence to promote on: {verdict.reasons[0]}")
             return replace(state, message=f"analysis waits for traffic: {verdict.reasons[0]}")
         if not verdict.promote:
             return _rolled_back(state, now, "canary regressed: " + "; ".join(verdict.reasons))
         return replace(state, phase="Promoting", phase_since=now,
-                       message=f"canary within {settings.allowed_regression:.0%}; promoting {state.desired.name}")
+                       message=f"canary within {policy.allowed_regression:.0%}; promoting {state.desired.name}")
 
     if state.phase == "Promoting":
         ready = [p for p in pods if p.ready]

@@ -1,7 +1,10 @@
 """What is really running -> status. Pure functions over the objects' JSON.
 
     Deployment + engine pods   --inference_deployment_status()--> StatusUpdate
+                               (engine_status(): the same, named from the deployment)
     Job + compile pods + status --compile_run_status()----------> StatusUpdate
+                               --compile_run_event()-----------> the event of a phase change
+    stored conditions + update --newly_unschedulable()---------> a Warning to post, once
     ForwardPass status + one deployment's relation to it (from the rollout)
                                --forward_pass_usage()-----------> phase, deployments, refusals
 
@@ -18,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shapeshift.operator import builders
 from shapeshift.operator.api import (
     Condition,
     CompileRunStatus,
     ForwardPassStatus,
+    InferenceDeploymentSpec,
     TERMINAL_PHASES,
     get_condition,
 )
@@ -116,6 +121,32 @@ def inference_deployment_status(
         },
         conditions=conditions,
     )
+
+
+def engine_status(*, name: str, spec: InferenceDeploymentSpec, generation: int | None,
+                  deployment: dict[str, Any] | None, pods: list[dict[str, Any]]) -> StatusUpdate:
+    """inference_deployment_status of the InferenceDeployment ``name``, its children named as
+    the builders name them."""
+    selector = builders.engine_selector(name)
+    return inference_deployment_status(
+        generation=generation,
+        desired_replicas=spec.replicas,
+        deployment=deployment,
+        pods=pods,
+        deployment_name=builders.engine_deployment_name(name),
+        service_name=builders.engine_service_name(name),
+        selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())),
+    )
+
+
+def newly_unschedulable(before: list[Condition] | None, update: StatusUpdate) -> str | None:
+    """The message of the update's Scheduled=False condition when the stored conditions did
+    not say so already (so the Warning event is posted once, not on every resync)."""
+    scheduled = update.condition("Scheduled")
+    if not scheduled or scheduled[1] != "False":
+        return None
+    prior = next((c for c in before or [] if c.type == "Scheduled"), None)
+    return scheduled[3] if prior is None or prior.status != "False" else None
 
 
 # ---- CompileRun ----------------------------------------------------------------------------
@@ -226,6 +257,22 @@ def compile_run_status(
     if phase != current.phase and reported is None:
         fields["message"] = message
     return StatusUpdate(fields, [bound])
+
+
+def compile_run_event(before_phase: str | None,
+                      after: dict[str, Any]) -> tuple[Literal["Normal", "Warning"], str, str] | None:
+    """(type, reason, message) of the event a phase change of a CompileRun posts, if any."""
+    phase = after.get("phase")
+    if phase == before_phase:
+        return None
+    message = after.get("message", "")
+    if phase == "Succeeded":
+        return "Normal", "Succeeded", message
+    if phase == "Failed":
+        return "Warning", "Failed", message
+    if phase in ("Scheduled", "Running"):
+        return "Normal", phase, message
+    return None
 
 
 # ---- ForwardPass ---------------------------------------------------------------------------

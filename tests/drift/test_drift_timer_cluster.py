@@ -1,4 +1,4 @@
-"""The drift timer (kopf, shapeshift.operator.drift_handlers) on the real control plane
+"""The drift timer (kopf, shapeshift.operator.handlers.drift) on the real control plane
 with a real Prometheus.
 
 An InferenceDeployment (policy OnDrift, two consecutive checks) whose status says
@@ -70,7 +70,7 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
                                                  {"status": {"compiledFor": short.to_dict()}})
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
-    import shapeshift.operator.drift_handlers as drift_handlers  # registers the timer
+    from shapeshift.operator.handlers import drift as drift_handlers  # registers the timer
 
     def idep() -> dict:
         return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", "llama")
@@ -79,11 +79,11 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
         return custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns")["items"]
 
     # The whole operator (the core handlers bring the login handler and the engine children),
-    # with the drift timer module added as operator/handlers.py will import it.
+    # the drift timer (operator/handlers/drift.py) among them.
     import shapeshift.operator.handlers  # noqa: F401
 
     args = ["run", "--standalone", "--namespace", namespace,
-            "-m", "shapeshift.operator.handlers", "-m", "shapeshift.operator.drift_handlers"]
+            "-m", "shapeshift.operator.handlers", "-m", "shapeshift.operator.handlers.drift"]
     with KopfRunner(args, timeout=120) as runner:
         created = wait_until(lambda: runs() or None, timeout_s=60 + 2 * drift_handlers.TIMER_SECONDS,
                              what="a drift-triggered CompileRun")

@@ -14,7 +14,7 @@ which adds the `namespace` and `deployment` target labels a ServiceMonitor would
 
 Short prompts that hit the prefix cache, then long prompts that miss it;
 `PrometheusTraffic` reads both windows and the drift check
-(`drift_handlers.run_check` -> `drift.decide`) sees the prompt lengths move
+(`drift_check.run_check` -> `drift.decide`) sees the prompt lengths move
 and the hit rate fall. Prometheus stopped, or a window without traffic,
 gives NoData and a TrafficObserved=False condition, never a Compile.
 """
@@ -37,7 +37,7 @@ from harness.controlplane import _die_with_parent, free_port
 from metrics_exporter import exporter_process, in_flight, observe
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
-from shapeshift.operator.drift_handlers import CheckResult, drift_status_update, run_check
+from shapeshift.operator.drift_check import CheckResult, drift_status_update, run_check
 from shapeshift.operator.api import InferenceDeploymentStatus
 from shapeshift.operator.prometheus import (
     NoTrafficData,

@@ -56,7 +56,7 @@ def can_i(cluster, account: str, verb: str, resource: str, namespace: str) -> bo
 def test_helm_install_and_the_service_account_is_enough_but_no_more(cluster, namespace):
     from shapeshift.operator.builders import Parent
     from shapeshift.operator.drift import Compile, DriftPolicy, DriftState, Observation, decide
-    from shapeshift.operator.drift_handlers import (
+    from shapeshift.operator.drift_check import (
         CheckResult,
         active_compile_run,
         build_drift_compile_run,

@@ -43,7 +43,7 @@ def test_operator_runs_without_torch_or_the_engine_server():
     code = (
         "import sys\n"
         "from shapeshift.engine.cli import build_parser\n"
-        "from shapeshift.operator import handlers, drift_handlers, main\n"
+        "from shapeshift.operator import handlers, main\n"
         "main.build_parser().parse_args(['--all-namespaces', '--standalone'])\n"
         "heavy = sorted(m for m in ('torch', 'triton', 'transformers', 'fastapi', 'uvicorn', 'pandas') if m in sys.modules)\n"
         "print(','.join(heavy))\n"

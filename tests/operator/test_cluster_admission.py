@@ -125,7 +125,7 @@ def test_a_compile_run_template_is_stored_and_becomes_an_accepted_drift_compile_
     from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
     from shapeshift.operator.builders import Parent
     from shapeshift.operator.drift import Compile
-    from shapeshift.operator.drift_handlers import build_drift_compile_run
+    from shapeshift.operator.drift_check import build_drift_compile_run
     from shapeshift.operator.api import InferenceDeploymentSpec
 
     template = {"agents": [{"kind": "coordinate-sweep"}], "tiers": {"replayRequests": 24, "repeats": 2},

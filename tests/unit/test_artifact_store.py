@@ -25,13 +25,8 @@ from shapeshift.operator.api import (
     InferenceDeploymentStatus,
 )
 from shapeshift.operator.rollout import ForwardPassIdentity, RolloutState
-from shapeshift.operator.rollout_handlers import (
-    NOT_DURABLE,
-    Target,
-    forward_pass_relations,
-    resolve_target,
-    rollout_status_update,
-)
+from shapeshift.operator.rollout_target import NOT_DURABLE, Target, resolve_target
+from shapeshift.operator.rollout_tick import forward_pass_relations, rollout_status_update
 from shapeshift.operator.status import compile_run_status, forward_pass_usage
 
 IDEP = Parent("InferenceDeployment", "llama", "prod", "uid-idep")

@@ -11,7 +11,7 @@ from shapeshift.operator.rollout import (
     CanaryAnalysis,
     ForwardPassIdentity,
     PodView,
-    RolloutSettings,
+    RolloutPolicy,
     RolloutState,
     ServingMetrics,
     desired_per_pod,
@@ -25,7 +25,7 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 STOCK = ForwardPassIdentity("stock", "a" * 64)
 FAST = ForwardPassIdentity("llama-fp-2", "b" * 64)
 FASTER = ForwardPassIdentity("llama-fp-3", "c" * 64)
-SETTINGS = RolloutSettings(canary_replicas=1, analysis_window=timedelta(minutes=5), allowed_regression=0.05)
+POLICY = RolloutPolicy(canary_replicas=1, analysis_window=timedelta(minutes=5), allowed_regression=0.05)
 
 
 def pods(running: dict[str, ForwardPassIdentity | None], ready: bool = True) -> list[PodView]:
@@ -36,8 +36,8 @@ def metrics(p90: float = 0.050, errors: float = 0.0, tps: float = 100.0, request
     return ServingMetrics(requests=requests, p90_latency_seconds=p90, error_rate=errors, tokens_per_second=tps)
 
 
-def advance(state, *, now, running, analysis=None, target=FAST, active=STOCK, settings=SETTINGS):
-    return step(settings=settings, state=state, target=target, active=active, pods=pods(running),
+def advance(state, *, now, running, analysis=None, target=FAST, active=STOCK, policy=POLICY):
+    return step(policy=policy, state=state, target=target, active=active, pods=pods(running),
                 analysis=analysis, now=now)
 
 
@@ -86,11 +86,11 @@ def test_a_regressing_canary_is_rolled_back():
 
 
 def test_canary_that_never_loads_is_rolled_back_after_the_timeout():
-    settings = RolloutSettings(canary_replicas=1, load_timeout=timedelta(minutes=2))
-    state = advance(RolloutState(), now=T0, running={"e-0": STOCK}, settings=settings)
-    state = advance(state, now=T0 + timedelta(minutes=1), running={"e-0": STOCK}, settings=settings)
+    policy = RolloutPolicy(canary_replicas=1, load_timeout=timedelta(minutes=2))
+    state = advance(RolloutState(), now=T0, running={"e-0": STOCK}, policy=policy)
+    state = advance(state, now=T0 + timedelta(minutes=1), running={"e-0": STOCK}, policy=policy)
     assert state.phase == "Canary"
-    state = advance(state, now=T0 + timedelta(minutes=2), running={"e-0": STOCK}, settings=settings)
+    state = advance(state, now=T0 + timedelta(minutes=2), running={"e-0": STOCK}, policy=policy)
     assert state.phase == "RolledBack" and "e-0 did not report llama-fp-2" in state.message
 
 
@@ -105,12 +105,12 @@ def test_no_canary_traffic_waits_then_gives_up_rather_than_promoting():
 
 
 def test_restart_strategy_rolls_the_template_without_canary():
-    settings = RolloutSettings(strategy="Restart")
-    state = advance(RolloutState(), now=T0, running={"e-0": STOCK, "e-1": STOCK}, settings=settings)
+    policy = RolloutPolicy(strategy="Restart")
+    state = advance(RolloutState(), now=T0, running={"e-0": STOCK, "e-1": STOCK}, policy=policy)
     assert state.phase == "Promoting" and state.canary_pods == ()
     assert template_forward_pass(state, STOCK) == FAST
     # new pods come up with the target; an unready old pod does not hold completion back
-    done = step(settings=settings, state=state, target=FAST, active=STOCK, now=T0 + timedelta(minutes=3),
+    done = step(policy=policy, state=state, target=FAST, active=STOCK, now=T0 + timedelta(minutes=3),
                 pods=[PodView("e-2", True, FAST), PodView("e-3", True, FAST), PodView("e-0", False, STOCK)],
                 analysis=None)
     assert done.phase == "Complete"
@@ -125,7 +125,7 @@ def test_a_newer_champion_mid_rollout_restarts_from_the_active_pass():
 
 
 def test_waits_for_a_ready_pod_before_choosing_the_canary():
-    state = step(settings=SETTINGS, state=RolloutState(), target=FAST, active=STOCK,
+    state = step(policy=POLICY, state=RolloutState(), target=FAST, active=STOCK,
                  pods=pods({"e-0": None}, ready=False), analysis=None, now=T0)
     assert state.phase == "Idle" and "waiting for a ready pod" in state.message
 
@@ -168,16 +168,16 @@ def test_pod_annotations_follow_the_engine_rollout_protocol():
 def test_a_canary_that_refuses_the_target_is_rolled_back_at_once():
     state = advance(RolloutState(), now=T0, running={"e-0": STOCK, "e-1": STOCK})
     refused = [PodView("e-0", True, STOCK, load_refused="digest_mismatch"), PodView("e-1", True, STOCK)]
-    after = step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=refused, analysis=None,
+    after = step(policy=POLICY, state=state, target=FAST, active=STOCK, pods=refused, analysis=None,
                  now=T0 + timedelta(seconds=5))
     assert after.phase == "RolledBack" and after.phase_since == T0 + timedelta(seconds=5)
     assert "canary e-0 (digest_mismatch) refused llama-fp-2" in after.message
     # A refusal reported by a pod outside the canary, or by a canary already on the target, is not one.
     outside = [PodView("e-0", True, STOCK), PodView("e-1", True, STOCK, load_refused="refused")]
-    assert step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=outside, analysis=None,
+    assert step(policy=POLICY, state=state, target=FAST, active=STOCK, pods=outside, analysis=None,
                 now=T0 + timedelta(seconds=5)) == state
     loaded = [PodView("e-0", True, FAST, load_refused="digest_mismatch"), PodView("e-1", True, STOCK)]
-    assert step(settings=SETTINGS, state=state, target=FAST, active=STOCK, pods=loaded, analysis=None,
+    assert step(policy=POLICY, state=state, target=FAST, active=STOCK, pods=loaded, analysis=None,
                 now=T0 + timedelta(seconds=5)).phase == "Analyzing"
 
 

@@ -1,4 +1,4 @@
-"""The pure parts of the drift timer (shapeshift.operator.drift_handlers): spec ->
+"""The pure parts of the drift timer (shapeshift.operator.drift_check): spec ->
 policy, baseline and state; decision -> status update; Compile -> a CompileRun
 owned by the deployment that the CompileRun model accepts."""
 
@@ -11,9 +11,8 @@ import pytest
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, builtin_profile
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.drift import Compile, DriftPolicy, DriftState, NoData, Observation, decide
-from shapeshift.operator.drift_handlers import (
+from shapeshift.operator.drift_check import (
     CheckResult,
-    DriftSettings,
     active_compile_run,
     baseline_for,
     build_drift_compile_run,
@@ -26,6 +25,7 @@ from shapeshift.operator.drift_handlers import (
 )
 from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
 from shapeshift.operator.prometheus import NoTrafficData
+from shapeshift.operator.settings import OperatorSettings
 
 NOW = datetime(2026, 11, 29, 12, 0, 5, tzinfo=timezone.utc)
 PARENT = Parent(kind="InferenceDeployment", name="llama-chat", namespace="team-a", uid="1234-uid")
@@ -53,10 +53,10 @@ def profile(p50: int, hit: float | None = 0.5) -> TrafficProfile:
 
 def test_policy_selector_baseline_and_state_come_from_the_spec_and_status():
     spec = make_spec()
-    policy = policy_from_spec(spec, DriftSettings(min_requests=7))
+    policy = policy_from_spec(spec, OperatorSettings(drift_min_requests=7))
     assert policy == DriftPolicy(prompt_length_relative=0.4, prefix_cache_hit_rate_absolute=0.2,
                                  consecutive_checks=2, cooldown=timedelta(seconds=600), min_requests=7)
-    selector = selector_for("team-a", "llama-chat", spec, DriftSettings(deployment_label="app"))
+    selector = selector_for("team-a", "llama-chat", spec, OperatorSettings(prometheus_deployment_label="app"))
     assert selector.matcher() == '{namespace="team-a",app="llama-chat",model="tiny-llama"}'
 
     empty = InferenceDeploymentStatus()
@@ -72,12 +72,12 @@ def test_policy_selector_baseline_and_state_come_from_the_spec_and_status():
 
 
 def test_settings_from_the_environment():
-    settings = DriftSettings.from_env({"SHAPESHIFT_PROMETHEUS_URL": "http://prom:9090",
-                                       "SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL": "app",
-                                       "SHAPESHIFT_DRIFT_MIN_REQUESTS": "50"})
-    assert (settings.prometheus_url, settings.deployment_label, settings.namespace_label, settings.min_requests) == (
-        "http://prom:9090", "app", "namespace", 50)
-    assert DriftSettings.from_env({}).prometheus_url is None
+    settings = OperatorSettings.from_environ({"SHAPESHIFT_PROMETHEUS_URL": "http://prom:9090",
+                                              "SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL": "app",
+                                              "SHAPESHIFT_DRIFT_MIN_REQUESTS": "50"})
+    assert (settings.prometheus_url, settings.prometheus_deployment_label, settings.prometheus_namespace_label,
+            settings.drift_min_requests) == ("http://prom:9090", "app", "namespace", 50)
+    assert OperatorSettings.from_environ({}).prometheus_url is None
 
 
 def compile_decision(observed: TrafficProfile) -> Compile:
@@ -202,7 +202,7 @@ def test_status_update_of_a_compile_and_of_missing_data():
 
 
 def test_a_check_that_changes_nothing_but_the_time_is_not_written():
-    from shapeshift.operator.drift_handlers import only_check_time_changed
+    from shapeshift.operator.drift_check import only_check_time_changed
     from shapeshift.operator.api import Condition
 
     def unreachable():

@@ -1,54 +1,39 @@
-"""The drift timer: Prometheus -> observed traffic -> decision -> status (+ a CompileRun).
-
-Data flow of one check of one InferenceDeployment:
+"""One drift check of one InferenceDeployment, without I/O: spec, status and observed traffic in,
+the status to write and the CompileRun to create out.
 
     spec, status  --policy_from_spec / baseline_for / state_from_status-->  DriftPolicy, baseline, DriftState
-    PrometheusTraffic(url).observe(selector, window)  --> ObservedTraffic | TrafficQueryError
-    active CompileRuns of the deployment (listed from the API)
+    observe() (Prometheus, called once) --> ObservedTraffic | TrafficQueryError
+    active CompileRun of the deployment (active_compile_run over the listed CompileRuns)
         --run_check (drift.decide)--> CheckResult(decision, next state, observed)
         --drift_status_update--> status.observedTraffic, status.drift, conditions TrafficObserved + Drifted
         --decision Compile and policy OnDrift--> build_drift_compile_run --> CompileRun owned by the
           deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score,
           spec.budget = spec.compilation.budget, plus the fields set in spec.compilation.template
+    check_drift(...) composes these into a DriftCheck, which operator/handlers/drift.py applies.
 
-``drift_check`` is the kopf timer; everything it calls except the two API
-calls (list CompileRuns, create one) and the Prometheus queries is pure and
-tested without a cluster. The timer ticks every ``SHAPESHIFT_DRIFT_TIMER_SECONDS``
-(default 10) and skips deployments whose ``spec.compilation.drift.checkIntervalSeconds``
-has not passed since ``status.drift.lastCheckTime``, so each deployment keeps
-its own pace with one timer.
-
-Operator-wide settings come from the environment (the Helm chart sets them):
-``SHAPESHIFT_PROMETHEUS_URL`` (the default Prometheus; ``spec.prometheusUrl``
-overrides it per deployment), ``SHAPESHIFT_PROMETHEUS_NAMESPACE_LABEL`` and
-``SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL`` (target label names, default
-``namespace`` and ``deployment``), ``SHAPESHIFT_DRIFT_MIN_REQUESTS`` (default 20),
-``SHAPESHIFT_PROMETHEUS_TIMEOUT_SECONDS`` (default 5).
-
-A check that changes nothing but the check time (the usual case of a deployment
-whose Prometheus stays unreachable, or one without traffic) writes nothing, so
-resyncs of idle deployments do not churn their resourceVersion; the pace of
-checks is then kept in memory.
-
-This module registers its timer when imported; ``operator/handlers.py``
-imports it.
+A check that changes nothing but the check time (the usual case of a deployment whose
+Prometheus stays unreachable, or one without traffic) has DriftCheck.write False, so
+resyncs of idle deployments do not churn their resourceVersion.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Mapping
 
-import kopf
-from kubernetes.client import ApiException
-
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
+from shapeshift.operator.api import (
+    API_VERSION,
+    COMPILE_RUN,
+    GROUP,
+    Condition,
+    DriftThresholds,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+)
 from shapeshift.operator.builders import LABEL_DEPLOYMENT, MANAGED_BY, Parent
-from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.drift import (
     Compile,
     CompileInProgress,
@@ -62,67 +47,33 @@ from shapeshift.operator.drift import (
     Stable,
     decide,
 )
-from shapeshift.operator.api import (
-    API_VERSION,
-    COMPILE_RUN,
-    GROUP,
-    INFERENCE_DEPLOYMENT,
-    VERSION,
-    Condition,
-    DriftThresholds,
-    InferenceDeploymentSpec,
-    InferenceDeploymentStatus,
-)
-from shapeshift.operator.prometheus import (
-    ObservedTraffic,
-    PrometheusTraffic,
-    SeriesSelector,
-    TrafficQueryError,
-)
+from shapeshift.operator.prometheus import ObservedTraffic, SeriesSelector, TrafficQueryError
+from shapeshift.operator.settings import OperatorSettings
 from shapeshift.operator.status import StatusUpdate
 
 __all__ = [
     "CheckResult",
-    "DriftSettings",
+    "DriftCheck",
     "active_compile_run",
     "baseline_for",
     "build_drift_compile_run",
-    "drift_check",
+    "check_drift",
     "drift_compile_run_name",
     "drift_status_update",
+    "is_due",
+    "only_check_time_changed",
     "policy_from_spec",
     "run_check",
     "selector_for",
     "state_from_status",
+    "thresholds_of",
 ]
 
 CONDITION_TRAFFIC = "TrafficObserved"
 CONDITION_DRIFT = "Drifted"
 FINISHED_PHASES = ("Succeeded", "Failed")
 TRAFFIC_REASONS = ("PrometheusUnreachable", "NoTraffic", "TooFewRequests")  # NoData reasons about the traffic
-TIMER_SECONDS = float(os.environ.get("SHAPESHIFT_DRIFT_TIMER_SECONDS", "10"))
-_LAST_CHECK: dict[str, datetime] = {}  # uid -> last check, for checks that wrote nothing
-
-
-@dataclass(frozen=True)
-class DriftSettings:
-    """Operator-wide settings of the drift detector."""
-
-    prometheus_url: str | None = None
-    namespace_label: str = "namespace"
-    deployment_label: str = "deployment"
-    min_requests: int = 20
-    query_timeout_seconds: float = 5.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "DriftSettings":
-        return cls(
-            prometheus_url=env.get("SHAPESHIFT_PROMETHEUS_URL") or None,
-            namespace_label=env.get("SHAPESHIFT_PROMETHEUS_NAMESPACE_LABEL") or "namespace",
-            deployment_label=env.get("SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL") or "deployment",
-            min_requests=int(env.get("SHAPESHIFT_DRIFT_MIN_REQUESTS") or 20),
-            query_timeout_seconds=float(env.get("SHAPESHIFT_PROMETHEUS_TIMEOUT_SECONDS") or 5.0),
-        )
+MANUAL_POLICY_NOTE = "policy Manual: create a CompileRun to act on it, or set spec.compilation.policy OnDrift"
 
 
 @dataclass(frozen=True)
@@ -132,29 +83,27 @@ class CheckResult:
     observed: ObservedTraffic | None
 
 
-# ---- pure pieces -----------------------------------------------------------------------------
-
-
 def thresholds_of(spec: InferenceDeploymentSpec) -> DriftThresholds:
     """The spec's thresholds; a Manual deployment without them is still observed with the defaults."""
     return spec.compilation.drift or DriftThresholds()
 
 
-def policy_from_spec(spec: InferenceDeploymentSpec, settings: DriftSettings) -> DriftPolicy:
+def policy_from_spec(spec: InferenceDeploymentSpec, settings: OperatorSettings) -> DriftPolicy:
     t = thresholds_of(spec)
     return DriftPolicy(
         prompt_length_relative=t.prompt_length_relative_change,
         prefix_cache_hit_rate_absolute=t.prefix_hit_rate_absolute_change,
         consecutive_checks=t.consecutive_checks,
         cooldown=timedelta(seconds=spec.compilation.cooldown_seconds),
-        min_requests=settings.min_requests,
+        min_requests=settings.drift_min_requests,
     )
 
 
-def selector_for(namespace: str, name: str, spec: InferenceDeploymentSpec, settings: DriftSettings) -> SeriesSelector:
+def selector_for(namespace: str, name: str, spec: InferenceDeploymentSpec, settings: OperatorSettings) -> SeriesSelector:
     return SeriesSelector(
         namespace=namespace, deployment=name, model=spec.model.display_name,
-        namespace_label=settings.namespace_label, deployment_label=settings.deployment_label,
+        namespace_label=settings.prometheus_namespace_label,
+        deployment_label=settings.prometheus_deployment_label,
     )
 
 
@@ -325,104 +274,20 @@ def _iso(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def _due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime,
-         last_in_memory: datetime | None = None) -> bool:
+def is_due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime, *,
+           timer_seconds: float, last_in_memory: datetime | None = None) -> bool:
+    """Whether spec.compilation.drift.checkIntervalSeconds has passed since the last check
+    (status.drift.lastCheckTime, or the later one kept in memory for checks that wrote nothing)."""
     last = status.drift.last_check_time if status.drift else None
     if last_in_memory is not None and (last is None or last_in_memory > last):
         last = last_in_memory
     if last is None:
         return True
     # Half a timer tick of slack, so a 60 s interval on a 10 s timer is not stretched to 70 s.
-    slack = timedelta(seconds=TIMER_SECONDS / 2)
+    slack = timedelta(seconds=timer_seconds / 2)
     return now - last >= timedelta(seconds=thresholds_of(spec).check_interval_seconds) - slack
 
 
-# ---- the kopf timer --------------------------------------------------------------------------
-
-
-@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
-def drift_check(
-    spec: kopf.Spec,
-    status: kopf.Status,
-    name: str,
-    namespace: str,
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    """Observe traffic in Prometheus, judge drift, write status; under OnDrift, compile on persisting drift."""
-    try:
-        typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
-    except ValueError as err:  # the API server's schema should have refused it; nothing to observe
-        raise kopf.PermanentError(f"spec does not parse: {err}") from err
-    typed_status = InferenceDeploymentStatus.model_validate(dict(status or {}))
-    now = datetime.now(timezone.utc).replace(microsecond=0)
-    uid = body["metadata"].get("uid", f"{namespace}/{name}")
-    if not _due(typed_status, typed_spec, now, _LAST_CHECK.get(uid)):
-        return
-    _LAST_CHECK[uid] = now
-    settings = DriftSettings.from_env()
-    kube = kube_of(memo)
-    try:
-        runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
-    except ApiException as err:
-        raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
-                                  delay=15) from err
-    active = active_compile_run(runs, name)
-    url = typed_spec.prometheus_url or settings.prometheus_url
-    window = timedelta(seconds=thresholds_of(typed_spec).window_seconds)
-    selector = selector_for(namespace, name, typed_spec, settings)
-
-    def observe() -> ObservedTraffic:
-        if not url:
-            raise _NoPrometheusAddress(
-                "no Prometheus address: set the chart value prometheus.url (SHAPESHIFT_PROMETHEUS_URL) "
-                "or spec.prometheusUrl")
-        with PrometheusTraffic(url, timeout_seconds=settings.query_timeout_seconds) as prom:
-            return prom.observe(selector, window, at=now, name=f"{name}-observed")
-
-    policy = policy_from_spec(typed_spec, settings)
-    result = run_check(
-        observe=observe,
-        baseline=baseline_for(typed_spec, typed_status),
-        policy=policy,
-        state=state_from_status(typed_status),
-        active_compile_run=active,
-        now=now,
-    )
-    decision = result.decision
-    created: str | None = None
-    blocked: str | None = None
-    if isinstance(decision, Compile):
-        if typed_spec.compilation.policy == "OnDrift":
-            run = build_drift_compile_run(Parent.from_body(body), typed_spec, decision, now)
-            created = _create_compile_run(kube, run)
-            kopf.info(body, reason="CompileRunCreated",
-                      message=f"drift persisted, created CompileRun {created}: {decision.reason}"[:1000])
-        else:
-            blocked = "policy Manual: create a CompileRun to act on it, or set spec.compilation.policy OnDrift"
-            # Under Manual nothing starts a cooldown: keep the counter at its ceiling instead.
-            result = CheckResult(decision, DriftState(consecutive=policy.consecutive_checks,
-                                                      last_compile_at=typed_status.last_compile_time),
-                                 result.observed)
-    previous = _condition(typed_status, CONDITION_TRAFFIC)
-    if (isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS
-            and (previous is None or previous.reason != decision.reason)):
-        kopf.warn(body, reason=decision.reason, message=decision.message[:1000])
-    update = drift_status_update(result, typed_status, now=now, compile_run=created, compile_blocked=blocked)
-    if only_check_time_changed(update, typed_status):
-        logger.debug("drift check: %s, status unchanged", decision.kind)
-        return
-    try:
-        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update, generation=body["metadata"].get("generation"))
-    except ApiException as err:
-        raise kopf.TemporaryError(f"writing drift status failed ({err.status} {err.reason})", delay=15) from err
-    logger.info("drift check: %s%s", decision.kind, f" -> CompileRun {created}" if created else "")
-
-
-class _NoPrometheusAddress(TrafficQueryError):
-    reason = "PrometheusUnreachable"
 
 
 def only_check_time_changed(update: StatusUpdate, status: InferenceDeploymentStatus) -> bool:
@@ -443,14 +308,49 @@ def _condition(status: InferenceDeploymentStatus, type_: str) -> Condition | Non
     return next((c for c in status.conditions or [] if c.type == type_), None)
 
 
-def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:
-    """Create the CompileRun; one that already exists under the same name (a retried check) is kept."""
-    meta = body["metadata"]
-    try:
-        kube.custom.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], COMPILE_RUN.plural, body)
-    except ApiException as err:
-        if err.status != 409:
-            raise kopf.TemporaryError(
-                f"creating CompileRun {meta['name']} failed ({err.status} {err.reason}): {err.body}", delay=30
-            ) from err
-    return meta["name"]
+@dataclass(frozen=True)
+class DriftCheck:
+    """What one check decided, and what the timer does about it, in this order."""
+
+    result: CheckResult
+    compile_run: dict[str, Any] | None  # the CompileRun to create: a Compile decision under OnDrift
+    warning: tuple[str, str] | None  # (reason, message) of a Warning event: the traffic newly unobservable
+    update: StatusUpdate
+    write: bool  # False: the update would change nothing but drift.lastCheckTime
+
+
+def check_drift(
+    *,
+    spec: InferenceDeploymentSpec,
+    status: InferenceDeploymentStatus,
+    parent: Parent,
+    observe: Callable[[], ObservedTraffic],
+    active_compile_run: str | None,
+    settings: OperatorSettings,
+    now: datetime,
+) -> DriftCheck:
+    """One check: observe, decide, and what to create and write. The CompileRun's name is
+    deterministic per check, so the status can name it before it is created."""
+    policy = policy_from_spec(spec, settings)
+    result = run_check(observe=observe, baseline=baseline_for(spec, status), policy=policy,
+                       state=state_from_status(status), active_compile_run=active_compile_run, now=now)
+    decision = result.decision
+    compile_run: dict[str, Any] | None = None
+    blocked: str | None = None
+    if isinstance(decision, Compile):
+        if spec.compilation.policy == "OnDrift":
+            compile_run = build_drift_compile_run(parent, spec, decision, now)
+        else:
+            blocked = MANUAL_POLICY_NOTE
+            # Under Manual nothing starts a cooldown: keep the counter at its ceiling instead.
+            result = CheckResult(decision, DriftState(consecutive=policy.consecutive_checks,
+                                                      last_compile_at=status.last_compile_time),
+                                 result.observed)
+    warning: tuple[str, str] | None = None
+    previous = _condition(status, CONDITION_TRAFFIC)
+    if (isinstance(decision, NoData) and decision.reason in TRAFFIC_REASONS
+            and (previous is None or previous.reason != decision.reason)):
+        warning = (decision.reason, decision.message[:1000])
+    created = compile_run["metadata"]["name"] if compile_run is not None else None
+    update = drift_status_update(result, status, now=now, compile_run=created, compile_blocked=blocked)
+    return DriftCheck(result, compile_run, warning, update, write=not only_check_time_changed(update, status))

@@ -1,4 +1,4 @@
-"""The rollout timer's pure pieces (shapeshift.operator.rollout_handlers, rollout_metrics):
+"""The rollout timer's pure pieces (shapeshift.operator.rollout_tick, rollout_target, rollout_metrics):
 target resolution, status <-> state, which pods to patch, refusals, the status it writes,
 PromQL selectors; and the local kubelet's path and flag rewriting."""
 
@@ -11,19 +11,17 @@ import pytest
 from shapeshift.operator.api import InferenceDeploymentSpec, InferenceDeploymentStatus
 from shapeshift.operator.prometheus import SeriesSelector
 from shapeshift.operator.rollout import ForwardPassIdentity, PodView, RolloutState
-from shapeshift.operator.rollout_handlers import (
-    RolloutEnv,
-    Target,
+from shapeshift.operator.rollout_metrics import PodReport, pod_regex
+from shapeshift.operator.rollout_target import Target, champion_of, resolve_target
+from shapeshift.operator.rollout_tick import (
     annotation_patch,
-    champion_of,
     pod_views,
-    resolve_target,
+    policy_from_spec,
     rollout_status_update,
-    settings_from_spec,
     state_from_status,
     template_annotations_for,
 )
-from shapeshift.operator.rollout_metrics import PodReport, pod_regex
+from shapeshift.operator.settings import OperatorSettings
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 FAST = ForwardPassIdentity("fp-2", "b" * 64, "/shared/fp-2.tar.gz")
@@ -72,8 +70,8 @@ def test_target_measured_under_another_engine_env_is_refused():
     assert "NCCL_DEBUG unset then, 'WARN' now" in added.problem
 
 
-def test_settings_come_from_the_spec():
-    s = settings_from_spec(spec(rollout={"strategy": "Restart", "canaryReplicas": 2, "analysisWindowSeconds": 30,
+def test_policy_comes_from_the_spec():
+    s = policy_from_spec(spec(rollout={"strategy": "Restart", "canaryReplicas": 2, "analysisWindowSeconds": 30,
                                          "allowedRegression": 0.1, "loadTimeoutSeconds": 45}))
     assert (s.strategy, s.canary_replicas, s.analysis_window, s.allowed_regression, s.load_timeout) == (
         "Restart", 2, timedelta(seconds=30), 0.1, timedelta(seconds=45))
@@ -203,10 +201,11 @@ def test_only_restart_puts_the_forward_pass_in_the_pod_template():
 
 
 def test_environment_settings():
-    env = RolloutEnv.from_env({"SHAPESHIFT_PROMETHEUS_URL": "http://prom:9090", "SHAPESHIFT_PROMETHEUS_POD_LABEL":
-                               "kubernetes_pod_name", "SHAPESHIFT_ROLLOUT_MIN_REQUESTS": "5"})
-    assert (env.prometheus_url, env.pod_label, env.min_requests, env.latency_resolution_seconds) == (
-        "http://prom:9090", "kubernetes_pod_name", 5.0, 0.002)
+    env = OperatorSettings.from_environ({"SHAPESHIFT_PROMETHEUS_URL": "http://prom:9090",
+                                         "SHAPESHIFT_PROMETHEUS_POD_LABEL": "kubernetes_pod_name",
+                                         "SHAPESHIFT_ROLLOUT_MIN_REQUESTS": "5"})
+    assert (env.prometheus_url, env.prometheus_pod_label, env.rollout_min_requests,
+            env.rollout_latency_resolution_seconds) == ("http://prom:9090", "kubernetes_pod_name", 5.0, 0.002)
 
 
 def test_pod_groups_are_exact_anchored_regexes():

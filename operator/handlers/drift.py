@@ -1,0 +1,108 @@
+"""The drift timer: Prometheus -> observed traffic -> decision -> status (+ a CompileRun).
+
+    spec, status, the deployment's active CompileRun (API), observe() (Prometheus)
+        --drift_check.check_drift--> DriftCheck
+        --apply--> create the CompileRun (OnDrift), a Warning event when the traffic becomes
+                   unobservable, the status (unless only the check time changed)
+
+The timer ticks every SHAPESHIFT_DRIFT_TIMER_SECONDS (default 10) and skips deployments
+whose spec.compilation.drift.checkIntervalSeconds has not passed since
+status.drift.lastCheckTime, so each deployment keeps its own pace with one timer; the pace
+of checks that wrote nothing is kept in memory. The Prometheus settings (address, target
+label names, timeout, minimum requests) are operator/settings.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import kopf
+from kubernetes.client import ApiException
+
+from shapeshift.operator.api import (
+    COMPILE_RUN,
+    GROUP,
+    INFERENCE_DEPLOYMENT,
+    VERSION,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+)
+from shapeshift.operator.builders import Parent
+from shapeshift.operator.drift_check import active_compile_run, check_drift, is_due, selector_for, thresholds_of
+from shapeshift.operator.kube import Kube, kube_of
+from shapeshift.operator.prometheus import ObservedTraffic, PrometheusTraffic, TrafficQueryError
+from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
+
+TIMER_SECONDS = registered_timers().drift_timer_seconds
+_LAST_CHECK: dict[str, datetime] = {}  # uid -> last check, for checks that wrote nothing
+
+
+class _NoPrometheusAddress(TrafficQueryError):
+    reason = "PrometheusUnreachable"
+
+
+@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
+def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, body: kopf.Body,
+                memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Observe traffic in Prometheus, judge drift, write status; under OnDrift, compile on persisting drift."""
+    try:
+        typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
+    except ValueError as err:  # the API server's schema should have refused it; nothing to observe
+        raise kopf.PermanentError(f"spec does not parse: {err}") from err
+    typed_status = InferenceDeploymentStatus.model_validate(dict(status or {}))
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    uid = body["metadata"].get("uid", f"{namespace}/{name}")
+    if not is_due(typed_status, typed_spec, now, timer_seconds=TIMER_SECONDS, last_in_memory=_LAST_CHECK.get(uid)):
+        return
+    _LAST_CHECK[uid] = now
+    settings = OperatorSettings.from_environ()
+    kube = kube_of(memo)
+    try:
+        runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    except ApiException as err:
+        raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
+                                  delay=15) from err
+    url = typed_spec.prometheus_url or settings.prometheus_url
+    window = timedelta(seconds=thresholds_of(typed_spec).window_seconds)
+    selector = selector_for(namespace, name, typed_spec, settings)
+
+    def observe() -> ObservedTraffic:
+        if not url:
+            raise _NoPrometheusAddress(NO_PROMETHEUS_ADDRESS)
+        with PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds) as prom:
+            return prom.observe(selector, window, at=now, name=f"{name}-observed")
+
+    check = check_drift(spec=typed_spec, status=typed_status, parent=Parent.from_body(body), observe=observe,
+                        active_compile_run=active_compile_run(runs, name), settings=settings, now=now)
+    decision = check.result.decision
+    created: str | None = None
+    if check.compile_run is not None:
+        created = _create_compile_run(kube, check.compile_run)
+        kopf.info(body, reason="CompileRunCreated",
+                  message=f"drift persisted, created CompileRun {created}: {decision.reason}"[:1000])
+    if check.warning is not None:
+        kopf.warn(body, reason=check.warning[0], message=check.warning[1])
+    if not check.write:
+        logger.debug("drift check: %s, status unchanged", decision.kind)
+        return
+    try:
+        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, check.update,
+                          generation=body["metadata"].get("generation"))
+    except ApiException as err:
+        raise kopf.TemporaryError(f"writing drift status failed ({err.status} {err.reason})", delay=15) from err
+    logger.info("drift check: %s%s", decision.kind, f" -> CompileRun {created}" if created else "")
+
+
+def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:
+    """Create the CompileRun; one that already exists under the same name (a retried check) is kept."""
+    meta = body["metadata"]
+    try:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, meta["namespace"], COMPILE_RUN.plural, body)
+    except ApiException as err:
+        if err.status != 409:
+            raise kopf.TemporaryError(
+                f"creating CompileRun {meta['name']} failed ({err.status} {err.reason}): {err.body}", delay=30
+            ) from err
+    return meta["name"]

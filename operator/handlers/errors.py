@@ -1,0 +1,41 @@
+"""How failures inside a handler become kopf's retry decisions.
+
+    ApiException 409, 429, 5xx  --api_errors-->   kopf.TemporaryError (retried in 5 s)
+    a spec the models reject    --parse_or_fail--> status phase Failed + Ready False, kopf.PermanentError
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import kopf
+from kubernetes.client import ApiException
+from pydantic import ValidationError
+
+from shapeshift.operator.api import Kind, parse_spec, short_error
+from shapeshift.operator.kube import Kube
+from shapeshift.operator.status import StatusUpdate
+
+T = TypeVar("T")
+
+
+def api_errors(call: Callable[[], T]) -> T:
+    """Turn retryable API errors into kopf.TemporaryError (conflicts, throttling, server errors)."""
+    try:
+        return call()
+    except ApiException as error:
+        if error.status in (409, 429) or (error.status or 0) >= 500:
+            raise kopf.TemporaryError(f"API server answered {error.status} {error.reason}; retrying", delay=5)
+        raise
+
+
+def parse_or_fail(kind: Kind, spec: Any, body: kopf.Body, kube: Kube) -> Any:
+    """The typed spec; an invalid one is reported in the status and never retried."""
+    try:
+        return parse_spec(kind, spec)
+    except ValidationError as error:
+        message = f"invalid spec: {short_error(error)}"
+        kube.write_status(kind, body["metadata"]["namespace"], body["metadata"]["name"],
+                          StatusUpdate({"phase": "Failed", "message": message},
+                                       [("Ready", "False", "InvalidSpec", message)]))
+        raise kopf.PermanentError(f"{kind.kind} {body['metadata']['name']}: {message}")

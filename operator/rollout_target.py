@@ -1,0 +1,108 @@
+"""Which forward pass a deployment should run, and whether it may be rolled out at all.
+
+    spec.forwardPass, else the champion of the deployment's newest Succeeded CompileRun (champion_of)
+    the named ForwardPass object (or None: not found)
+        --resolve_target--> Target: its identity, speedup and traffic, or the problem that refuses it
+
+A ForwardPass is refused before any pod is asked for it when it did not pass verification,
+was compiled for another accelerator or under another spec.engine.env, or carries
+shapeshift.dev/artifact-durable: "false" (its archive was written to its compile pod's
+emptyDir and is gone: the deployment needs spec.artifacts.pvc). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION
+from shapeshift.engine.contracts.pod_annotations import STOCK_FORWARD_PASS
+from shapeshift.operator.api import InferenceDeploymentSpec
+from shapeshift.operator.rollout import ForwardPassIdentity
+
+__all__ = ["NOT_DURABLE", "REJECTED", "REJECTION_REASONS", "Target", "champion_of", "engine_env_changes",
+           "resolve_target"]
+
+REJECTED = "TargetRejected"  # not verified, wrong accelerator, other engine env, or not found
+NOT_DURABLE = "ArtifactNotDurable"  # its archive lived in its compile pod only
+REJECTION_REASONS = (REJECTED, NOT_DURABLE)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the deployment should run, or why nothing can be rolled out."""
+
+    identity: ForwardPassIdentity | None
+    speedup: float | None = None
+    traffic: dict[str, Any] | None = None  # the ForwardPass's spec.traffic (what it was compiled for)
+    problem: str | None = None  # why the named forward pass cannot be rolled out
+    reason: str = REJECTED  # condition and event reason of the problem
+    refused: str | None = None  # the existing ForwardPass the problem refuses (None: not found)
+
+
+def champion_of(compile_runs: list[Mapping[str, Any]], deployment: str) -> str | None:
+    """The champion of the deployment's most recently finished, successful CompileRun."""
+    done = [run for run in compile_runs
+            if (run.get("spec") or {}).get("deploymentRef", {}).get("name") == deployment
+            and (run.get("status") or {}).get("phase") == "Succeeded" and (run.get("status") or {}).get("champion")]
+    if not done:
+        return None
+    newest = max(done, key=lambda run: ((run.get("status") or {}).get("completionTime") or "",
+                                        run["metadata"].get("creationTimestamp") or "", run["metadata"]["name"]))
+    return newest["status"]["champion"]
+
+
+def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
+                   spec: InferenceDeploymentSpec) -> Target:
+    """The identity to roll out from the named ForwardPass object (None: not found)."""
+    if name is None:
+        return Target(None)
+    if forward_pass is None:
+        if name == STOCK_FORWARD_PASS:
+            return Target(ForwardPassIdentity(STOCK_FORWARD_PASS, None))
+        return Target(None, problem=f"ForwardPass {name} not found in this namespace; create it or fix "
+                                    "spec.forwardPass")
+    fp = forward_pass.get("spec") or {}
+    if not (fp.get("verification") or {}).get("passed"):
+        return Target(None, refused=name, problem=f"ForwardPass {name} did not pass verification; only verified "
+                                                  "forward passes are rolled out")
+    accelerator = (fp.get("hardware") or {}).get("accelerator")
+    if accelerator != spec.hardware.accelerator:
+        return Target(None, refused=name, problem=f"ForwardPass {name} is for accelerator {accelerator}, the "
+                                                  f"deployment runs on {spec.hardware.accelerator}")
+    changed = engine_env_changes(fp, spec)
+    if changed:
+        return Target(None, refused=name, problem=(
+            f"ForwardPass {name} was measured with another spec.engine.env than the deployment sets now "
+            f"({'; '.join(changed)}): kernel launch switches change what is fastest. Set spec.engine.env back, "
+            "or compile again (a CompileRun) under the new one"))
+    artifact = fp.get("artifact") or {}
+    annotations = (forward_pass.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(ARTIFACT_DURABLE_ANNOTATION) == "false":
+        # Asking pods to fetch it would only produce fetch errors until the load timeout.
+        return Target(None, refused=name, reason=NOT_DURABLE, problem=(
+            f"ForwardPass {name} is not rolled out: its artifact {artifact.get('uri') or '(none)'} was written "
+            f"to its compile pod's own emptyDir ({ARTIFACT_DURABLE_ANNOTATION}: \"false\") and no engine pod can "
+            "fetch it. Set spec.artifacts.pvc to a ReadWriteMany PersistentVolumeClaim, so compile Jobs write "
+            "forward passes where engine pods read them, and compile again"))
+    return Target(ForwardPassIdentity(name, artifact.get("sha256"), artifact.get("uri")),
+                  speedup=(fp.get("metrics") or {}).get("speedup"), traffic=fp.get("traffic"))
+
+
+def engine_env_changes(forward_pass_spec: Mapping[str, Any], spec: InferenceDeploymentSpec) -> list[str]:
+    """How the deployment's spec.engine.env differs from the one the forward pass was measured
+    under (its spec.engine.env), one line a variable; empty when equal or not recorded."""
+    recorded = (forward_pass_spec.get("engine") or {}).get("env")
+    if recorded is None:
+        return []
+    then = {e["name"]: e.get("value", "") for e in recorded}
+    now = {e.name: e.value for e in spec.engine.env or []}
+    lines = []
+    for key in sorted(then.keys() | now.keys()):
+        if key not in now:
+            lines.append(f"{key}={then[key]!r} then, unset now")
+        elif key not in then:
+            lines.append(f"{key} unset then, {now[key]!r} now")
+        elif then[key] != now[key]:
+            lines.append(f"{key}={then[key]!r} then, {now[key]!r} now")
+    return lines
