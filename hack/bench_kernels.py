@@ -8,7 +8,7 @@ builds decode-sized and prefill-sized inputs (Llama-3.2-1B and Qwen3-30B-A3B sha
 the kernel against its float32 reference and times it and a plain torch baseline, saving its
 rows after every case. The parent merges the rows with the ceilings (device-to-device copy
 bandwidth and a bf16 8192^3 matmul, measured in the same run), rewrites
-bench/results/kernels-<gpu>-<utc>.json after every group (commit, GPU, versions, command), and
+bench/results/kernels-<shapes>-<gpu>-<utc>.json after every group (commit, GPU, versions, command), and
 prints a table at the end. A worker or the whole run cut short still leaves its results.
 
 Timing. Decode-sized rows are timed twice:
@@ -56,7 +56,7 @@ import traceback
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "hack"))
-from benchmeta import claim_result_name, git_commit  # noqa: E402  (sibling module)
+from benchmeta import claim_result_name, git_commit, hardware_slug, result_name  # noqa: E402  (sibling module)
 
 GROUPS = ("ceilings", "rmsnorm", "silu_and_mul", "rotary", "decode_attention", "gemv", "sampling",
           "prefill_attention", "moe", "host")
@@ -328,6 +328,7 @@ def _row_sizes(quick):
         return [("decode", 1), ("decode", 64), ("prefill", 8192)]
     return [("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 4096), ("prefill", 16384)]
 LLAMA = {"hidden": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64, "inter": 8192, "vocab": 128256}
+SHAPES_OF = "llama-3.2-1b-qwen3-30b-a3b"  # the model slot of this benchmark's result names
 MOE = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}  # Qwen3-30B-A3B-like
 
 
@@ -595,7 +596,8 @@ def _torch_sample(logits, temperature, top_k, top_p):
 
 def cases_sampling(quick):
     import torch
-    from shapeshift.kernels.sampling import argmax, argmax_ref, sample, sampling_probs_ref
+    from shapeshift.kernels.argmax import argmax, argmax_ref
+    from shapeshift.kernels.sampling import sample, sampling_probs_ref
 
     vocab = LLAMA["vocab"]
     batches = [1, 64, 256] if not quick else [1, 64]
@@ -827,7 +829,8 @@ def _host_launch_cases():
     from shapeshift.kernels.gemv import gemv
     from shapeshift.kernels.rmsnorm import rmsnorm
     from shapeshift.kernels.rotary import rope_cos_sin_cache, rotary_kv_write
-    from shapeshift.kernels.sampling import argmax, sample
+    from shapeshift.kernels.argmax import argmax
+    from shapeshift.kernels.sampling import sample
 
     hidden, hq, hkv, d = LLAMA["hidden"], LLAMA["heads"], LLAMA["kv_heads"], LLAMA["head_dim"]
     vocab, inter = LLAMA["vocab"], LLAMA["inter"]
@@ -1103,10 +1106,9 @@ def main(argv=None):
           f"commit {env['commit']}", flush=True)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = (env.get("gpu") or "nogpu").replace(" ", "-")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    kind = f"{'-quick' if args.quick else ''}{'-tune' if args.tune else ''}"
-    path = out_dir / (claim_result_name(out_dir, f"kernels-{gpu}-{stamp}{kind}") + ".json")
+    benchmark = f"kernels{'-quick' if args.quick else ''}{'-tune' if args.tune else ''}"
+    name = result_name(benchmark, SHAPES_OF, hardware_slug(env.get("gpu") or "nogpu"))
+    path = out_dir / (claim_result_name(out_dir, name) + ".json")
     rows, tuning, group_status = [], [], {}
 
     def assemble(complete):

@@ -12,7 +12,8 @@ names, so the package itself does not re-export them):
     gemv.gemv                            batch-1..16 weight-streaming GEMV / skinny GEMM
     decode_layer_tail.decode_layer_tail  batch 1: o_proj, MLP and the next qkv in one persistent kernel
     decode_layer_tail.decode_layer       ... with the layer's attention (rotary, KV write) as its first phase
-    sampling.argmax / sampling.sample    greedy and temperature / top-k / top-p sampling
+    argmax.argmax                        greedy sampling (split-vocabulary argmax)
+    sampling.sample                      temperature / top-k / top-p sampling
     moe.topk_routing / moe_align / moe_grouped_gemm / fused_moe
 Each module also holds `<op>_ref()` in plain torch. `registry.all_specs()` lists every op's
 `KernelSpec` (launcher, reference, search space, per-GPU default config) for the compile loop.

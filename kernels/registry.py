@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "decode_attention",
     "gemv",
     "sampling",
+    "argmax",
     "prefill_attention",
     "moe",
 )

@@ -25,12 +25,26 @@ once per step, which is what bounds batch-1 decode once the kernels are fast. Ba
 to EngineConfig.chunk_graph_max_batch also get a graph of a whole k-step chunk: its steps read
 their staging rows and the previous step's tokens where they lie, so a chunk is one launch with
 no copies between steps (chunks of another length replay the one-step graph as above).
+With EngineConfig.multi_step_sampling, unseeded sampled rows join multi-step decode: after each
+replay kernels.sampling.sample draws the step's tokens on the device (per-row temperature,
+top-k, top-p copied once a chunk; Philox seeds the runner draws per row and step) into the
+static token buffer the next replay reads, so the host still waits once per k steps.
+
+Mixed steps (EngineConfig.mixed_cuda_graphs): a batch that is not decode-only replays the graph
+of the cheapest (tokens, seqs) bucket holding it (engine/core/mixed_graphs.py), over static
+buffers of its own sized for the largest bucket and KV width max_model_len (the varlen
+attention reads only each sequence's context, so the width costs no work); its contexts carry
+no host copies, which routes attention to the graphable varlen path (engine/core/attention.py).
+Every mixed step's (seqs, tokens) is counted in ``mixed_step_shapes`` whether or not a graph
+ran it, so a table fitted to the traffic (mixed_graphs.choose_buckets) can be captured later.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,10 +52,15 @@ import numpy as np
 import torch
 
 from shapeshift.engine.core.attention import AttentionContext
+from shapeshift.engine.core.device_sampling import ChunkSampler
 from shapeshift.engine.core.config import EngineConfig, ModelConfig
 from shapeshift.engine.core.kv_cache import KVCache
+from shapeshift.engine.core.mixed_graphs import (MixedBucket, MixedBuckets, MixedHostInputs, default_buckets,
+                                                 fill_mixed_inputs, parse_buckets, step_shape)
 from shapeshift.engine.core.sampling import sample
 from shapeshift.engine.core.scheduler import RunnerOutput, ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +121,15 @@ class ModelRunner:
         self.chunk_graphs: dict[tuple[int, int], _Graph] = {}
         self._chunk_steps = 0
         self.num_chunk_replays = 0
+        # Mixed-step graphs per bucket (EngineConfig.mixed_cuda_graphs), their static inputs and
+        # the histogram of every mixed step's (num_seqs, num_tokens).
+        self.mixed_graphs: dict[MixedBucket, _Graph] = {}
+        self.mixed_buckets: MixedBuckets | None = None
+        self.mixed_step_shapes: Counter[tuple[int, int]] = Counter()
+        self.num_mixed_replays = 0
+        self._mixed_inputs_consumed: Any = None  # as _inputs_consumed, for the mixed packs
+        # Tokens of sampled multi-step chunks, drawn on the device (EngineConfig.multi_step_sampling).
+        self._chunk_sampler = ChunkSampler(device, config.seed)
 
     # ------------------------------------------------------------------ host -> device
     def _to_device(self, data: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -199,8 +227,14 @@ class ModelRunner:
                 return RunnerOutput(token_ids=greedy_tokens.tolist(), logprobs=None)
             sampling_rows = list(range(len(batch.seqs)))
         else:
-            input_ids, positions, ctx = self.prepare_prefill(batch)
-            logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+            shape = step_shape(batch.num_new_tokens)
+            self.mixed_step_shapes[shape] += 1
+            bucket = self.mixed_buckets.bucket_for(*shape) if self.mixed_graphs else None
+            if bucket is not None and max(len(seq.block_table) for seq in batch.seqs) <= self.max_blocks_per_seq:
+                logits = self._replay_mixed(batch, bucket)
+            else:
+                input_ids, positions, ctx = self.prepare_prefill(batch)
+                logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
             sampling_rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         token_ids: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[float | None] | None = None
@@ -234,13 +268,22 @@ class ModelRunner:
         """Would a decode batch of this size replay a captured graph?"""
         return bool(self.graphs) and batch_size <= self.graph_batch_sizes[-1]
 
+    def can_decode_steps(self, seqs: list) -> bool:
+        """May these sequences decode several steps on the device before the host reads them?
+        Greedy rows always (no logprobs); sampled rows with EngineConfig.multi_step_sampling
+        when unseeded (a seeded request's draws follow its own generator, on the host)."""
+        sampled_ok = self.config.multi_step_sampling
+        return all(not s.params.logprobs and (s.params.greedy or (sampled_ok and s.generator is None))
+                   for s in seqs)
+
     @torch.inference_mode()
     def run_decode_steps(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
-        """k >= 2 greedy decode steps of an all-greedy decode batch, back to back on the device.
+        """k >= 2 decode steps of a decode batch that can_decode_steps, back to back on the device.
 
         The caller has reserved KV slots for k new tokens per sequence (block tables cover
-        positions num_tokens-1 .. num_tokens+k-2). Returns the greedy tokens, [k][n]: row j
-        is what step j produced, fed to step j+1 as its input. One host sync, at the end.
+        positions num_tokens-1 .. num_tokens+k-2). Returns the tokens, [k][n]: row j is what
+        step j produced (greedy, or drawn on the device), fed to step j+1 as its input. One
+        host sync, at the end.
         """
         if k < 2:
             raise ValueError(f"run_decode_steps needs k >= 2 (k={k})")
@@ -248,7 +291,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int = 0) -> DecodeChunk:
-        """Launch k >= 1 greedy decode steps of an all-greedy decode batch; returns before they run.
+        """Launch k >= 1 decode steps of a decode batch that can_decode_steps; returns before they run.
 
         ``ahead`` > 0 chains this chunk onto the previous one, still in flight: every sequence
         has ``ahead`` tokens on the device the host has not read, the last of which (the
@@ -264,13 +307,17 @@ class ModelRunner:
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
         g = self.graphs[(graph_bs, width)]
-        chunk = self.chunk_graphs.get((graph_bs, width)) if k == self._chunk_steps else None
+        sampled = not all(seq.params.greedy for seq in batch.seqs)
+        # The whole-chunk graphs end each step in the greedy argmax: sampled chunks replay steps.
+        chunk = self.chunk_graphs.get((graph_bs, width)) if k == self._chunk_steps and not sampled else None
         s, max_bs = self._static, self._max_bs
         self._ensure_step_staging(k)
         if self._inputs_consumed is not None:
             # The previous chunk's host->device copies read the pinned buffers rewritten below;
             # the GPU reaches them once the chunk before that one is done (already waited for).
             self._inputs_consumed.synchronize()
+        if sampled:
+            self._chunk_sampler.stage([seq.params for seq in batch.seqs], k)
         # Steps 1..k-1 advance every row by one position: positions, slots and context lengths
         # are known now (the tokens are not; they stay on the device).
         pos0 = np.fromiter((seq.num_tokens - 1 + ahead for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
@@ -294,7 +341,9 @@ class ModelRunner:
             self.num_chunk_replays += 1
             return self._read_back(self._chunk_tokens, k, n)
         # Step 0: the usual host -> device copies (ids from the device when chained), then the graph.
-        self._replay(batch, g, ahead=ahead)
+        logits = self._replay(batch, g, ahead=ahead)
+        if sampled:
+            self._chunk_sampler.sample(logits[:n], 0, s["tokens"][:n])
         out = self._step_tokens
         out[0, :n].copy_(s["tokens"][:n])
         if k > 1:
@@ -307,6 +356,8 @@ class ModelRunner:
             s["input_ids"][:n].copy_(s["tokens"][:n])
             g.replay()
             self.num_graph_replays += 1
+            if sampled:
+                self._chunk_sampler.sample(logits[:n], j, s["tokens"][:n])
             out[j, :n].copy_(s["tokens"][:n])
         return self._read_back(out, k, n)
 
@@ -388,8 +439,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
-        """(Re)capture decode graphs for every (batch bucket, width bucket); CUDA only."""
+        """(Re)capture decode graphs for every (batch bucket, width bucket), then the whole-chunk
+        and the mixed-step graphs; CUDA only (or emulated)."""
         self.graphs.clear()
+        self.mixed_graphs.clear()
+        self.mixed_buckets = None
         self.chunk_graphs.clear()  # captured again below, after the one-step graphs (if any are)
         self._chunk_steps = 0
         self._graph_pool = None
@@ -474,6 +528,7 @@ class ModelRunner:
         self.graph_widths = widths
         self._greedy_argmax = greedy_argmax
         self._capture_chunk_graphs()
+        self.capture_mixed_graphs()
 
     def _graph_context(self, bs: int, width: int, slots: torch.Tensor, lens: torch.Tensor) -> AttentionContext:
         """A captured decode step's context: ``bs`` rows of the static block tables, ``width``
@@ -542,10 +597,122 @@ class ModelRunner:
         self._chunk_steps = k
 
 
+    # ------------------------------------------------------------------ mixed-step graphs
+    def mixed_graphs_supported(self) -> str | None:
+        """Why mixed steps cannot replay graphs here (None: they can)."""
+        if not self.config.mixed_cuda_graphs:
+            return "EngineConfig.mixed_cuda_graphs is off"
+        if self.config.enforce_eager or (self.device.type != "cuda" and not self.emulate_graphs):
+            return "graphs are off (enforce_eager, or not on CUDA)"
+        if self.model_config.family != "llama":
+            return f"the {self.model_config.family} prefill path is not capturable (host-side expert routing)"
+        if not self.graphs:
+            return "no decode graphs were captured (their pool and stream are shared)"
+        return None
+
+    @torch.inference_mode()
+    def capture_mixed_graphs(self, buckets: MixedBuckets | None = None) -> None:
+        """(Re)capture one graph per mixed-step bucket: ``buckets``, else EngineConfig's table,
+        else mixed_graphs.default_buckets. Largest first, in the decode graphs' pool. A forward
+        pass whose mixed step cannot run without host values fails its warm-up: mixed steps then
+        stay eager, with a warning naming the error."""
+        self.mixed_graphs.clear()
+        self.mixed_buckets = None
+        why_not = self.mixed_graphs_supported()
+        if why_not is not None:
+            if self.config.mixed_cuda_graphs:
+                log.info("mixed steps run eagerly: %s", why_not)
+            return
+        cfg = self.config
+        if buckets is None:
+            buckets = (parse_buckets(cfg.mixed_graph_buckets) if cfg.mixed_graph_buckets else
+                       default_buckets(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.graph_batch_sizes))
+        T, B, W = buckets.max_tokens, buckets.max_seqs, self.max_blocks_per_seq
+        dev, capture = self.device, self.device.type == "cuda"
+        # Two packs as for decode: int64 (ids, positions, slots | last-token rows), int32
+        # (cumulative query lengths | context lengths | block tables); one copy each a step.
+        self._mixed64 = torch.zeros(3 * T + B, dtype=torch.int64, device=dev)
+        self._mixed32 = torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, device=dev)
+        self._mixed64_host = torch.zeros(self._mixed64.shape, dtype=torch.int64)
+        self._mixed32_host = torch.zeros(self._mixed32.shape, dtype=torch.int32)
+        if capture:
+            self._mixed64_host = self._mixed64_host.pin_memory()
+            self._mixed32_host = self._mixed32_host.pin_memory()
+
+        def views(p64: Any, p32: Any) -> dict[str, Any]:
+            return {"input_ids": p64[:T], "positions": p64[T:2 * T], "slot_mapping": p64[2 * T:3 * T],
+                    "last_token_indices": p64[3 * T:], "query_start_loc": p32[:B + 1],
+                    "context_lens": p32[B + 1:2 * B + 1], "block_tables": p32[2 * B + 1:].reshape(B, W)}
+
+        m = views(self._mixed64, self._mixed32)
+        self._mixed_host = MixedHostInputs(**views(self._mixed64_host.numpy(), self._mixed32_host.numpy()))
+        # An all-padding step for the warm-ups: no sequence, every token to the null slot.
+        fill_mixed_inputs(self._mixed_host, MixedBucket(T, B), [], [], self.block_size, self.kv_cache.null_slot)
+        self._mixed64.copy_(self._mixed64_host)
+        self._mixed32.copy_(self._mixed32_host)
+        self._mixed_logits = torch.zeros(B, self.model_config.vocab_size, dtype=torch.float32, device=dev)
+        capture_stream = self._capture_stream
+        if capture and capture_stream is None:
+            capture_stream = self._capture_stream = torch.cuda.Stream(dev)
+        graphs: dict[MixedBucket, _Graph] = {}
+        for bucket in buckets.largest_first():
+            t, b = bucket.tokens, bucket.seqs
+            ctx = AttentionContext(
+                is_prefill=True, slot_mapping=m["slot_mapping"][:t], block_tables=m["block_tables"][:b],
+                context_lens=m["context_lens"][:b], query_start_loc=m["query_start_loc"][:b + 1],
+                max_query_len=t, max_context_len=W * self.block_size, last_token_indices=m["last_token_indices"][:b])
+
+            def run_mixed(t: int = t, b: int = b, ctx: AttentionContext = ctx) -> None:
+                logits = self.forward_pass.forward(m["input_ids"][:t], m["positions"][:t], ctx, self.kv_cache)
+                self._mixed_logits[:b].copy_(logits)  # one static output for all buckets ([b, V] float32)
+
+            try:
+                if capture:
+                    with torch.cuda.stream(capture_stream):
+                        run_mixed()  # warm-up: lazy initialisation stays out of the capture
+                    torch.cuda.synchronize(dev)
+                else:
+                    run_mixed()
+            except Exception as exc:  # noqa: BLE001 - any failure means: this pass's mixed step is not static
+                log.warning("mixed steps run eagerly: the forward pass failed a static mixed step of %s: %s: %s",
+                            bucket, type(exc).__name__, exc)
+                return
+            if not capture:
+                graphs[bucket] = _Graph(run_mixed, b, W)
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
+                run_mixed()
+            if self._graph_pool is None:
+                self._graph_pool = graph.pool()
+            graphs[bucket] = _Graph(graph.replay, b, W)
+            torch.cuda.synchronize(dev)
+        self.mixed_graphs = graphs
+        self.mixed_buckets = buckets
+
+    def _replay_mixed(self, batch: ScheduledBatch, bucket: MixedBucket) -> torch.Tensor:
+        """A mixed step through its bucket's graph -> float32 logits [n, V] (a view of the static
+        output: read before the next replay)."""
+        if self._mixed_inputs_consumed is not None:
+            # A step whose rows all stopped mid-prompt sampled nothing, hence never synced:
+            # its copies must have read the pinned packs before they are rewritten.
+            self._mixed_inputs_consumed.synchronize()
+        fill_mixed_inputs(self._mixed_host, bucket, batch.seqs, batch.num_new_tokens, self.block_size,
+                          self.kv_cache.null_slot)
+        self._mixed64.copy_(self._mixed64_host, non_blocking=True)
+        self._mixed32.copy_(self._mixed32_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._mixed_inputs_consumed = torch.cuda.Event()
+            self._mixed_inputs_consumed.record()
+        self.mixed_graphs[bucket].replay()
+        self.num_mixed_replays += 1
+        return self._mixed_logits[:len(batch.seqs)]
+
+
 def _graph_argmax(on_cuda: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """The greedy argmax a decode graph ends with: logits [B, V] float32 -> tokens [B] int64.
 
-    On CUDA, kernels.sampling.argmax: the vocabulary split over ~2 programs per SM and merged
+    On CUDA, kernels.argmax.argmax: the vocabulary split over ~2 programs per SM and merged
     (torch.argmax reduces each 128K-logit row in one block: 27.5 us a step at batch 1 on an
     H200 against the kernel's ~4 us). Both return the first index of the maximum. Elsewhere,
     when Triton is missing, or with SHAPESHIFT_GRAPH_ARGMAX=torch (to measure the difference),
@@ -553,7 +720,7 @@ def _graph_argmax(on_cuda: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """
     if on_cuda and os.environ.get("SHAPESHIFT_GRAPH_ARGMAX", "triton") != "torch":
         try:
-            from shapeshift.kernels.sampling import argmax
+            from shapeshift.kernels.argmax import argmax
         except ImportError:
             pass
         else:

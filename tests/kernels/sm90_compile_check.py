@@ -38,10 +38,10 @@ def _record(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = _record
 
-from shapeshift.kernels import (activation, decode_attention, decode_layer_tail, gemv, moe,  # noqa: E402
+from shapeshift.kernels import (activation, argmax, decode_attention, decode_layer_tail, gemv, moe,  # noqa: E402
                                 prefill_attention, rmsnorm, rotary, sampling)
 
-for module in (activation, decode_attention, decode_layer_tail, gemv, moe, prefill_attention, rmsnorm, rotary,
+for module in (activation, argmax, decode_attention, decode_layer_tail, gemv, moe, prefill_attention, rmsnorm, rotary,
                sampling):
     module.check_runnable_device = lambda op, tensor: None
 
@@ -126,7 +126,7 @@ def launch_all(prefix: str = "") -> None:
     gemv.gemv(e(1, 2048, dtype=BF16), e(3072, 2048, dtype=BF16),
               config=gemv.KernelConfig.make("fma", num_warps=4, num_stages=2, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2))
     label("argmax")
-    sampling.argmax(e(1, 128256), config=sm90(sampling.ARGMAX_SPEC, {"batch": 1, "vocab": 128256}))
+    argmax.argmax(e(1, 128256), config=sm90(argmax.ARGMAX_SPEC, {"batch": 1, "vocab": 128256}))
     label("sample")
     sampling.sample(e(8, 128256), e(8), e(8, dtype=torch.int32), e(8), e(8, dtype=torch.int64),
                     config=sm90(sampling.SAMPLE_SPEC, {"batch": 8, "vocab": 128256}))
@@ -202,7 +202,7 @@ def _ptxas_report(ptx: str) -> dict:
             "spill_load_bytes": int(spill_loads.group(1)) if spill_loads else None}
 
 
-PDL_MODULES = ("activation", "decode_attention", "decode_layer_tail", "gemv", "rmsnorm", "rotary", "sampling")
+PDL_MODULES = ("activation", "argmax", "decode_attention", "decode_layer_tail", "gemv", "rmsnorm", "rotary")
 
 
 def main() -> int:

@@ -9,7 +9,8 @@ from shapeshift.kernels.gemv import gemv, gemv_ref
 from shapeshift.kernels.moe import fused_moe, fused_moe_ref
 from shapeshift.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from shapeshift.kernels.rotary import rope_cos_sin_cache, rotary_kv_write, rotary_kv_write_ref
-from shapeshift.kernels.sampling import argmax, sample
+from shapeshift.kernels.argmax import argmax
+from shapeshift.kernels.sampling import sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from shapeshift.kernels.registry import KernelConfig
-from shapeshift.kernels.sampling import argmax, argmax_ref, sample, sampling_probs_ref
+from shapeshift.kernels.argmax import argmax, argmax_ref
+from shapeshift.kernels.sampling import sample, sampling_probs_ref
 
 
 def _params(B, device, temperature=1.0, top_k=0, top_p=1.0):
