@@ -403,12 +403,12 @@ class EngineEvaluator:
 
     # ------------------------------------------------------------------ verification
     def verify(self, candidate: Candidate) -> Verification:
-        from shapeshift.engine.compile.gates import run_gates
+        from shapeshift.engine.compile.promotion import verify_for_promotion
 
         t0 = time.perf_counter()
         path = self.materialize(candidate)
         eng = self._engine(FULL, {})
-        verdict = run_gates(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps)
+        verdict = verify_for_promotion(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps)
         verdict.seconds = time.perf_counter() - t0
         return verdict
 

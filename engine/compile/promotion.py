@@ -1,4 +1,4 @@
-"""Verification of a confirmed winner before it may become the incumbent.
+"""Promotion check: the verification a confirmed winner must pass before it becomes the incumbent.
 
 Data flow: the full-tier engine (weights, model config, dtype, device, block size) + the
 candidate bundle --shapeshift.engine.verify.verify_candidate--> the engine's gate suite
@@ -18,7 +18,7 @@ from typing import Any
 from shapeshift.engine.compile.measure import Verification
 
 
-def run_gates(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16) -> Verification:
+def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16) -> Verification:
     from shapeshift.engine.verify import GateSettings, verify_candidate
 
     settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size)
