@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from shapeshift.engine.contracts import compile_pod_env as pod_env
 from shapeshift.engine.contracts.pod_annotations import (
     DEFAULT_ANNOTATIONS_FILE,
     DOWNWARD_API_MOUNT_PATH,
@@ -309,8 +310,8 @@ def build_engine_deployment(parent: Parent, spec: InferenceDeploymentSpec,
         "args": engine_args(spec),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": [
-            {"name": "SHAPESHIFT_INFERENCE_DEPLOYMENT", "value": parent.name},
-            {"name": "SHAPESHIFT_ENGINE_CONFIG", "value": f"{CONFIG_MOUNT}/{ENGINE_CONFIG_KEY}"},
+            {"name": pod_env.INFERENCE_DEPLOYMENT, "value": parent.name},
+            {"name": pod_env.ENGINE_CONFIG, "value": f"{CONFIG_MOUNT}/{ENGINE_CONFIG_KEY}"},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             *user_env(spec),
@@ -428,30 +429,18 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
     labels = compile_labels(parent.name, run.deployment_ref.name)
     model_volumes, model_mounts = _model_volumes(deployment)
     artifact_volumes, artifact_mounts = _artifact_volumes(deployment, writable=True)
-    env: list[dict[str, Any]] = [
-        {"name": "SHAPESHIFT_NAMESPACE", "value": parent.namespace},
-        {"name": "SHAPESHIFT_COMPILE_RUN", "value": parent.name},
-        {"name": "SHAPESHIFT_INFERENCE_DEPLOYMENT", "value": run.deployment_ref.name},
-        {"name": "SHAPESHIFT_ACCELERATOR", "value": hw.accelerator},
-        {"name": "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS", "value": str(run.budget.wall_clock_seconds)},
-        {"name": "SHAPESHIFT_BUDGET_TRIALS", "value": str(run.budget.trials)},
-        {"name": "SHAPESHIFT_ENGINE_CONFIG", "value": f"{CONFIG_MOUNT}/{ENGINE_CONFIG_KEY}"},
-        {"name": "SHAPESHIFT_WORK_DIR", "value": WORK_MOUNT},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-    ]
-    if artifact_mounts:
+    env = pod_env.CompilePodEnv(
+        namespace=parent.namespace, compile_run=parent.name, inference_deployment=run.deployment_ref.name,
+        accelerator=hw.accelerator, budget_wall_clock_seconds=run.budget.wall_clock_seconds,
+        budget_trials=run.budget.trials, engine_config=f"{CONFIG_MOUNT}/{ENGINE_CONFIG_KEY}", work_dir=WORK_MOUNT,
         # The worker writes <sha256>.tar.gz here and records its path in the ForwardPass; without
         # it the archive stays in the pod's emptyDir and the ForwardPass is marked not durable.
-        env.append({"name": "SHAPESHIFT_ARTIFACT_DIR", "value": ARTIFACT_MOUNT})
-    env.extend(user_env(deployment))  # measured under the kernel switches it will serve with
-    # Which of those came from spec.engine.env: the worker records them in its ForwardPass, and
-    # rollout refuses that pass for a deployment whose spec.engine.env has changed since.
-    env.append({"name": "SHAPESHIFT_ENGINE_ENV_NAMES", "value": ",".join(e.name for e in deployment.engine.env or [])})
-    for index, agent in enumerate(run.agents):
-        if agent.llm is not None and agent.llm.api_key_secret_ref is not None:
-            ref = agent.llm.api_key_secret_ref
-            env.append({"name": f"SHAPESHIFT_AGENT_{index}_API_KEY",
-                        "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        artifact_dir=ARTIFACT_MOUNT if artifact_mounts else None,
+        engine_env=tuple((e.name, e.value) for e in deployment.engine.env or []),
+        agent_api_key_secrets={
+            index: pod_env.SecretKeySelector(agent.llm.api_key_secret_ref.name, agent.llm.api_key_secret_ref.key)
+            for index, agent in enumerate(run.agents) if agent.llm is not None and agent.llm.api_key_secret_ref},
+    ).to_env()
     container = {
         "name": "compile",
         "image": run.image or deployment.engine.image,
