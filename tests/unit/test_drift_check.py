@@ -5,6 +5,7 @@ owned by the deployment that the CompileRun model accepts."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from typing import Callable
 
 import pytest
 
@@ -16,15 +17,17 @@ from shapeshift.operator.drift_check import (
     active_compile_run,
     baseline_for,
     build_drift_compile_run,
+    check_drift,
     drift_compile_run_name,
     drift_status_update,
+    is_due,
     policy_from_spec,
     run_check,
     selector_for,
     state_from_status,
 )
-from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
-from shapeshift.operator.prometheus import NoTrafficData
+from shapeshift.operator.api import Condition, CompileRunSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
+from shapeshift.operator.prometheus import DataQuality, NoTrafficData, ObservedTraffic, PrometheusUnreachable
 from shapeshift.operator.settings import OperatorSettings
 
 NOW = datetime(2026, 11, 29, 12, 0, 5, tzinfo=timezone.utc)
@@ -222,3 +225,66 @@ def test_a_check_that_changes_nothing_but_the_time_is_not_written():
     # a different error is news again
     other = CheckResult(NoData("NoTraffic", "no requests"), DriftState(), None)
     assert not only_check_time_changed(drift_status_update(other, stored, now=NOW), stored)
+
+
+# ---- check_drift: one whole check, as the timer applies it ------------------------------------
+
+
+def observed(p50: int, requests: float = 100) -> Callable[[], ObservedTraffic]:
+    quality = DataQuality(requests=requests, targets=2, window_seconds=300, evaluated_at=NOW,
+                          prefix_cache_queried_tokens=1000.0)
+    return lambda: ObservedTraffic(profile(p50), quality)
+
+
+def drifting_status() -> InferenceDeploymentStatus:
+    """One check over the threshold already behind it; the baseline is 100-token prompts."""
+    return InferenceDeploymentStatus.model_validate({"compiledFor": profile(100).to_dict(),
+                                                     "drift": {"consecutiveChecks": 1}})
+
+
+def test_check_drift_under_on_drift_builds_the_compile_run_the_status_names():
+    check = check_drift(spec=make_spec(), status=drifting_status(), parent=PARENT, observe=observed(400),
+                        active_compile_run=None, settings=OperatorSettings(), now=NOW)
+    assert isinstance(check.result.decision, Compile)
+    assert check.compile_run is not None
+    assert check.compile_run["metadata"]["name"] == drift_compile_run_name("llama-chat", NOW)
+    assert check.update.fields["lastCompileRun"] == check.compile_run["metadata"]["name"]
+    assert check.update.condition("Drifted")[2] == "CompileRunCreated"
+    assert check.warning is None and check.write
+
+
+def test_check_drift_under_manual_creates_nothing_and_holds_the_counter():
+    spec = make_spec(policy="Manual")
+    check = check_drift(spec=spec, status=drifting_status(), parent=PARENT, observe=observed(400),
+                        active_compile_run=None, settings=OperatorSettings(), now=NOW)
+    assert isinstance(check.result.decision, Compile) and check.compile_run is None
+    assert check.result.state.consecutive == 2  # the spec's consecutiveChecks: no cooldown starts
+    assert "policy Manual" in check.update.condition("Drifted")[3]
+    assert "lastCompileRun" not in check.update.fields
+
+
+def test_check_drift_warns_once_when_the_traffic_becomes_unobservable():
+    def unreachable() -> ObservedTraffic:
+        raise PrometheusUnreachable("Prometheus at http://prom:9090 cannot be reached")
+
+    first = check_drift(spec=make_spec(), status=InferenceDeploymentStatus(), parent=PARENT, observe=unreachable,
+                        active_compile_run=None, settings=OperatorSettings(), now=NOW)
+    assert first.warning == ("PrometheusUnreachable", "Prometheus at http://prom:9090 cannot be reached")
+    assert first.write and first.compile_run is None
+    stored = InferenceDeploymentStatus(
+        drift=InferenceDeploymentStatus.model_validate({"drift": first.update.fields["drift"]}).drift,
+        conditions=[Condition(type=t, status=v, reason=r, message=m) for t, v, r, m in first.update.conditions])
+    again = check_drift(spec=make_spec(), status=stored, parent=PARENT, observe=unreachable,
+                        active_compile_run=None, settings=OperatorSettings(), now=NOW + timedelta(minutes=1))
+    assert again.warning is None and not again.write  # nothing new: no event, no write
+
+
+def test_checks_keep_the_deployments_own_interval_with_half_a_tick_of_slack():
+    spec = make_spec(drift={"checkIntervalSeconds": 60})
+    checked = InferenceDeploymentStatus.model_validate({"drift": {"lastCheckTime": "2026-11-29T12:00:05Z"}})
+    assert is_due(InferenceDeploymentStatus(), spec, NOW, timer_seconds=10)
+    assert not is_due(checked, spec, NOW + timedelta(seconds=50), timer_seconds=10)
+    assert is_due(checked, spec, NOW + timedelta(seconds=55), timer_seconds=10)
+    # a later check kept in memory (it wrote nothing) counts too
+    assert not is_due(checked, spec, NOW + timedelta(seconds=55), timer_seconds=10,
+                      last_in_memory=NOW + timedelta(seconds=30))

@@ -15,10 +15,12 @@ from shapeshift.operator.rollout_metrics import PodReport, pod_regex
 from shapeshift.operator.rollout_target import Target, champion_of, resolve_target
 from shapeshift.operator.rollout_tick import (
     annotation_patch,
+    plan_rollout_tick,
     pod_views,
     policy_from_spec,
     rollout_status_update,
     state_from_status,
+    template_annotations,
     template_annotations_for,
 )
 from shapeshift.operator.settings import OperatorSettings
@@ -241,3 +243,77 @@ def test_local_kubelet_overrides_flags():
     argv = ["shapeshift", "serve", "--port", "8000", "--host=0.0.0.0"]
     assert override_flags(argv, {"--port": "18001", "--host": "127.0.0.1", "--num-kv-blocks": "64"}) == [
         "shapeshift", "serve", "--port", "18001", "--host=127.0.0.1", "--num-kv-blocks", "64"]
+
+
+# ---- plan_rollout_tick: one whole tick, as the timer applies it --------------------------------
+
+
+def tick(status=None, *, target=Target(FAST, speedup=1.3), pods=None, reports=None, problem=None, analyze=None,
+         now=T0, **spec_over):
+    pods = pods if pods is not None else [pod("e-0"), pod("e-1"), pod("e-2")]
+    return plan_rollout_tick(spec=spec(**spec_over), status=status or InferenceDeploymentStatus(), target=target,
+                             pods=pods, reports=reports or {}, prometheus_problem=problem, analyze=analyze,
+                             settings=OperatorSettings(rollout_min_requests=5), now=now)
+
+
+def test_a_new_target_starts_the_canary_and_asks_only_the_canary_pod_for_it():
+    planned = tick()
+    assert planned.next_state.phase == "Canary" and planned.next_state.canary_pods == ("e-0",)
+    assert list(planned.pod_patches) == ["e-0"]  # the others already run what they should (stock)
+    assert planned.pod_patches["e-0"]["shapeshift.dev/forward-pass"] == "fp-2"
+    assert planned.event[:2] == ("Normal", "CanaryStarted")
+    assert planned.update.fields["rollout"]["phase"] == "Canary"
+    assert planned.relations == {"fp-2": ("seen", "", "")}
+    assert planned.warning is None
+
+
+def test_restart_patches_no_pod_and_the_template_names_the_target():
+    planned = tick(rollout={"strategy": "Restart"})
+    assert planned.next_state.phase == "Promoting" and planned.pod_patches == {}
+    assert template_annotations(spec(rollout={"strategy": "Restart"}), planned.next_state, planned.active) == {
+        "shapeshift.dev/forward-pass": "fp-2", "shapeshift.dev/forward-pass-sha256": "b" * 64,
+        "shapeshift.dev/forward-pass-artifact": FAST.artifact}
+    # what the reconcile writes from the stored status is the same template
+    stored = InferenceDeploymentStatus.model_validate({"rollout": planned.update.fields["rollout"]})
+    assert template_annotations_for(spec(rollout={"strategy": "Restart"}), stored) == template_annotations(
+        spec(rollout={"strategy": "Restart"}), planned.next_state, planned.active)
+
+
+def test_an_analysis_prometheus_cannot_answer_holds_the_rollout():
+    from shapeshift.operator.prometheus import PrometheusUnreachable
+
+    analysing = InferenceDeploymentStatus.model_validate({"rollout": {
+        "phase": "Analyzing", "desired": {"name": "fp-2", "sha256": "b" * 64, "artifact": FAST.artifact},
+        "canaryPods": ["e-0"], "phaseSince": "2026-11-29T12:00:00Z"}})
+    asked = []
+
+    def analyze(canary, baseline, window, **kwargs):
+        asked.append((tuple(canary), tuple(baseline), window, kwargs["min_requests"]))
+        raise PrometheusUnreachable("Prometheus at http://prom:9090 cannot be reached")
+
+    reports = {name: PodReport(running=FAST if name == "e-0" else None) for name in ("e-0", "e-1", "e-2")}
+    planned = tick(analysing, reports=reports, analyze=analyze, now=T0 + timedelta(minutes=6))
+    assert asked == [(("e-0",), ("e-1", "e-2"), timedelta(minutes=5), 5)]
+    assert planned.next_state == planned.state and planned.event is None
+    assert planned.update.condition("ForwardPassRolledOut")[1:3] == ("Unknown", "PrometheusUnavailable")
+    # before the window is over nothing is asked
+    asked.clear()
+    tick(analysing, reports=reports, analyze=analyze, now=T0 + timedelta(minutes=1))
+    assert asked == []
+
+
+def test_idle_without_prometheus_writes_only_the_phase():
+    planned = tick(target=Target(None), problem="no Prometheus address")
+    assert planned.next_state.phase == "Idle" and planned.event is None
+    assert set(planned.update.fields) == {"rollout"} and planned.update.conditions == []
+
+
+def test_a_refused_target_warns_once():
+    refused = Target(None, problem="ForwardPass fp-2 did not pass verification", refused="fp-2")
+    first = tick(target=refused)
+    assert first.warning == ("TargetRejected", "ForwardPass fp-2 did not pass verification")
+    assert first.relations == {"fp-2": ("refused", "TargetRejected", refused.problem)}
+    stored = InferenceDeploymentStatus.model_validate({"conditions": [
+        {"type": "ForwardPassRolledOut", "status": "False", "reason": "TargetRejected", "message": refused.problem,
+         "lastTransitionTime": "2026-11-29T12:00:00Z"}]})
+    assert tick(stored, target=refused).warning is None
