@@ -118,9 +118,68 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def paged_varlen_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  ctx: AttentionContext, scale: float) -> torch.Tensor:
+    """The math of paged_prefill_attention with no host values: CUDA-graph capturable.
+
+    q: [T, Hq, D] -> [T, Hq, D]. Token t belongs to the sequence b whose query range
+    query_start_loc[b] .. query_start_loc[b+1] holds it; it sees that sequence's keys 0 ..
+    context_lens[b] - (query end - t), read through ``ctx.block_tables`` [B, W] (every key of
+    the W blocks, masked). Tokens past query_start_loc[B] (a graph bucket's padding) belong
+    to no sequence and come out as zeros. Dense in T x W * block_size: the reference and CPU
+    form; on CUDA the runner's graphs use the Triton kernel (see varlen_attention_static).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    batch, blocks = ctx.block_tables.shape
+    width = blocks * block_size
+    qsl = ctx.query_start_loc.long()  # [B + 1]
+    tokens = torch.arange(num_tokens, device=q.device)
+    seq = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=batch - 1)  # [T]
+    live = tokens < qsl[-1]  # [T]: padding belongs to no sequence
+    # Position of token t: its sequence's first new position plus its offset in the chunk.
+    first = ctx.context_lens.long()[seq] - (qsl[seq + 1] - qsl[seq])  # [T]
+    pos = first + tokens - qsl[seq]  # [T]
+    k = k_cache[ctx.block_tables.long()].view(batch, width, num_kv_heads, head_dim)  # [B, S, Hkv, D]
+    v = v_cache[ctx.block_tables.long()].view(batch, width, num_kv_heads, head_dim)
+    keys = torch.arange(width, device=q.device)
+    visible = (keys[None, :] <= pos[:, None]) & live[:, None]  # [T, S]
+    qg = q.view(num_tokens, num_kv_heads, group, head_dim).float()  # [T, Hkv, G, D]
+    scores = torch.einsum("thgd,tshd->thgs", qg, k[seq].float()) * scale  # [T, Hkv, G, S]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(live[:, None, None, None], probs, torch.zeros((), device=q.device))  # no NaN rows
+    out = torch.einsum("thgs,tshd->thgd", probs, v[seq].float())  # [T, Hkv, G, D]
+    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+def varlen_attention_static(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            ctx: AttentionContext, scale: float) -> torch.Tensor:
+    """A graph-replayed mixed step's attention: q [T, Hq, D] -> [T, Hq, D].
+
+    On CUDA, kernels.prefill_attention with ``ctx.max_query_len`` as the grid's bound (the
+    graph's token bucket, fixed at capture; programs past a sequence's chunk exit at once), so
+    the launch's shape never depends on the batch; elsewhere paged_varlen_attention_static."""
+    if q.is_cuda:
+        try:
+            from shapeshift.kernels.prefill_attention import prefill_attention
+        except ImportError:  # no Triton: the dense form is capturable too
+            pass
+        else:
+            out = prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
+                                    scale, ctx.max_query_len)
+            # Padding tokens belong to no sequence: the kernel leaves their rows unwritten.
+            return out
+    return paged_varlen_attention_static(q, k_cache, v_cache, ctx, scale)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext,
                     scale: float, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; dispatches on ``ctx.is_prefill``."""
+    """q: [T, Hq, D] -> [T, Hq, D]; dispatches on ``ctx.is_prefill`` and, for prefill and
+    mixed steps, on whether the context has host copies (eager) or not (graph-replayed)."""
     if ctx.is_prefill:
+        if ctx.query_start_loc_cpu is None:
+            return varlen_attention_static(q, k_cache, v_cache, ctx, scale)
         return paged_prefill_attention(q, k_cache, v_cache, ctx, scale)
     return paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, attn_bias)

@@ -199,6 +199,22 @@ class EngineConfig:
     # time captures them again. 0: none. Measured on an H200 at 8 overlapped steps: +1.2% at
     # batch 1, +0.7-1.0% at batches 2-16 (docs/decode-performance.md, tenth and eleventh sets).
     chunk_graph_max_batch: int = 16
+    # Mixed steps (a prefill chunk beside decodes, or prompts alone) replay CUDA graphs too,
+    # one per (tokens, sequences) bucket of mixed_graph_buckets: static inputs padded to the
+    # bucket, attention through the varlen path whose launch shape depends only on the bucket
+    # (engine/core/mixed_graphs.py, docs/serving-performance.md). Dense models only (the MoE
+    # prefill path sorts tokens by expert on the host); steps no bucket holds run eagerly.
+    # Off until measured on a GPU (docs/serving-performance.md says what is measured).
+    mixed_cuda_graphs: bool = False
+    # [[tokens, seqs], ...]; None -> mixed_graphs.default_buckets (the token ladder up to
+    # max_num_batched_tokens x sequence buckets up to max_num_seqs).
+    mixed_graph_buckets: list[list[int]] | None = None
+    # With decode_steps > 1: unseeded sampled requests (no logprobs) decode k steps at a time
+    # too; their tokens are drawn on the device (kernels.sampling.sample, Philox seeds the runner
+    # draws per row and step) instead of by the host sampler, so the GPU does not wait for the
+    # host between steps. Seeded requests keep the host sampler (their draws follow their own
+    # generator) and single steps. Off until measured on a GPU.
+    multi_step_sampling: bool = False
     num_layers_override: int | None = None
     seed: int = 0
     gpu_memory_utilization: float = 0.90
@@ -248,6 +264,14 @@ class EngineConfig:
             if lens[-1] != self.max_model_len:
                 lens.append(self.max_model_len)
             self.cuda_graph_context_lens = lens
+        if self.mixed_graph_buckets is not None:
+            pairs = []
+            for pair in self.mixed_graph_buckets:
+                if len(pair) != 2 or not all(isinstance(x, int) and x > 0 for x in pair) or pair[1] > pair[0]:
+                    raise ValueError(f"EngineConfig.mixed_graph_buckets entries are [tokens, seqs] with "
+                                     f"0 < seqs <= tokens, got {pair!r}")
+                pairs.append([int(pair[0]), int(pair[1])])
+            self.mixed_graph_buckets = sorted(map(list, {tuple(p) for p in pairs}))
         if self.num_layers_override is not None and self.num_layers_override <= 0:
             raise ValueError(f"num_layers_override must be > 0, got {self.num_layers_override}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
