@@ -208,7 +208,8 @@ class LLMEngine:
         """How many decode steps to run at once for ``batch`` (1: the ordinary step).
 
         k > 1 only when config.decode_steps allows it, the batch is all decodes replaying a
-        graph, every sequence is greedy without logprobs, nobody waits for admission (a
+        graph, every sequence may decode on the device (runner.can_decode_steps: greedy, or
+        unseeded sampled with multi_step_sampling; no logprobs), nobody waits for admission (a
         waiting request would otherwise wait k steps), and the KV cache has room for k new
         tokens per sequence; k never passes a sequence's max_tokens or max_model_len, so only
         a stop token or stop string can make a step's work go unused. Reserves the slots.
@@ -217,7 +218,7 @@ class LLMEngine:
             return 1
         if not self.runner.can_replay(len(batch.seqs)):
             return 1
-        if any(not seq.params.greedy or seq.params.logprobs for seq in batch.seqs):
+        if not self.runner.can_decode_steps(batch.seqs):
             return 1
         return self._reserve_steps(batch.seqs, ahead=0, least=2) or 1
 
