@@ -4,7 +4,7 @@ the hardware and environment field types, and the helpers that parse cluster obj
     group.py, common.py --> inference_deployment.py, compile_run.py, forward_pass.py
                         --crdgen.py--> crds/*.yaml (OpenAPI schema, CEL rules, columns)
     cluster object --parse_spec()/Status.model_validate()--> typed spec/status
-    handlers --Status(...).to_patch()--> status subresource
+    handlers --Status(...).to_wire()--> status subresource
 
 One definition serves the API server and the operator: every bound and enum
 becomes an OpenAPI constraint, every cross-field rule is written twice, once as

@@ -20,6 +20,7 @@ from shapeshift.operator.api.common import (DNS_LABEL, DNS_SUBDOMAIN, BuiltinTra
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 from shapeshift.operator.api.hardware import AcceleratorKind
 
+
 # ---- compile settings (a CompileRun's own, and the template of automatic ones) ----------
 
 

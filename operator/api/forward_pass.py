@@ -19,6 +19,7 @@ from shapeshift.operator.api.common import (ENV_LIST_SCHEMA, MAX_ENV_VARS, Condi
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 from shapeshift.operator.api.hardware import AcceleratorKind
 
+
 class ModelSignature(WireModel):
     """Which model a forward pass is for."""
 

@@ -16,12 +16,14 @@ from pydantic import ConfigDict, Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (DNS_SUBDOMAIN, ENV_LIST_SCHEMA, MAX_ENV_VARS, BuiltinTrafficProfile,
-                                            Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel, default_of)
+                                            Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel,
+                                            default_of)
 from shapeshift.operator.api.compile_run import (AgentSpec, BaselineSpec, CompileBudget, TierSpec,
                                                  VerificationSpec)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 
 DEFAULT_ENGINE_IMAGE = "shapeshift/engine:0.1.0"
+
 
 class PVCModelSource(WireModel):
     """A Hugging Face style model folder on a PersistentVolumeClaim."""
