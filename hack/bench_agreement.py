@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from shapeshift.engine.core.config import EngineConfig
-from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR
+from shapeshift.engine.forward_pass.importer import build_forward_pass, load_bundle
 from shapeshift.engine.models.loader import load_model
 from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced

@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from shapeshift.engine.core.config import EngineConfig
-from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR
+from shapeshift.engine.forward_pass.importer import build_forward_pass, load_bundle
 from shapeshift.engine.core.kv_cache import bytes_per_token
 from shapeshift.engine.core.llm_engine import LLMEngine
 from shapeshift.engine.models.presets import PRESETS

@@ -11,7 +11,7 @@ programs per SM, programmatic dependent launch). With --layer-splits, the whole 
 the `fast+fuse_rotary_into_attention` recipe's attention launch(es) followed by the tail,
 against decode_layer (attention as the persistent kernel's phase 0) at each split count, over a
 paged KV cache holding --context tokens per layer.
-Prints a table and saves bench/results/layer-tail-<gpu>-<utc>.json (commit, GPU, command).
+Prints a table and saves bench/results/layer-tail-<model>-<gpu>-<utc>.json (commit, GPU, command).
 
     python3 hack/bench_layer_tail.py [--warps 8,16] [--tiles 8192,16384,32768] [--programs 1,2]
                                        [--pdl off,on] [--split-barrier off,on] [--grid 256,264]
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import measure_ceilings  # noqa: E402  (sibling script: the copy bandwidth it divides by)
 from bench_kernels import time_graph  # noqa: E402  (sibling script: graph timing of the kernel benchmarks)
-from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402  (sibling module)
+from benchmeta import REPO_ROOT, claim_result_name, git_commit, hardware_slug, result_name  # noqa: E402  (sibling module)
 
 HIDDEN, Q_DIM, INNER, NQKV, LAYERS = 2048, 2048, 8192, 3072, 16
 
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
                   layers=LAYERS, timing="bench_kernels.time_graph median", context=args.context if args.layer_splits else None,
                   rows=rows)
     out = Path(args.out_dir)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = out / (claim_result_name(out, f"layer-tail-{result['gpu'].replace(' ', '-')}-{stamp}") + ".json")
+    name = result_name("layer-tail", "llama-3.2-1b-shape", hardware_slug(result["gpu"]))
+    path = out / (claim_result_name(out, name) + ".json")
     path.write_text(json.dumps(result, indent=1))
     print(f"saved {path}")
     return 0

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmeta import REPO_ROOT, git_commit  # noqa: E402  (sibling module)
+from benchmeta import REPO_ROOT, git_commit, hardware_slug, result_name  # noqa: E402  (sibling module)
 
 DEFAULT_MODELS = ("llama-3.2-1b-shape", "moe-medium-shape")
 
@@ -406,9 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         report["note"] = "CPU/gloo plumbing check with float32 tiny models: not a benchmark of anything"
     out_dir = Path(args.out_dir)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    kind = "cpu-smoke" if args.device == "cpu" else f"{gpus}x{(gpu_names[0] if gpu_names else 'gpu').replace(' ', '-')}"
-    path = out_dir / f"parallel-{kind}-{stamp}.json"
+    hardware = "cpu" if args.device == "cpu" else hardware_slug(gpu_names[0] if gpu_names else "gpu", gpus)
+    path = out_dir / f"{result_name('parallel', '-'.join(models), hardware)}.json"
     if not args.dry_run:
         out_dir.mkdir(parents=True, exist_ok=True)
     for model in models:

@@ -98,7 +98,7 @@ def main() -> int:
 
     from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
     from shapeshift.engine.core.config import EngineConfig
-    from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+    from shapeshift.engine.forward_pass.swap import ForwardPassManager
     from shapeshift.engine.core.llm_engine import LLMEngine
     from shapeshift.engine.replay.driver import replay
     from shapeshift.engine.replay.requests import make_requests

@@ -4,6 +4,7 @@ they are written.
 ``git_commit`` is shapeshift.engine.provenance's, shared with the compile loop's reports
 (SHAPESHIFT_GIT_COMMIT, exported by hack/gpu_run.sh whose GPU machine has the tree but no
 git, else git itself); ``REPO_ROOT`` is the checkout the hack/ scripts write results into;
+``result_name`` / ``hardware_slug`` (shapeshift.engine.provenance's) spell a result's name,
 ``claim_result_name`` gives each run a results file of its own.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shapeshift.engine.provenance import git_commit
+from shapeshift.engine.provenance import git_commit, hardware_slug, result_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,4 +32,4 @@ def claim_result_name(out_dir: Path, base_name: str) -> str:
     raise RuntimeError(f"no free result name for {base_name} in {out_dir}")
 
 
-__all__ = ["REPO_ROOT", "claim_result_name", "git_commit"]
+__all__ = ["REPO_ROOT", "claim_result_name", "git_commit", "hardware_slug", "result_name"]

@@ -15,7 +15,6 @@ bench/results/agreement-gate-<model>-<gpu>-<utc>.json (commit, GPU, command).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from shapeshift.engine.verify import GateSettings, verify_candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import recipe_with_overrides  # noqa: E402  (sibling: name[+knob=value] specs)
-from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402
+from benchmeta import REPO_ROOT, claim_result_name, git_commit, hardware_slug, result_name  # noqa: E402
 
 EVIDENCE = ("flips", "forgiven_near_ties", "tokens", "max_abs_logit_diff", "max_rel_logit_diff", "max_logprob_diff",
             "tie_margin")
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     out = Path(args.out_dir)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    name = claim_result_name(out, f"agreement-gate-{args.model}-{gpu.lower().replace(' ', '-')}-{stamp}")
+    name = claim_result_name(out, result_name("agreement-gate", args.model, hardware_slug(gpu)))
     doc = {"benchmark": "agreement-gate", "git_commit": git_commit(), "gpu": gpu, "torch": torch.__version__,
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "model": args.model, "recipe": args.recipe, "rows": rows}

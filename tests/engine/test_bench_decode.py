@@ -122,9 +122,9 @@ def test_result_names_of_runs_started_in_the_same_second_differ(tmp_path):
     """Two benchmark processes (one per GPU of a host) starting in the same second must not
     write the same results file."""
     bench = load_bench()
-    first = bench.claim_result_name(tmp_path, "decode-x-20261130-032720")
-    second = bench.claim_result_name(tmp_path, "decode-x-20261130-032720")
-    assert first == "decode-x-20261130-032720" and second == "decode-x-20261130-032720-2"
+    first = bench.claim_result_name(tmp_path, "decode-x-nvidia-h200-20261130T032720Z")
+    second = bench.claim_result_name(tmp_path, "decode-x-nvidia-h200-20261130T032720Z")
+    assert first == "decode-x-nvidia-h200-20261130T032720Z" and second == "decode-x-nvidia-h200-20261130T032720Z-2"
     assert (tmp_path / f"{first}.json").exists() and (tmp_path / f"{second}.json").exists()
 
 
