@@ -133,10 +133,10 @@ def test_calibration_sets_the_bound_in_force(model_bf16):
 
 def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, monkeypatch):
     """Test double: the first place's float32 copy runs out of memory, as a full GPU would."""
-    from shapeshift.engine.verify import gates
+    from shapeshift.engine.verify import outputs
 
     cfg, weights = model_bf16
-    real = gates.calibrate_tolerance
+    real = outputs.calibrate_tolerance
     places = []
 
     def first_place_full(ctx, reference, device=None):
@@ -145,9 +145,9 @@ def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, m
             raise torch.cuda.OutOfMemoryError("out of memory (test double)")
         return real(ctx, reference, device)
 
-    monkeypatch.setattr(gates, "_CALIBRATIONS", {})  # measure, not reuse
-    monkeypatch.setattr(gates, "_calibration_places", lambda device: [device, torch.device("cpu")])
-    monkeypatch.setattr(gates, "calibrate_tolerance", first_place_full)
+    monkeypatch.setattr(outputs, "_CALIBRATIONS", {})  # measure, not reuse
+    monkeypatch.setattr(outputs, "_calibration_places", lambda device: [device, torch.device("cpu")])
+    monkeypatch.setattr(outputs, "calibrate_tolerance", first_place_full)
     report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
                               only=("outputs.agreement",))
     assert len(places) == 2 and report.passed
@@ -157,8 +157,8 @@ def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, m
     def always_full(ctx, reference, device=None):
         raise torch.cuda.OutOfMemoryError("out of memory (test double)")
 
-    monkeypatch.setattr(gates, "_CALIBRATIONS", {})
-    monkeypatch.setattr(gates, "calibrate_tolerance", always_full)
+    monkeypatch.setattr(outputs, "_CALIBRATIONS", {})
+    monkeypatch.setattr(outputs, "calibrate_tolerance", always_full)
     report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(),
                               only=("outputs.agreement",))
     assert report.tolerance["calibrated"] is False and report.tolerance["logit_rtol"] == 5e-2
@@ -166,10 +166,10 @@ def test_calibration_moves_to_the_host_when_the_device_has_no_room(model_bf16, m
 
 
 def test_calibration_is_reused_for_the_same_weights_only(model_bf16, monkeypatch):
-    from shapeshift.engine.verify import gates
+    from shapeshift.engine.verify import outputs
 
     cfg, weights = model_bf16
-    monkeypatch.setattr(gates, "_CALIBRATIONS", {})
+    monkeypatch.setattr(outputs, "_CALIBRATIONS", {})
     only = ("outputs.agreement",)
     first = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, settings=settings(), only=only).tolerance
     again = verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=settings(), only=only).tolerance
@@ -205,7 +205,7 @@ def test_speed_of_light_bound():
 def test_compare_tells_flips_from_forgiven_near_ties():
     """compare(): an argmax change where the reference's margin is under the near-tie margin is
     forgiven, above it a flip that fails; shapes that differ and non-finite logits fail too."""
-    from shapeshift.engine.verify.gates import compare
+    from shapeshift.engine.verify.context import compare
 
     ref = torch.tensor([[5.0, 4.95, 0.0, 0.0], [5.0, 3.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     near = ref.clone()

@@ -1,0 +1,159 @@
+"""What every verification gate runs on: settings, tolerances, the context and the comparison.
+
+Data flow: GateSettings + the model, weights, reference and candidate passes -> GateContext
+(fresh random prompts, a PagedDriver per run) -> run_pair (reference greedy, candidate
+teacher-forced on its tokens) -> compare (greedy agreement, logprob and relative-logit
+bounds) -> evidence; a gate raises GateFailure(message, **evidence) when it fails.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from shapeshift.engine.verify.agreement import score
+from shapeshift.engine.verify.driver import PagedDriver, Seq
+
+
+# dtype -> (logprob absolute tolerance, logit difference relative to the reference logits'
+# standard deviation, near-tie margin in logits). float32: exact refactorings and fusions
+# land around 1e-6 relative, while running one MLP in bfloat16 already costs ~5e-3, so the
+# float32 bound sits between. Half precision: these are floors. What two correct half-precision
+# passes may differ by grows with depth, vocabulary and the number of logits compared (the
+# relative bound is a maximum over all of them), so no fixed figure fits every model: before
+# the gates, the reference's own rounding error is measured against the same stock pass built
+# in float32 over the same weights (`calibrate_tolerance`), and the bounds become
+# PRECISION_FACTOR times that error where it is larger. Two passes each as precise as the
+# reference differ by about sqrt(2) times it; a further precision drop (e.g. to 8 bits) costs
+# an order of magnitude more and still fails.
+TOLERANCES = {torch.float32: (1e-4, 1e-4, 1e-4), torch.bfloat16: (0.1, 5e-2, 0.1),
+              torch.float16: (0.05, 2e-2, 0.05)}
+
+
+PRECISION_FACTOR = 2.0
+
+
+@dataclass
+class GateSettings:
+    seed: int | None = None  # None -> fresh from os.urandom every run
+    num_prompts: int = 4
+    steps: int = 16
+    min_prompt_len: int = 3
+    max_prompt_len: int = 70
+    long_prompt_len: int = 200
+    batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8)
+    odd_lengths: tuple[int, ...] | None = None  # None -> derived from the block size
+    block_size: int = 16
+    num_blocks: int = 96
+    gate_timeout_s: float = 120.0
+    build_timeout_s: float = 120.0
+    logprob_atol: float | None = None  # None -> TOLERANCES[dtype]
+    logit_rtol: float | None = None
+    tie_margin: float | None = None
+    top_k_compare: int = 8
+    # Half precision: measure the reference's rounding error against float32 first and widen
+    # the logprob and logit bounds to precision_factor times it (see TOLERANCES).
+    calibrate: bool = True
+    precision_factor: float = PRECISION_FACTOR
+
+    def odd(self) -> tuple[int, ...]:
+        b = self.block_size
+        return self.odd_lengths or (1, 2, 3, 5, 7, b - 1, b, b + 1, 2 * b - 1, 2 * b + 3, 3 * b + 5)
+
+
+class GateFailure(AssertionError):
+    def __init__(self, message: str, **evidence: Any) -> None:
+        super().__init__(message)
+        self.evidence = evidence
+
+
+@dataclass
+class GateContext:
+    model_config: Any
+    weights: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
+    reference: Any
+    candidate: Any
+    reference_cache_format: str
+    candidate_cache_format: str
+    settings: GateSettings
+    rng: random.Random
+    seed: int
+    # (logprob atol, logit rtol, near-tie margin) from calibrate_tolerance
+    calibrated: tuple[float, float, float] | None = None
+
+    @property
+    def tol(self) -> tuple[float, float, float]:
+        atol, rtol, tie = TOLERANCES.get(self.dtype, (0.1, 5e-2, 0.1))
+        if self.calibrated is not None:
+            atol, rtol, tie = (max(atol, self.calibrated[0]), max(rtol, self.calibrated[1]),
+                               max(tie, self.calibrated[2]))
+        s = self.settings
+        return (s.logprob_atol or atol, s.logit_rtol or rtol, s.tie_margin or tie)
+
+    def driver(self) -> PagedDriver:
+        return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=self.settings.num_blocks,
+                           block_size=self.settings.block_size, seed=self.rng.getrandbits(31))
+
+    def prompt(self, length: int | None = None) -> list[int]:
+        s = self.settings
+        n = length if length is not None else self.rng.randint(s.min_prompt_len, s.max_prompt_len)
+        return [self.rng.randrange(self.model_config.vocab_size) for _ in range(n)]
+
+
+def compare(ref: list[torch.Tensor], cand: list[torch.Tensor], tol: tuple[float, float, float],
+            top_k: int = 8) -> dict[str, Any]:
+    """Logits lists (per step, [B, V]) -> agreement, logprob and relative-logit evidence. A
+    position whose argmax differs is a flip when the reference's top-2 margin exceeds the
+    near-tie margin, else a forgiven near-tie (agreement.score counts them)."""
+    atol, rtol, tie = tol
+    max_diff = max_rel = sq_rel = 0.0
+    n_rel = steps = 0
+    finite = True
+    for r, c in zip(ref, cand, strict=True):
+        if tuple(r.shape) != tuple(c.shape):
+            return {"shape_mismatch": [tuple(r.shape), tuple(c.shape)], "ok": False, "finite": True}
+        c = c.float()
+        finite = finite and bool(torch.isfinite(c).all())
+        if not finite:
+            break
+        lr, lc = torch.log_softmax(r.float(), -1), torch.log_softmax(c, -1)
+        top = torch.topk(lr, min(top_k, lr.shape[-1]), dim=-1)
+        diff = (lc.gather(-1, top.indices) - top.values).abs().max().item()
+        max_diff = max(max_diff, diff)
+        spread = r.float().std(dim=-1, keepdim=True).clamp_min(1e-12)  # [B, 1]
+        rel = (c - r.float()).abs() / spread
+        max_rel = max(max_rel, rel.max().item())
+        sq_rel += rel.square().sum().item()
+        n_rel += rel.numel()
+        steps += 1
+    positions = (score(ref[:steps], cand[:steps], tie) if steps else
+                 {"positions": 0, "argmax_equal": 0, "clear_argmax_flips": 0, "max_abs_logit_error": 0.0})
+    total, flips = positions["positions"], positions["clear_argmax_flips"]
+    ok = finite and flips == 0 and max_diff <= atol and max_rel <= rtol
+    return {"ok": ok, "finite": finite, "tokens": total, "flips": flips,
+            "forgiven_near_ties": total - positions["argmax_equal"] - flips,
+            "max_logprob_diff": float(max_diff), "logprob_atol": atol, "max_rel_logit_diff": float(max_rel),
+            "logit_rtol": rtol, "rms_rel_logit_diff": (sq_rel / n_rel) ** 0.5 if n_rel else 0.0,
+            "max_abs_logit_diff": positions["max_abs_logit_error"], "tie_margin": tie}
+
+
+def run_pair(ctx: GateContext, prompts: list[list[int]], steps: int, setup: Callable[[PagedDriver, list[Seq]], None]
+             | None = None) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+    """Reference greedy on its own driver, candidate teacher-forced on the reference's tokens."""
+    ref_driver, cand_driver = ctx.driver(), ctx.driver()
+    ref_seqs = [Seq(list(p)) for p in prompts]
+    ref_tokens, ref_logits = ref_driver.greedy(ctx.reference, ref_seqs, steps)
+    cand_seqs = [Seq(list(p)) for p in prompts]
+    _, cand_logits = cand_driver.greedy(ctx.candidate, cand_seqs, steps, forced=ref_tokens)
+    return ref_tokens, ref_logits, cand_logits
+
+
+def require(evidence: dict[str, Any], what: str) -> dict[str, Any]:
+    if not evidence.get("ok", False):
+        raise GateFailure(what, **evidence)
+    return evidence
