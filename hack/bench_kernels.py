@@ -276,7 +276,7 @@ def _tune_case(case, spec, budget_s, max_configs, quick):
     """Time a random sample of the op's search space (plus the default) on one case."""
     import torch
 
-    configs = list(spec.search_space.configs(case.problem))
+    configs = list(spec.config_space.configs(case.problem))
     random.Random(case.op).shuffle(configs)
     default = spec.default_config(case.problem, torch.device(DEVICE))
     # First the default's one-axis neighbours (cheap, informative), then random points.
@@ -311,7 +311,7 @@ def _tune_case(case, spec, budget_s, max_configs, quick):
     best = min(timed, key=lambda r: r["median_us"]) if timed else None
     default_row = next((r for r in timed if r["is_default"]), None)
     return {"op": case.op, "label": case.label, "shape": case.shape, "tried": len(results),
-            "space_size": len(list(spec.search_space.configs(case.problem))),
+            "space_size": len(list(spec.config_space.configs(case.problem))),
             "best": best, "default": default_row,
             "best_vs_default": (default_row["median_us"] / best["median_us"]) if best and default_row else None,
             "results": results}

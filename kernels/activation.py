@@ -17,7 +17,7 @@ import triton.language as tl
 
 from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
                      dtype_name, pdl_options)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 
@@ -105,7 +105,7 @@ SILU_AND_MUL_SPEC = register(
         module=__name__,
         launcher=silu_and_mul,
         reference=silu_and_mul_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace(
                     "tile",

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from shapeshift.kernels.checks import cdiv, check_tensor, next_power_of_2, pdl_options
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.sampling import _INT32_MAX, _check_logits
 from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
@@ -105,7 +105,7 @@ ARGMAX_SPEC = register(
         module=__name__,
         launcher=argmax,
         reference=argmax_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace("split", {"BLOCK_V": (512, 1024, 2048, 4096), "NUM_SPLITS": (1, 2, 4, 8, 16, 32, 64, 128),
                                        "num_warps": (4, 8), "num_stages": (1,)},

@@ -39,7 +39,7 @@ import triton.language as tl
 from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, StreamCounters, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, interpreter_active, next_power_of_2, pdl_options)
 from shapeshift.kernels.triton_helpers import STAMP_SLOTS, clock_stamp, dot, grid_dependency_sync, prefetch_share_l2
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 
 LOG2E = 1.4426950408889634
 
@@ -619,7 +619,7 @@ DECODE_ATTENTION_SPEC = register(
         module=__name__,
         launcher=decode_attention,
         reference=decode_attention_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace("dot", _AXES, "tensor-core dots; query group padded to 16 rows"),
                 VariantSpace("fma", _AXES, "broadcast multiply-reduce on CUDA cores (small groups)"),

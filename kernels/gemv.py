@@ -41,7 +41,7 @@ import triton.language as tl
 from shapeshift.kernels.checks import (FLOAT_DTYPES, StreamCounters, cdiv, check_runnable_device, check_same_dtype, check_tensor,
                      dot_flags, dtype_name, gemv_pdl_trigger_late, gemv_prefetch_columns, interpreter_active,
                      next_power_of_2, pdl_options)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import dot, grid_dependency_sync, grid_dependency_wait, launch_dependents, prefetch_rows_l2
 
 MAX_M = 16
@@ -623,7 +623,7 @@ GEMV_SPEC = register(
         module=__name__,
         launcher=gemv,
         reference=gemv_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace(
                     "dot",

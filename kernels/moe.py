@@ -33,7 +33,7 @@ import triton.language as tl
 from shapeshift.kernels.activation import silu_and_mul
 from shapeshift.kernels.checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
                      next_power_of_2)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import dot
 
 MAX_EXPERTS = 1024
@@ -465,7 +465,7 @@ TOPK_ROUTING_SPEC = register(
         module=__name__,
         launcher=topk_routing,
         reference=topk_routing_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(VariantSpace("rows", {"BLOCK_T": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8),
                                             "num_stages": (1,)}, "BLOCK_T tokens per program, all experts"),),
         ),
@@ -481,7 +481,7 @@ MOE_GEMM_SPEC = register(
         module=__name__,
         launcher=moe_grouped_gemm,
         reference=moe_grouped_gemm_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             constraint=_gemm_constraint,
             variants=(VariantSpace("grouped", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128),
                                                "BLOCK_K": (32, 64, 128), "num_warps": (4, 8),

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from shapeshift.kernels.checks import (FLOAT_DTYPES, cdiv, check_runnable_device, check_same_dtype, check_tensor, dot_flags, dtype_name,
                      next_power_of_2)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import dot
 
 LOG2E = 1.4426950408889634
@@ -243,7 +243,7 @@ PREFILL_ATTENTION_SPEC = register(
         module=__name__,
         launcher=prefill_attention,
         reference=prefill_attention_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace("tile", {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128),
                                       "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},

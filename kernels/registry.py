@@ -1,9 +1,9 @@
 """Declared search spaces and per-GPU default configurations of every Triton kernel.
 
 Data flow: each kernel module builds one `KernelSpec` per op (its launcher, its plain-torch
-reference, a `SearchSpace` of variants x tile axes, and a function that picks the default
+reference, a `KernelConfigSpace` of variants x tile axes, and a function that picks the default
 config for a problem on a device class) and calls `register()` at import time. The compile
-loop calls `all_specs()` and enumerates `spec.search_space.configs(problem)`; a launcher
+loop calls `all_specs()` and enumerates `spec.config_space.configs(problem)`; a launcher
 called without a config asks `spec.default_config(problem, device)`.
 
 A *problem* is a small dict of the static facts that decide which configs fit and which is
@@ -118,7 +118,7 @@ class VariantSpace:
 
 
 @dataclass(frozen=True)
-class SearchSpace:
+class KernelConfigSpace:
     """Variants x axes, with an optional constraint rejecting configs that do not fit a problem."""
 
     variants: tuple[VariantSpace, ...]
@@ -160,7 +160,7 @@ class KernelSpec:
     module: str
     launcher: Callable[..., Any]
     reference: Callable[..., Any]
-    search_space: SearchSpace
+    config_space: KernelConfigSpace
     # choose_default(problem, device_key) -> KernelConfig
     choose_default: Callable[[Mapping[str, Any], str], KernelConfig]
     problem_keys: tuple[str, ...]
@@ -185,9 +185,9 @@ class KernelSpec:
         return config
 
     def is_valid(self, config: KernelConfig, problem: Mapping[str, Any]) -> bool:
-        if not self.search_space.contains(config):
+        if not self.config_space.contains(config):
             return False
-        return self.search_space.constraint is None or self.search_space.constraint(config, problem)
+        return self.config_space.constraint is None or self.config_space.constraint(config, problem)
 
 
 _REGISTRY: dict[str, KernelSpec] = {}

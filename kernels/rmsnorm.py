@@ -21,7 +21,7 @@ import triton.language as tl
 
 from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, cdiv, check_runnable_device, check_same_dtype, check_tensor,
                      dtype_name, next_power_of_2, pdl_options)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 MAX_HIDDEN = 65536
@@ -169,7 +169,7 @@ RMSNORM_SPEC = register(
         module=__name__,
         launcher=rmsnorm,
         reference=rmsnorm_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace(
                     "row",

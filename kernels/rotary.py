@@ -28,7 +28,7 @@ import triton.language as tl
 
 from shapeshift.kernels.checks import (FLOAT_DTYPES, LaunchPlans, check_runnable_device, check_same_dtype, check_tensor, dtype_name,
                      next_power_of_2, pdl_options)
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 from shapeshift.kernels.triton_helpers import grid_dependency_sync
 
 
@@ -254,7 +254,7 @@ ROTARY_SPEC = register(
         module=__name__,
         launcher=rotary_kv_write,
         reference=rotary_kv_write_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace("token", {"num_warps": (1, 2, 4, 8), "num_stages": (1,)},
                              "one program per token: all q heads, all kv heads"),

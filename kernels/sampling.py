@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from shapeshift.kernels.checks import LaunchPlans, cdiv, check_runnable_device, check_tensor, next_power_of_2
-from shapeshift.kernels.registry import KernelConfig, KernelSpec, SearchSpace, VariantSpace, register
+from shapeshift.kernels.registry import KernelConfig, KernelSpec, KernelConfigSpace, VariantSpace, register
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 _ONE_PLUS_ULP_BITS: tl.constexpr = tl.constexpr(0x3F800001)  # bits just above 1.0f: no w_i reaches it
@@ -659,7 +659,7 @@ SAMPLE_SPEC = register(
         module=__name__,
         launcher=sample,
         reference=sampling_probs_ref,
-        search_space=SearchSpace(
+        config_space=KernelConfigSpace(
             variants=(
                 VariantSpace("split", {"BLOCK_V": (256, 512, 1024, 2048), "NUM_CAND": (16, 32, 64),
                                        "NUM_PIVOTS": (8, 16, 32), "num_warps": (4, 8), "num_stages": (1,)},

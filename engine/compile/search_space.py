@@ -363,12 +363,12 @@ def kernel_knobs(ops: Sequence[str] = tuple(op.split(".", 1)[1] for op in KERNEL
         if spec is None:
             log.info("search space: kernel op %s is not registered; skipped", op)
             continue
-        configs = [c.to_dict() for c in spec.search_space.configs(problem)]
+        configs = [c.to_dict() for c in spec.config_space.configs(problem)]
         if len(configs) > max_configs:  # keep the space small: an even stride over the grid
             step = len(configs) / max_configs
             configs = [configs[int(i * step)] for i in range(max_configs)]
         knobs.append(Knob(f"kernel.{op}", ("default", *configs), "default",
-                          f"{op}: the registry's per-GPU default or one tile config of {spec.search_space.variant_names()}"))
+                          f"{op}: the registry's per-GPU default or one tile config of {spec.config_space.variant_names()}"))
     return knobs
 
 

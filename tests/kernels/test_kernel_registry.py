@@ -32,7 +32,7 @@ def test_every_op_is_registered_with_reference_and_launcher():
     assert EXPECTED_OPS <= set(specs)
     for op, spec in specs.items():
         assert callable(spec.launcher) and callable(spec.reference), op
-        assert spec.search_space.size() > 1, f"{op}: a search space with one point is not a search space"
+        assert spec.config_space.size() > 1, f"{op}: a search space with one point is not a search space"
         assert set(PROBLEMS[op]) == set(spec.problem_keys), op
 
 
@@ -46,10 +46,10 @@ def test_defaults_are_points_of_their_space(device_key):
 def test_enumeration_respects_constraints_and_round_trips():
     spec = get_spec("gemv")
     problem = {"m": 8, "n": 2048, "k": 256, "dtype": "bfloat16"}
-    configs = list(spec.search_space.configs(problem))
+    configs = list(spec.config_space.configs(problem))
     assert configs and all(c.variant == "dot" for c in configs), "fma serves at most 4 rows"
     assert all(c["SPLIT_K"] == 1 or c["SPLIT_K"] * c["BLOCK_K"] <= 256 for c in configs)
-    assert len(configs) < spec.search_space.size() * 5 * 3  # the constraint removed something
+    assert len(configs) < spec.config_space.size() * 5 * 3  # the constraint removed something
     for config in configs[:5]:
         assert KernelConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown kernel op 'nope'"):
@@ -95,12 +95,12 @@ SAMPLED = {"rmsnorm": (_run_rmsnorm, {"rows": 6, "hidden": 96, "dtype": "float32
 @pytest.mark.parametrize("op", sorted(SAMPLED))
 def test_sampled_configs_compute_the_reference(op, device):
     run, problem = SAMPLED[op]
-    configs = list(get_spec(op).search_space.configs(problem))
+    configs = list(get_spec(op).config_space.configs(problem))
     rng = random.Random(op)
     # Interpreter runs are slow: a few configs per op there, more on a GPU; always every variant.
     count = 3 if device.type == "cpu" else 6
     picked = rng.sample(configs, min(count, len(configs)))
-    for variant in get_spec(op).search_space.variant_names():
+    for variant in get_spec(op).config_space.variant_names():
         picked.append(next(c for c in configs if c.variant == variant))
     for config in picked:
         out, ref = run(config, device)
