@@ -189,7 +189,7 @@ class EngineEvaluator:
         return max(1, int(layers or 4) // 4)
 
     def _engine(self, tier: str, overrides: dict[str, Any]):
-        from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+        from shapeshift.engine.forward_pass.swap import ForwardPassManager
         from shapeshift.engine.core.llm_engine import LLMEngine
 
         eng = self._engines.get(tier)

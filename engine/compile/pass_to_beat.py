@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from shapeshift.engine.forward_pass.bundle import ENTRY_NAME, OpenedBundle, open_bundle
+from shapeshift.engine.forward_pass.bundle import ENTRY_NAME, Bundle, open_bundle
 from shapeshift.engine.compile.candidate import Candidate
 
 AGENT = "pass-to-beat"
@@ -48,7 +48,7 @@ def candidate_from_bundle(bundle_folder: Path, recipe: Mapping[str, Any], stock_
     return Candidate(knobs, source, AGENT, note, extra=extra)
 
 
-def fetch_bundle(artifact: str, sha256: str | None, cache_dir: Path) -> OpenedBundle:
+def fetch_bundle(artifact: str, sha256: str | None, cache_dir: Path) -> Bundle:
     """Open the artifact at `artifact` (a path, file:// or http(s):// URL of a .tar.gz), checked
     against `sha256`. Raises ValueError saying what failed."""
     from shapeshift.engine.forward_pass.bundle import BundleError

@@ -20,7 +20,8 @@ import torch
 
 from shapeshift.engine.core.block_manager import BlockManager
 from shapeshift.engine.core.config import EngineConfig, ModelConfig
-from shapeshift.engine.forward_pass.importer import Bundle, build_forward_pass, load_bundle
+from shapeshift.engine.forward_pass.identity import ActiveForwardPass
+from shapeshift.engine.forward_pass.importer import LoadedBundle, build_forward_pass, load_bundle
 from shapeshift.engine.core.kv_cache import KVCache, choose_num_blocks
 from shapeshift.engine.models.loader import TORCH_DTYPES, LoadedModel, load_model
 from shapeshift.engine.core.runner import DecodeChunk, ModelRunner
@@ -86,13 +87,17 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                 f"{self.model_config.max_position_embeddings}; lower max_model_len")
-        self.bundle: Bundle = load_bundle(config.forward_pass or self.default_bundle_dir, config.forward_pass_recipe)
+        # A local bundle is trusted as the engine is: its files are hashed as they are (the stock
+        # pass's committed manifest is checked, with a warning when it is stale).
+        self.bundle: LoadedBundle = load_bundle(config.forward_pass or self.default_bundle_dir,
+                                                config.forward_pass_recipe, ignore_manifest=True)
         self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
+        self._set_active(ActiveForwardPass.of(self.bundle))
         kv_config = self._kv_cache_model_config()
         num_blocks = self._agree_on_num_blocks(choose_num_blocks(kv_config, config, self.dtype, self.device))
         self.kv_cache = KVCache.allocate(kv_config, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          tag=self.bundle.cache_tag)
+                                          tag=self.active_forward_pass.cache_format)
         eos = sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, tokenizer=self.tokenizer, eos_token_ids=eos)
@@ -118,8 +123,16 @@ class LLMEngine:
         return num_blocks
 
     @property
+    def active_forward_pass(self) -> ActiveForwardPass:
+        """What runs now: name, digest, KV format, source, recipe, the rollout's resource name."""
+        return self._active_forward_pass
+
+    def _set_active(self, identity: ActiveForwardPass) -> None:
+        self._active_forward_pass = identity  # the one place the active pass's identity is set
+
+    @property
     def forward_pass_name(self) -> str:
-        return self.bundle.name
+        return self.active_forward_pass.name
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -336,18 +349,37 @@ class LLMEngine:
             bm.deallocate(seq)
 
     # ------------------------------------------------------------------ hot swap
-    def set_forward_pass(self, bundle: Bundle, forward_pass: Any | None = None) -> None:
+    def set_forward_pass(self, bundle: LoadedBundle, forward_pass: Any | None = None) -> None:
         """Swap the forward pass (built over the same weights) and re-capture graphs.
 
         Call between steps. Blocks cached under another KV format stop matching.
         """
         fp = forward_pass if forward_pass is not None else build_forward_pass(bundle, self.model_config, self.weights)
+        self.install_forward_pass(bundle, fp, ActiveForwardPass.of(bundle))
+
+    def install_forward_pass(self, bundle: LoadedBundle, forward_pass: Any, identity: ActiveForwardPass, *,
+                             runner: ModelRunner | None = None) -> None:
+        """Make ``forward_pass`` (built from ``bundle``) the one that runs, known as ``identity``.
+
+        Call between steps: decode steps in flight finish on the pass that launched them.
+        ``runner``: one with the pass's graphs already captured (hot reload's off-path
+        capture); otherwise the current runner re-captures. KV blocks cached under another
+        format stop matching.
+        """
         self.drain_inflight()
-        self.bundle, self.forward_pass = bundle, fp
-        self.runner.forward_pass = fp
-        self.block_manager.set_tag(bundle.cache_tag)
-        self.runner.capture_cudagraphs()
+        if runner is not None:
+            self.runner = runner
+        else:
+            self.runner.forward_pass = forward_pass
+            self.runner.capture_cudagraphs()
+        self.bundle, self.forward_pass = bundle, forward_pass
+        self.block_manager.set_tag(identity.cache_format)
+        self._set_active(identity)
+
+    def name_forward_pass(self, resource: str | None) -> None:
+        """The active pass is known as ForwardPass ``resource`` (a rollout named it)."""
+        self._set_active(self.active_forward_pass.named(resource))
 
     def load_forward_pass(self, path: str | Path, recipe_override: dict[str, Any] | None = None) -> None:
-        self.set_forward_pass(load_bundle(path, recipe_override))
+        self.set_forward_pass(load_bundle(path, recipe_override, ignore_manifest=True))
 

@@ -12,12 +12,14 @@ Data flow:
     src folder + recipe --create_bundle--> bundle folder / .tar.gz (manifest written)
     bundle --verify_bundle--> Manifest (every file re-hashed; missing, extra, changed
                               or symlinked files raise BundleTamperedError)
-    bundle --open_bundle--> OpenedBundle(folder, manifest, recipe) that the hot-reload
-                            manager imports from
+    bundle --open_bundle--> Bundle(folder, manifest, recipe): a private local copy that
+                            importer.import_bundle imports from
 
 The digest is the bundle's identity (what a ForwardPass resource records and the
 engine reports): sha256 over the sorted ``"<path>\\0<sha256>\\n"`` lines of every file
-except manifest.json, so it does not depend on how the bundle was packed.
+except manifest.json, so it does not depend on how the bundle was packed. The KV-cache
+tag of a bundle's pass is ``kv_cache_tag`` (one rule for the engine, hot reload and the
+verifier).
 
 No torch and no pydantic here: the operator and the compile worker handle bundles
 too, and the benchmark machines may lack pydantic. PyYAML is used when present;
@@ -50,6 +52,8 @@ ENGINE_SETTINGS_FILE = "engine.json"
 # Limits for unpacking uploaded archives (an archive is untrusted input).
 MAX_BUNDLE_FILES = 256
 MAX_BUNDLE_BYTES = 64 * 1024 * 1024
+# The stock forward pass shipped with the engine (a bundle folder).
+STOCK_BUNDLE_DIR = Path(__file__).resolve().parent.parent / "forward_passes" / "stock"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -186,9 +190,19 @@ def load_recipe(bundle_dir: str | Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ create / write
 
 
+def kv_cache_tag(cache_format_version: int | str | None, digest: str) -> str:
+    """The tag of the KV blocks a pass writes: blocks are served only to passes with the same tag.
+
+    Passes declaring the same ``CACHE_FORMAT_VERSION`` write identical KV contents by contract
+    (the verifier checks that before a swap); a pass that declares none gets a tag of its own,
+    its bundle's digest, so its cache is never shared.
+    """
+    return f"kv-format-{cache_format_version if cache_format_version is not None else digest}"
+
+
 def declared_cache_format(bundle_dir: str | Path) -> str | None:
-    """``kv-format-<v>`` from forward.py's module-level ``CACHE_FORMAT_VERSION = <v>``,
-    read without importing it (the same tag the engine gives the KV blocks it writes)."""
+    """``kv_cache_tag`` of forward.py's module-level ``CACHE_FORMAT_VERSION = <v>``, read
+    without importing it; None when it declares none."""
     path = Path(bundle_dir) / ENTRY_NAME
     try:
         tree = ast.parse(path.read_text(), str(path))
@@ -200,7 +214,7 @@ def declared_cache_format(bundle_dir: str | Path) -> str | None:
         if any(isinstance(t, ast.Name) and t.id == "CACHE_FORMAT_VERSION" for t in targets):
             value = getattr(node, "value", None)
             if isinstance(value, ast.Constant) and isinstance(value.value, (int, str)):
-                return f"kv-format-{value.value}"
+                return kv_cache_tag(value.value, "")
     return None
 
 
@@ -372,9 +386,23 @@ def verify_bundle(path: str | Path, expected_digest: str | None = None) -> Manif
     return manifest
 
 
+def read_engine_settings(folder: str | Path) -> dict[str, Any]:
+    """The bundle's engine.json (EngineConfig overrides it was measured with); {} without one."""
+    path = Path(folder) / ENGINE_SETTINGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise BundleError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise BundleError(f"{path}: expected an object of EngineConfig fields, got {type(data).__name__}")
+    return data
+
+
 @dataclass
-class OpenedBundle:
-    """A verified bundle on local disk, ready to import."""
+class Bundle:
+    """A verified bundle on local disk (a private copy), ready to import."""
 
     folder: Path
     manifest: Manifest
@@ -393,7 +421,7 @@ class OpenedBundle:
 
 
 def open_bundle(path: str | Path, expected_digest: str | None = None, *,
-                allow_unmanifested: bool = False, ignore_manifest: bool = False) -> OpenedBundle:
+                allow_unmanifested: bool = False, ignore_manifest: bool = False) -> Bundle:
     """Verify a bundle (unpacking an archive to a private temp folder) and read its recipe.
 
     ``allow_unmanifested``: a folder without manifest.json gets one computed in memory
@@ -439,9 +467,9 @@ def open_bundle(path: str | Path, expected_digest: str | None = None, *,
     except BaseException:
         tmp.cleanup()
         raise
-    return OpenedBundle(folder=folder, manifest=manifest, recipe=recipe, source=str(path), _tmp=tmp)
+    return Bundle(folder=folder, manifest=manifest, recipe=recipe, source=str(path), _tmp=tmp)
 
 
 def stock_bundle_dir() -> Path:
     """The stock forward pass shipped with the engine (a bundle folder)."""
-    return Path(__file__).resolve().parent.parent / "forward_passes" / "stock"
+    return STOCK_BUNDLE_DIR

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from shapeshift.engine.core.config import EngineConfig, ModelConfig
-from shapeshift.engine.forward_pass.importer import Bundle
+from shapeshift.engine.forward_pass.importer import LoadedBundle
 from shapeshift.engine.core.llm_engine import LLMEngine
 from shapeshift.engine.models.loader import LoadedModel, load_model
 from shapeshift.engine.core.runner import ModelRunner
@@ -256,7 +256,7 @@ class ParallelLLMEngine(LLMEngine):
             self.runner.send("stop")
 
     # ------------------------------------------------------------------ unsupported here
-    def set_forward_pass(self, bundle: Bundle, forward_pass: Any | None = None) -> None:
+    def set_forward_pass(self, bundle: LoadedBundle, forward_pass: Any | None = None) -> None:
         raise NotImplementedError("swapping the forward pass of a parallel engine is not supported: every rank would "
                                   "need the new bundle; restart the replica with EngineConfig.forward_pass instead")
 

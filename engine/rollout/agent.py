@@ -5,7 +5,7 @@ Data flow (one daemon thread, one tick every ``poll_interval_s``):
     annotations file (downwardAPI volume; the kubelet rewrites it when annotations change)
       --parse_downward_api_map--> DesiredForwardPass(name, sha256, artifact)
       --changed since the last tick, or a failed attempt's backoff expired?--> attempt:
-          already active                      -> nothing to load (label updated if renamed)
+          already active                      -> nothing to load (renamed if the resource is)
           held in the manager's history       -> re-activated on the engine thread (no fetch)
           stock                               -> the engine's own stock bundle
           otherwise: ArtifactFetcher.fetch    -> local folder / .tar.gz, or a download into
@@ -14,8 +14,8 @@ Data flow (one daemon thread, one tick every ``poll_interval_s``):
                                                  the sha256 on a private copy BEFORE anything is
                                                  imported; then import, build, smoke)
                      ForwardPassManager.commit  (engine thread, between two steps)
-      --> metrics: reloads_total{result}, last_reload_status{result}, in_sync, and the
-          forward-pass info label set by the swap; status() for /admin/forward-passes
+      --> metrics: reloads_total{result}, last_reload_status{result}, in_sync (the info
+          label follows the engine's active_forward_pass); status() for /admin/forward-passes
 
 A failed attempt leaves the old pass serving; it is retried after an exponential
 backoff (``retry_initial_s`` doubling up to ``retry_max_s``) and at once when the
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shapeshift.engine.forward_pass.bundle import MAX_BUNDLE_BYTES, BundleError, BundleTamperedError, load_manifest, stock_bundle_dir
-from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError
+from shapeshift.engine.forward_pass.importer import ReloadError
+from shapeshift.engine.forward_pass.swap import ForwardPassManager
 from shapeshift.engine.contracts.pod_annotations import (RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_SUCCESS,
                                DesiredForwardPass, DownwardAPIFormatError, parse_downward_api_map)
 
@@ -364,7 +365,7 @@ class RolloutAgent:
         else:
             path, source = stock_bundle_dir(), "the engine's stock bundle"
         try:  # opening verifies every file and the digest before any of the bundle's code is imported
-            prepared = self.manager.prepare(path, digest)
+            prepared = self.manager.prepare(path, digest, resource=resource)
         except ReloadError as exc:
             bundle_error = exc.__cause__ if exc.stage == "open" else None
             if fetched and isinstance(bundle_error, BundleTamperedError):
@@ -374,7 +375,6 @@ class RolloutAgent:
             if fetched and isinstance(bundle_error, BundleError):
                 raise AttemptFailed(RESULT_REFUSED, f"artifact {source}: {bundle_error}") from exc
             raise AttemptFailed(RESULT_REFUSED, f"{source}: {exc}") from exc
-        prepared.record.resource = resource
         result = self._on_engine_thread(lambda: self.manager.commit(prepared))
         return (f"loaded from {source} in {sum(result.timings_s.values()):.2f} s "
                 f"(kv flushed={result.flushed_kv}, preempted={result.preempted})", True)
@@ -392,10 +392,7 @@ class RolloutAgent:
         else:
             self.manager.rollback(steps)
             message, counted = f"re-activated from memory ({steps} step(s) back in history)", True
-        active = self.manager.active
-        active.resource = resource
-        self.engine.forward_pass_label = active.label
-        self.engine.forward_pass_sha256 = active.digest
+        self.manager.name_active(resource)
         return message, counted
 
     def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
@@ -408,9 +405,8 @@ class RolloutAgent:
         """The digest the stock pass is known by: the startup record's when the engine started
         on it (what it reports), else the stock bundle's manifest."""
         first = self.manager.history[0]
-        bundle_path = getattr(getattr(self.engine, "bundle", None), "path", None)
         try:
-            if bundle_path is not None and Path(bundle_path).resolve() == stock_bundle_dir().resolve():
+            if Path(first.source).resolve() == stock_bundle_dir().resolve():
                 return first.digest
         except OSError:
             pass
@@ -430,7 +426,7 @@ class RolloutAgent:
         with self._state_lock:
             desired, last, failures, file_error = self._desired, self._last, self._failures, self._file_error
             retry_in = self._retry_in_s()
-        active = self.manager.active
+        active = self.engine.active_forward_pass
         return {
             "annotationsFile": str(self.settings.annotations_file),
             "desired": None if desired is None else _desired_dict(desired),

@@ -31,7 +31,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from shapeshift.engine.forward_pass.bundle import MAX_BUNDLE_BYTES
-from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError
+from shapeshift.engine.forward_pass.importer import ReloadError
+from shapeshift.engine.forward_pass.swap import ForwardPassManager
 
 TOKEN_ENV = "SHAPESHIFT_ADMIN_TOKEN"
 TOKEN_FILE_ENV = "SHAPESHIFT_ADMIN_TOKEN_FILE"

@@ -428,19 +428,12 @@ class AsyncEngine:
 
 
 def forward_pass_identity(engine: Any, stats: Any) -> tuple[str, str]:
-    """(name, sha256) of the active forward pass.
-
-    A hot reload (``hot_reload.ForwardPassManager``) sets ``engine.forward_pass_label``
-    and ``engine.forward_pass_sha256`` (the ForwardPass name a rollout gave it, or the
-    module's name; the bundle's manifest digest); those win. Otherwise the name comes
-    from `EngineStats.forward_pass_name` and the digest from the engine's active bundle
-    (its manifest digest when it has one, else the sha256 of its forward.py). Read on
-    every publish so a hot swap shows at once.
+    """(name, sha256) of the active forward pass, from ``engine.active_forward_pass``: the
+    ForwardPass name a rollout gave it, else the module's name; the bundle's digest. Read on
+    every publish so a hot swap shows at once. An engine without one reports
+    `EngineStats.forward_pass_name` and an unknown digest.
     """
-    name = getattr(engine, "forward_pass_label", None) or getattr(stats, "forward_pass_name", None) or "unknown"
-    sha256 = getattr(engine, "forward_pass_sha256", None) or getattr(stats, "forward_pass_sha256", None)
-    bundle = getattr(engine, "bundle", None)
-    if sha256 is None and bundle is not None:
-        manifest = getattr(bundle, "manifest", None)
-        sha256 = getattr(manifest, "digest", None) or getattr(bundle, "source_sha256", None)
-    return str(name), str(sha256 or "unknown")
+    active = getattr(engine, "active_forward_pass", None)
+    if active is not None:
+        return str(active.label), str(active.digest)
+    return str(getattr(stats, "forward_pass_name", None) or "unknown"), "unknown"

@@ -502,7 +502,7 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     empty token raises ValueError. `rollout`: a `rollout_agent.RolloutSettings` to
     follow a pod's desired forward pass.
     """
-    from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager
+    from shapeshift.engine.forward_pass.swap import ForwardPassManager
     from shapeshift.engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
@@ -513,9 +513,6 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     # One manager for the admin API and the rollout agent, so both see one history.
     manager = ForwardPassManager(engine)
     app.state.forward_pass_manager = manager
-    # Report the starting pass by its bundle digest, the identity rollouts compare against.
-    engine.forward_pass_sha256 = manager.active.digest
-    engine.forward_pass_label = manager.active.label
     admin = admin_token_file is not None or admin_token_from_env
     if admin:
         from shapeshift.engine.serving.admin import mount_admin

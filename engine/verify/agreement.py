@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shapeshift.engine.verify.driver import DEFAULT_BLOCK_SIZE, PagedDriver, Seq
+from shapeshift.engine.forward_pass.paged_driver import DEFAULT_BLOCK_SIZE, PagedDriver, Seq
 
 ERROR_FACTOR = 1.25  # candidate p99 / RMS logit error allowed over the control's
 ABS_SLACK = 1e-3  # logits: lets float32 paths (control error ~0) pass on summation order alone

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from shapeshift.engine.verify import anticheat  # first: captures clocks and function identities before any candidate
-from shapeshift.engine.forward_pass.hot_reload import fingerprint_diff, weights_fingerprint
-from shapeshift.engine.verify.driver import Seq
+from shapeshift.engine.forward_pass.weights_guard import fingerprint_diff, weights_fingerprint
+from shapeshift.engine.forward_pass.paged_driver import Seq
 from shapeshift.engine.verify.context import GateContext, GateFailure, compare
 
 

@@ -1,11 +1,9 @@
-"""Anti-cheat references: clocks and function identities captured before any candidate runs.
+"""Anti-cheat checks: the captured references a candidate could patch, and the speed of light.
 
-Importing this module records the objects a candidate could patch to fake its speed
-or its correctness (clocks, synchronisation, the comparison and math functions the
-gates use, the shared attention helpers). The harness times with the captured clock
-objects, so a patched ``time.perf_counter`` cannot shorten a measurement, and
-``patched_functions()`` lists (and ``restore_patched()`` repairs) every reference that
-changed since.
+The references (clocks, synchronisation, comparison and math functions) are captured by
+``shapeshift.engine.forward_pass.patch_guard`` before any candidate is imported; this module
+re-exports them for the gates and times with the captured clock, so a patched
+``time.perf_counter`` cannot shorten a measurement.
 
 The speed-of-light bound turns a measured decode step into evidence: a step cannot
 move its weights and KV through memory faster than the device's peak bandwidth, nor
@@ -15,95 +13,14 @@ is measuring something other than real work.
 
 from __future__ import annotations
 
-import importlib
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-# torch._dynamo rebinds torch.manual_seed (and friends) the first time it is imported,
-# which can happen lazily in the middle of a candidate's run (torch.compile, some
-# Triton paths). Import it before the references are captured so that torch's own
-# rebinding is never mistaken for a candidate patching the harness.
-try:
-    import torch._dynamo  # noqa: F401
-except Exception:  # pragma: no cover - builds without dynamo
-    pass
-
-# ------------------------------------------------------------------ captured references
-perf_counter = time.perf_counter  # the harness clock
-_cuda_synchronize = torch.cuda.synchronize
-
-PATCH_TARGETS: dict[str, tuple[str, ...]] = {
-    "time": ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns",
-             "process_time", "sleep"),
-    "torch": ("matmul", "softmax", "log_softmax", "isfinite", "isnan", "allclose", "equal", "argmax",
-              "topk", "cat", "stack", "randn", "randint", "manual_seed", "zeros", "empty", "full"),
-    "torch.nn.functional": ("linear", "embedding", "scaled_dot_product_attention", "silu", "softmax",
-                            "log_softmax", "rms_norm"),
-    "torch.cuda": ("synchronize", "Event", "CUDAGraph", "graph"),
-    "shapeshift.engine.core.attention": ("write_kv", "paged_attention", "paged_decode_attention",
-                                    "paged_prefill_attention", "AttentionContext"),
-    "shapeshift.engine.core.kv_cache": ("KVCache",),
-}
-TENSOR_METHODS = ("__matmul__", "argmax", "float", "copy_", "clone", "sum", "tolist", "item", "max", "abs",
-                  "isfinite", "equal", "allclose", "index_copy_")
-
-
-def _lookup(owner: str, attr: str) -> Any:
-    target = _resolve(owner)
-    return getattr(target, attr, None)
-
-
-def _snapshot() -> dict[tuple[str, str], Any]:
-    snap: dict[tuple[str, str], Any] = {}
-    for modname, attrs in PATCH_TARGETS.items():
-        for attr in attrs:
-            snap[(modname, attr)] = _lookup(modname, attr)
-    for attr in TENSOR_METHODS:
-        snap[("torch.Tensor", attr)] = _lookup("torch.Tensor", attr)
-    for attr in ("elapsed_time", "record", "synchronize"):
-        snap[("torch.cuda.Event", attr)] = _lookup("torch.cuda.Event", attr)
-    return snap
-
-
-def _resolve(owner: str) -> Any:
-    if owner == "torch.Tensor":
-        return torch.Tensor
-    if owner == "torch.cuda.Event":
-        return torch.cuda.Event
-    return sys.modules.get(owner) or importlib.import_module(owner)
-
-
-_REFERENCE = _snapshot()
-_REFERENCE_TRACE = sys.gettrace()
-_REFERENCE_PROFILE = sys.getprofile()
-
-
-def patched_functions() -> list[str]:
-    """Names of captured references that are no longer the captured objects."""
-    now = _snapshot()
-    changed = [f"{m}.{a}" for (m, a), obj in _REFERENCE.items() if now.get((m, a)) is not obj]
-    if sys.gettrace() is not _REFERENCE_TRACE:
-        changed.append("sys.settrace")
-    if sys.getprofile() is not _REFERENCE_PROFILE:
-        changed.append("sys.setprofile")
-    return sorted(changed)
-
-
-def restore_patched() -> list[str]:
-    """Put every patched reference back (a cheating candidate must not leave the process broken)."""
-    restored = []
-    for (owner, attr), obj in _REFERENCE.items():
-        if _lookup(owner, attr) is not obj and obj is not None:
-            setattr(_resolve(owner), attr, obj)
-            restored.append(f"{owner}.{attr}")
-    return restored
-
+from shapeshift.engine.forward_pass.patch_guard import (_REFERENCE, PATCH_TARGETS, TENSOR_METHODS, _cuda_synchronize,  # noqa: F401
+                                                        patched_functions, perf_counter, restore_patched)
 
 def foreign_threads(before: set[int]) -> list[str]:
     """Threads started since ``before`` (thread idents) that are not the harness's own."""

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from shapeshift.engine.verify.agreement import score
-from shapeshift.engine.verify.driver import PagedDriver, Seq
+from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq
 
 
 # dtype -> (logprob absolute tolerance, logit difference relative to the reference logits'

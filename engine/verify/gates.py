@@ -45,9 +45,10 @@ from typing import Any, Callable
 import torch
 
 from shapeshift.engine.verify import anticheat  # noqa: F401  (first: captures clocks and function identities before any candidate)
-from shapeshift.engine.forward_pass.hot_reload import DeadlineExceeded, run_with_deadline
-from shapeshift.engine.forward_pass.hot_reload import LoadedBundle, ReloadError
-from shapeshift.engine.forward_pass.hot_reload import load_bundle_isolated, weights_fingerprint
+from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
+from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError
+from shapeshift.engine.forward_pass.importer import load_bundle as load_bundle_isolated
+from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
                                                      gate_poisoned_outputs, gate_speed_of_light)
 from shapeshift.engine.verify.context import GateContext, GateFailure, GateSettings
@@ -94,7 +95,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
 
     stock: LoadedBundle | None = None  # the reference's bundle when loaded here (unloaded at the end)
     if reference is None:
-        from shapeshift.engine.forward_pass.hot_reload import load_stock_isolated
+        from shapeshift.engine.forward_pass.importer import load_stock as load_stock_isolated
 
         stock = load_stock_isolated()
         reference = stock.module.build(model_config, weights, dict(stock.recipe))

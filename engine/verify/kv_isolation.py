@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shapeshift.engine.verify.driver import Seq
+from shapeshift.engine.forward_pass.paged_driver import Seq
 from shapeshift.engine.verify.context import GateContext, GateFailure, compare, require
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from shapeshift.engine.forward_pass.hot_reload import LoadedBundle
-from shapeshift.engine.verify.driver import PagedDriver, Seq
+from shapeshift.engine.forward_pass.importer import LoadedBundle
+from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq
 from shapeshift.engine.verify.context import GateContext, GateFailure, compare, require, run_pair
 
 
@@ -154,7 +154,7 @@ def _measure_calibration(ctx: GateContext, model_config: Any, weights: dict[str,
     out_of_memory: list[str] = []
     try:
         if stock is None:
-            from shapeshift.engine.forward_pass.hot_reload import load_stock_isolated
+            from shapeshift.engine.forward_pass.importer import load_stock as load_stock_isolated
 
             stock = own = load_stock_isolated()
         for place in _calibration_places(ctx.device):

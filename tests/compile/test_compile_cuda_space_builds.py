@@ -23,7 +23,7 @@ from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettin
 from shapeshift.engine.compile.search_space import (KERNEL_BACKEND_KNOB, build_search_space,  # noqa: E402
                                                     split_recipe, stock_recipe_knobs)
 from shapeshift.engine.core.config import EngineConfig  # noqa: E402
-from shapeshift.engine.forward_pass.hot_reload import load_bundle_isolated  # noqa: E402
+from shapeshift.engine.forward_pass.importer import load_bundle as load_bundle_isolated  # noqa: E402
 from shapeshift.engine.core.llm_engine import LLMEngine  # noqa: E402
 from shapeshift.engine.contracts.traffic_profile import builtin_profile  # noqa: E402
 from shapeshift.kernels.registry import KernelConfig  # noqa: E402

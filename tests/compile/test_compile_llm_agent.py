@@ -27,7 +27,7 @@ from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.compile.source_edits import apply_edits
-from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR
 
 STOCK_SOURCE = (STOCK_BUNDLE_DIR / "forward.py").read_text()
 

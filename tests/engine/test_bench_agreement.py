@@ -41,7 +41,8 @@ def test_layer_probe_sees_every_layer_of_a_decode_step():
     import torch
 
     from shapeshift.engine.core.config import ModelConfig
-    from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+    from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR
+    from shapeshift.engine.forward_pass.importer import build_forward_pass, load_bundle
     from shapeshift.engine.models.loader import random_weights
     from shapeshift.engine.models.presets import PRESETS
     from shapeshift.engine.verify.agreement import teacher_forced

@@ -17,7 +17,8 @@ from harness.engine_server import Load, complete, free_port, wait_for
 from shapeshift.engine.serving.admin import mount_admin
 from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
 from shapeshift.engine.core.config import EngineConfig
-from shapeshift.engine.forward_pass.hot_reload import ForwardPassManager, ReloadError, load_bundle_isolated
+from shapeshift.engine.forward_pass.importer import ReloadError, load_bundle
+from shapeshift.engine.forward_pass.swap import ForwardPassManager
 from shapeshift.engine.serving.server import build_server
 
 CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
@@ -190,7 +191,7 @@ def test_bundles_are_isolated(tmp_path):
                                         "def build(model_config, weights, recipe):\n    return None\n")
         create_bundle(src, {}, tmp_path / f"b{value}")
         folders.append(tmp_path / f"b{value}")
-    a, b = (load_bundle_isolated(f) for f in folders)
+    a, b = (load_bundle(f) for f in folders)
     assert (a.module.VALUE, b.module.VALUE) == (1, 2)
     assert a.package != b.package and "helpers" not in sys.modules
     assert sys.modules[a.package + ".helpers"].VALUE == 1
@@ -199,7 +200,7 @@ def test_bundles_are_isolated(tmp_path):
     assert b.module.VALUE == 2
     b.unload()
     with pytest.raises(ReloadError) as info:
-        load_bundle_isolated(tmp_path / "nope")
+        load_bundle(tmp_path / "nope")
     assert info.value.stage == "open"
 
 
@@ -224,7 +225,7 @@ def test_runtime_engine_settings_of_a_compiled_bundle_apply_on_reload_and_rollba
     settings = {"decode_steps": 4, "max_num_seqs": 8, "enable_prefix_caching": False}
     (src / "engine.json").write_text(json.dumps(settings))
     create_bundle(src, None, tmp_path / "compiled-bundle", name="compiled")
-    with caplog.at_level(logging.WARNING, logger="shapeshift.engine.forward_pass.hot_reload"):
+    with caplog.at_level(logging.WARNING, logger="shapeshift.engine.forward_pass.swap"):
         manager.reload(tmp_path / "compiled-bundle")
     assert engine.config.decode_steps == 4
     assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == 8  # the batch width, live
@@ -288,7 +289,7 @@ def test_a_wider_batch_from_engine_json_brings_its_token_budget(tmp_path):
 LOGIT_NOISE_CANDIDATE = '''"""The stock pass with deterministic noise of amplitude {amplitude} added to its logits."""
 import torch
 
-from shapeshift.engine.forward_pass.hot_reload import import_stock_module
+from shapeshift.engine.forward_pass.importer import import_stock_module
 
 stock = import_stock_module()
 CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION

@@ -258,7 +258,7 @@ def test_candidate_with_a_wrong_digest_is_refused_by_the_canary_and_rolled_back(
 SLOW_FORWARD = '''"""Exact but slow: the stock forward pass plus a pause in every step (a latency regression)."""
 import time
 
-from shapeshift.engine.forward_pass.hot_reload import import_stock_module
+from shapeshift.engine.forward_pass.importer import import_stock_module
 
 stock = import_stock_module()
 CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shapeshift.engine.core.config import ModelConfig
-from shapeshift.engine.forward_pass.importer import STOCK_BUNDLE_DIR, build_forward_pass, load_bundle
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR
+from shapeshift.engine.forward_pass.importer import build_forward_pass, load_bundle
 from shapeshift.engine.models.loader import random_weights
 from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify.agreement import judge, score, teacher_forced
@@ -73,7 +74,7 @@ def test_a_pass_rounding_like_stock_passes_at_either_batch_shape(setup):
 def test_a_pass_that_drops_precision_fails(setup):
     _, _, _, ref = setup
     control = forced(setup, load_bundle(STOCK_BUNDLE_DIR, {}), len(PROMPTS))
-    worse = forced(setup, load_bundle(CANDIDATES / "precision_drop_8bit"), len(PROMPTS))
+    worse = forced(setup, load_bundle(CANDIDATES / "precision_drop_8bit", allow_unmanifested=True), len(PROMPTS))
     verdict = judge(ref, worse, control)
     assert not verdict["passed"]
     assert any(f.startswith("rms_logit_error") for f in verdict["failures"]), verdict["failures"]

@@ -15,10 +15,10 @@ TIMING_TRICK = Path(__file__).resolve().parents[1] / "fixtures" / "candidates" /
 
 SCRIPT = f"""
 import sys
-from shapeshift.engine.forward_pass.hot_reload import load_bundle_isolated
-assert "shapeshift.engine.verify.anticheat" not in sys.modules  # nothing captured yet
-load_bundle_isolated({str(TIMING_TRICK)!r}, allow_unmanifested=True)
-from shapeshift.engine.verify import anticheat  # already imported by the load, before the candidate ran
+from shapeshift.engine.forward_pass.importer import load_bundle
+assert "shapeshift.engine.forward_pass.patch_guard" not in sys.modules  # nothing captured yet
+load_bundle({str(TIMING_TRICK)!r}, allow_unmanifested=True)
+from shapeshift.engine.verify import anticheat  # its references were captured by the load, before the candidate ran
 print("PATCHED", ",".join(anticheat.patched_functions()))
 """
 

@@ -1,6 +1,7 @@
 """A small paged driver that runs forward passes the way the engine's runner does.
 
-The verification gates need control the engine hides: which KV blocks a sequence
+The hot-reload smoke check runs a candidate beside the incumbent on a private KV cache,
+off the serving path, and the verification gates need control the engine hides: which KV blocks a sequence
 gets (to force reuse of another request's freed blocks), which blocks two sequences
 share (prefix hits), what is in the cache before a step (poison), and which pass
 writes the cache and which reads it (swap compatibility). This driver owns a
