@@ -356,8 +356,8 @@ class ModelRunner:
             s["input_ids"][:n].copy_(s["tokens"][:n])
             g.replay()
             self.num_graph_replays += 1
-            if sampled:
-                self._chunk_sampler.sample(logits[:n], j, s["tokens"][:n])
+            if sampled:  # the graph's own logits (re-read: an emulated graph returns a new tensor)
+                self._chunk_sampler.sample(self._graph_logits[(g.batch_size, g.width)][:n], j, s["tokens"][:n])
             out[j, :n].copy_(s["tokens"][:n])
         return self._read_back(out, k, n)
 

@@ -350,11 +350,13 @@ def test_kernel_sampler_on_the_chunk_samplers_staging():
 def test_sampled_requests_decode_several_steps_at_a_time():
     sampled = [SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, ignore_eos=True) for n in (9, 14, 20, 27)]
     settings = dict(decode_steps=4, multi_step_sampling=True)
-    a, widest = _run(emulated(**settings), PROMPTS[:4], sampled)
+    engine = emulated(**settings)
+    vocab = engine.model_config.vocab_size
+    a, widest = _run(engine, PROMPTS[:4], sampled)
     b, _ = _run(emulated(**settings), PROMPTS[:4], sampled)
     assert widest == 4  # bursts of 4 sampled tokens
     assert a == b  # the runner's seeds follow EngineConfig.seed
-    assert [len(x) for x in a] == [9, 14, 20, 27] and all(0 <= t < 300 for x in a for t in x)
+    assert [len(x) for x in a] == [9, 14, 20, 27] and all(0 <= t < vocab for x in a for t in x)
     c, _ = _run(emulated(**settings, seed=5), PROMPTS[:4], sampled)
     assert c != a
     # Without the knob, sampled requests decode one step at a time.
@@ -432,4 +434,4 @@ def test_cuda_sampled_multi_step(overlap):
                          multi_step_sampling=True)
     got, widest = _run(engine, PROMPTS[:4], params)
     assert widest == 4 and got[0] == want[0] and got[2] == want[2]
-    assert all(len(g) == 24 and all(0 <= t < 300 for t in g) for g in got)
+    assert all(len(g) == 24 and all(0 <= t < engine.model_config.vocab_size for t in g) for g in got)
