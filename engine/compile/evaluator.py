@@ -256,7 +256,7 @@ class EngineEvaluator:
         eng = self._engine(FULL, {})
         stock_recipe = load_recipe(self.stock_dir)
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
-                                  stock_recipe=stock_recipe, stock_source=self.stock_source,
+                                  stock_recipe=stock_recipe,
                                   concurrency=self.profile.concurrency,
                                   max_model_len=self.settings.max_model_len,
                                   engine_defaults=self.settings.engine_base,

@@ -1,8 +1,8 @@
 """The search space: every knob a candidate may turn, with its values and validity rules.
 
 Data flow:
-    recipe knobs the stock forward.py declares (kernel backend per op,  --+
-      fused q/k/v and gate/up projections, MoE gather threshold)          |
+    the stock pass's knob table (engine/forward_pass/knobs.py: backend --+
+      per op, fused projections and GEMV fusions, MoE gather threshold)   |
     EngineConfig knobs (batch size, chunked-prefill budget, prefix     --+--> SearchSpace
       caching, CUDA-graph buckets)                                      |     .default()
     kernels/registry.py (tile config per op, CUDA only)                --+     .sample(rng)
@@ -17,7 +17,7 @@ Knob names carry their target: ``engine.<field>`` becomes an EngineConfig field,
 tile configuration for one Triton op, and any other name is a recipe knob written to the
 bundle's recipe.yaml. ``split_recipe`` folds the ``kernel.<op>`` knobs that differ from
 "default" into the forward pass's one ``kernel_configs: {op: config}`` recipe knob, so the
-recipe the forward pass sees holds only knobs it declares (the all-default point, the
+recipe the forward pass sees holds only knobs of its table (the all-default point, the
 baseline, carries no kernel_configs at all). A recipe (a candidate's knob -> value mapping)
 is always complete: `complete(recipe)` fills missing knobs with their defaults.
 
@@ -33,10 +33,10 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shapeshift.engine.compile.candidate import canonical_json
+from shapeshift.engine.forward_pass.knobs import STOCK_KNOBS, stock_knob
 
 log = logging.getLogger(__name__)
 
@@ -225,10 +225,6 @@ KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attentio
                        "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
 # the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
 KERNEL_CONFIGS_KNOB = "kernel_configs"
-# grid of each int recipe knob; its first value is the default when the stock recipe sets none
-# (for the row limits, kernels.gemv.MAX_M: the value that changes nothing)
-INT_KNOB_VALUES = {"moe_decode_gather_max_rows": (0, 4, 8, 16, 64, 256), "attention_l2_prefetch_mb": (0, 8, 16, 32),
-                   "gemv_max_rows": (16, 8, 4, 2, 1), "fuse_norm_max_rows": (16, 8, 4, 2, 1)}
 # row-limit knob -> (the recipe knob whose path it limits, the value that turns that path on)
 ROW_LIMIT_NEEDS = {"gemv_max_rows": ("linear_backend", "triton"),
                    "fuse_norm_max_rows": ("fuse_norm_into_linear", True)}
@@ -267,7 +263,7 @@ def _constraint_gemv_fusion(recipe: Mapping[str, Any]) -> str | None:
 
 def _constraint_row_limits(recipe: Mapping[str, Any]) -> str | None:
     for knob, (path, on) in ROW_LIMIT_NEEDS.items():
-        unlimited = INT_KNOB_VALUES[knob][0]
+        unlimited = stock_knob(knob).grid[0]  # kernels.gemv.MAX_M: the value that changes nothing
         rows = recipe.get(knob, unlimited)
         if rows != unlimited and recipe.get(path) != on:
             return f"{knob}={rows} needs {path}={str(on).lower()} (it limits the rows of that path only)"
@@ -299,41 +295,6 @@ def _whole_layer_takes(head_dim: int | None) -> bool:
     except ImportError:  # no Triton: the kernel cannot run here at all
         return False
     return head_dim_problem(head_dim) is None
-
-
-def stock_recipe_knobs(source: str) -> dict[str, tuple[str, tuple[Any, ...]]]:
-    """The knobs a forward.py declares in its docstring's "Recipe knobs" section.
-
-    Lines look like ``  name: torch | triton   what it does`` / ``  name: bool ...`` /
-    ``  name: int ...``; returns name -> (kind, choices) with kind "choice", "bool" or "int".
-    """
-    import ast
-    import re
-
-    try:
-        doc = ast.get_docstring(ast.parse(source)) or ""
-    except SyntaxError:
-        return {}
-    if "Recipe knobs" not in doc:
-        return {}
-    section = doc.split("Recipe knobs", 1)[1]
-    knobs: dict[str, tuple[str, tuple[Any, ...]]] = {}
-    for line in section.splitlines()[1:]:
-        m = re.match(r"^\s{1,4}([a-z_][a-z0-9_]*):\s+(.+?)(?:\s{2,}.*)?$", line)
-        if not m:
-            if line.strip() and not line.startswith(" "):
-                break  # the section ended
-            continue
-        name, spec = m.group(1), m.group(2).strip()
-        if spec.startswith("{"):
-            knobs[name] = ("table", ())  # a mapping (gemv_configs, kernel_configs): no grid of its own
-        elif spec == "bool":
-            knobs[name] = ("bool", (False, True))
-        elif spec == "int":
-            knobs[name] = ("int", INT_KNOB_VALUES.get(name, ()))
-        elif "|" in spec:
-            knobs[name] = ("choice", tuple(v.strip() for v in spec.split("|")))
-    return knobs
 
 
 def kernel_knobs(ops: Sequence[str] = tuple(op.split(".", 1)[1] for op in KERNEL_BACKEND_KNOB), max_configs: int = 12,
@@ -377,7 +338,6 @@ def build_search_space(
     device: str = "cpu",
     model_family: str = "llama",
     stock_recipe: Mapping[str, Any] | None = None,
-    stock_source: str | None = None,
     concurrency: int = 32,
     max_model_len: int = 2048,
     include_kernels: bool | None = None,
@@ -389,8 +349,8 @@ def build_search_space(
     """The space for one model family on one device.
 
     ``concurrency`` (the traffic's requests in flight) bounds the batch sizes worth trying;
-    ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml);
-    ``stock_source`` is the forward.py whose docstring declares them (default: the stock one);
+    ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml; a knob
+    it leaves out starts at the first of its values, for integers the first of its grid);
     ``engine_defaults`` (EngineConfig field -> value, e.g. the deployment's engine.yaml) become
     the defaults of the ``engine.*`` knobs, so the stock candidate runs as the deployment does.
     ``qk_norm``: the model normalises q and k per head (Qwen3), which the rotary fusion cannot take.
@@ -401,24 +361,20 @@ def build_search_space(
     cuda = device.startswith("cuda")
     knobs: list[Knob] = []
 
-    # Recipe knobs the stock forward pass declares (its docstring), with device limits:
-    # Triton backends only on CUDA, MoE knobs only for MoE models.
-    if stock_source is None:
-        from shapeshift.engine.forward_pass.bundle import stock_bundle_dir
-
-        stock_source = (Path(stock_bundle_dir()) / "forward.py").read_text()
-    declared = stock_recipe_knobs(stock_source)
-    for name, (kind, choices) in declared.items():
-        if kind == "choice":
-            choices = tuple(c for c in choices if cuda or c != "triton")
-        if name.startswith("moe_") and model_family != "moe":
+    # The stock pass's recipe knobs (its knob table), with device limits: Triton backends only
+    # on CUDA, MoE knobs only for MoE models; tables of configs (gemv_configs, kernel_configs)
+    # have no grid of their own (kernel_configs is searched through the kernel.<op> knobs).
+    for recipe_knob in STOCK_KNOBS:
+        if recipe_knob.name.startswith("moe_") and model_family != "moe":
             continue
+        choices: tuple[Any, ...] = {"choice": tuple(c for c in recipe_knob.choices if cuda or c != "triton"),
+                                    "bool": (False, True), "int": recipe_knob.grid, "table": ()}[recipe_knob.kind]
         if not choices:
             continue
-        default = stock_recipe.get(name, choices[0])
+        default = stock_recipe.get(recipe_knob.name, choices[0])
         if not any(_same(default, c) for c in choices):
             default = choices[0]
-        knobs.append(Knob(name, tuple(choices), default, f"stock recipe knob ({kind})"))
+        knobs.append(Knob(recipe_knob.name, choices, default, recipe_knob.meaning))
 
     # Engine knobs: batch size and chunk size (chunked-prefill token budget), prefix caching.
     # Defaults: the deployment's settings where given (added to the grid when off it).
@@ -505,11 +461,6 @@ def build_search_space(
         constraints.append(("graph buckets", _constraint_graph_buckets))
     if include_kernels is None:
         include_kernels = cuda
-    if include_kernels and KERNEL_CONFIGS_KNOB not in declared:
-        # A forward pass without the kernel_configs knob cannot take tile configs: no kernel knobs.
-        log.info("search space: the forward pass declares no %s knob; kernel tile configs are not searched",
-                 KERNEL_CONFIGS_KNOB)
-        include_kernels = False
     if include_kernels:
         switched = [knob.split(".", 1)[1] for knob, backend in KERNEL_BACKEND_KNOB.items()
                     if any(k.name == backend and "triton" in k.values for k in knobs)]

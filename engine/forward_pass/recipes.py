@@ -1,7 +1,7 @@
 """Named recipes of the stock forward pass, for `shapeshift serve --recipe` and the
 decode benchmark.
 
-A recipe is a set of knob values (see the stock forward.py docstring). The names here
+A recipe is a set of knob values (the table: engine/forward_pass/knobs.py). The names here
 are the ones hack/bench_decode.py measures (it calls `torch` "stock"); H200 figures in
 bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json: `torch` is plain PyTorch
 (462.9 tok/s at batch 1 on llama-3.2-1b-shape), `triton` fuses the q/k/v and gate/up
@@ -16,6 +16,8 @@ Imports nothing heavy.
 from __future__ import annotations
 
 from typing import Any
+
+from shapeshift.engine.forward_pass.knobs import validate_recipe
 
 _FUSED = {"fuse_qkv": True, "fuse_gate_up": True}
 _TRITON = {**_FUSED, "attention_backend": "triton", "norm_backend": "triton", "rotary_backend": "triton",
@@ -36,6 +38,9 @@ NAMED_RECIPES: dict[str, dict[str, Any]] = {
     "fast": {**_GEMV, "fuse_norm_into_linear": True, "fuse_layer_tail": True, "fuse_norm_max_rows": 1},
 }
 RECIPE_CHOICES = ("auto", *NAMED_RECIPES)
+for _name, _knobs in NAMED_RECIPES.items():  # a knob renamed or dropped in the table fails at import
+    if _problems := validate_recipe(_knobs):
+        raise ValueError(f"named recipe {_name!r}: {'; '.join(_problems)} (see engine/forward_pass/knobs.py)")
 
 
 def resolve_recipe(name: str, device: str) -> dict[str, Any]:

@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 from shapeshift.engine.forward_pass.bundle import load_recipe  # noqa: E402
 from shapeshift.engine.compile.candidate import Candidate  # noqa: E402
 from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings  # noqa: E402
-from shapeshift.engine.compile.search_space import (KERNEL_BACKEND_KNOB, build_search_space,  # noqa: E402
-                                                    split_recipe, stock_recipe_knobs)
+from shapeshift.engine.compile.search_space import KERNEL_BACKEND_KNOB, build_search_space, split_recipe  # noqa: E402
+from shapeshift.engine.forward_pass.knobs import STOCK_KNOB_BY_NAME  # noqa: E402
 from shapeshift.engine.core.config import EngineConfig  # noqa: E402
 from shapeshift.engine.forward_pass.importer import load_bundle as load_bundle_isolated  # noqa: E402
 from shapeshift.engine.core.llm_engine import LLMEngine  # noqa: E402
@@ -44,7 +44,7 @@ def evaluator(tmp_path_factory):
 def cuda_space(evaluator):
     """The space the compile loop builds on an H200, built here without a GPU (device string only)."""
     return build_search_space(device="cuda:0", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
-                              stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+                              concurrency=32, max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def _all_kernels_tuned(space) -> dict:
 def test_cuda_space_has_kernel_knobs_and_declared_recipe_knobs_only(evaluator, cuda_space) -> None:
     kernel_names = sorted(n for n in cuda_space.names if n.startswith("kernel."))
     assert kernel_names == sorted(KERNEL_BACKEND_KNOB), kernel_names
-    declared = set(stock_recipe_knobs(evaluator.stock_source))
+    declared = set(STOCK_KNOB_BY_NAME)
     assert "kernel_configs" in declared
     for cand_recipe in (cuda_space.default(), _all_kernels_tuned(cuda_space)):
         bundle_recipe, _, _ = split_recipe(cand_recipe)
@@ -143,14 +143,14 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     bad = {**cuda_space.default(), "fuse_rotary_into_attention": True, "attention_backend": "torch"}
     assert any("fuse_rotary_into_attention" in problem for problem in cuda_space.validate(bad))
     qk_space = build_search_space(device="cuda", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
-                                  stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
+                                  concurrency=32, max_model_len=2048,
                                   qk_norm=True)
     assert "fuse_rotary_into_attention" not in qk_space.names
     # The whole-layer kernel: searched with the rotary fusion and a power-of-two head_dim >= 16 only.
     assert "fuse_attention_into_layer" in cuda_space.names
     assert "fuse_attention_into_layer" not in qk_space.names
     odd_space = build_search_space(device="cuda", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
-                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048,
+                                   concurrency=32, max_model_len=2048,
                                    head_dim=24)
     assert "fuse_attention_into_layer" not in odd_space.names and "fuse_rotary_into_attention" in odd_space.names
     bad = {**cuda_space.default(), "fuse_attention_into_layer": True, "fuse_rotary_into_attention": False}
@@ -186,7 +186,7 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
                for problem in cuda_space.validate(bad))
 
     cpu_space = build_search_space(device="cpu", model_family="llama", stock_recipe=load_recipe(evaluator.stock_dir),
-                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+                                   concurrency=32, max_model_len=2048)
     cpu_seeds = recipe_seeds(cpu_space)
     assert [s.recipe for s in cpu_seeds] == [{**cpu_space.default(), "fuse_qkv": True, "fuse_gate_up": True}]
     assert "engine.decode_steps" not in cpu_space.names  # multi-step decode needs graph replays
@@ -196,5 +196,5 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     assert "fuse_norm_max_rows" not in cpu_space.names
     # MoE: the GEMV (and its row limit) without the norm fusion (dense models only).
     moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
-                                   stock_source=evaluator.stock_source, concurrency=32, max_model_len=2048)
+                                   concurrency=32, max_model_len=2048)
     assert "gemv_max_rows" in moe_space.names and "fuse_norm_max_rows" not in moe_space.names

@@ -13,66 +13,8 @@ swapped without reloading the model. Each op sits behind a small function or met
 variant can replace one op by a kernel without touching the rest. Decode batches use
 only static shapes (no host syncs), so the runner can capture them in CUDA graphs.
 
-Recipe knobs (recipe.yaml; every one defaults to the plain-torch reference):
-  attention_backend: torch | triton   paged decode attention (kernels.decode_attention)
-  norm_backend: torch | triton        RMSNorm fused with the residual add (kernels.rmsnorm)
-  rotary_backend: torch | triton      rotary fused with the KV-cache write (kernels.rotary)
-  activation_backend: torch | triton  SiLU-and-mul (kernels.activation; needs fuse_gate_up; dense
-                                      models only, a no-op on MoE experts)
-  linear_backend: torch | triton      projections and lm_head on <= 16 rows (decode) through the
-                                      weight-streaming GEMV (kernels.gemv); F.linear above that.
-                                      The lm_head then writes float32 logits directly (no
-                                      bf16 rounding of the logits, no cast launch)
-  gemv_max_rows: int                  the most rows (decode batch) that take the GEMV and its
-                                      fusions, 1..16 (default 16, the kernel's limit); larger
-                                      batches use F.linear and the separate norm and SwiGLU
-                                      kernels. A no-op with linear_backend: torch
-  gemv_configs: {"NxK": config}       per-shape GEMV configs (kernels.registry.KernelConfig
-                                      dicts) overriding the per-shape defaults, e.g. from tuning
-  kernel_configs: {"op": config}      tile config (KernelConfig dict) per Triton op the backend
-                                      knobs switched on (rmsnorm, decode_attention,
-                                      rotary_kv_write, silu_and_mul), replacing the registry's
-                                      per-GPU default; an op whose backend is torch is refused
-  fuse_gate_up_activation: bool       SiLU-and-mul in the gate/up GEMV's epilogue (needs
-                                      fuse_gate_up and linear_backend: triton; <= 16 rows)
-  fuse_norm_into_linear: bool         RMSNorm (+ residual add) as the prologue of the qkv and
-                                      gate/up GEMVs (decode, <= 16 rows; needs
-                                      linear_backend: triton, fuse_qkv, fuse_gate_up)
-  fuse_norm_max_rows: int             the most rows (decode batch) that take the norm-fused GEMVs,
-                                      1..16 (default 16); larger decode batches up to
-                                      gemv_max_rows run the separate norm kernel and the plain
-                                      GEMVs (each program of a fused GEMV renormalises every row:
-                                      on the H200 that lost from 2 rows). Below 16 it needs
-                                      fuse_norm_into_linear; a no-op without the GEMV
-  fuse_rotary_into_attention: bool    decode: rotary, the KV-cache write and attention in one
-                                      kernel (kernels.decode_attention.decode_attention_rope;
-                                      needs attention_backend and rotary_backend: triton; models
-                                      without q/k norm)
-  fuse_layer_tail: bool               batch-1 decode: each layer's o_proj, MLP and the next layer's
-                                      qkv projection in one persistent kernel with grid barriers
-                                      (kernels.decode_layer_tail; needs fuse_norm_into_linear;
-                                      a launch per phase in the interpreter; larger batches keep
-                                      the separate GEMVs)
-  fuse_attention_into_layer: bool     batch-1 decode: the layer's attention (rotary, KV write,
-                                      split attention) as the first phase of the layer-tail kernel,
-                                      one launch a layer (kernels.decode_layer_tail.decode_layer;
-                                      needs fuse_layer_tail and fuse_rotary_into_attention and a
-                                      head_dim that is a power of two >= 16; a kernel_configs
-                                      decode_attention entry and attention_l2_prefetch_mb are not
-                                      applied there)
-  fuse_attention_into_tail: bool      batch-1 decode: the next layer's attention (rotary, KV write,
-                                      split attention, each kv head merged by its last split) as
-                                      the last phase of the layer-tail kernel, one launch a layer
-                                      after the first layer's attention (kernels.decode_layer_tail,
-                                      next_attention; the same needs as fuse_attention_into_layer,
-                                      and not with it)
-  attention_l2_prefetch_mb: int       decode: the attention kernel prefetches this many MB of the
-                                      weights read next (o_proj, then gate/up) into L2 while it
-                                      runs; 0 = off (needs attention_backend: triton; CUDA)
-  fuse_qkv: bool                      one [q; k; v] GEMM (derived weight copy)
-  fuse_gate_up: bool                  one [gate; up] GEMM (derived weight copy)
-  moe_decode_gather_max_rows: int     MoE decode: gather chosen experts while
-                                      tokens*top_k <= this, else run all experts densely
+Recipe knobs (recipe.yaml): the table in shapeshift.engine.forward_pass.knobs (name, type,
+allowed values, default, meaning); every one defaults to the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -88,6 +30,7 @@ import torch.nn.functional as F
 
 from shapeshift.engine.core.attention import AttentionContext, decode_attention_bias, paged_attention, write_kv
 from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.forward_pass.knobs import STOCK_KNOB_BY_NAME, knob_value
 
 FORWARD_PASS_NAME = "stock"
 CACHE_FORMAT_VERSION = 1  # bump when the KV layout or its contents' meaning changes
@@ -216,8 +159,9 @@ def _kernel(module: str, name: str, knob: str) -> Callable[..., Any]:
             f"set {knob}: torch") from exc
 
 
-def _choice(recipe: dict[str, Any], knob: str, choices: tuple[str, ...] = ("torch", "triton")) -> str:
-    value = recipe.get(knob, choices[0])
+def _choice(recipe: dict[str, Any], knob: str) -> str:
+    """recipe[knob] (else its default), refused unless one of the knob's choices."""
+    value, choices = knob_value(recipe, knob), STOCK_KNOB_BY_NAME[knob].choices
     if value not in choices:
         raise ValueError(f"recipe {knob} must be one of {choices}, got {value!r}")
     return value
@@ -257,17 +201,12 @@ class StockForwardPass:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], recipe: dict[str, Any]) -> None:
         self.cfg = cfg
         self.recipe = dict(recipe)
-        known = {"attention_backend", "norm_backend", "rotary_backend", "activation_backend", "fuse_qkv",
-                 "fuse_gate_up", "moe_decode_gather_max_rows", "linear_backend", "gemv_configs",
-                 "fuse_gate_up_activation", "fuse_norm_into_linear", "kernel_configs", "fuse_rotary_into_attention",
-                 "gemv_max_rows", "fuse_norm_max_rows",
-                 "attention_l2_prefetch_mb", "fuse_layer_tail", "fuse_attention_into_layer",
-                 "fuse_attention_into_tail"}
+        known = set(STOCK_KNOB_BY_NAME)
         unknown = set(self.recipe) - known
         if unknown:
             raise ValueError(f"unknown recipe knobs {sorted(unknown)}; the stock forward pass knows {sorted(known)}")
-        self.fuse_qkv = bool(self.recipe.get("fuse_qkv", False))
-        self.fuse_gate_up = bool(self.recipe.get("fuse_gate_up", False))
+        self.fuse_qkv = bool(knob_value(self.recipe, "fuse_qkv"))
+        self.fuse_gate_up = bool(knob_value(self.recipe, "fuse_gate_up"))
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["model.norm.weight"]
@@ -298,13 +237,13 @@ class StockForwardPass:
             if not self.fuse_gate_up:
                 raise ValueError("recipe activation_backend=triton needs fuse_gate_up: true")
             self._silu_and_mul = _kernel("activation", "silu_and_mul", "activation_backend")
-        prefetch_bytes = int(self.recipe.get("attention_l2_prefetch_mb", 0) or 0) << 20
+        prefetch_bytes = int(knob_value(self.recipe, "attention_l2_prefetch_mb") or 0) << 20
         if prefetch_bytes < 0 or (prefetch_bytes and self._decode_attention is None):
             raise ValueError("recipe attention_l2_prefetch_mb needs attention_backend: triton and a size >= 0 (MB)")
         # Per layer: what its decode attention prefetches (fixed by the weights, so built once).
         self._attention_prefetch = [_prefetch_regions(layer, prefetch_bytes) for layer in self.layers]
         self._decode_attention_rope = None
-        if self.recipe.get("fuse_rotary_into_attention", False):
+        if knob_value(self.recipe, "fuse_rotary_into_attention"):
             if self._decode_attention is None or self._rotary_kv_write is None or cfg.qk_norm:
                 raise ValueError("recipe fuse_rotary_into_attention needs attention_backend: triton and "
                                  "rotary_backend: triton on a model without q/k norm")
@@ -329,12 +268,12 @@ class StockForwardPass:
         max_rows = _row_limit(self.recipe, "gemv_max_rows", gemv_limit)
         if max_rows is not None and self._gemv is not None:
             self._gemv_max_rows = max_rows
-        if self.recipe.get("fuse_gate_up_activation", False):
+        if knob_value(self.recipe, "fuse_gate_up_activation"):
             if self._gemv is None or not self.fuse_gate_up or cfg.family == "moe":
                 raise ValueError("recipe fuse_gate_up_activation needs linear_backend: triton and fuse_gate_up: true "
                                  "on a dense model")
             self._gemv_gated = _kernel("gemv", "gemv_silu_and_mul", "fuse_gate_up_activation")
-        self.fuse_norm = bool(self.recipe.get("fuse_norm_into_linear", False))
+        self.fuse_norm = bool(knob_value(self.recipe, "fuse_norm_into_linear"))
         if self.fuse_norm and (self._gemv is None or not self.fuse_qkv or not self.fuse_gate_up
                                or cfg.family == "moe"):
             raise ValueError("recipe fuse_norm_into_linear needs linear_backend: triton, fuse_qkv: true and "
@@ -347,13 +286,13 @@ class StockForwardPass:
                 raise ValueError("recipe fuse_norm_max_rows needs fuse_norm_into_linear: true")
             self._fuse_norm_max_rows = min(self._fuse_norm_max_rows, norm_rows)
         self._layer_tail = None
-        if self.recipe.get("fuse_layer_tail", False):
+        if knob_value(self.recipe, "fuse_layer_tail"):
             if not self.fuse_norm:
                 raise ValueError("recipe fuse_layer_tail needs fuse_norm_into_linear: true (and with it "
                                  "linear_backend: triton, fuse_qkv, fuse_gate_up, a dense model)")
             self._layer_tail = _kernel("decode_layer_tail", "decode_layer_tail", "fuse_layer_tail")
         self._whole_layer = None
-        if self.recipe.get("fuse_attention_into_layer", False):
+        if knob_value(self.recipe, "fuse_attention_into_layer"):
             if self._layer_tail is None or self._decode_attention_rope is None:
                 raise ValueError("recipe fuse_attention_into_layer needs fuse_layer_tail: true and "
                                  "fuse_rotary_into_attention: true")
@@ -362,7 +301,7 @@ class StockForwardPass:
                 raise ValueError(f"recipe fuse_attention_into_layer: the model's {problem}")
             self._whole_layer = _kernel("decode_layer_tail", "decode_layer", "fuse_attention_into_layer")
         self._next_attention = None  # NextAttention, with fuse_attention_into_tail
-        if self.recipe.get("fuse_attention_into_tail", False):
+        if knob_value(self.recipe, "fuse_attention_into_tail"):
             if self._layer_tail is None or self._decode_attention_rope is None or self._whole_layer is not None:
                 raise ValueError("recipe fuse_attention_into_tail needs fuse_layer_tail: true and "
                                  "fuse_rotary_into_attention: true, and fuse_attention_into_layer off (both put "
