@@ -35,7 +35,7 @@ class RecipeKnob:
 
     @property
     def kind(self) -> str:
-        """"choice", "bool", "int" or "table"."""
+        """One of "choice", "bool", "int" or "table"."""
         return {str: "choice", bool: "bool", int: "int", dict: "table"}[self.type]
 
     def problem(self, value: Any) -> str | None:

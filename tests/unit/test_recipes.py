@@ -5,7 +5,7 @@ import pytest
 
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.forward_pass.bundle import load_recipe, stock_bundle_dir
-from shapeshift.engine.forward_pass.knobs import STOCK_KNOB_BY_NAME, STOCK_KNOBS, validate_recipe
+from shapeshift.engine.forward_pass.knobs import GEMV_MAX_ROWS, STOCK_KNOB_BY_NAME, STOCK_KNOBS, validate_recipe
 from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES, resolve_recipe
 
 
@@ -35,6 +35,12 @@ def test_the_table_refuses_unknown_knobs_and_values_off_their_type():
     for knob in STOCK_KNOBS:  # every default and every searched value is allowed by the knob itself
         assert knob.default is None or knob.problem(knob.default) is None, knob.name
         assert all(knob.problem(v) is None for v in knob.grid), knob.name
+
+
+def test_the_row_limit_is_the_gemv_kernels():
+    """knobs.py is torch-free, so it spells the GEMV's row limit itself; it must be the kernel's."""
+    gemv = pytest.importorskip("shapeshift.kernels.gemv")
+    assert GEMV_MAX_ROWS == gemv.MAX_M
 
 
 def test_the_search_space_recipe_knobs_come_from_the_table():
