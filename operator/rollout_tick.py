@@ -263,8 +263,9 @@ def forward_pass_relations(*, active_before: ForwardPassIdentity | None, state: 
     return out
 
 
-Analyze = Callable[..., CanaryAnalysis]  # RolloutQueries.analysis(canary, baseline, window, *, min_requests,
-#                                           latency_resolution_seconds, at); raises TrafficQueryError
+# RolloutQueries.analysis(canary, baseline, window, *, min_requests, latency_resolution_seconds, at);
+# raises TrafficQueryError when Prometheus cannot answer.
+Analyze = Callable[..., CanaryAnalysis]
 
 
 @dataclass(frozen=True)
