@@ -1,12 +1,12 @@
 """`shapeshift compile`: search for a faster forward pass, verify it, publish it.
 
 Data flow:
-    flags (or a CompileRun read from the API with --compile-run ns/name)
-      -> TrafficProfile + EvaluatorSettings + Budget + agents
+    flags (request_from_flags; with --compile-run ns/name completed from the CompileRun, worker.py)
+      -> CompileJob (job.py: every default) -> EvaluatorSettings + Budget + agents
       -> champion registry: nearest champions seed the run
       -> CompileLoop over the real EngineEvaluator (fast tier, full tier, gates)
       -> OUT/board.jsonl (every trial, resumable), OUT/champion/ (verified bundle),
-         OUT/report.json + OUT/report.md, registry entry (local folder or ForwardPass object)
+         OUT/report.json + OUT/report.md (report.py), registry entry (local folder or ForwardPass object)
       -> with --compile-run: progress and results patched into the CompileRun's status
 
 With no flags it runs the embedded default: tiny-llama, the chat profile, 12 trials, the
@@ -21,12 +21,13 @@ import dataclasses
 import logging
 import re
 import sys
-from pathlib import Path
 from typing import Any, Sequence
+
+from shapeshift.engine.compile.job import DEFAULT_AGENTS, CompileJob, JobRequest
+from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DIR
 
 log = logging.getLogger("shapeshift.compile")
 
-DEFAULT_AGENTS = "sweep,evolve,bayes"
 
 
 def parse_duration(text: str) -> float:
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-trials", type=int, default=None, help="candidates to screen (default: 12 unless --budget)")
     p.add_argument("--budget-seconds", type=float, default=None, help="wall-clock limit in seconds")
     p.add_argument("--budget", type=parse_duration, default=None, help="wall-clock limit as a duration (15m, 1h)")
-    p.add_argument("--agents", default=None, help=f"comma list of sweep, evolve, bayes, llm (default: {DEFAULT_AGENTS})")
+    p.add_argument("--agents", default=None, help=f"comma list of sweep, evolve, bayes, llm (default: {','.join(DEFAULT_AGENTS)})")
     p.add_argument("--out", default=None, help="output folder; an existing board there is resumed "
                                                "(default: shapeshift-compile-out)")
     p.add_argument("--min-speedup", type=float, default=None,
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None, help="kubeconfig for --compile-run (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--artifact-dir", default=None,
                    help="with --compile-run: folder on a volume the engine pods also mount, where the champion "
-                        "archive is stored as <sha256>.tar.gz (default: $SHAPESHIFT_ARTIFACT_DIR; without one the "
+                        f"archive is stored as <sha256>.tar.gz (default: ${ARTIFACT_DIR}; without one the "
                         "archive stays in the work folder, and the ForwardPass says it is not durable)")
     p.add_argument("--no-registry", action="store_true", help="neither seed from nor publish to the registry")
     p.add_argument("--no-recipe-seeds", action="store_true",
@@ -124,28 +125,41 @@ def _resolve_profile(text: str):
         raise SystemExit(f"shapeshift compile: {exc.args[0] if exc.args else exc}")
 
 
+def request_from_flags(args: argparse.Namespace, argv: Sequence[str]) -> JobRequest:
+    """What the command line asks for (None where a flag is not given)."""
+    agents = tuple(a.strip() for a in args.agents.split(",") if a.strip()) if args.agents else None
+    return JobRequest(
+        model=args.model, profile=None if args.profile is None else _resolve_profile(args.profile),
+        budget_trials=args.budget_trials,
+        budget_seconds=args.budget_seconds if args.budget_seconds is not None else args.budget,
+        agents=agents, llm_url=args.llm_url, llm_model=args.llm_model, llm_key_file=args.llm_key_file,
+        out=args.out, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        fast_layers=args.fast_layers, screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats,
+        final_repeats=args.final_repeats, screen_requests=args.screen_requests,
+        confirm_requests=args.confirm_requests, verify_prompts=args.verify_prompts, verify_steps=args.verify_steps,
+        cpu_threads=args.cpu_threads, timer=args.timer, min_speedup=args.min_speedup, seed=args.seed,
+        deterministic=args.deterministic, registry=args.registry, use_registry=not args.no_registry,
+        recipe_seeds=not args.no_recipe_seeds, compile_run=args.compile_run, artifact_dir=args.artifact_dir,
+        command=("shapeshift", "compile", *argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv
-    args.profile_given, args.agents_given, args.out_given = args.profile, args.agents, args.out
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_ref = None
+    cluster = None
     if args.compile_run:
         from shapeshift.engine.compile.worker import CompileRunContext
 
-        run_ref = CompileRunContext.connect(args.compile_run, args.kubeconfig)
+        cluster = CompileRunContext.connect(args.compile_run, args.kubeconfig)
     try:
-        if run_ref is not None:
-            run_ref.apply_to_args(args)  # a run it cannot be read into is reported on the CompileRun too
-        args.model = args.model or "tiny-llama"
-        args.profile = args.profile if args.profile is not None else "chat"
-        args.agents = args.agents or DEFAULT_AGENTS
-        args.out = args.out or "shapeshift-compile-out"
-        return run(args, run_ref)
+        request = request_from_flags(args, argv)
+        if cluster is not None:
+            request = cluster.job_request(request)  # a run it cannot be read into is reported on the CompileRun too
+        return run(CompileJob.from_request(request), cluster)
     except Exception as exc:
-        if run_ref is not None:
-            run_ref.fail(f"{type(exc).__name__}: {exc}")
+        if cluster is not None:
+            cluster.fail(f"{type(exc).__name__}: {exc}")
         raise
 
 
@@ -162,60 +176,56 @@ def _check_rebuilt(evaluator: Any, cand: Any) -> None:
                     "the rebuilt pass", cand.note, rebuilt[:12], expected[:12])
 
 
-def run(args: argparse.Namespace, run_ref: Any = None) -> int:
+def run(job: CompileJob, cluster: Any = None) -> int:
+    """Run one compile job; `cluster` (worker.py CompileRunContext): the CompileRun it reports to
+    and publishes through, besides the local registry."""
     from shapeshift.engine.compile.agents import make_agents
-    from shapeshift.engine.compile.board import Board, format_leaderboard
+    from shapeshift.engine.compile.board import Board
     from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
-    from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig, write_report
+    from shapeshift.engine.compile.loop import CompileLoop, LoopConfig
+    from shapeshift.engine.compile.report import print_outcome, write_report
     from shapeshift.engine.compile.champions import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
 
-    profile = args.profile if not isinstance(args.profile, str) else _resolve_profile(args.profile)
-    seconds = args.budget_seconds if args.budget_seconds is not None else args.budget
-    trials = args.budget_trials if args.budget_trials is not None else (None if seconds else 12)
-    budget = Budget(max_trials=trials, max_seconds=seconds)
-    out = Path(args.out).resolve()
+    profile = job.profile
+    out = job.out
     out.mkdir(parents=True, exist_ok=True)
 
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cpu = not device.startswith("cuda")
+    tiers = job.tiers.on(cpu)
     settings = EvaluatorSettings(
-        model=args.model, device=device, dtype=args.dtype,
-        max_model_len=args.max_model_len or (512 if cpu else 8192), fast_layers=args.fast_layers,
-        screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats or (8 if cpu else 3),
-        final_repeats=args.final_repeats,
-        screen_requests=args.screen_requests or (96 if cpu else 64),
-        confirm_requests=args.confirm_requests or (192 if cpu else 256),
-        length_scale=None, seed=args.seed, work_dir=str(out / "work"),
-        cpu_threads=args.cpu_threads if args.cpu_threads is not None else (1 if cpu else None), timer=args.timer,
-        verify_prompts=args.verify_prompts or 4, verify_steps=args.verify_steps or 16,
-        engine_base=dict(getattr(args, "engine_base", None) or {}))
+        model=job.model, device=device, dtype=job.dtype, max_model_len=job.max_model_len_on(cpu),
+        fast_layers=tiers.fast_layers, screen_repeats=tiers.screen_repeats, confirm_repeats=tiers.confirm_repeats,
+        final_repeats=tiers.final_repeats, screen_requests=tiers.screen_requests,
+        confirm_requests=tiers.confirm_requests, length_scale=None, seed=job.seed, work_dir=str(out / "work"),
+        cpu_threads=tiers.cpu_threads, timer=tiers.timer, verify_prompts=job.verification.prompts,
+        verify_steps=job.verification.steps, engine_base=dict(job.engine_base))
     evaluator = EngineEvaluator(profile, settings)
     space = evaluator.space()
     board = Board(out / "board.jsonl")
-    agent_names = [a.strip() for a in args.agents.split(",") if a.strip()]
     llm = None
-    if "llm" in agent_names:
-        llm = {"base_url": args.llm_url, "model": args.llm_model or "default", "api_key_file": args.llm_key_file,
+    if "llm" in job.agents:
+        llm = {"base_url": job.llm.base_url, "model": job.llm.model, "api_key_file": job.llm.api_key_file,
                "stock_source": evaluator.stock_source,
-               "context": f"Model {args.model}, traffic {profile.name}, device {device}."}
-    agents = make_agents(agent_names, space, board, seed=args.seed, llm=llm)
+               "context": f"Model {job.model}, traffic {profile.name}, device {device}."}
+    agents = make_agents(list(job.agents), space, board, seed=job.seed, llm=llm)
 
     mc = evaluator.model_config()
     signature = model_signature(mc)
     hardware = evaluator.hardware()
-    registry = None if args.no_registry else LocalRegistry(args.registry or out.parent / "shapeshift-registry")
+    registry = None if job.registry is None else LocalRegistry(job.registry)
     seeds = []
     nearest = []
-    if run_ref is not None and not args.no_registry:
-        nearest = run_ref.nearest_champions(signature, hardware, profile, mc.family)
+    if cluster is not None and registry is not None:
+        nearest = cluster.nearest_champions(signature, hardware, profile, mc.family)
     elif registry is not None:
         nearest = registry.nearest_champions(signature, hardware, profile, k=3, family=mc.family)
     if nearest:
         for entry in nearest:
             cand = entry.candidate()
-            if run_ref is not None and entry.bundle_path:
+            if cluster is not None and entry.bundle_path:
                 # A ForwardPass carries its recipe, not its source: an agent-written source is in the bundle.
                 from shapeshift.engine.compile.pass_to_beat import from_artifact
 
@@ -229,7 +239,7 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
             seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
         log.info("seeding with %d champion(s): %s", len(seeds), ", ".join(e.name for e in nearest))
 
-    if not args.no_recipe_seeds:
+    if job.recipe_seeds:
         seeds.extend(recipe_seeds(space))
 
     def fit_pass_to_beat(cand: Any) -> Any:
@@ -241,17 +251,17 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
         return cand
 
     pass_to_beat = None
-    if run_ref is not None:
-        pass_to_beat = run_ref.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts", fit_pass_to_beat)
+    if cluster is not None:
+        pass_to_beat = cluster.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts", fit_pass_to_beat)
 
-    on_status = run_ref.patch_status if run_ref is not None else None
-    loop = CompileLoop(evaluator, space, board, agents, budget,
-                       LoopConfig(seed=args.seed, deterministic=args.deterministic,
-                                  min_speedup=args.min_speedup or 1.0), on_status, seeds, pass_to_beat)
+    on_status = cluster.patch_status if cluster is not None else None
+    loop = CompileLoop(evaluator, space, board, agents, job.budget,
+                       LoopConfig(seed=job.seed, deterministic=job.deterministic, min_speedup=job.min_speedup),
+                       on_status, seeds, pass_to_beat)
     result = loop.run()
 
-    context = {"command": ["shapeshift", "compile", *args.argv], "commit": _git_commit(),
-               "model": args.model, "profile": profile.name, "device": device, "signature": signature,
+    context = {"command": list(job.command), "commit": _git_commit(),
+               "model": job.model, "profile": profile.name, "device": device, "signature": signature,
                "hardware": hardware, "regime": TrafficRegime.of(profile).key, "evaluator": evaluator.describe()}
     exported = None
     if result.champion is not None:
@@ -260,8 +270,8 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
         if registry is not None:
             inc = result.incumbent
             entry = ChampionEntry(
-                name=f"{args.model}-{profile.name}-{exported['digest'][:10]}", signature=signature,
-                model=args.model, family=mc.family, hardware=hardware, regime=TrafficRegime.of(profile).to_dict(),
+                name=f"{job.model}-{profile.name}-{exported['digest'][:10]}", signature=signature,
+                model=job.model, family=mc.family, hardware=hardware, regime=TrafficRegime.of(profile).to_dict(),
                 bundle_digest=exported["digest"], recipe=dict(result.champion.recipe),
                 base_source=result.champion.source, speedup=result.speedup,
                 metrics={"tokens_per_second": inc.full.mean if inc.full else None,
@@ -270,23 +280,15 @@ def run(args: argparse.Namespace, run_ref: Any = None) -> int:
                          "noise": inc.full.cv if inc.full else None, "dtype": str(settings.dtype or "")},
                 verification={"passed": inc.verification.passed, "gates": inc.verification.gates} if inc.verification else {},
                 profile=profile.to_dict(), notes=[{"agent": result.champion.agent, "note": result.champion.note}],
-                parent=result.champion.parent, compile_run=args.compile_run)
+                parent=result.champion.parent, compile_run=job.compile_run)
             registry.publish(entry, out / "champion")
             context["registry_entry"] = entry.name
-            if run_ref is not None:
-                run_ref.publish(entry, out / "champion")
-    json_path, md_path = write_report(result, board, out, context)
-
-    print()
-    print(format_leaderboard(board.leaderboard("fast", k=10)))
-    print()
-    if result.champion is None:
-        print(f"no verified improvement over the stock forward pass ({result.stop_reason}); report: {md_path}")
-    else:
-        print(f"champion {result.champion.digest[:12]} by {result.champion.agent}: {result.speedup:.3f}x the stock "
-              f"pass (full tier, verified) -> {exported['path']}; report: {md_path}")
-    if run_ref is not None:
-        run_ref.finish(result, exported)
+            if cluster is not None:
+                cluster.publish(entry, out / "champion")
+    _, md_path = write_report(result, board, out, context)
+    print_outcome(result, board, exported, md_path)
+    if cluster is not None:
+        cluster.finish(result, exported)
     return 0
 
 

@@ -15,7 +15,7 @@ Data flow:
       -> with a pass to beat (the deployment's active forward pass, measured first like a
          seed): a paired comparison with it too; not faster by min_speedup beyond the noise,
          or the pass itself -> nothing published
-      -> champion bundle + report (JSON, markdown)
+      -> champion bundle + report (JSON, markdown: report.py)
     every trial -> progress log line (trials, best speedup, ETA, agents' states) and the
       status callback
 
@@ -40,12 +40,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from shapeshift.engine.compile.agents.base import Agent, AgentWorker, submit
 from shapeshift.engine.compile.board import Board, format_leaderboard
 from shapeshift.engine.compile.candidate import Candidate
+from shapeshift.engine.compile.job import Budget
 from shapeshift.engine.compile.measure import Evaluator, Measurement, Verification, beats, beats_paired, paired_gain, per_user_not_worse
 from shapeshift.engine.compile.search_space import SearchSpace
 
@@ -53,20 +53,6 @@ log = logging.getLogger(__name__)
 
 FAST, FULL = "fast", "full"
 StatusCallback = Callable[[dict[str, Any]], None]
-
-
-@dataclass
-class Budget:
-    max_trials: int | None = 12  # screened candidates (the baseline is not counted)
-    max_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_trials is None and self.max_seconds is None:
-            raise ValueError("a compile budget needs --budget-trials or --budget-seconds (or both)")
-        if self.max_trials is not None and self.max_trials < 0:
-            raise ValueError(f"budget trials must be >= 0, got {self.max_trials}")
-        if self.max_seconds is not None and self.max_seconds <= 0:
-            raise ValueError(f"budget seconds must be > 0, got {self.max_seconds}")
 
 
 @dataclass
@@ -525,44 +511,23 @@ class CompileLoop:
 
     # ------------------------------------------------------------------ progress
     def status(self, phase: str = "Running") -> dict[str, Any]:
-        rows = self.board.leaderboard(FAST, k=5)
-        inc = self.incumbent
-        best_full = None
-        if inc is not None and inc.candidate.agent != "baseline":
-            best_full = round(self.incumbent_speedup, 4)
-        results = self.board.entries("result")
-        verified = {v["digest"] for v in self.board.entries("verification") if v.get("passed")}
-        return {
-            "phase": phase,
-            "trials": self.trials,
-            "improved": len(self.board.entries("incumbent")),
-            "rejected": len([v for v in self.board.entries("verification") if not v.get("passed")]),
-            "failed": len([r for r in results if r.get("status") != "ok" and not r.get("role")]),
-            "trials_budget": self.budget.max_trials,
-            "confirms": self.confirms,
-            "verifications": self.verifications,
-            "best_speedup": best_full,
-            "best_fast_speedup": round(self.best_fast_speedup, 4),
-            "incumbent": None if inc is None else inc.candidate.digest,
-            "elapsed_s": round(self.elapsed, 1),
-            "eta_s": None if self.eta_s() is None else round(self.eta_s(), 1),
-            "agents": [a.describe() for a in self.agents],
-            "leaderboard": [{"digest": r.digest[:12], "agent": r.agent, "throughput": round(r.throughput, 2),
-                             "speedup": None if r.speedup is None else round(r.speedup, 4),
-                             "verified": r.digest in verified} for r in rows],
-        }
+        """What the status callback gets (report.py run_status)."""
+        from shapeshift.engine.compile.report import run_status  # report.py renders this module's results
+
+        return run_status(self, phase)
 
     def _progress(self, force: bool = False) -> None:
+        from shapeshift.engine.compile.report import progress_line
+
         st = self.status()
-        eta = "?" if st["eta_s"] is None else f"{st['eta_s']:.0f}s"
-        best = "none verified" if st["best_speedup"] is None else f"{st['best_speedup']:.3f}x verified"
-        agents = ", ".join(f"{a['agent']}:{a['state'].split(':')[0]}" for a in st["agents"])
-        log.info("trials %d/%s, best %s (fast tier %.3fx), confirms %d, ETA %s [%s]", st["trials"],
-                 st["trials_budget"] if st["trials_budget"] is not None else "-", best, st["best_fast_speedup"],
-                 st["confirms"], eta, agents)
+        log.info("%s", progress_line(st))
         now = time.monotonic()
-        if self.on_status and (force or now - self._last_status >= self.config.status_every_s):
+        if force or now - self._last_status >= self.config.status_every_s:
             self._last_status = now
+            self._send_status(st)
+
+    def _send_status(self, st: dict[str, Any]) -> None:
+        if self.on_status:
             try:
                 self.on_status(st)
             except Exception:  # noqa: BLE001 - a status sink must not end the search
@@ -639,14 +604,8 @@ class CompileLoop:
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason)
         log.info("compile finished (%s): %s\n%s", stop_reason, json.dumps(result.summary()),
                  format_leaderboard(self.board.leaderboard(FAST, k=10)))
-        phase = "Succeeded"
         if self.on_status:
-            st = self.status(phase)
-            st["stop_reason"] = stop_reason
-            try:
-                self.on_status(st)
-            except Exception:  # noqa: BLE001
-                log.exception("status callback failed")
+            self._send_status({**self.status("Succeeded"), "stop_reason": stop_reason})
         return result
 
 
@@ -665,48 +624,3 @@ def _safe_describe(evaluator: Any) -> dict[str, Any]:
         return dict(evaluator.describe())
     except Exception as exc:  # noqa: BLE001
         return {"error": str(exc)}
-
-
-def write_report(result: CompileResult, board: Board, out_dir: Path, context: dict[str, Any]) -> tuple[Path, Path]:
-    """report.json and report.md in `out_dir`: baseline, champion, speedups, rates per tier, leaderboard."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hours = max(result.elapsed_s, 1e-9) / 3600
-    inc = result.incumbent
-    data = {
-        **context,
-        **result.summary(),
-        "baseline": {"fast": result.baseline_fast.metrics(), "full": result.baseline_full.metrics() if result.baseline_full else None},
-        "champion_metrics": None if result.champion is None else {
-            "fast": inc.fast.metrics(result.baseline_fast),
-            "full": inc.full.metrics(result.baseline_full) if inc.full else None},
-        "champion_recipe": None if result.champion is None else dict(result.champion.recipe),
-        "champion_agent": None if result.champion is None else result.champion.agent,
-        "champion_note": None if result.champion is None else result.champion.note,
-        "verification": None if inc.verification is None else {"passed": inc.verification.passed,
-                                                              "gates": inc.verification.gates},
-        "trials_per_hour": {"fast": result.trials / hours, "full": result.confirms / hours},
-        "leaderboard": result.leaderboard,
-        "board": str(board.path),
-        "garbage_or_errors": len([n for n in board.entries("note") if n.get("garbage") or n.get("error")]),
-    }
-    json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", ""]
-    if result.champion is None:
-        lines.append("No candidate beat the stock forward pass beyond the measured noise and passed verification; "
-                     "the stock forward pass stays.")
-    else:
-        lines.append(f"Champion `{result.champion.digest[:12]}` by **{result.champion.agent}**: "
-                     f"**{result.speedup:.3f}x** the stock pass's replay throughput (full tier, verified).")
-        lines.append(f"- why: {result.champion.note}")
-        lines.append(f"- recipe: `{json.dumps(dict(result.champion.recipe), sort_keys=True)}`")
-    lines += ["", f"- trials (fast tier): {result.trials}, confirmations (full tier): {result.confirms}, "
-              f"verifications: {result.verifications}",
-              f"- trials per hour: fast {data['trials_per_hour']['fast']:.0f}, full {data['trials_per_hour']['full']:.0f}",
-              f"- baseline: fast {result.baseline_fast.mean:.1f} tok/s (cv {result.baseline_fast.cv:.3f})"
-              + (f", full {result.baseline_full.mean:.1f} tok/s (cv {result.baseline_full.cv:.3f})" if result.baseline_full else ""),
-              f"- stopped: {result.stop_reason}", "", "## Leaderboard (fast tier)", "", "```",
-              format_leaderboard(board.leaderboard(FAST, k=10)), "```", ""]
-    md_path = out_dir / "report.md"
-    md_path.write_text("\n".join(lines))
-    return json_path, md_path

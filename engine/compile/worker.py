@@ -2,9 +2,11 @@
 
 Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
     API: CompileRun NS/NAME (spec) + its InferenceDeployment (model, when no engine config)
-      + $SHAPESHIFT_ENGINE_CONFIG (the deployment's engine.yaml: model, dtype, context)
-      + $SHAPESHIFT_AGENT_<i>_API_KEY (LLM keys the kubelet took from Secrets)
-      --apply_to_args--> the CLI's settings (model, profile, budget, agents, tiers, baseline)
+      + the pod's environment (contracts/compile_pod_env.py: $SHAPESHIFT_ENGINE_CONFIG, the
+        deployment's engine.yaml: model, dtype, context; $SHAPESHIFT_AGENT_<i>_API_KEY, LLM keys the
+        kubelet took from Secrets; the work and artifact folders; the pool's accelerator)
+      --job_request, through the typed CompileRunSpec--> the command line's JobRequest completed
+        (job.py: model, profile, budget, agents, tiers, verification, baseline)
     spec.baseline.forwardPass, else the deployment's status.activeForwardPass
       --pass_to_beat--> that ForwardPass's bundle (fetched, sha256 checked) as a candidate the
       champion must beat besides the stock pass (compile/pass_to_beat.py)
@@ -34,7 +36,8 @@ deployment and list/create ForwardPasses; nothing else is needed here.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -43,27 +46,36 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
 from shapeshift.engine.compile.champions import GROUP, VERSION, ClusterRegistry
+from shapeshift.engine.compile.job import DEFAULT_OUT, JobRequest
+from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION, CompilePodEnv
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
+from shapeshift.operator.api import (
+    AgentSpec,
+    CompileRunSpec,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    TierSpec,
+    VerificationSpec,
+)
 
 log = logging.getLogger(__name__)
 
 AGENT_KINDS = {"coordinate-sweep": "sweep", "evolutionary": "evolve", "model-based": "bayes", "llm": "llm"}
 # engine.yaml keys (EngineConfig fields) the measuring engines take over from the deployment
 DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size")
-ARTIFACT_DURABLE_ANNOTATION = f"{GROUP}/artifact-durable"
-ENGINE_ENV_NAMES = "SHAPESHIFT_ENGINE_ENV_NAMES"  # comma-separated; set by the operator in compile pods
 
 
 def engine_env(environ: Any = os.environ) -> list[dict[str, str]] | None:
-    """The deployment's spec.engine.env as this process sees it, from the names the operator lists
-    in $SHAPESHIFT_ENGINE_ENV_NAMES; None when that variable is unset (not an operator's pod)."""
-    names = environ.get(ENGINE_ENV_NAMES)
-    if names is None:
+    """The deployment's spec.engine.env as this process sees it (sorted by name), from the names the
+    operator lists in $SHAPESHIFT_ENGINE_ENV_NAMES; None when that variable is unset (not an
+    operator's pod)."""
+    listed = CompilePodEnv.from_environ(environ).engine_env
+    if listed is None:
         return None
-    return [{"name": n, "value": environ.get(n, "")} for n in sorted({n.strip() for n in names.split(",")} - {""})]
+    return [{"name": n, "value": v} for n, v in sorted(listed)]
 
 
 # CompileRun spec fields the worker does not act on yet: (section, field) -> what happens instead
@@ -75,22 +87,20 @@ _NOT_ACTED_ON = {
 }
 
 
-def agent_names(agents: list[dict[str, Any]]) -> tuple[list[str], int | None]:
+def agent_names(agents: list[AgentSpec]) -> tuple[list[str], int | None]:
     """The CLI's agent list for a CompileRun's spec.agents, each kind repeated `replicas` times,
     and the index of the llm agent whose endpoint is used (the first; the CLI takes one)."""
     names: list[str] = []
     llm_index = None
     for index, agent in enumerate(agents):
-        kind = AGENT_KINDS.get(agent.get("kind"))
-        if kind is None:
-            continue
+        kind = AGENT_KINDS[agent.kind]
         if kind == "llm":
             if llm_index is not None:
                 log.warning("spec.agents[%d]: one LLM endpoint per run; spec.agents[%d]'s is used (give it "
                             "replicas for more instances)", index, llm_index)
                 continue
             llm_index = index
-        names.extend([kind] * int(agent.get("replicas") or 1))
+        names.extend([kind] * agent.replicas)
     return names, llm_index
 
 
@@ -114,22 +124,123 @@ def device_for_accelerator(accelerator: str, cuda_available: bool) -> str:
     raise ValueError(f"unknown accelerator {accelerator!r} in $SHAPESHIFT_ACCELERATOR")
 
 
-def unhonored_fields(spec: dict[str, Any]) -> list[str]:
-    """CompileRun spec fields set away from their CRD defaults that this worker does not act
+def unhonored_fields(spec: CompileRunSpec) -> list[str]:
+    """CompileRun spec fields written away from their CRD defaults that this worker does not act
     on (each named with the value given), so a user who set one hears that it had no effect.
     The defaults are the CompileRun models' own."""
-    from shapeshift.operator.api import TierSpec, VerificationSpec
-
     models = {"tiers": TierSpec, "verification": VerificationSpec}
     out = []
     for (section, name), instead in _NOT_ACTED_ON.items():
         field = models[section].model_fields[name]
-        wire = field.alias or name
-        given = spec.get(section) or {}
-        if wire in given and given[wire] != field.default:
-            value = given[wire] if isinstance(given[wire], str) else json.dumps(given[wire])  # as written
-            out.append(f"{section}.{wire}={value} ({instead})")
+        given = getattr(spec, section)
+        value = getattr(given, name)
+        if name in given.model_fields_set and value != field.default:
+            out.append(f"{section}.{field.alias or name}={json.dumps(value)} ({instead})")
     return out
+
+
+def _given(section: Any, name: str) -> Any:
+    """A spec field's value when the run's object carries it and it is not 0 or empty, else None:
+    then the command line's default holds (job.py CRD_DEFAULTS_THAT_DIFFER says where it differs)."""
+    value = getattr(section, name)
+    return value if name in section.model_fields_set and value else None
+
+
+class Deployment(NamedTuple):
+    """A run's InferenceDeployment through its models (spec None: it does not parse)."""
+
+    spec: InferenceDeploymentSpec | None
+    status: InferenceDeploymentStatus
+
+
+def run_profile(spec: CompileRunSpec, deployment: Deployment | None) -> TrafficProfile:
+    """The traffic a run optimises for: spec.traffic's builtin or inline profile, else what the
+    deployment observed (else what its pass was compiled for), else the chat profile."""
+    traffic = spec.traffic
+    if traffic.inline is not None:
+        return traffic.inline
+    if traffic.builtin:
+        return builtin_profile(traffic.builtin)
+    status = deployment.status if deployment is not None else None
+    for observed in (status.observed_traffic, status.compiled_for) if status is not None else ():
+        if observed is not None:
+            return observed
+    if traffic.prometheus is not None:
+        raise ValueError("spec.traffic.prometheus: the deployment has no observed traffic in its status yet; "
+                         "give spec.traffic.builtin or spec.traffic.inline")
+    return builtin_profile("chat")
+
+
+def job_request(given: JobRequest, spec: CompileRunSpec, run: str, deployment: Deployment | None,
+                pod: CompilePodEnv) -> JobRequest:
+    """`given` (the command line's request) completed from CompileRun `run` ("NAMESPACE/NAME"),
+    its deployment, the pod's environment and the deployment's engine.yaml; what the command
+    line gives wins. Writes the llm agent's API key, if the pod has one, to a 0600 file."""
+    engine_cfg: dict[str, Any] = {}
+    if pod.engine_config and Path(pod.engine_config).is_file():
+        import yaml
+
+        engine_cfg = yaml.safe_load(Path(pod.engine_config).read_text()) or {}
+    elif pod.engine_config:
+        log.warning("$SHAPESHIFT_ENGINE_CONFIG names %s, which does not exist (in a pod it is the engine "
+                    "ConfigMap's volume); measuring with the InferenceDeployment's model and engine defaults",
+                    pod.engine_config)
+    filled: dict[str, Any] = {"compile_run": run}
+    if given.engine_base is None:
+        filled["engine_base"] = {k: engine_cfg[k] for k in DEPLOYED_ENGINE_FIELDS if engine_cfg.get(k) is not None}
+    if given.model is None:
+        preset = deployment.spec.model.preset if deployment is not None and deployment.spec is not None else None
+        filled["model"] = engine_cfg.get("model") or preset
+        if filled["model"] is None:
+            raise ValueError(f"CompileRun {run}: no model: neither $SHAPESHIFT_ENGINE_CONFIG nor the "
+                             "InferenceDeployment names one")
+    filled["dtype"] = given.dtype or engine_cfg.get("dtype")
+    if given.max_model_len is None and engine_cfg.get("max_model_len"):
+        filled["max_model_len"] = int(engine_cfg["max_model_len"])
+    if given.profile is None:
+        filled["profile"] = run_profile(spec, deployment)
+    if given.budget_trials is None and _given(spec.budget, "trials"):
+        filled["budget_trials"] = spec.budget.trials
+    if given.budget_seconds is None and _given(spec.budget, "wall_clock_seconds"):
+        filled["budget_seconds"] = float(spec.budget.wall_clock_seconds)
+    if given.agents is None and "agents" in spec.model_fields_set and spec.agents:
+        names, llm_index = agent_names(spec.agents)
+        if llm_index is not None:
+            llm = spec.agents[llm_index].llm
+            filled["llm_url"], filled["llm_model"] = llm.endpoint, llm.model
+            key = pod.agent_api_keys.get(llm_index)
+            if key:
+                filled["llm_key_file"] = str(_key_file(pod.work_dir or given.out or DEFAULT_OUT, key))
+        filled["agents"] = tuple(names)
+    for field_name, section, name in (("fast_layers", spec.tiers, "fast_layers"),
+                                      ("confirm_requests", spec.tiers, "replay_requests"),
+                                      ("confirm_repeats", spec.tiers, "repeats"),
+                                      ("verify_steps", spec.verification, "greedy_steps"),
+                                      ("verify_prompts", spec.verification, "fresh_prompts"),
+                                      ("min_speedup", spec.baseline, "min_speedup")):
+        if getattr(given, field_name) is None and _given(section, name):
+            filled[field_name] = getattr(section, name)
+    for field_note in unhonored_fields(spec):
+        log.warning("CompileRun %s: spec.%s is not acted on by this worker", run, field_note)
+    if given.out is None and pod.work_dir:
+        filled["out"] = str(Path(pod.work_dir) / run.split("/")[1])
+    filled["artifact_dir"] = given.artifact_dir or pod.artifact_dir or None
+    if given.device is None and pod.accelerator:
+        import torch
+
+        filled["device"] = device_for_accelerator(pod.accelerator, torch.cuda.is_available())
+    return dataclasses.replace(given, **filled)
+
+
+def _key_file(folder: str, key: str) -> Path:
+    """The key in a 0600 file under `folder` (the LLM agent reads keys from files, like a mounted Secret)."""
+    folder = Path(folder) / ".keys"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "llm-api-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return path
 
 
 def _load_client(kubeconfig: str | None) -> Any:
@@ -151,7 +262,6 @@ class CompileRunContext:
         self.min_patch_interval_s = min_patch_interval_s
         self._last_patch = 0.0
         self.obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name)
-        self.spec: dict[str, Any] = self.obj.get("spec", {})
         self.champion_name: str | None = None
         self.artifact_uri: str | None = None
         self.artifact_durable = False
@@ -167,30 +277,30 @@ class CompileRunContext:
         return cls(_load_client(kubeconfig), namespace, name)
 
     # ------------------------------------------------------------------ spec -> settings
-    def _deployment(self) -> dict[str, Any] | None:
-        ref = (self.spec.get("deploymentRef") or {}).get("name")
-        if not ref:
-            return None
+    @functools.cached_property
+    def spec(self) -> CompileRunSpec:
+        """The run's spec through its model (parsed on first use, so a spec this worker cannot
+        read is reported on the CompileRun like any other failure)."""
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "inferencedeployments", ref)
+            return CompileRunSpec.model_validate(self.obj.get("spec") or {})
+        except ValueError as exc:
+            raise ValueError(f"CompileRun {self.namespace}/{self.name}: its spec does not parse: {exc}") from exc
+
+    def _deployment(self) -> Deployment | None:
+        """The run's InferenceDeployment (spec, status) through its models; None when it cannot be
+        read, and no spec when its spec does not parse (its status still counts)."""
+        ref = self.spec.deployment_ref.name
+        try:
+            obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "inferencedeployments", ref)
         except Exception as exc:  # noqa: BLE001 - the run may name a deployment that is gone
             log.warning("cannot read InferenceDeployment %s/%s: %s", self.namespace, ref, exc)
             return None
-
-    def profile(self, deployment: dict[str, Any] | None) -> TrafficProfile:
-        traffic = self.spec.get("traffic") or {}
-        if traffic.get("inline"):
-            return TrafficProfile.model_validate(traffic["inline"])
-        if traffic.get("builtin"):
-            return builtin_profile(traffic["builtin"])
-        status = (deployment or {}).get("status") or {}
-        for key in ("observedTraffic", "compiledFor"):
-            if status.get(key):
-                return TrafficProfile.model_validate(status[key])
-        if traffic.get("prometheus"):
-            raise ValueError("spec.traffic.prometheus: the deployment has no observed traffic in its status yet; "
-                             "give spec.traffic.builtin or spec.traffic.inline")
-        return builtin_profile("chat")
+        try:
+            spec = InferenceDeploymentSpec.model_validate(obj.get("spec") or {})
+        except ValueError as exc:
+            log.warning("InferenceDeployment %s/%s: its spec does not parse (%s)", self.namespace, ref, exc)
+            spec = None
+        return Deployment(spec, InferenceDeploymentStatus.model_validate(obj.get("status") or {}))
 
     def pass_to_beat(self, stock_source: str, cache_dir: Path, fit: Any = None) -> Any:
         """The forward pass the champion must beat besides the stock pass, as a Candidate: the
@@ -202,11 +312,12 @@ class CompileRunContext:
         stock pass alone and says so in its log."""
         from shapeshift.engine.compile.pass_to_beat import from_forward_pass
 
-        named = (self.spec.get("baseline") or {}).get("forwardPass")
+        named = self.spec.baseline.forward_pass
         name = named
         if not name:
-            status = (self._deployment() or {}).get("status") or {}
-            name = (status.get("activeForwardPass") or {}).get("name")
+            deployment = self._deployment()
+            active = deployment.status.active_forward_pass if deployment is not None else None
+            name = active.name if active is not None else None
         if not name or name == "stock":
             return None
         where = "spec.baseline.forwardPass" if named else "the deployment's active forward pass"
@@ -225,84 +336,12 @@ class CompileRunContext:
         log.info("the champion must beat %s (%s) besides the stock forward pass", name, where)
         return cand
 
-    def apply_to_args(self, args: argparse.Namespace) -> None:
-        """Fill the CLI settings from the run (explicit command-line values win)."""
-        deployment = self._deployment()
-        engine_file = os.environ.get("SHAPESHIFT_ENGINE_CONFIG")
-        engine_cfg: dict[str, Any] = {}
-        if engine_file and Path(engine_file).is_file():
-            import yaml
-
-            engine_cfg = yaml.safe_load(Path(engine_file).read_text()) or {}
-        elif engine_file:
-            log.warning("$SHAPESHIFT_ENGINE_CONFIG names %s, which does not exist (in a pod it is the engine "
-                        "ConfigMap's volume); measuring with the InferenceDeployment's model and engine defaults",
-                        engine_file)
-        if getattr(args, "engine_base", None) is None:
-            args.engine_base = {k: engine_cfg[k] for k in DEPLOYED_ENGINE_FIELDS if engine_cfg.get(k) is not None}
-        if args.model is None:
-            args.model = engine_cfg.get("model") or ((deployment or {}).get("spec", {}).get("model", {}) or {}).get("preset")
-        if args.model is None:
-            raise ValueError(f"CompileRun {self.namespace}/{self.name}: no model: neither $SHAPESHIFT_ENGINE_CONFIG "
-                             "nor the InferenceDeployment names one")
-        args.dtype = args.dtype or engine_cfg.get("dtype")
-        if args.max_model_len is None and engine_cfg.get("max_model_len"):
-            args.max_model_len = int(engine_cfg["max_model_len"])
-        if args.profile_given is None:
-            args.profile = self.profile(deployment)
-        budget = self.spec.get("budget") or {}
-        if args.budget_trials is None and budget.get("trials"):
-            args.budget_trials = int(budget["trials"])
-        if args.budget_seconds is None and args.budget is None and budget.get("wallClockSeconds"):
-            args.budget_seconds = float(budget["wallClockSeconds"])
-        agents = self.spec.get("agents") or []
-        if agents and args.agents_given is None:
-            names, llm_index = agent_names(agents)
-            if llm_index is not None:
-                llm = agents[llm_index].get("llm") or {}
-                args.llm_url, args.llm_model = llm.get("endpoint"), llm.get("model")
-                key = os.environ.get(f"SHAPESHIFT_AGENT_{llm_index}_API_KEY")
-                if key:
-                    args.llm_key_file = str(self._key_file(args, key))
-            args.agents = ",".join(names)
-        tiers = self.spec.get("tiers") or {}
-        if args.fast_layers is None and tiers.get("fastLayers"):
-            args.fast_layers = int(tiers["fastLayers"])
-        if args.confirm_requests is None and tiers.get("replayRequests"):
-            args.confirm_requests = int(tiers["replayRequests"])
-        if args.confirm_repeats is None and tiers.get("repeats"):
-            args.confirm_repeats = int(tiers["repeats"])
-        verification = self.spec.get("verification") or {}
-        if args.verify_steps is None and verification.get("greedySteps"):
-            args.verify_steps = int(verification["greedySteps"])
-        if args.verify_prompts is None and verification.get("freshPrompts"):
-            args.verify_prompts = int(verification["freshPrompts"])
-        baseline = self.spec.get("baseline") or {}
-        if args.min_speedup is None and baseline.get("minSpeedup"):
-            args.min_speedup = float(baseline["minSpeedup"])
-        for field_note in unhonored_fields(self.spec):
-            log.warning("CompileRun %s/%s: spec.%s is not acted on by this worker", self.namespace, self.name,
-                        field_note)
-        work = os.environ.get("SHAPESHIFT_WORK_DIR")
-        if args.out_given is None and work:
-            args.out = str(Path(work) / self.name)
-        self.artifact_dir = args.artifact_dir = args.artifact_dir or os.environ.get("SHAPESHIFT_ARTIFACT_DIR") or None
-        accelerator = os.environ.get("SHAPESHIFT_ACCELERATOR")
-        if args.device is None and accelerator:
-            import torch
-
-            args.device = device_for_accelerator(accelerator, torch.cuda.is_available())
-        args.compile_run = f"{self.namespace}/{self.name}"
-
-    def _key_file(self, args: argparse.Namespace, key: str) -> Path:
-        """The key in a 0600 file (the LLM agent reads keys from files, like a mounted Secret)."""
-        folder = Path(os.environ.get("SHAPESHIFT_WORK_DIR") or args.out) / ".keys"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "llm-api-key"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IRUSR | stat.S_IWUSR)
-        with os.fdopen(fd, "w") as f:
-            f.write(key)
-        return path
+    def job_request(self, given: JobRequest, environ: Any = os.environ) -> JobRequest:
+        """`given` (the command line's request) completed from this run (see `job_request`)."""
+        request = job_request(given, self.spec, f"{self.namespace}/{self.name}", self._deployment(),
+                              CompilePodEnv.from_environ(environ))
+        self.artifact_dir = request.artifact_dir
+        return request
 
     # ------------------------------------------------------------------ status
     def _patch(self, status: dict[str, Any], clear: tuple[str, ...] = ()) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from shapeshift.engine.compile.agents.base import Agent
 from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
-from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig, write_report
+from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig
+from shapeshift.engine.compile.report import write_report
 from shapeshift.engine.compile.measure import (Measurement, Verification, beats, beats_paired, paired_gain,
                                                per_user_not_worse)
 from shapeshift.engine.compile.search_space import Knob, SearchSpace

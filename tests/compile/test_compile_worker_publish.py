@@ -1,6 +1,6 @@
 """The compile worker's cluster side, piece by piece, on the real API server with the worker's own token.
 
-    CompileRun spec + engine.yaml --apply_to_args--> settings (engine fields, verification, artifact folder)
+    CompileRun spec + engine.yaml --job_request--> the job (engine fields, verification, artifact folder)
     champion bundle --publish--> <sha256>.tar.gz (shared artifact folder, or the work folder)
       + ForwardPass (artifact URI, size, shapeshift.dev/artifact-durable annotation)
     CompileResult without a champion --finish--> status without bestSpeedup / champion
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shapeshift.engine.forward_pass.bundle import stock_bundle_dir, verify_bundle
-from shapeshift.engine.compile.cli import build_parser
+from shapeshift.engine.compile.job import CompileJob, JobRequest
 from shapeshift.engine.compile.measure import Measurement
 from shapeshift.engine.compile.champions import ChampionEntry, TrafficRegime
 from shapeshift.engine.compile.search_space import build_search_space
@@ -96,13 +96,11 @@ def test_worker_takes_engine_fields_verification_and_artifact_folder(worker, tmp
                            "block_size: 16\nenable_prefix_caching: false\ngpu_memory_utilization: 0.9\n")
     monkeypatch.setenv("SHAPESHIFT_ENGINE_CONFIG", str(engine_yaml))
     monkeypatch.setenv("SHAPESHIFT_ARTIFACT_DIR", str(tmp_path / "shared"))
-    args = build_parser().parse_args(["--compile-run", f"{worker.namespace}/run-1"])
-    args.profile_given, args.agents_given, args.out_given = args.profile, args.agents, args.out
-    worker.apply_to_args(args)
-    assert args.model == "tiny-llama" and args.dtype == "float32" and args.max_model_len == 256
-    assert args.engine_base == {"max_num_seqs": 8, "block_size": 16, "enable_prefix_caching": False}
-    assert (args.verify_steps, args.verify_prompts) == (8, 2)
-    assert args.artifact_dir == str(tmp_path / "shared")
+    job = CompileJob.from_request(worker.job_request(JobRequest()))
+    assert job.model == "tiny-llama" and job.dtype == "float32" and job.max_model_len == 256
+    assert job.engine_base == {"max_num_seqs": 8, "block_size": 16, "enable_prefix_caching": False}
+    assert (job.verification.steps, job.verification.prompts) == (8, 2)
+    assert job.artifact_dir == worker.artifact_dir == str(tmp_path / "shared")
 
 
 @pytest.mark.cluster
@@ -173,15 +171,18 @@ def test_the_compile_pod_measures_on_its_pools_chip_or_refuses():
 
 def test_fields_the_worker_does_not_act_on_are_named():
     from shapeshift.engine.compile.worker import unhonored_fields
+    from shapeshift.operator.api import CompileRunSpec
 
-    assert unhonored_fields({}) == []
+    def spec(**fields):
+        return CompileRunSpec.model_validate({"deploymentRef": {"name": "d"}, **fields})
+
+    assert unhonored_fields(spec()) == []
     # The CRD's defaults, written out, are not complaints.
-    assert unhonored_fields({"tiers": {"fast": True, "full": True, "repeats": 5},
-                             "verification": {"logprobTolerance": 0.05, "kvContamination": True},
-                             "baseline": {"minSpeedup": 1.05}, "agents": [{"kind": "coordinate-sweep", "replicas": 1}]}) == []
-    notes = unhonored_fields({"tiers": {"full": False}, "verification": {"logprobTolerance": 0.2,
-                                                                         "kvContamination": False},
-                              "baseline": {"forwardPass": "fp-1"}, "agents": [{"kind": "evolutionary", "replicas": 3}]})
+    assert unhonored_fields(spec(tiers={"fast": True, "full": True, "repeats": 5},
+                                 verification={"logprobTolerance": 0.05, "kvContamination": True},
+                                 baseline={"minSpeedup": 1.05}, agents=[{"kind": "coordinate-sweep", "replicas": 1}])) == []
+    notes = unhonored_fields(spec(tiers={"full": False}, verification={"logprobTolerance": 0.2, "kvContamination": False},
+                                  baseline={"forwardPass": "fp-1"}, agents=[{"kind": "evolutionary", "replicas": 3}]))
     assert [n.split(" ", 1)[0] for n in notes] == ["tiers.full=false", "verification.logprobTolerance=0.2",
                                                    "verification.kvContamination=false"]
     # acted on now: the pass a champion must beat besides the stock pass (test_compile_pass_to_beat.py)
@@ -193,10 +194,12 @@ def test_agent_replicas_become_instances_with_their_own_names_and_seeds(tmp_path
     from shapeshift.engine.compile.board import Board
     from shapeshift.engine.compile.search_space import Knob, SearchSpace
     from shapeshift.engine.compile.worker import agent_names
+    from shapeshift.operator.api import AgentSpec
 
-    names, llm_index = agent_names([{"kind": "coordinate-sweep"}, {"kind": "evolutionary", "replicas": 3},
-                                    {"kind": "llm", "llm": {"endpoint": "http://a/v1", "model": "m"}, "replicas": 2},
-                                    {"kind": "llm", "llm": {"endpoint": "http://b/v1", "model": "m"}}])
+    names, llm_index = agent_names([AgentSpec.model_validate(a) for a in (
+        {"kind": "coordinate-sweep"}, {"kind": "evolutionary", "replicas": 3},
+        {"kind": "llm", "llm": {"endpoint": "http://a/v1", "model": "m"}, "replicas": 2},
+        {"kind": "llm", "llm": {"endpoint": "http://b/v1", "model": "m"}})])
     assert names == ["sweep", "evolve", "evolve", "evolve", "llm", "llm"] and llm_index == 2
     space = SearchSpace([Knob("a", tuple(range(50)), 0), Knob("b", tuple(range(50)), 0)])
     board = Board(tmp_path / "board.jsonl")
