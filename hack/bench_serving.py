@@ -78,13 +78,17 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---------------------------------------------------------------------------- server side
 def serve_main(settings: dict[str, Any], port: int) -> None:
-    """The server process: serve's defaults (the recipe it resolves) plus ``settings``."""
+    """The server process: what engine.serving.server.serve runs (build_server, then uvicorn),
+    with serve's default recipe plus ``settings``, and one route of this benchmark's own,
+    GET /bench/runner-stats: the runner's counters (graph replays, mixed-step shapes)."""
     import logging
+
+    import uvicorn
 
     logging.basicConfig(level="WARNING")
     from shapeshift.engine.core.config import EngineConfig
     from shapeshift.engine.forward_pass.recipes import resolve_recipe
-    from shapeshift.engine.serving.server import serve
+    from shapeshift.engine.serving.server import build_server
 
     settings = dict(settings)
     if "forward_pass_recipe" not in settings and "forward_pass" not in settings:
@@ -92,7 +96,22 @@ def serve_main(settings: dict[str, Any], port: int) -> None:
 
         device = settings.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         settings["forward_pass_recipe"] = resolve_recipe("auto", device) or None
-    serve(EngineConfig(**settings), host="127.0.0.1", port=port, log_level="warning")
+    start = time.perf_counter()
+    app, async_engine = build_server(EngineConfig(**settings))
+    built_s = time.perf_counter() - start
+
+    @app.get("/bench/runner-stats")
+    async def runner_stats() -> dict[str, Any]:
+        runner = async_engine.engine.runner
+        buckets = runner.mixed_buckets
+        return {"engine_build_s": built_s, "recipe": settings.get("forward_pass_recipe"),
+                "decode_graphs": len(runner.graphs), "chunk_graphs": len(runner.chunk_graphs),
+                "mixed_graphs": len(runner.mixed_graphs), "mixed_buckets": buckets.as_pairs() if buckets else None,
+                "num_graph_replays": runner.num_graph_replays, "num_chunk_replays": runner.num_chunk_replays,
+                "num_mixed_replays": runner.num_mixed_replays,
+                "mixed_step_shapes": sorted([n, t, c] for (n, t), c in runner.mixed_step_shapes.items())}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
 
 
 def free_port() -> int:
@@ -131,10 +150,18 @@ class ServerProcess:
 
         return httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
 
+    def runner_stats(self) -> dict[str, Any] | None:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/bench/runner-stats", timeout=10.0).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -416,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             print(f"{cfg_name}: {entry['error']}", flush=True)
         finally:
+            if server.proc.poll() is None:
+                entry["server"] = server.runner_stats()
             server.stop()
             save()
     names = list(report["configs"])

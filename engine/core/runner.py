@@ -681,8 +681,13 @@ class ModelRunner:
                 graphs[bucket] = _Graph(run_mixed, b, W)
                 continue
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
-                run_mixed()
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
+                    run_mixed()
+            except RuntimeError as exc:  # a host sync or a CPU tensor inside the step: not capturable
+                torch.cuda.synchronize(dev)
+                log.warning("mixed steps run eagerly: capturing the mixed step of %s failed: %s", bucket, exc)
+                return
             if self._graph_pool is None:
                 self._graph_pool = graph.pool()
             graphs[bucket] = _Graph(graph.replay, b, W)

@@ -40,6 +40,8 @@ def test_bench_serving_cpu_smoke(tmp_path):
         assert entry["batch1"]["greedy"]["per_user_tokens_per_s_p50"] > 0
         assert entry["batch1"]["sampled"]["per_user_tokens_per_s_p50"] > 0
         assert entry["goal"]["target"] == 0.5 and entry["goal"]["ratio"] > 0
+        # The server process's counters: on the CPU no graphs, and every mixed step counted.
+        assert entry["server"]["mixed_graphs"] == 0 and entry["server"]["mixed_step_shapes"]
     assert report["configs"]["mixed-graphs"]["settings"]["mixed_cuda_graphs"] is True
     ratios = report["paired_ratios"]["output_tokens_per_s"]["mixed-graphs"]
     assert set(ratios) == {"chat-small", "burst-small"} and all(r["pairs"] == 2 for r in ratios.values())
