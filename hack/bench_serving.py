@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(args)
     gpu_slug = prov["gpu"].lower().replace("nvidia ", "nvidia-").replace(" ", "-")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    stem = out_dir / f"serving-{Path(args.model).name}-{gpu_slug}-{stamp}"
+    stem = out_dir / f"serving-{Path(args.model).name}-{gpu_slug}-{stamp}"  # no suffix: the model name has dots
+    json_path, png_path = Path(f"{stem}.json"), Path(f"{stem}.png")
     vocab, eos = model_facts(args.model)
     base = {"model": args.model, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_batch = next((c for n, (_, c) in profiles.items() if n.startswith("chat") and c), 32)
 
     def save() -> None:
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
 
     from shapeshift.engine.replay.requests import ReplayRequest
 
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                                  max_tokens=args.decode_tokens) for i in range(decode_batch)]
     for cfg_name in args.configs.split(","):
         settings = {**base, **CONFIGS[cfg_name]}
-        server = ServerProcess(settings, stem.with_name(stem.name + f"-{cfg_name}-server.log"))
+        server = ServerProcess(settings, Path(f"{stem}-{cfg_name}-server.log"))
         entry: dict[str, Any] = {"settings": settings, "profiles": {}}
         report["configs"][cfg_name] = entry
         try:
@@ -452,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         report["paired_ratios"] = {k: paired_ratios(report, names[0], k)
                                    for k in ("output_tokens_per_s", "per_user_tokens_per_s_p90")}
     save()
-    plot(report, stem.with_suffix(".png"))
-    print(f"wrote {stem.with_suffix('.json')}")
+    plot(report, png_path)
+    print(f"wrote {json_path}")
     return 0
 
 
