@@ -27,7 +27,8 @@ per-user tokens/s), as engine/replay/driver.py reports it; TTFT p90 is the 90th 
 The device machine's image has no fastapi, starlette, pydantic or uvicorn: carry them as
 wheels (.whl, see the device notes) and install them before running. Names, as the project's
 own environment pins them: fastapi, starlette, pydantic, pydantic-core, annotated-types,
-typing-inspection, typing-extensions (present), uvicorn (h11, click present).
+typing-inspection, opentelemetry-api (fastapi 0.165 imports it), typing-extensions 4.16
+(pydantic 2.14 needs it), uvicorn (h11, click present).
 
     # H200 (one call; --num-requests keeps each profile's runs short)
     SHAPESHIFT_GIT_COMMIT=$(git rev-parse HEAD) python3 hack/bench_serving.py --num-requests 48
