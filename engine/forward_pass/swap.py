@@ -65,33 +65,10 @@ class PassRecord:
     # The bundle's engine.json (EngineConfig overrides it was measured with).
     engine_settings: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def name(self) -> str:
-        return self.identity.name
-
-    @property
-    def digest(self) -> str:
-        return self.identity.digest
-
-    @property
-    def cache_format(self) -> str:
-        return self.identity.cache_format
-
-    @property
-    def source(self) -> str:
-        return self.identity.source
-
-    @property
-    def resource(self) -> str | None:
-        return self.identity.resource
-
-    @property
-    def label(self) -> str:
-        return self.identity.label
-
     def summary(self) -> dict[str, Any]:
-        return {"name": self.name, "digest": self.digest, "cacheFormat": self.cache_format,
-                "forwardPass": self.resource, "source": self.source, "activatedUnix": self.activated_unix,
+        who = self.identity
+        return {"name": who.name, "digest": who.digest, "cacheFormat": who.cache_format,
+                "forwardPass": who.resource, "source": who.source, "activatedUnix": self.activated_unix,
                 "engineSettings": dict(self.engine_settings),
                 "timingsSeconds": {k: round(v, 4) for k, v in self.timings_s.items()}, "smoke": self.smoke}
 
@@ -270,18 +247,20 @@ class ForwardPassManager:
             prepared.record.activated_unix = time.time()
             self.history.append(prepared.record)
             self._trim_history()
-            r = prepared.record
-            logger.info("forward pass %s (%s) active; kv flushed=%s preempted=%d", r.name, r.digest[:12],
+            r, who = prepared.record, prepared.record.identity
+            logger.info("forward pass %s (%s) active; kv flushed=%s preempted=%d", who.name, who.digest[:12],
                         flushed, preempted)
-            return ReloadResult(name=r.name, digest=r.digest, cache_format=r.cache_format, flushed_kv=flushed,
-                                preempted=preempted, timings_s=dict(r.timings_s), smoke=dict(r.smoke))
+            return ReloadResult(name=who.name, digest=who.digest, cache_format=who.cache_format,
+                                flushed_kv=flushed, preempted=preempted, timings_s=dict(r.timings_s),
+                                smoke=dict(r.smoke))
 
     def rollback(self, steps: int = 1) -> ReloadResult:
         """Re-activate the pass ``steps`` entries back in history. Call between steps."""
         with self._lock:
             if steps < 1 or steps >= len(self.history):
+                names = [r.identity.name for r in self.history]
                 raise ReloadError("rollback", f"cannot roll back {steps} step(s): history holds "
-                                              f"{len(self.history)} pass(es) ({[r.name for r in self.history]})")
+                                              f"{len(self.history)} pass(es) ({names})")
             target = self.history[-1 - steps]
             t0 = time.perf_counter()
             again = PassRecord(identity=target.identity, forward_pass=target.forward_pass, loaded=target.loaded,
@@ -291,7 +270,8 @@ class ForwardPassManager:
             again.timings_s["swap"] = time.perf_counter() - t0
             self.history.append(again)
             self._trim_history()
-            return ReloadResult(name=again.name, digest=again.digest, cache_format=again.cache_format,
+            who = again.identity
+            return ReloadResult(name=who.name, digest=who.digest, cache_format=who.cache_format,
                                 flushed_kv=flushed, preempted=preempted, timings_s=dict(again.timings_s),
                                 smoke={"rollback": True})
 
@@ -300,7 +280,7 @@ class ForwardPassManager:
         drain = getattr(eng, "drain_inflight", None)
         if drain is not None:  # decode steps in flight finish on the pass and runner that launched them
             drain()
-        flushed = record.cache_format != eng.block_manager.tag
+        flushed = record.identity.cache_format != eng.block_manager.tag
         preempted = 0
         if flushed:
             # Running sequences hold KV written by the old pass in another format:
@@ -322,7 +302,7 @@ class ForwardPassManager:
         if deferred:
             logger.warning("forward pass %s was measured with engine settings %s that a running engine cannot "
                            "take; they apply when the engine starts with them (engine settings of the deployment)",
-                           record.name, deferred)
+                           record.identity.name, deferred)
 
     def _trim_history(self) -> None:
         while len(self.history) > self.history_limit:

@@ -307,7 +307,7 @@ class RolloutAgent:
         with self._state_lock:
             desired, file_error = self._desired, self._file_error
         in_sync = (desired is not None and file_error is None and not desired.problems()
-                   and self.manager.active.digest == self._target_digest(desired))
+                   and self.engine.active_forward_pass.digest == self._target_digest(desired))
         self.metrics.forward_pass_in_sync.set(1 if in_sync else 0)
 
     # ------------------------------------------------------------------ attempts
@@ -383,7 +383,7 @@ class RolloutAgent:
         """On the engine thread: the active pass, or one in the manager's history, if its digest
         is ``digest``; None when it must be loaded."""
         history = self.manager.history
-        index = next((i for i in range(len(history) - 1, -1, -1) if history[i].digest == digest), None)
+        index = next((i for i in range(len(history) - 1, -1, -1) if history[i].identity.digest == digest), None)
         if index is None:
             return None
         steps = len(history) - 1 - index
@@ -404,7 +404,7 @@ class RolloutAgent:
     def _stock_digest(self) -> str:
         """The digest the stock pass is known by: the startup record's when the engine started
         on it (what it reports), else the stock bundle's manifest."""
-        first = self.manager.history[0]
+        first = self.manager.history[0].identity
         try:
             if Path(first.source).resolve() == stock_bundle_dir().resolve():
                 return first.digest

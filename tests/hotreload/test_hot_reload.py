@@ -109,7 +109,7 @@ def test_hot_reload_under_load_without_failed_requests(server, tmp_path):
                                           ("wrong_digest", "open"), ("missing", "open")])
 def test_broken_bundle_refused_and_old_keeps_serving(server, tmp_path, bundle, stage):
     base, manager, engine, _ = server
-    active_before = manager.active.digest
+    active_before = manager.active.identity.digest
     headers = auth()
     body: dict = {}
     if bundle == "syntax_error":
@@ -135,7 +135,7 @@ def test_broken_bundle_refused_and_old_keeps_serving(server, tmp_path, bundle, s
         r = httpx.post(base + "/admin/forward-passes", json=body, headers=headers, timeout=120)
     assert r.status_code == 422, r.text
     assert r.json()["error"]["stage"] == stage
-    assert manager.active.digest == active_before
+    assert manager.active.identity.digest == active_before
     assert not load.errors and set(load.statuses) == {200}
     assert complete(base, "still serving").status_code == 200
 
