@@ -2,15 +2,13 @@
 decode benchmark.
 
 A recipe is a set of knob values (the table: engine/forward_pass/knobs.py). The names here
-are the ones hack/bench_decode.py measures (it calls `torch` "stock"); H200 figures in
-bench/results/decode-llama-3.2-1b-shape-nvidia-h200-*.json: `torch` is plain PyTorch
-(462.9 tok/s at batch 1 on llama-3.2-1b-shape), `triton` fuses the q/k/v and gate/up
-projections and runs attention, norms, rotary and SwiGLU through kernels/ (702.4 tok/s),
-`fast` adds the weight-streaming GEMV with SwiGLU in its epilogue (batches up to 16) and, at
-batch 1 only, the norms in its prologue and one persistent kernel per layer for o_proj, the MLP
-and the next qkv projection (best at every batch measured, 1 to 32). `auto` picks `triton` on
-CUDA and `torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on a CPU).
-Imports nothing heavy.
+are the ones hack/bench_decode.py measures (it calls `torch` "stock"): `torch` is plain
+PyTorch, `triton` fuses the q/k/v and gate/up projections and runs attention, norms, rotary
+and SwiGLU through kernels/, `fast` adds the weight-streaming GEMV with SwiGLU in its epilogue
+(batches up to 16) and, at batch 1 only, the norms in its prologue and one persistent kernel
+per layer for o_proj, the MLP and the next qkv projection. `auto` picks `triton` on CUDA and
+`torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on a CPU). Their
+measured speeds: docs/decode-performance.md and bench/results/README.md. Imports nothing heavy.
 """
 
 from __future__ import annotations
