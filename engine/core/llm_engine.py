@@ -25,7 +25,7 @@ from shapeshift.engine.forward_pass.importer import LoadedBundle, build_forward_
 from shapeshift.engine.core.kv_cache import KVCache, choose_num_blocks
 from shapeshift.engine.models.loader import TORCH_DTYPES, LoadedModel, load_model
 from shapeshift.engine.core.runner import DecodeChunk, ModelRunner
-from shapeshift.engine.core.sampling import SamplingParams
+from shapeshift.engine.core.sampling import SamplingParams, SequenceHistory
 from shapeshift.engine.core.scheduler import RequestOutput, RunnerOutput, ScheduledBatch, Scheduler
 from shapeshift.engine.core.sequence import Sequence, SequenceStatus
 
@@ -153,8 +153,16 @@ class LLMEngine:
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+        elif params.has_processors:
+            # A generator keeps the row on the host sampler, the only one that runs processors.
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(torch.randint(0, 2**62, ()).item()))
+        if params.needs_history:
+            params = dataclasses.replace(params)  # the history is this sequence's own
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                        generator=generator)
+        if params.needs_history:
+            params.history = SequenceHistory(seq.token_ids, seq.num_prompt_tokens, self.scheduler.eos_token_ids)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -347,6 +355,34 @@ class LLMEngine:
             return self.runner.prompt_logits(batch)
         finally:
             bm.deallocate(seq)
+
+    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0
+                        ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Per prompt position, the logprob of that token given the ones before it and the
+        ``top_n`` most likely tokens there [(id, logprob)]; None at position 0 (nothing
+        precedes it). For ``echo`` with logprobs. Runs between two steps with requests in
+        flight: the prompt takes KV blocks of its own for one eager prefill and returns them."""
+        self.drain_inflight()
+        seq = Sequence(request_id="__prompt_logprobs__", prompt_token_ids=list(prompt_token_ids),
+                       params=SamplingParams(max_tokens=1))
+        bm = self.block_manager
+        if not bm.can_append(seq, seq.num_tokens):
+            raise InvalidRequestError(f"the KV cache has no room now for the {seq.num_tokens} prompt tokens "
+                                      "whose logprobs were asked for (echo with logprobs); retry later", "echo")
+        bm.append_slots(seq, seq.num_tokens)
+        try:
+            batch = ScheduledBatch(seqs=[seq], num_new_tokens=[seq.num_tokens])
+            with torch.inference_mode():
+                logprobs = torch.log_softmax(self.runner.prompt_logits(batch).float(), dim=-1)  # [T, V]
+        finally:
+            bm.deallocate(seq)
+        ids = torch.tensor(prompt_token_ids[1:], dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs[:-1].gather(-1, ids[:, None]).squeeze(-1).tolist()  # [T-1]
+        tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+        if top_n:
+            values, top_ids = logprobs[:-1].topk(top_n, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        return [None] + list(zip(chosen, tops))
 
     # ------------------------------------------------------------------ hot swap
     def set_forward_pass(self, bundle: LoadedBundle, forward_pass: Any | None = None) -> None:
