@@ -3,18 +3,24 @@
 Data flow: the server reads the raw body, `CompletionRequest` /
 `ChatCompletionRequest` validate it (`model_validate_json`, strict types, unknown
 top-level fields rejected), the handler turns it into token ids plus a
-`SamplingParams`, and the engine's outputs are shaped into the response models
-below (or their streaming chunk forms). Every failure is an `ErrorResponse`
+`SamplingParams` per choice, and the engine's outputs are shaped into the response
+models below (or their streaming chunk forms). Every failure is an `ErrorResponse`
 body `{"error": {"message", "type", "param", "code"}}` whose `param` names the
 offending field, built by `APIError` and `error_from_validation`.
 
-Supported: n=1, temperature/top_p/top_k/seed/stop/max_tokens, streaming with
-`stream_options.include_usage`, logprobs of the sampled token. Fields that the
-OpenAI API defines but this engine does not implement (penalties, logit_bias,
-best_of, echo, suffix, tools, top_logprobs > 0) are accepted only at their
-neutral value so that a client relying on them gets a clear 400 instead of
-silently different behaviour. Extensions (as in vLLM): `top_k`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids` (adds `token_ids` to each choice).
+Field policy (docs/serving-api.md lists every field): every field of OpenAI's chat
+and completions request schemas is accepted. What the engine can honour, it does
+(n, penalties, logit_bias, logprobs and top logprobs up to MAX_TOP_LOGPROBS, echo
+with prompt logprobs, list prompts, stream_options.continuous_usage_stats, ...).
+Fields that change nothing about the output at any value (`store`, `metadata`,
+`user`, `service_tier`, `reasoning_effort`, `parallel_tool_calls`, ...) are
+accepted and logged at debug level (`INERT_FIELDS`). What it cannot honour is
+refused only when set to a non-neutral value, with a 400 that names the field
+and says what to do instead (tools, json response formats, audio, image parts,
+suffix, best_of other than n). A field outside the schemas is a 400 too, so a
+typo is not silently dropped. Extensions (as in vLLM): `top_k`, `min_p`,
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids` (adds `token_ids` to each choice).
 """
 
 from __future__ import annotations
@@ -101,6 +107,16 @@ def error_from_validation(exc: ValidationError) -> APIError:
 # The OpenAI API caps stop sequences at 4; the engine has no such limit but a
 # bound keeps per-step stop matching cheap.
 MAX_STOP_SEQUENCES = 16
+# Choices per request (n) and prompts per completions request: each one is a
+# sequence in the engine, admitted like a request of its own.
+MAX_N = 16
+MAX_PROMPTS = 64
+# Alternatives per token (chat top_logprobs, completions logprobs): OpenAI's chat maximum.
+MAX_TOP_LOGPROBS = 20
+
+# OpenAI fields that change nothing about the output at any value: accepted, logged at debug.
+INERT_FIELDS = ("user", "store", "metadata", "service_tier", "reasoning_effort", "parallel_tool_calls",
+                "prediction", "prompt_cache_key", "safety_identifier", "verbosity")
 
 
 class _Strict(BaseModel):
@@ -109,6 +125,14 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # Usage on every chunk (guidellm asks for it), not only in the final one.
+    continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # inert: this server adds no obfuscation padding
+
+
+def _refuse_unless(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
 
 
 class _SamplingFields(_Strict):
@@ -119,15 +143,22 @@ class _SamplingFields(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    # Inert (INERT_FIELDS).
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
     # Extensions.
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
@@ -161,11 +192,18 @@ class _SamplingFields(_Strict):
             raise ValueError(f"must be >= 1, or 0 / -1 to disable, got {v}")
         return v
 
+    @field_validator("min_p")
+    @classmethod
+    def _min_p_range(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 <= v <= 1.0):
+            raise ValueError(f"must be in [0, 1], got {v}")
+        return v
+
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}; send separate requests instead")
+    def _n_range(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_N:
+            raise ValueError(f"must be in 1..{MAX_N}, got {v}; send several requests for more choices")
         return v
 
     @field_validator("stop", mode="before")
@@ -184,16 +222,33 @@ class _SamplingFields(_Strict):
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
-    def _no_penalties(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported by this engine; omit the field or send 0")
+    def _penalty_range(cls, v: float | None) -> float | None:
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ValueError(f"must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty_range(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 10.0:
+            raise ValueError(f"must be in (0, 10] (1 is off), got {v}")
         return v
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by this engine; omit the field")
+    def _logit_bias_shape(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_nonnegative(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
         return v
 
     @field_validator("stop_token_ids")
@@ -209,11 +264,26 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def inert_fields_set(self) -> list[str]:
+        return [name for name in INERT_FIELDS if getattr(self, name, None) is not None]
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+
+def _is_token_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    # One prompt (text or token ids) or a list of them: one choice (n of them) per prompt.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
@@ -229,41 +299,48 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list):
             if not v:
                 raise ValueError("must not be empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if _is_token_list(v):
                 if any(t < 0 for t in v):
                     raise ValueError("token ids must be >= 0")
                 return v
-            if all(isinstance(t, str) for t in v) or all(isinstance(t, list) for t in v):
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-        raise ValueError("must be a string or a list of token ids (integers)")
+            if all(isinstance(p, str) for p in v) or all(_is_token_list(p) for p in v):
+                if len(v) > MAX_PROMPTS:
+                    raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+                for i, p in enumerate(v):
+                    if len(p) == 0:
+                        raise ValueError(f"prompt {i} is empty")
+                    if isinstance(p, list) and any(t < 0 for t in p):
+                        raise ValueError(f"prompt {i}: token ids must be >= 0")
+                return v
+        raise ValueError("must be a string, a list of token ids, or a list of either (one choice per prompt)")
 
     @field_validator("logprobs")
     @classmethod
     def _logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and v not in (0, 1):
-            raise ValueError(f"only the sampled token's logprob is available: send 0 or 1, got {v}")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported by this engine")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got {v}")
         return v
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix (insertion) is not supported by this engine")
+        _refuse_unless(not v, "suffix (fill-in-the-middle insertion) is not supported by this engine; "
+                              "omit it and put the text in the prompt")
         return v
+
+    def check_together(self) -> None:
+        """Checks across fields (an APIError naming the field)."""
+        n = self.n or 1
+        if self.best_of not in (None, n):
+            raise APIError(400, f"Invalid value for 'best_of': best_of={self.best_of} (ranking candidates "
+                                f"server-side) is not supported; omit it or send best_of equal to n ({n}), and "
+                                "pick among the n choices yourself.", param="best_of", code="unsupported_value")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group (a single prompt is a list of one)."""
+        if isinstance(self.prompt, str) or _is_token_list(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextContentPart(BaseModel):
@@ -272,13 +349,36 @@ class TextContentPart(BaseModel):
     text: str
 
 
+# Content parts a text-only model cannot read, and what the message says instead.
+_NON_TEXT_PARTS = {"image_url": "an image", "input_audio": "audio", "file": "a file", "input_image": "an image"}
+
+
 class ChatMessage(BaseModel):
     # Clients often send back a whole message object (with tool_calls=None,
     # refusal=None, ...); extra keys of a message are ignored, not rejected.
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        parts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _NON_TEXT_PARTS:
+                raise ValueError(f"part {i} is {_NON_TEXT_PARTS[kind]} ({kind}); this model reads text only: "
+                                 "send text parts ({\"type\": \"text\", \"text\": ...}) or a string")
+            if kind == "refusal" and isinstance(part.get("refusal"), str):
+                part = {"type": "text", "text": part["refusal"]}  # an assistant's refusal, sent back
+            elif kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}; send text parts "
+                                 "({\"type\": \"text\", \"text\": ...}) or a string")
+            parts.append(part)
+        return parts
 
     def text(self) -> str:
         if self.content is None:
@@ -288,8 +388,17 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"type {v!r} needs constrained decoding, which this engine does not have; "
+                             "send {\"type\": \"text\"} (or omit response_format) and ask for JSON in the prompt")
+        return v
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -298,9 +407,21 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
+    # Inert (INERT_FIELDS).
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
 
     @field_validator("messages")
     @classmethod
@@ -318,17 +439,47 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v not in (None, 0):
-            raise ValueError("only the sampled token's logprob is available; send 0 or omit")
+    def _top_logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in 0..{MAX_TOP_LOGPROBS}, got {v}")
         return v
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calling is not supported by this engine")
+        _refuse_unless(not v, "tool calling is not supported by this engine (no tool-call parser); "
+                              "omit it, or describe the tools in a message and parse the reply yourself")
         return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _tool_choice_none(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        _refuse_unless(v in (None, "none", "auto"), "this engine calls no tools; omit it or send \"none\"")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        _refuse_unless(v is None or set(v) <= {"text"}, "this model produces text only; send [\"text\"] or omit it")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _refuse_unless(v is None, "audio output is not supported (text-only model); omit it")
+        return v
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _refuse_unless(v is None, "web search is not available on this server; omit it")
+        return v
+
+    def check_together(self) -> None:
+        """Checks across fields (an APIError naming the field)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "Invalid value for 'top_logprobs': it needs logprobs: true; send both.",
+                           param="top_logprobs", code="invalid_value")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -363,7 +514,7 @@ class UsageInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

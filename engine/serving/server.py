@@ -5,10 +5,12 @@ Data flow for a request:
     body bytes --protocol.*Request.model_validate_json--> request model      (400 on bad JSON/fields)
       -> model name check                                                     (404 model_not_found)
       -> prompt token ids (string via the tokenizer, chat via its template)  (400 too long / bad ids)
-      -> SamplingParams                                                       (400 naming the field)
-      -> AsyncEngine.submit -> RequestStream                                  (429 full, 503 dead)
-      -> first output awaited (so engine-side rejections are still 4xx/5xx)
-      -> JSON response, or SSE `data: {...}` chunks ending with `data: [DONE]`
+      -> SamplingParams, one per choice (n per prompt; seed + j for choice j) (400 naming the field)
+      -> [echo with logprobs: the prompt's logprobs, on the engine thread]
+      -> AsyncEngine.submit per choice -> RequestStream each                  (429 full, 503 dead)
+      -> every first output awaited (so engine-side rejections are still 4xx/5xx)
+      -> JSON response, or SSE `data: {...}` chunks (choices interleaved by index)
+         ending with `data: [DONE]`
 
 Client disconnects abort the request in the engine (streaming: the response
 generator is closed; non-streaming: the handler polls `is_disconnected`).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -80,8 +83,9 @@ DEFAULT_MAX_WAITING = 256
 # 128K-token prompt does not stall every other connection.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                    "stop_token_ids", "stop", "logprobs", "ignore_eos")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
+                    "top_logprobs", "logprobs", "ignore_eos", "min_tokens", "logit_bias", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")
 
 
 class _ClientDisconnected(Exception):
@@ -122,16 +126,6 @@ class _Handlers:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return fn(*args, **kwargs)
 
-    async def completion_prompt_ids(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            return list(await self._off_loop_if_long(
-                len(req.prompt), self.engine.tokenizer.encode, req.prompt, add_special_tokens=True))
-        bad = [t for t in req.prompt if t >= self.vocab_size]
-        if bad:
-            raise APIError(400, f"Invalid value for 'prompt': token id {bad[0]} is outside the "
-                                f"vocabulary (size {self.vocab_size}).", param="prompt", code="invalid_value")
-        return list(req.prompt)
-
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         size = sum(len(m["content"]) for m in messages)
@@ -146,7 +140,7 @@ class _Handlers:
         return list(await self._off_loop_if_long(size, tok.encode, text, add_special_tokens=False))
 
     def sampling_params(self, req: Any, prompt_len: int, max_tokens: int | None,
-                        max_tokens_param: str, logprobs: bool) -> Any:
+                        max_tokens_param: str, logprobs: bool, top_logprobs: int = 0) -> Any:
         from shapeshift.engine.core.sampling import SamplingParams
 
         if prompt_len >= self.max_model_len:
@@ -163,26 +157,68 @@ class _Handlers:
                                 f"{max_tokens_param} ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
                                 f"ask for at most {room} tokens.",
                            param=max_tokens_param, code="context_length_exceeded")
+        bias = req.logit_bias_ids()
+        outside = next((t for t in bias if t >= self.vocab_size), None)
+        if outside is not None:
+            raise APIError(400, f"Invalid value for 'logit_bias': token id {outside} is outside the vocabulary "
+                                f"(size {self.vocab_size}).", param="logit_bias", code="invalid_value")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         kwargs = dict(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=top_k,
             top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0,
             seed=req.seed,
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_tokens=req.min_tokens or 0,
+            logit_bias=bias,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             msg = str(exc)
-            param = next((f for f in _SAMPLING_FIELDS if f in msg), None)
+            param = (next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
+                     or next((f for f in _SAMPLING_FIELDS if f in msg), None))
             if param == "max_tokens":
                 param = max_tokens_param
             raise APIError(400, f"Invalid sampling parameters: {msg}", param=param, code="invalid_value") from None
+
+    def choice_params(self, params: Any, n: int) -> list[Any]:
+        """One SamplingParams per choice: independent sequences; a seeded request's choice j
+        draws from seed + j, so choice 0 is what n=1 returns."""
+        if n == 1:
+            return [params]
+        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+
+    def log_inert(self, req: Any) -> None:
+        fields = req.inert_fields_set()
+        if fields:
+            logger.debug("accepted without effect on the output: %s", ", ".join(fields))
+
+    async def start_choices(self, request_id: str, prompts: list[tuple[list[int], Any]],
+                            arrival: float) -> list[tuple[int, Any, RequestStream]]:
+        """Submit every (prompt ids, params) as its own engine request and await each first
+        output; on any failure the ones already submitted are aborted. Returns
+        (choice index, first output, stream) in choice order."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, params) in enumerate(prompts):
+                streams.append(self.submit(request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                           ids, params, arrival))
+            firsts = [await self.first_output(s) for s in streams]
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return [(i, first, s) for i, (first, s) in enumerate(zip(firsts, streams))]
 
     def submit(self, request_id: str, prompt_ids: list[int], params: Any, arrival: float) -> RequestStream:
         try:
@@ -221,13 +257,65 @@ class _Handlers:
             stream.abort()
             raise
 
-    async def collect(self, stream: RequestStream, first: Any, request: Request) -> list[Any]:
-        """All outputs of a non-streaming request; aborts it if the client goes away.
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        # Two ids may decode to one string; the more likely one (listed first) is kept.
+        out: dict[str, float] = {}
+        for tid, lp in top:
+            out.setdefault(self.token_text(tid), _finite(lp))
+        return out
+
+    async def prompt_logprobs(self, prompt_ids: list[int], top_n: int) -> list[Any]:
+        try:
+            return await self.async_engine.call(lambda engine: engine.prompt_logprobs(prompt_ids, top_n))
+        except ValueError as exc:
+            raise APIError(503 if "retry" in str(exc) else 400, str(exc), param="echo",
+                           code="prompt_logprobs_unavailable") from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable") from None
+
+    async def sse_events(self, started: list[tuple[int, Any, RequestStream]], prompt_tokens: int,
+                         include_usage: bool, continuous_usage: bool, envelope: Callable[..., Any],
+                         choice: Callable[[int, Any], Any], heads: list[Any] | None = None) -> AsyncIterator[str]:
+        """The SSE body of one streaming request (completions and chat alike).
+
+        ``envelope(choices, usage=None)`` wraps choices in the endpoint's chunk model and
+        ``choice(index, out)`` makes one output's choice. Frames: ``heads`` (first choices,
+        if given), one per output that carries text, tokens or the finish (the choices'
+        streams interleaved as they produce), usage on each of them with
+        continuous_usage_stats, the usage chunk when the client asked for it, an error body
+        if the request fails midway, and always ``[DONE]`` last. Every choice's request is
+        aborted in the engine when the client goes away (the generator is closed) or once
+        it ends.
+        """
+        completion_tokens = [0] * len(started)
+        try:
+            for head in heads or []:
+                yield _sse(envelope([head]).model_dump(exclude_none=True))
+            async for index, out in _merge(started):
+                if not out.text_delta and not out.finished and not out.new_token_ids:
+                    continue
+                completion_tokens[index] += len(out.new_token_ids)
+                usage = UsageInfo.of(prompt_tokens, sum(completion_tokens)) if continuous_usage else None
+                yield _sse(envelope([choice(index, out)], usage).model_dump(exclude_none=True))
+            if include_usage:
+                yield _sse(envelope([], UsageInfo.of(prompt_tokens, sum(completion_tokens))).model_dump(
+                    exclude_none=True))
+        except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
+            yield _sse(self.stream_error(exc).body())
+        finally:
+            for _, _, stream in started:
+                stream.abort()
+        yield "data: [DONE]\n\n"
+
+    async def collect_all(self, started: list[tuple[int, Any, RequestStream]], request: Request) -> list[list[Any]]:
+        """Every choice's outputs of a non-streaming request; aborts them all if the client goes away.
 
         A watcher task waits on the ASGI receive channel, which (the body being
         read) only yields `http.disconnect` when the client closes the connection.
         """
-        outputs = [first]
         disconnected = asyncio.Event()
 
         async def watch_disconnect() -> None:
@@ -235,121 +323,146 @@ class _Handlers:
                 message = await request.receive()
                 if message["type"] == "http.disconnect":
                     disconnected.set()
-                    stream.abort()  # delivers the end of the stream to the loop below
+                    for _, _, stream in started:
+                        stream.abort()  # delivers the end of each stream to its collector
                     return
+
+        async def collect(first: Any, stream: RequestStream) -> list[Any]:
+            return [out async for out in _prepend(first, stream)]
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            async for out in stream:
-                outputs.append(out)
+            results = list(await asyncio.gather(*(collect(first, s) for _, first, s in started)))
         except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
             raise self.stream_error(exc) from None
         finally:
             watcher.cancel()
-            stream.abort()  # no-op once finished; covers cancellation of this handler
-        if disconnected.is_set() and not outputs[-1].finished:
+            for _, _, stream in started:
+                stream.abort()  # no-op once finished; covers cancellation of this handler
+        if disconnected.is_set() and not all(outs[-1].finished for outs in results):
             raise _ClientDisconnected()
-        return outputs
-
-    def token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
-
-    async def sse_events(self, first: Any, stream: RequestStream, prompt_len: int, include_usage: bool,
-                         envelope: Callable[..., Any], choice: Callable[[Any], Any],
-                         head: Any = None) -> AsyncIterator[str]:
-        """The SSE body of one streaming request (completions and chat alike).
-
-        ``envelope(choices, usage=None)`` wraps choices in the endpoint's chunk model and
-        ``choice(out)`` makes one output's choice. Frames: ``head`` (a first choice, if
-        given), one per output that carries text, tokens or the finish, the usage chunk
-        when the client asked for it, an error body if the request fails midway, and
-        always ``[DONE]`` last. The request is aborted in the engine when the client
-        goes away (the generator is closed) or once it ends.
-        """
-        last = None
-        try:
-            if head is not None:
-                yield _sse(envelope([head]).model_dump(exclude_none=True))
-            async for out in _prepend(first, stream):
-                last = out
-                if not out.text_delta and not out.finished and not out.new_token_ids:
-                    continue
-                yield _sse(envelope([choice(out)]).model_dump(exclude_none=True))
-            if include_usage and last is not None:
-                usage = UsageInfo.of(prompt_len, len(last.output_token_ids))
-                yield _sse(envelope([], usage).model_dump(exclude_none=True))
-        except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
-            yield _sse(self.stream_error(exc).body())
-        finally:
-            stream.abort()
-        yield "data: [DONE]\n\n"
+        return results
 
     # ------------------------------------------------------------ handlers
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = self.parse(CompletionRequest, await request.body())
-        prompt_ids = await self.completion_prompt_ids(req)
+        req.check_together()
+        self.log_inert(req)
+        n = req.n or 1
+        prompts = req.prompts()
+        prompt_ids = [await self.prompt_token_ids(p, i, len(prompts)) for i, p in enumerate(prompts)]
         want_logprobs = req.logprobs is not None
-        params = self.sampling_params(req, len(prompt_ids), req.max_tokens, "max_tokens", want_logprobs)
+        top_n = req.logprobs or 0
+        per_choice = []
+        for ids in prompt_ids:
+            params = self.sampling_params(req, len(ids), req.max_tokens, "max_tokens", want_logprobs, top_n)
+            per_choice += [(ids, p) for p in self.choice_params(params, n)]
+        echo = bool(req.echo)
+        # Echo: the prompt's text (and its logprobs) ahead of each choice's completion.
+        echoed: list[tuple[str, CompletionLogprobs | None]] = []
+        if echo:
+            for p, ids in zip(prompts, prompt_ids):
+                text = p if isinstance(p, str) else self.engine.tokenizer.decode(ids)
+                lp = None
+                if want_logprobs:
+                    lp = CompletionLogprobs(top_logprobs=[] if top_n else None)
+                    offset = 0
+                    for tid, entry in zip(ids, await self.prompt_logprobs(ids, top_n)):
+                        tok = self.token_text(tid)
+                        lp.tokens.append(tok)
+                        lp.token_logprobs.append(None if entry is None else _finite(entry[0]))
+                        if top_n:
+                            lp.top_logprobs.append(None if entry is None else self.top_dict(entry[1]))
+                        lp.text_offset.append(offset)
+                        offset += len(tok)
+                echoed.append((text, lp))
         request_id = new_id("cmpl")
-        stream = self.submit(request_id, prompt_ids, params, arrival)
-        first = await self.first_output(stream)
+        started = await self.start_choices(request_id, per_choice, arrival)
         created = now_unix()
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
 
-        def choice_parts(outs: list[Any], text_offset_start: int) -> tuple[str, list[int], CompletionLogprobs | None]:
+        def choice_parts(outs: list[Any], text_offset_start: int,
+                         lp: CompletionLogprobs | None = None) -> tuple[str, list[int], CompletionLogprobs | None]:
             text = "".join(o.text_delta for o in outs)
             token_ids = [t for o in outs for t in o.new_token_ids]
-            lp = None
             if want_logprobs:
-                lp = CompletionLogprobs()
+                lp = lp or CompletionLogprobs(top_logprobs=[] if top_n else None)
                 offset = text_offset_start
                 for o in outs:
                     for i, tid in enumerate(o.new_token_ids):
                         tok = self.token_text(tid)
                         lp.tokens.append(tok)
                         lp.token_logprobs.append(_logprob_at(o, i))
+                        if top_n:
+                            lp.top_logprobs.append(self.top_dict(_top_at(o, i)))
                         lp.text_offset.append(offset)
                         offset += len(tok)
             return text, token_ids, lp
 
+        def echo_of(index: int) -> tuple[str, CompletionLogprobs | None]:
+            if not echo:
+                return "", None
+            text, lp = echoed[index // n]
+            return text, None if lp is None else lp.model_copy(deep=True)
+
         if not req.stream:
-            outs = await self.collect(stream, first, request)
-            last = outs[-1]
-            text, token_ids, lp = choice_parts(outs, 0)
-            body = CompletionResponse(
-                id=request_id, created=created, model=self.served_model_name,
-                choices=[CompletionChoice(text=text, finish_reason=_finish_reason(last), logprobs=lp,
-                                          token_ids=token_ids if req.return_token_ids else None)],
-                usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
+            choices = []
+            completion_tokens = 0
+            for (index, _, _), outs in zip(started, await self.collect_all(started, request)):
+                prefix, prefix_lp = echo_of(index)
+                text, token_ids, lp = choice_parts(outs, len(prefix), prefix_lp)
+                completion_tokens += len(outs[-1].output_token_ids)
+                choices.append(CompletionChoice(index=index, text=prefix + text, finish_reason=_finish_reason(outs[-1]),
+                                                logprobs=lp, token_ids=token_ids if req.return_token_ids else None))
+            body = CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
+                                      usage=UsageInfo.of(prompt_tokens, completion_tokens))
             return JSONResponse(body.model_dump(exclude_none=True))
 
-        offset = 0  # characters streamed so far (logprobs' text_offset)
+        offsets = [0] * len(started)  # characters streamed so far per choice (logprobs' text_offset)
+        echo_pending = [echo] * len(started)
 
-        def choice(out: Any) -> CompletionChoice:
-            nonlocal offset
-            text, token_ids, lp = choice_parts([out], offset)
-            offset += len(text)
-            return CompletionChoice(text=text, finish_reason=_finish_reason(out), logprobs=lp,
+        def choice(index: int, out: Any) -> CompletionChoice:
+            prefix, prefix_lp = echo_of(index) if echo_pending[index] else ("", None)
+            echo_pending[index] = False
+            text, token_ids, lp = choice_parts([out], offsets[index] + len(prefix), prefix_lp)
+            offsets[index] += len(prefix) + len(text)
+            return CompletionChoice(index=index, text=prefix + text, finish_reason=_finish_reason(out), logprobs=lp,
                                     token_ids=token_ids if req.return_token_ids else None)
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> CompletionResponse:
             return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage)
 
-        return StreamingResponse(self.sse_events(first, stream, len(prompt_ids), req.include_usage_in_stream(),
-                                                 envelope, choice), media_type="text/event-stream")
+        return StreamingResponse(self.sse_events(started, prompt_tokens, req.include_usage_in_stream(),
+                                                 req.continuous_usage(), envelope, choice),
+                                 media_type="text/event-stream")
+
+    async def prompt_token_ids(self, prompt: str | list[int], index: int, count: int) -> list[int]:
+        if isinstance(prompt, str):
+            return list(await self._off_loop_if_long(
+                len(prompt), self.engine.tokenizer.encode, prompt, add_special_tokens=True))
+        bad = [t for t in prompt if t >= self.vocab_size]
+        if bad:
+            where = f" (prompt {index})" if count > 1 else ""
+            raise APIError(400, f"Invalid value for 'prompt'{where}: token id {bad[0]} is outside the "
+                                f"vocabulary (size {self.vocab_size}).", param="prompt", code="invalid_value")
+        return list(prompt)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, await request.body())
+        req.check_together()
+        self.log_inert(req)
         prompt_ids = await self.chat_prompt_ids(req)
         want_logprobs = bool(req.logprobs)
+        top_n = req.top_logprobs or 0
         params = self.sampling_params(req, len(prompt_ids), req.requested_max_tokens(),
-                                      req.max_tokens_param(), want_logprobs)
+                                      req.max_tokens_param(), want_logprobs, top_n)
         request_id = new_id("chatcmpl")
-        stream = self.submit(request_id, prompt_ids, params, arrival)
-        first = await self.first_output(stream)
+        started = await self.start_choices(
+            request_id, [(prompt_ids, p) for p in self.choice_params(params, req.n or 1)], arrival)
         created = now_unix()
 
         def logprobs_of(outs: list[Any]) -> ChatLogprobs | None:
@@ -359,34 +472,39 @@ class _Handlers:
             for o in outs:
                 for i, tid in enumerate(o.new_token_ids):
                     tok = self.token_text(tid)
+                    top = [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                           for t, lp in self.top_dict(_top_at(o, i)).items()] if top_n else []
                     content.append(ChatTokenLogprob(token=tok, logprob=_logprob_at(o, i),
-                                                    bytes=list(tok.encode("utf-8"))))
+                                                    bytes=list(tok.encode("utf-8")), top_logprobs=top))
             return ChatLogprobs(content=content)
 
         if not req.stream:
-            outs = await self.collect(stream, first, request)
-            last = outs[-1]
-            token_ids = [t for o in outs for t in o.new_token_ids]
-            body = ChatCompletionResponse(
-                id=request_id, created=created, model=self.served_model_name,
-                choices=[ChatChoice(message=ChatResponseMessage(content="".join(o.text_delta for o in outs)),
-                                    finish_reason=_finish_reason(last), logprobs=logprobs_of(outs),
-                                    token_ids=token_ids if req.return_token_ids else None)],
-                usage=UsageInfo.of(len(prompt_ids), len(last.output_token_ids)))
+            choices = []
+            completion_tokens = 0
+            for (index, _, _), outs in zip(started, await self.collect_all(started, request)):
+                token_ids = [t for o in outs for t in o.new_token_ids]
+                completion_tokens += len(outs[-1].output_token_ids)
+                choices.append(ChatChoice(
+                    index=index, message=ChatResponseMessage(content="".join(o.text_delta for o in outs)),
+                    finish_reason=_finish_reason(outs[-1]), logprobs=logprobs_of(outs),
+                    token_ids=token_ids if req.return_token_ids else None))
+            body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                          choices=choices, usage=UsageInfo.of(len(prompt_ids), completion_tokens))
             return JSONResponse(body.model_dump(exclude_none=True))
 
-        def choice(out: Any) -> ChatChunkChoice:
-            return ChatChunkChoice(delta=ChatDelta(content=out.text_delta), finish_reason=_finish_reason(out),
-                                   logprobs=logprobs_of([out]),
+        def choice(index: int, out: Any) -> ChatChunkChoice:
+            return ChatChunkChoice(index=index, delta=ChatDelta(content=out.text_delta),
+                                   finish_reason=_finish_reason(out), logprobs=logprobs_of([out]),
                                    token_ids=list(out.new_token_ids) if req.return_token_ids else None)
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
                                        choices=choices, usage=usage)
 
-        head = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return StreamingResponse(self.sse_events(first, stream, len(prompt_ids), req.include_usage_in_stream(),
-                                                 envelope, choice, head=head), media_type="text/event-stream")
+        heads = [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")) for index, _, _ in started]
+        return StreamingResponse(self.sse_events(started, len(prompt_ids), req.include_usage_in_stream(),
+                                                 req.continuous_usage(), envelope, choice, heads=heads),
+                                 media_type="text/event-stream")
 
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
@@ -399,14 +517,27 @@ def _finish_reason(out: Any) -> str | None:
     return "length" if out.finish_reason == "length" else "stop"
 
 
+def _finite(value: float) -> float | None:
+    # None (JSON null) for NaN and infinities, which JSON cannot spell.
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else None
+
+
 def _logprob_at(out: Any, i: int) -> float | None:
     # RequestOutput.logprobs holds one value per token of `new_token_ids`;
-    # None (JSON null) where the engine gave none, since JSON has no NaN.
+    # None (JSON null) where the engine gave none.
+    lps = out.logprobs
+    if lps is None or i >= len(lps) or lps[i] is None:
+        return None
+    return _finite(lps[i])
+
+
+def _top_at(out: Any, i: int) -> list[tuple[int, float]]:
+    # A logprob with top_logprobs is a sampling.TokenLogprob carrying the alternatives.
     lps = out.logprobs
     if lps is None or i >= len(lps):
-        return None
-    value = float(lps[i])
-    return value if value == value and abs(value) != float("inf") else None
+        return []
+    return list(getattr(lps[i], "top", None) or [])
 
 
 async def _prepend(first: Any, stream: RequestStream) -> AsyncIterator[Any]:
@@ -415,6 +546,41 @@ async def _prepend(first: Any, stream: RequestStream) -> AsyncIterator[Any]:
         return
     async for out in stream:
         yield out
+
+
+async def _merge(started: list[tuple[int, Any, RequestStream]]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from every choice's stream, in the order they arrive."""
+    if len(started) == 1:
+        index, first, stream = started[0]
+        async for out in _prepend(first, stream):
+            yield index, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, first: Any, stream: RequestStream) -> None:
+        try:
+            async for out in _prepend(first, stream):
+                await queue.put((index, out))
+        except BaseException as exc:  # delivered to the consumer, which re-raises it
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(*item)) for item in started]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -51,7 +51,8 @@ CASES = [
     ("negative-temperature", COMPLETIONS, _with(OK_COMPLETION, temperature=-0.5), 400, "temperature"),
     ("top-p-zero", COMPLETIONS, _with(OK_COMPLETION, top_p=0.0), 400, "top_p"),
     ("top-p-above-one", CHAT, _with(OK_CHAT, top_p=1.5), 400, "top_p"),
-    ("n-two", COMPLETIONS, _with(OK_COMPLETION, n=2), 400, "n"),
+    ("n-above-max", COMPLETIONS, _with(OK_COMPLETION, n=1000), 400, "n"),
+    ("n-zero", CHAT, _with(OK_CHAT, n=0), 400, "n"),
     ("negative-token-id", COMPLETIONS, _with(OK_COMPLETION, prompt=[1, -2]), 400, "prompt"),
     ("token-id-outside-vocab", COMPLETIONS, _with(OK_COMPLETION, prompt=[1, 10**9]), 400, "prompt"),
     ("empty-prompt", COMPLETIONS, _with(OK_COMPLETION, prompt=""), 400, "prompt"),
@@ -61,7 +62,27 @@ CASES = [
     ("prompt-plus-max-tokens-over-context", COMPLETIONS,
      _with(OK_COMPLETION, prompt=[3] * (MAX_MODEL_LEN - 10), max_tokens=11), 400, "max_tokens"),
     ("chat-plus-max-tokens-over-context", CHAT, _with(OK_CHAT, max_tokens=MAX_MODEL_LEN), 400, "max_tokens"),
-    ("penalty-unsupported", CHAT, _with(OK_CHAT, presence_penalty=0.5), 400, "presence_penalty"),
+    ("penalty-out-of-range", CHAT, _with(OK_CHAT, presence_penalty=2.5), 400, "presence_penalty"),
+    ("logit-bias-key-not-token", CHAT, _with(OK_CHAT, logit_bias={"hello": 1}), 400, "logit_bias"),
+    ("logit-bias-outside-vocab", COMPLETIONS, _with(OK_COMPLETION, logit_bias={str(10**9): 1}), 400, "logit_bias"),
+    ("top-logprobs-above-max", CHAT, _with(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, _with(OK_CHAT, top_logprobs=2), 400, "top_logprobs"),
+    ("completion-logprobs-above-max", COMPLETIONS, _with(OK_COMPLETION, logprobs=21), 400, "logprobs"),
+    ("min-tokens-above-max-tokens", COMPLETIONS, _with(OK_COMPLETION, min_tokens=5), 400, "min_tokens"),
+    ("min-p-above-one", COMPLETIONS, _with(OK_COMPLETION, min_p=1.5), 400, "min_p"),
+    ("repetition-penalty-zero", CHAT, _with(OK_CHAT, repetition_penalty=0), 400, "repetition_penalty"),
+    ("empty-prompt-in-list", COMPLETIONS, _with(OK_COMPLETION, prompt=["a", ""]), 400, "prompt"),
+    # Fields the engine cannot honour: refused only at non-neutral values, saying what to do.
+    ("tools", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tool-choice-required", CHAT, _with(OK_CHAT, tool_choice="required"), 400, "tool_choice"),
+    ("response-format-json", CHAT, _with(OK_CHAT, response_format={"type": "json_object"}), 400,
+     "response_format.type"),
+    ("audio-modality", CHAT, _with(OK_CHAT, modalities=["text", "audio"]), 400, "modalities"),
+    ("image-part", CHAT, _with(OK_CHAT, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages.0.content"),
+    ("suffix", COMPLETIONS, _with(OK_COMPLETION, suffix="tail"), 400, "suffix"),
+    ("best-of-above-n", COMPLETIONS, _with(OK_COMPLETION, best_of=3), 400, "best_of"),
     ("empty-stop-string", COMPLETIONS, _with(OK_COMPLETION, stop=[""]), 400, "stop"),
 ]
 
@@ -76,6 +97,18 @@ def test_bad_request_gets_openai_error_naming_the_field(server, path, body, stat
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
     assert error["message"] and error["type"]
+
+
+def test_refusals_say_what_to_do(server):
+    """An unsupported field's message names it and what to send instead, in plain words."""
+    image = _with(OK_CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
+    error = httpx.post(f"{server.base_url}{CHAT}", json=image, timeout=30).json()["error"]
+    assert "text only" in error["message"] and "image_url" in error["message"]
+    assert "Input should be" not in error["message"]  # not pydantic's union wording
+    error = httpx.post(f"{server.base_url}{CHAT}", json=_with(OK_CHAT, response_format={"type": "json_schema"}),
+                       timeout=30).json()["error"]
+    assert "constrained decoding" in error["message"] and "omit" in error["message"]
 
 
 def test_limits_are_exact(server):

@@ -1,0 +1,195 @@
+"""The field policy and the honoured sampling controls, through the real `openai` client and raw
+HTTP against `shapeshift serve --model tiny-llama` (docs/serving-api.md).
+
+Greedy outputs are compared with `LLMEngine.generate` on the same prompt; prompt logprobs
+with the log-softmax of `LLMEngine.prompt_logits`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from server_harness import MODEL
+
+GREEDY = {"temperature": 0.0}
+N_TOKENS = 6
+PROMPT = [5, 17, 99, 3, 250, 42, 7]
+
+
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def _reference(engine, prompt_ids: list[int], max_tokens: int = N_TOKENS, **params) -> list[int]:
+    from shapeshift.engine.core.sampling import SamplingParams
+
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                        **params))[0]
+
+
+def _complete(client, **kwargs):
+    extra = {"return_token_ids": True, "ignore_eos": True, **kwargs.pop("extra_body", {})}
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": N_TOKENS, **GREEDY, **kwargs}
+    return client.completions.create(**args, extra_body=extra)
+
+
+def test_inert_openai_fields_are_accepted_and_change_nothing(server, openai_client):
+    plain = _ids(_complete(openai_client).choices[0])
+    inert = {"store": False, "metadata": {"team": "search"}, "service_tier": "auto", "user": "u-1"}
+    assert _ids(_complete(openai_client, extra_body=inert).choices[0]) == plain
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    base = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=30).json()
+    chat_inert = {**chat, "store": True, "metadata": {"k": "v"}, "parallel_tool_calls": False,
+                  "service_tier": "default", "reasoning_effort": "low", "user": "u-2", "verbosity": "low",
+                  "prompt_cache_key": "k", "safety_identifier": "s", "tool_choice": "none", "tools": [],
+                  "response_format": {"type": "text"}, "modalities": ["text"],
+                  "prediction": {"type": "content", "content": "x"}, "seed": 3}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat_inert, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+
+
+def test_content_parts_of_text_and_a_refusal_sent_back(openai_client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                {"role": "user", "content": "Please."}]
+    resp = openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_continuous_usage_stats_on_every_chunk(openai_client):
+    chunks = list(openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=N_TOKENS, **GREEDY, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    with_text = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in with_text] == list(range(1, N_TOKENS + 1))
+    assert all(c.usage.prompt_tokens == len(PROMPT) for c in with_text)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N_TOKENS
+
+
+@pytest.mark.parametrize("prompts", [[PROMPT], ["The first prompt", "A second one", "Third"]],
+                         ids=["one-element", "three-prompts"])
+def test_list_prompt_gives_one_choice_per_prompt(openai_client, reference_engine, prompts):
+    resp = _complete(openai_client, prompt=prompts)
+    assert [c.index for c in resp.choices] == list(range(len(prompts)))
+    tok = reference_engine.tokenizer
+    prompt_ids = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in prompts]
+    for choice, ids in zip(resp.choices, prompt_ids):
+        assert _ids(choice) == _reference(reference_engine, ids)
+    assert resp.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
+    assert resp.usage.completion_tokens == N_TOKENS * len(prompts)
+
+
+def test_n_choices_are_independent_and_seeded_per_choice(openai_client):
+    sampled = {"temperature": 1.0, "seed": 77}
+    three = _complete(openai_client, n=3, **sampled)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage.completion_tokens == 3 * N_TOKENS
+    one = _complete(openai_client, **sampled)
+    assert _ids(three.choices[0]) == _ids(one.choices[0])  # choice j draws from seed + j
+    second = _complete(openai_client, **{**sampled, "seed": 78})
+    assert _ids(three.choices[1]) == _ids(second.choices[0])
+    assert len({tuple(_ids(c)) for c in three.choices}) > 1
+    greedy = _complete(openai_client, n=2)
+    assert _ids(greedy.choices[0]) == _ids(greedy.choices[1])
+
+
+def test_n_choices_stream_with_their_indices(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "two please"}], max_tokens=4, n=2, temperature=1.0,
+        seed=5, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_logit_bias_forces_and_bans_tokens(openai_client, reference_engine):
+    forced = _complete(openai_client, logit_bias={"321": 100})
+    assert _ids(forced.choices[0]) == [321] * N_TOKENS
+    plain = _reference(reference_engine, PROMPT)
+    banned = _ids(_complete(openai_client, logit_bias={str(plain[0]): -100}).choices[0])
+    assert banned[0] != plain[0]
+    assert banned == _reference(reference_engine, PROMPT, logit_bias={plain[0]: -100.0})
+
+
+def test_min_tokens_holds_back_stop_tokens(openai_client, reference_engine):
+    plain = _reference(reference_engine, PROMPT)
+    stopped = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N_TOKENS, **GREEDY,
+                                               extra_body={"stop_token_ids": [plain[0]], "return_token_ids": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    held = openai_client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=N_TOKENS, **GREEDY,
+        extra_body={"stop_token_ids": [plain[0]], "min_tokens": 3, "return_token_ids": True})
+    assert held.usage.completion_tokens >= 3
+    assert plain[0] not in _ids(held.choices[0])[:3]
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 2.0), ("presence_penalty", 2.0),
+                                         ("repetition_penalty", 3.0)])
+def test_penalties_match_the_engine(openai_client, reference_engine, field, value):
+    got = _ids(_complete(openai_client, max_tokens=12, **({field: value} if field != "repetition_penalty" else {}),
+                         extra_body={field: value} if field == "repetition_penalty" else {}).choices[0])
+    assert got == _reference(reference_engine, PROMPT, max_tokens=12, **{field: value})
+    if field == "presence_penalty":
+        # 2 nats off every token already said: the random model's loops break.
+        assert got != _reference(reference_engine, PROMPT, max_tokens=12)
+
+
+def test_min_p_one_is_greedy(openai_client, reference_engine):
+    got = _complete(openai_client, temperature=1.0, seed=1, extra_body={"min_p": 1.0})
+    assert _ids(got.choices[0]) == _reference(reference_engine, PROMPT)
+
+
+def test_chat_top_logprobs(openai_client):
+    resp = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=5,
+        **GREEDY, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert 1 <= len(entry.top_logprobs) <= 5
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+
+
+def test_echo_with_prompt_logprobs(openai_client, reference_engine):
+    import torch
+
+    resp = _complete(openai_client, max_tokens=1, echo=True, logprobs=2)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(PROMPT) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = torch.log_softmax(reference_engine.prompt_logits(PROMPT).float(), dim=-1)
+    for pos in range(1, len(PROMPT)):
+        assert lp.token_logprobs[pos] == pytest.approx(expected[pos - 1, PROMPT[pos]].item(), abs=1e-4)
+        assert max(lp.top_logprobs[pos].values()) == pytest.approx(expected[pos - 1].max().item(), abs=1e-4)
+        assert len(lp.top_logprobs[pos]) <= 2
+    prompt_text = reference_engine.tokenizer.decode(PROMPT)
+    assert choice.text.startswith(prompt_text)
+    assert lp.text_offset[len(PROMPT)] == len(prompt_text)
+    assert math.isfinite(lp.token_logprobs[-1])
+
+
+def test_echo_streams_the_prompt_first(server):
+    body = {"model": MODEL, "prompt": "Echo this", "max_tokens": 2, "temperature": 0, "stream": True,
+            "echo": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line and line != "data: [DONE]"]
+    first = json.loads(events[0].removeprefix("data: "))
+    assert first["choices"][0]["text"].startswith("Echo this")
+
+
+def test_the_api_and_the_sampler_agree_on_the_top_logprobs_maximum():
+    from shapeshift.engine.core import sampling
+    from shapeshift.engine.serving import protocol
+
+    assert protocol.MAX_TOP_LOGPROBS == sampling.MAX_TOP_LOGPROBS
