@@ -386,6 +386,11 @@ def build_compile_rbac(parent: Parent, run: CompileRunSpec) -> list[dict[str, An
     patches only its own CompileRun's status, reads the ForwardPass registry
     to seed the search, and creates the ForwardPass it publishes. Nothing else
     (no Secrets: API keys arrive as environment variables through the kubelet).
+
+    Kubernetes cannot narrow `create` by resourceNames (the name is not known when the request
+    is authorized), so a worker may create ForwardPasses of any name. The rollout's trust check
+    (operator/provenance.py) covers it: a pass is rolled out only when its spec.compileRun's
+    status, which only that run's worker may patch, names it with its spec's digest.
     """
     name = compile_account_name(parent.name)
     labels = compile_labels(parent.name, run.deployment_ref.name)

@@ -1,11 +1,12 @@
 """Which forward pass a deployment should run, and whether it may be rolled out at all.
 
     spec.forwardPass, else the champion of the deployment's newest Succeeded CompileRun (champion_of)
-    the named ForwardPass object (or None: not found)
+    the named ForwardPass object (or None: not found), the CompileRun its spec.compileRun names
         --resolve_target--> Target: its identity, speedup and traffic, or the problem that refuses it
 
-A ForwardPass is refused before any pod is asked for it when it did not pass verification,
-was compiled for another accelerator or under another spec.engine.env, or carries
+A ForwardPass is refused before any pod is asked for it when nothing proves it came from a
+verified compile of a CompileRun (operator/provenance.py: a report that contradicts itself or its
+artifact, a pass written by hand or changed after its run published it), when it was compiled for another accelerator or under another spec.engine.env, or carries
 shapeshift.dev/artifact-durable: "false" (its archive was written to its compile pod's
 emptyDir and is gone: the deployment needs spec.artifacts.pvc). Pure: no I/O.
 """
@@ -18,14 +19,16 @@ from typing import Any, Mapping
 from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION
 from shapeshift.engine.contracts.pod_annotations import STOCK_FORWARD_PASS
 from shapeshift.operator.api import InferenceDeploymentSpec
+from shapeshift.operator.provenance import provenance_problem
 from shapeshift.operator.rollout import ForwardPassIdentity
 
-__all__ = ["NOT_DURABLE", "REJECTED", "REJECTION_REASONS", "Target", "champion_of", "engine_env_changes",
+__all__ = ["NOT_DURABLE", "REJECTED", "UNTRUSTED", "REJECTION_REASONS", "Target", "champion_of", "engine_env_changes",
            "resolve_target"]
 
-REJECTED = "TargetRejected"  # not verified, wrong accelerator, other engine env, or not found
+REJECTED = "TargetRejected"  # wrong accelerator, other engine env, or not found
+UNTRUSTED = "NotVerifiedByCompileRun"  # no proof it came from a verified compile (operator/provenance.py)
 NOT_DURABLE = "ArtifactNotDurable"  # its archive lived in its compile pod only
-REJECTION_REASONS = (REJECTED, NOT_DURABLE)
+REJECTION_REASONS = (REJECTED, UNTRUSTED, NOT_DURABLE)
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ def champion_of(compile_runs: list[Mapping[str, Any]], deployment: str) -> str |
 
 
 def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
-                   spec: InferenceDeploymentSpec) -> Target:
-    """The identity to roll out from the named ForwardPass object (None: not found)."""
+                   spec: InferenceDeploymentSpec, compile_run: Mapping[str, Any] | None = None) -> Target:
+    """The identity to roll out from the named ForwardPass object (None: not found) and the
+    CompileRun its spec.compileRun names (None: none, or not found)."""
     if name is None:
         return Target(None)
     if forward_pass is None:
@@ -63,9 +67,9 @@ def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
         return Target(None, problem=f"ForwardPass {name} not found in this namespace; create it or fix "
                                     "spec.forwardPass")
     fp = forward_pass.get("spec") or {}
-    if not (fp.get("verification") or {}).get("passed"):
-        return Target(None, refused=name, problem=f"ForwardPass {name} did not pass verification; only verified "
-                                                  "forward passes are rolled out")
+    untrusted = provenance_problem(name, forward_pass, compile_run)
+    if untrusted is not None:
+        return Target(None, refused=name, reason=UNTRUSTED, problem=untrusted)
     accelerator = (fp.get("hardware") or {}).get("accelerator")
     if accelerator != spec.hardware.accelerator:
         return Target(None, refused=name, problem=f"ForwardPass {name} is for accelerator {accelerator}, the "

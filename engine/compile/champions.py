@@ -239,7 +239,8 @@ def forward_pass_spec(entry: ChampionEntry, artifact_uri: str, size_bytes: int |
             noise=metrics.get("noise")),
         verification=VerificationReport(
             passed=bool(verification.get("passed")),
-            gates=[GateResult(name=n, passed=bool(ok)) for n, ok in (verification.get("gates") or {}).items()]),
+            gates=[GateResult(name=n, passed=bool(ok)) for n, ok in (verification.get("gates") or {}).items()],
+            artifact_sha256=entry.bundle_digest),
         engine=None if engine_env is None else ForwardPassEngine(
             env=[EnvVar(name=e["name"], value=e.get("value", "")) for e in engine_env]),
         reasoning=[ReasoningNote(agent=n.get("agent", "?")[:63], note=n.get("note", "")[:8192])

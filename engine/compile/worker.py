@@ -48,11 +48,12 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shapeshift.engine.compile.champions import GROUP, VERSION, ClusterRegistry
+from shapeshift.engine.compile.champions import GROUP, VERSION, ClusterRegistry, forward_pass_spec
 from shapeshift.engine.compile.job import DEFAULT_OUT, JobRequest
 from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION, CompilePodEnv
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
 from shapeshift.operator.api import (
+    COMPILE_RUN_UID_ANNOTATION,
     AgentSpec,
     CompileRunSpec,
     InferenceDeploymentSpec,
@@ -263,6 +264,7 @@ class CompileRunContext:
         self._last_patch = 0.0
         self.obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name)
         self.champion_name: str | None = None
+        self.champion_spec_sha256: str | None = None
         self.artifact_uri: str | None = None
         self.artifact_durable = False
         self.artifact_dir: str | None = None
@@ -402,9 +404,16 @@ class CompileRunContext:
             log.warning("champion archive %s lives in the compile pod's work folder and is lost when the pod ends; "
                         "engines cannot fetch it. Set $SHAPESHIFT_ARTIFACT_DIR (or --artifact-dir) to a folder on a "
                         "volume the engine pods mount", archive)
-        obj = ClusterRegistry(self.custom, self.namespace).publish(entry, self.artifact_uri, archive.stat().st_size,
-                                                                   annotations=annotations, engine_env=engine_env())
+        # The run identity the rollout checks (operator/provenance.py): this run's uid on the pass, and
+        # the pass's name and spec digest in this run's status, which only this pod's Role may patch.
+        annotations[COMPILE_RUN_UID_ANNOTATION] = self.obj["metadata"]["uid"]
+        entry = dataclasses.replace(entry, compile_run=f"{self.namespace}/{self.name}")
+        size, env = archive.stat().st_size, engine_env()
+        obj = ClusterRegistry(self.custom, self.namespace).publish(entry, self.artifact_uri, size,
+                                                                   annotations=annotations, engine_env=env)
         self.champion_name = obj["metadata"]["name"]
+        self.champion_spec_sha256 = forward_pass_spec(entry, self.artifact_uri, size, env).digest()
+        self._patch({"champion": self.champion_name, "championSpecSha256": self.champion_spec_sha256})
 
     def finish(self, result: Any, exported: dict[str, Any] | None) -> None:
         if result.champion is None:
@@ -421,8 +430,10 @@ class CompileRunContext:
         # one while the search ran and then lost the final comparison with the stock pass.
         champion = self.champion_name if result.champion is not None else None
         speedup = result.speedup if result.champion is not None else None
+        digest = self.champion_spec_sha256 if result.champion is not None else None
         self._patch({"trials": self.counts | {"total": result.trials}, "bestSpeedup": speedup,
-                     "champion": champion, "message": message}, clear=("bestSpeedup", "champion"))
+                     "champion": champion, "championSpecSha256": digest, "message": message},
+                    clear=("bestSpeedup", "champion", "championSpecSha256"))
 
     def fail(self, message: str) -> None:
         try:

@@ -23,7 +23,7 @@ from shapeshift.operator.api.compile_run import (COMPILE_RUN, TERMINAL_PHASES, A
                                                  CompileRunPhase, CompileRunSpec, CompileRunStatus, CompileTrigger,
                                                  DeploymentRef, LeaderboardEntry, LLMAgentSpec, PrometheusWindow,
                                                  SecretKeyRef, TierSpec, TrafficSource, TrialCounts, VerificationSpec)
-from shapeshift.operator.api.forward_pass import (FORWARD_PASS, Artifact, ForwardPassEngine, ForwardPassHardware,
+from shapeshift.operator.api.forward_pass import (COMPILE_RUN_UID_ANNOTATION, FORWARD_PASS, Artifact, ForwardPassEngine, ForwardPassHardware,
                                                   ForwardPassMetrics, ForwardPassPhase, ForwardPassRefusal,
                                                   ForwardPassSpec, ForwardPassStatus, GateResult, ModelSignature,
                                                   ReasoningNote, VerificationReport)
@@ -61,5 +61,5 @@ __all__ = [
     # ForwardPass
     "ModelSignature", "ForwardPassHardware", "Artifact", "ForwardPassMetrics", "GateResult", "VerificationReport",
     "ReasoningNote", "ForwardPassEngine", "ForwardPassSpec", "ForwardPassRefusal", "ForwardPassPhase",
-    "ForwardPassStatus",
+    "ForwardPassStatus", "COMPILE_RUN_UID_ANNOTATION",
 ]

@@ -227,6 +227,10 @@ class CompileRunStatus(StatusModel):
     best_speedup: float | None = Field(default=None, description="Best verified speedup so far.")
     leaderboard: list[LeaderboardEntry] | None = Field(default=None, max_length=20, description="Best candidates so far.")
     champion: str | None = Field(default=None, max_length=253, description="The ForwardPass published by this run.")
+    champion_spec_sha256: str | None = Field(
+        default=None, max_length=64, pattern=r"^[a-f0-9]{64}$",
+        description="Digest of the champion ForwardPass's spec as the worker published it; the rollout trusts "
+                    "that ForwardPass only while its spec has this digest.")
     conditions: list[Condition] | None = Field(default=None, max_length=32, description="Scheduled, Complete, Failed ...")
     message: str | None = Field(default=None, max_length=4096, description="Human-readable summary.")
 

@@ -4,14 +4,18 @@
     operator rollout --reads spec.artifact, spec.hardware, spec.engine--> pod annotations
     operator rollout --ForwardPassStatus--> phase, deployments that run it, refusals
     spec validation: here, mirrored as CEL rules in crds/shapeshift.dev_forwardpasses.yaml
+    provenance: the worker records ForwardPassSpec.digest() in its CompileRun's status and the run's
+      uid in COMPILE_RUN_UID_ANNOTATION; operator/provenance.py trusts only a pass both agree on
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (ENV_LIST_SCHEMA, MAX_ENV_VARS, Condition, Dtype, EnvVar, StatusModel,
@@ -64,8 +68,27 @@ class GateResult(WireModel):
 
 
 class VerificationReport(WireModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!self.passed || self.gates.all(g, g.passed)",
+                    "spec.verification.passed is true but a gate in spec.verification.gates failed"),
+            ]
+        }
+    )
     passed: bool = Field(description="Whether every gate passed.")
     gates: list[GateResult] = Field(default_factory=list, max_length=64, description="Per-gate results.")
+    artifact_sha256: str | None = Field(
+        default=None, pattern=r"^[a-f0-9]{64}$", max_length=64,
+        description="Digest of the bundle the gates ran on; must equal spec.artifact.sha256.")
+
+    @model_validator(mode="after")
+    def _agrees_with_itself(self) -> "VerificationReport":
+        failed = [g.name for g in self.gates if not g.passed]
+        if self.passed and failed:
+            raise ValueError("spec.verification.passed is true but a gate in spec.verification.gates failed "
+                             f"({', '.join(failed)})")
+        return self
 
 
 class ReasoningNote(WireModel):
@@ -86,6 +109,21 @@ class ForwardPassEngine(WireModel):
     )
 
 
+# On a ForwardPass a compile worker publishes: the metadata.uid of its CompileRun (spec.compileRun).
+COMPILE_RUN_UID_ANNOTATION = "shapeshift.dev/compile-run-uid"
+
+
+def _canonical(value: Any) -> Any:
+    """Integral floats as ints: the API server may hand 2.0 back as 2 in free-form fields."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 class ForwardPassSpec(WireModel):
     """A verified champion: an entry of the registry. Immutable once created."""
 
@@ -93,6 +131,9 @@ class ForwardPassSpec(WireModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self == oldSelf", "spec of a ForwardPass is immutable; publish a new ForwardPass"),
+                cel("!has(self.verification.artifactSha256) || self.verification.artifactSha256 == self.artifact.sha256",
+                    "spec.verification.artifactSha256 differs from spec.artifact.sha256: the report is about another "
+                    "bundle"),
             ]
         }
     )
@@ -115,12 +156,26 @@ class ForwardPassSpec(WireModel):
     parent: str | None = Field(default=None, max_length=253, description="ForwardPass this one was derived from.")
     compile_run: str | None = Field(default=None, max_length=253, description="CompileRun that produced it.")
 
+    @model_validator(mode="after")
+    def _report_is_about_this_artifact(self) -> "ForwardPassSpec":
+        verified = self.verification.artifact_sha256
+        if verified is not None and verified != self.artifact.sha256:
+            raise ValueError("spec.verification.artifactSha256 differs from spec.artifact.sha256: the report is "
+                             "about another bundle")
+        return self
+
+    def digest(self) -> str:
+        """sha256 of the spec's canonical wire form: what the compile worker records in its
+        CompileRun's status (championSpecSha256) and the rollout compares."""
+        text = json.dumps(_canonical(self.to_wire()), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
 
 class ForwardPassRefusal(StatusModel):
     """One InferenceDeployment that would not or could not run this forward pass."""
 
     deployment: str = Field(max_length=253, description="The InferenceDeployment.")
-    reason: str = Field(max_length=128, description="RolledBack, RolloutFailed, ArtifactNotDurable or TargetRejected.")
+    reason: str = Field(max_length=128, description="RolledBack, RolloutFailed, ArtifactNotDurable, NotVerifiedByCompileRun or TargetRejected.")
     message: str = Field(default="", max_length=4096, description="Why (the rollout's message).")
     time: datetime | None = Field(default=None, description="When the refusal was first recorded.")
 

@@ -1,6 +1,7 @@
 """The rollout timer: a verified ForwardPass reaches the engine pods, canary first.
 
-    the deployment (read fresh), its CompileRuns, the target ForwardPass, its engine pods (API)
+    the deployment (read fresh), its CompileRuns, the target ForwardPass and the CompileRun that
+    published it, its engine pods (API)
         --rollout_target.resolve_target--> Target
     Prometheus (rollout_metrics.RolloutQueries): what each pod reports running
         --rollout_tick.plan_rollout_tick--> RolloutTick
@@ -42,6 +43,7 @@ from shapeshift.operator.api import (
 from shapeshift.operator.drift_check import selector_for
 from shapeshift.operator.handlers.children import ensure_engine_deployment
 from shapeshift.operator.kube import MERGE_PATCH, Kube, kube_of
+from shapeshift.operator.provenance import publishing_run
 from shapeshift.operator.prometheus import PrometheusTraffic, TrafficQueryError
 from shapeshift.operator.rollout import template_forward_pass
 from shapeshift.operator.rollout_metrics import PodReport, RolloutQueries
@@ -92,13 +94,16 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
     try:
         target_name = _target_name(kube, namespace, name, spec)
         forward_pass = kube.get_custom(FORWARD_PASS, namespace, target_name) if target_name else None
+        publisher = publishing_run(forward_pass, namespace)
+        compile_run = kube.get_custom(COMPILE_RUN, namespace, publisher) if publisher else None
         pods = serving_pods(kube.list("Pod", namespace, builders.engine_selector(name)))
     except ApiException as err:
         raise kopf.TemporaryError(f"reading the rollout's inputs failed ({err.status} {err.reason})", delay=10)
     queries, reports, problem = _reports(spec.prometheus_url or settings.prometheus_url, settings, namespace,
                                          name, spec)
     try:
-        tick = plan_rollout_tick(spec=spec, status=status, target=resolve_target(target_name, forward_pass, spec),
+        tick = plan_rollout_tick(spec=spec, status=status, target=resolve_target(target_name, forward_pass, spec,
+                                                                                 compile_run),
                                  pods=pods, reports=reports, prometheus_problem=problem,
                                  analyze=queries.analysis if queries is not None else None,
                                  settings=settings, now=now)

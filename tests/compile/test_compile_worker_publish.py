@@ -134,6 +134,13 @@ def test_publish_stores_the_archive_and_says_whether_it_is_durable(worker, crds,
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".partial-")]
     # the engine env it was measured under, accepted by the API server's schema (absent: not recorded)
     assert fp["spec"].get("engine") == ({"env": [{"name": "SHAPESHIFT_PDL", "value": "0"}]} if shared else None)
+    # the run vouches for it with its own status (the run's Role), so the rollout trusts it as stored
+    from shapeshift.operator.provenance import provenance_problem
+
+    run = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")
+    assert run["status"]["champion"] == worker.champion_name
+    assert fp["spec"]["verification"]["artifactSha256"] == digest
+    assert provenance_problem(worker.champion_name, fp, run) is None
 
 
 @pytest.mark.cluster

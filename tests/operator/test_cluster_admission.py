@@ -177,6 +177,22 @@ def test_a_valid_forward_pass_is_accepted_and_immutable(crds, namespace):
     assert "spec of a ForwardPass is immutable" in json.loads(info.value.body)["message"]
 
 
+def test_a_verification_report_that_contradicts_itself_or_its_artifact_is_rejected(crds, namespace):
+    """Two CEL twins of the ForwardPassSpec validators: a passed report with a failed gate, and a
+    report about another bundle than the pass's artifact."""
+    def body(verification):
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-bad"},
+                "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
+                         "artifact": {"uri": "/bundles/fp.tar.gz", "sha256": "a" * 64},
+                         "verification": verification}}
+    message = rejected(crds, namespace, "forwardpasses", body(
+        {"passed": True, "gates": [{"name": "kv-isolation", "passed": False}, {"name": "greedy", "passed": True}]}))
+    assert "spec.verification.passed is true but a gate in spec.verification.gates failed" in message, message
+    message = rejected(crds, namespace, "forwardpasses", body(
+        {"passed": True, "artifactSha256": "b" * 64, "gates": [{"name": "greedy", "passed": True}]}))
+    assert "spec.verification.artifactSha256 differs from spec.artifact.sha256" in message, message
+
+
 @pytest.mark.parametrize("example", ["inferencedeployment.yaml", "compilerun.yaml"])
 def test_the_documented_examples_are_accepted(crds, namespace, example):
     """docs/examples/*.yaml, as a user would `kubectl apply` them: the API server's schema and CEL

@@ -53,19 +53,36 @@ def bundle(tmp_path: Path, recipe: dict, name: str) -> tuple[Path, str]:
     return path, load_manifest(path).digest
 
 
+def hand_written(name: str, uri: str, sha256: str, annotations: dict | None = None, **spec_over) -> dict:
+    """A ForwardPass claiming to be verified, as anyone allowed to create ForwardPasses can write it."""
+    spec = {
+        "model": {"name": MODEL, "dtype": "float32"},
+        "hardware": {"accelerator": "cpu"},
+        "artifact": {"uri": uri, "sha256": sha256},
+        "recipe": {"fuse_qkv": True},
+        "metrics": {"speedup": 1.1},
+        "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}],
+                         "artifactSha256": sha256},
+        **spec_over,
+    }
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
+            "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
+
+
 def forward_pass(cluster, namespace: str, name: str, uri: str, sha256: str, annotations: dict | None = None) -> None:
-    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
-        "metadata": {"name": name, "annotations": annotations or {}},
-        "spec": {
-            "model": {"name": MODEL, "dtype": "float32"},
-            "hardware": {"accelerator": "cpu"},
-            "artifact": {"uri": uri, "sha256": sha256},
-            "recipe": {"fuse_qkv": True},
-            "metrics": {"speedup": 1.1},
-            "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}]},
-        },
-    })
+    """A ForwardPass published as a compile worker publishes it: by a CompileRun (here one whose
+    deployment does not exist, so the operator starts no Job for it) that stamps its uid on the
+    pass and records the pass's name and spec digest in its own status."""
+    from shapeshift.operator.api import COMPILE_RUN_UID_ANNOTATION, ForwardPassSpec
+
+    run = cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": f"{name}-run"},
+        "spec": {"deploymentRef": {"name": "compiled-elsewhere"}}})
+    body = hand_written(name, uri, sha256, {**(annotations or {}), COMPILE_RUN_UID_ANNOTATION: run["metadata"]["uid"]},
+                        compileRun=f"{namespace}/{name}-run")
+    stored = cluster.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", body)
+    cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "compileruns", f"{name}-run", {
+        "status": {"champion": name, "championSpecSha256": ForwardPassSpec.model_validate(stored["spec"]).digest()}})
 
 
 def deployment(cluster, namespace: str, replicas: int, **extra_spec) -> dict:
@@ -385,6 +402,30 @@ def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_comp
         assert forward_pass_info(url)["sha256"] == stock, name
     time.sleep(4)  # later ticks post no second event for the same refusal
     assert len([1 for _, reason, _ in events(crds, namespace) if reason == "ArtifactNotDurable"]) == 1
+
+    # Written by hand, and a copy of a published pass with another recipe under the same run: both
+    # claim to be verified, neither is vouched for by its CompileRun, neither reaches a pod.
+    forged = hand_written("tiny-forged", str(stored), digest)
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", forged)
+    published = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "tiny-stored")
+    copied = hand_written("tiny-copied", str(stored), digest, published["metadata"]["annotations"],
+                          compileRun=published["spec"]["compileRun"], recipe={"fuse_gate_up": True})
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", copied)
+    for name, fragment in [("tiny-forged", "names no CompileRun (spec.compileRun)"),
+                           ("tiny-copied", "does not record this ForwardPass with this spec")]:
+        patch_spec(crds, namespace, {"forwardPass": name})
+
+        def untrusted(name=name):
+            cond = {c["type"]: c for c in status(crds, namespace).get("conditions") or []}.get("ForwardPassRolledOut")
+            return cond if cond and cond["reason"] == "NotVerifiedByCompileRun" and name in cond["message"] else None
+
+        condition = wait_until(untrusted, 30, f"{name} to be refused as not verified by a CompileRun", interval_s=0.5)
+        assert condition["status"] == "False" and fragment in condition["message"], condition
+        assert status(crds, namespace)["rollout"]["phase"] == "Idle"
+    assert {"tiny-forged", "tiny-copied"} <= {msg.split()[1].rstrip(":") for kind, reason, msg in events(crds, namespace)
+                                              if reason == "NotVerifiedByCompileRun" and kind == "Warning"}
+    pods = crds.core.list_namespaced_pod(namespace, label_selector=f"shapeshift.dev/inference-deployment={NAME}")
+    assert all("shapeshift.dev/forward-pass" not in (p.metadata.annotations or {}) for p in pods.items)
 
     # Stored in the shared store: every engine pod loads it from there.
     with DeploymentLoad(list(urls.values()), model=MODEL):

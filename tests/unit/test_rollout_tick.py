@@ -8,7 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from shapeshift.operator.api import InferenceDeploymentSpec, InferenceDeploymentStatus
+from shapeshift.engine.contracts.traffic_profile import builtin_profile
+from shapeshift.operator.api import COMPILE_RUN_UID_ANNOTATION, ForwardPassSpec, InferenceDeploymentSpec, InferenceDeploymentStatus
 from shapeshift.operator.prometheus import SeriesSelector
 from shapeshift.operator.rollout import ForwardPassIdentity, PodView, RolloutState
 from shapeshift.operator.rollout_metrics import PodReport, pod_regex
@@ -27,6 +28,7 @@ from shapeshift.operator.settings import OperatorSettings
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 FAST = ForwardPassIdentity("fp-2", "b" * 64, "/shared/fp-2.tar.gz")
+CHAT = builtin_profile("chat").to_dict()
 
 
 def spec(**over) -> InferenceDeploymentSpec:
@@ -36,10 +38,26 @@ def spec(**over) -> InferenceDeploymentSpec:
 
 
 def forward_pass(passed=True, accelerator="cpu", sha="b" * 64):
-    return {"metadata": {"name": "fp-2"}, "spec": {
+    """A ForwardPass as a compile worker publishes it (see run_of for the run that vouches for it)."""
+    return {"metadata": {"name": "fp-2", "annotations": {COMPILE_RUN_UID_ANNOTATION: "uid-run-1"}}, "spec": {
         "model": {"name": "tiny-llama"}, "hardware": {"accelerator": accelerator},
         "artifact": {"uri": "/shared/fp-2.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.3},
-        "traffic": {"name": "chat"}, "verification": {"passed": passed}}}
+        "traffic": CHAT, "compileRun": "default/run-1",
+        "verification": {"passed": passed, "gates": [{"name": "greedy-match", "passed": passed}],
+                         "artifactSha256": sha}}}
+
+
+def run_of(fp):
+    """The CompileRun whose worker published `fp`: its status names the pass and its spec digest."""
+    if fp is None:
+        return None
+    return {"metadata": {"name": "run-1", "uid": "uid-run-1"},
+            "status": {"champion": fp["metadata"]["name"],
+                       "championSpecSha256": ForwardPassSpec.model_validate(fp["spec"]).digest()}}
+
+
+def resolve(name, fp, deployment):
+    return resolve_target(name, fp, deployment, run_of(fp))
 
 
 def measured_under(env):
@@ -57,18 +75,18 @@ def pod(name, ready=True, annotations=None):
 def test_target_measured_under_another_engine_env_is_refused():
     pdl_off = [{"name": "SHAPESHIFT_PDL", "value": "0"}]
     # recorded and equal (order and the empty-value default do not matter)
-    same = resolve_target("fp-2", measured_under(pdl_off), spec(engine={"env": pdl_off}))
+    same = resolve("fp-2", measured_under(pdl_off), spec(engine={"env": pdl_off}))
     assert same.identity == FAST and same.problem is None
-    assert resolve_target("fp-2", measured_under([]), spec()).identity == FAST
+    assert resolve("fp-2", measured_under([]), spec()).identity == FAST
     # not recorded (published outside a cluster): no refusal on that ground
-    assert resolve_target("fp-2", forward_pass(), spec(engine={"env": pdl_off})).identity == FAST
-    changed = resolve_target("fp-2", measured_under(pdl_off), spec(engine={"env": [{"name": "SHAPESHIFT_PDL",
+    assert resolve("fp-2", forward_pass(), spec(engine={"env": pdl_off})).identity == FAST
+    changed = resolve("fp-2", measured_under(pdl_off), spec(engine={"env": [{"name": "SHAPESHIFT_PDL",
                                                                                     "value": "layer_tail"}]}))
     assert changed.identity is None and changed.refused == "fp-2" and changed.reason == "TargetRejected"
     assert "SHAPESHIFT_PDL='0' then, 'layer_tail' now" in changed.problem and "CompileRun" in changed.problem
-    dropped = resolve_target("fp-2", measured_under(pdl_off), spec())
+    dropped = resolve("fp-2", measured_under(pdl_off), spec())
     assert "SHAPESHIFT_PDL='0' then, unset now" in dropped.problem
-    added = resolve_target("fp-2", measured_under([]), spec(engine={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}))
+    added = resolve("fp-2", measured_under([]), spec(engine={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}))
     assert "NCCL_DEBUG unset then, 'WARN' now" in added.problem
 
 
@@ -80,16 +98,16 @@ def test_policy_comes_from_the_spec():
 
 
 def test_target_is_a_verified_forward_pass_for_the_deployments_accelerator():
-    target = resolve_target("fp-2", forward_pass(), spec())
+    target = resolve("fp-2", forward_pass(), spec())
     assert target.identity == FAST and target.identity.artifact == "/shared/fp-2.tar.gz"
-    assert target.speedup == 1.3 and target.traffic == {"name": "chat"} and target.problem is None
-    assert resolve_target(None, None, spec()) == Target(None)
-    assert "not found" in resolve_target("fp-9", None, spec()).problem
-    assert "verification" in resolve_target("fp-2", forward_pass(passed=False), spec()).problem
-    wrong = resolve_target("fp-2", forward_pass(accelerator="nvidia-h200"), spec())
+    assert target.speedup == 1.3 and target.traffic == CHAT and target.problem is None
+    assert resolve(None, None, spec()) == Target(None)
+    assert "not found" in resolve("fp-9", None, spec()).problem
+    assert "verification" in resolve("fp-2", forward_pass(passed=False), spec()).problem
+    wrong = resolve("fp-2", forward_pass(accelerator="nvidia-h200"), spec())
     assert wrong.identity is None and "nvidia-h200" in wrong.problem and "cpu" in wrong.problem
     # `stock` needs no ForwardPass object: it is the engine's own
-    assert resolve_target("stock", None, spec()).identity == ForwardPassIdentity("stock", None)
+    assert resolve("stock", None, spec()).identity == ForwardPassIdentity("stock", None)
 
 
 def test_champion_is_the_newest_successful_run_of_this_deployment():

@@ -1,0 +1,83 @@
+"""Whether a ForwardPass came from a verified compile of a CompileRun, or was written by hand.
+
+    ForwardPass (spec, metadata.annotations[COMPILE_RUN_UID_ANNOTATION])
+    + the CompileRun its spec.compileRun names (metadata.uid, status.champion, status.championSpecSha256)
+        --provenance_problem--> None (trusted) or why it is not
+
+The run identity is the CompileRun's status: the compile worker's Role lets it patch the status of
+its own CompileRun only (resourceNames), and nobody else but the operator and cluster admins may
+patch compileruns/status. The worker records there the name and the spec digest
+(ForwardPassSpec.digest) of the ForwardPass it published, and stamps the run's uid on the pass. A
+ForwardPass is trusted when
+
+  - its verification report agrees with itself (passed, at least one gate, no failed gate) and with
+    its artifact (spec.verification.artifactSha256 == spec.artifact.sha256);
+  - spec.compileRun names a CompileRun of its namespace whose uid is the pass's annotation (a run
+    deleted and created again under the same name does not vouch for the old run's passes);
+  - that run's status names this ForwardPass as its champion with this spec's digest.
+
+So a hand-written ForwardPass, a copy of a published one under another name or with another field
+changed, and one created by another run's worker (Kubernetes cannot restrict `create` by
+resourceNames, so every compile worker may create ForwardPasses of any name) are stored but never
+rolled out. What it cannot cover: a run's own worker vouches for what it verified, so a compile
+image that lies about its gates is trusted as much as the image the deployment's editor chose.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from shapeshift.operator.api import COMPILE_RUN_UID_ANNOTATION, ForwardPassSpec, short_error
+
+__all__ = ["publishing_run", "provenance_problem"]
+
+
+def publishing_run(forward_pass: Mapping[str, Any] | None, namespace: str) -> str | None:
+    """The CompileRun name in the pass's spec.compileRun (the worker writes NAMESPACE/NAME; a bare
+    NAME means this namespace); None when it names none, or a run of another namespace."""
+    value = ((forward_pass or {}).get("spec") or {}).get("compileRun")
+    if not isinstance(value, str) or not value:
+        return None
+    run_namespace, _, run = value.rpartition("/")
+    return run if run_namespace in ("", namespace) and run else None
+
+
+def provenance_problem(name: str, forward_pass: Mapping[str, Any],
+                       compile_run: Mapping[str, Any] | None) -> str | None:
+    """Why ForwardPass `name` cannot be trusted as verified (None: it can). ``compile_run``: the
+    CompileRun its spec.compileRun names, as read from the cluster (None: not found)."""
+    raw = forward_pass.get("spec") or {}
+    try:
+        spec = ForwardPassSpec.model_validate(dict(raw))
+    except ValidationError as err:
+        return f"ForwardPass {name} has a spec this operator cannot read ({short_error(err)})"
+    # The model refuses a passed report with a failed gate, and a report about another bundle.
+    report = spec.verification
+    if not report.passed:
+        return f"ForwardPass {name} did not pass verification (spec.verification.passed is false)"
+    if not report.gates:
+        return f"ForwardPass {name} claims spec.verification.passed with no gate results (spec.verification.gates)"
+    if report.artifact_sha256 is None:
+        return (f"ForwardPass {name}: spec.verification.artifactSha256 is absent, so the report does not name "
+                "the bundle it verified")
+    hand_written = (f"only forward passes published by the compile worker of a CompileRun are rolled out; "
+                    f"compile one with a CompileRun instead of writing a ForwardPass by hand")
+    if not spec.compile_run:
+        return f"ForwardPass {name} names no CompileRun (spec.compileRun): {hand_written}"
+    run_name = (compile_run or {}).get("metadata", {}).get("name")
+    if compile_run is None or spec.compile_run.rpartition("/")[2] != run_name:
+        return (f"ForwardPass {name}: its CompileRun {spec.compile_run} (spec.compileRun) is not in this "
+                f"namespace, so nothing vouches for it: {hand_written}")
+    uid = ((forward_pass.get("metadata") or {}).get("annotations") or {}).get(COMPILE_RUN_UID_ANNOTATION)
+    if uid != (compile_run.get("metadata") or {}).get("uid"):
+        return (f"ForwardPass {name}: its {COMPILE_RUN_UID_ANNOTATION} annotation does not match CompileRun "
+                f"{spec.compile_run} (spec.compileRun): it was not published by that run")
+    status = compile_run.get("status") or {}
+    if status.get("champion") != name or status.get("championSpecSha256") != spec.digest():
+        return (f"ForwardPass {name}: CompileRun {spec.compile_run} (spec.compileRun) does not record this "
+                "ForwardPass with this spec as its champion (status.champion, status.championSpecSha256): it was "
+                f"written or changed by someone other than that run's compile worker; {hand_written}")
+    return None

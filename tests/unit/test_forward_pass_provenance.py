@@ -1,0 +1,83 @@
+"""operator/provenance.py: a ForwardPass is trusted only when the CompileRun its spec names vouches
+for it (the run's uid on the pass, the pass's name and spec digest in the run's status); a report
+that contradicts itself or its artifact is refused by the model (and, as a CEL twin, by the API
+server: tests/operator/test_cluster_rollout.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from pydantic import ValidationError
+
+from shapeshift.operator.api import COMPILE_RUN_UID_ANNOTATION, ForwardPassSpec
+from shapeshift.operator.provenance import provenance_problem, publishing_run
+
+SHA = "c" * 64
+
+
+def published(**spec_over):
+    spec = {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
+            "artifact": {"uri": "/shared/x.tar.gz", "sha256": SHA}, "recipe": {"block": 64.0, "tiles": [1.0, 2.5]},
+            "compileRun": "team-a/run-1",
+            "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}],
+                             "artifactSha256": SHA}}
+    spec.update(spec_over)
+    return {"metadata": {"name": "fp-1", "annotations": {COMPILE_RUN_UID_ANNOTATION: "uid-1"}}, "spec": spec}
+
+
+def run_vouching_for(fp, uid="uid-1"):
+    return {"metadata": {"name": "run-1", "uid": uid},
+            "status": {"champion": fp["metadata"]["name"],
+                       "championSpecSha256": ForwardPassSpec.model_validate(fp["spec"]).digest()}}
+
+
+def test_a_pass_its_run_vouches_for_is_trusted_after_the_api_servers_round_trip():
+    fp = published()
+    run = run_vouching_for(fp)
+    # the API server may return integral floats of free-form fields as ints, and fills in defaults
+    stored = copy.deepcopy(fp)
+    stored["spec"]["recipe"] = {"block": 64, "tiles": [1, 2.5]}
+    stored["spec"]["metrics"] = {}
+    assert provenance_problem("fp-1", stored, run) is None
+    assert publishing_run(fp, "team-a") == "run-1" and publishing_run(fp, "team-b") is None
+    assert publishing_run(published(compileRun="run-1"), "team-b") == "run-1"
+
+
+def test_hand_written_and_tampered_passes_are_never_trusted():
+    fp = published()
+    run = run_vouching_for(fp)
+    no_run = published(compileRun=None)
+    assert "names no CompileRun (spec.compileRun)" in provenance_problem("fp-1", no_run, None)
+    assert "not in this namespace" in provenance_problem("fp-1", fp, None)
+    # a copy of the published spec with another recipe: the run recorded another digest
+    changed = published(recipe={"block": 128})
+    assert "does not record this ForwardPass with this spec" in provenance_problem("fp-1", changed, run)
+    # the same spec under another name
+    renamed = copy.deepcopy(fp)
+    renamed["metadata"]["name"] = "fp-copy"
+    assert "status.champion" in provenance_problem("fp-copy", renamed, run)
+    # a run deleted and created again under the same name does not vouch for the old run's passes
+    assert "annotation does not match CompileRun" in provenance_problem("fp-1", fp, run_vouching_for(fp, "uid-2"))
+    no_uid = copy.deepcopy(fp)
+    no_uid["metadata"]["annotations"] = {}
+    assert "annotation does not match" in provenance_problem("fp-1", no_uid, run)
+
+
+def test_a_report_that_contradicts_itself_or_its_artifact_is_refused():
+    failed_gate = published(verification={"passed": True, "artifactSha256": SHA,
+                                          "gates": [{"name": "kv-isolation", "passed": False}]})
+    problem = provenance_problem("fp-1", failed_gate, None)
+    assert "spec.verification.passed is true but a gate in spec.verification.gates failed (kv-isolation)" in problem
+    other_bundle = published(verification={"passed": True, "artifactSha256": "d" * 64,
+                                           "gates": [{"name": "greedy-match", "passed": True}]})
+    assert "spec.verification.artifactSha256 differs from spec.artifact.sha256" in provenance_problem(
+        "fp-1", other_bundle, None)
+    no_gates = published(verification={"passed": True, "artifactSha256": SHA, "gates": []})
+    assert "no gate results (spec.verification.gates)" in provenance_problem("fp-1", no_gates, None)
+    unnamed = published(verification={"passed": True, "gates": [{"name": "greedy-match", "passed": True}]})
+    assert "artifactSha256 is absent" in provenance_problem("fp-1", unnamed, None)
+    assert "spec.verification.passed is false" in provenance_problem(
+        "fp-1", published(verification={"passed": False, "gates": [{"name": "g", "passed": False}]}), None)
+    with pytest.raises(ValidationError, match="spec.verification.passed is true but a gate"):
+        ForwardPassSpec.model_validate(failed_gate["spec"])
