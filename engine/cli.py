@@ -58,11 +58,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the engine's model name)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="max sequences per batch")
-    p.add_argument("--max-model-len", type=_positive_int, default=None, help="context length in tokens")
+    engine_default = _engine_config_defaults()
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help=f"max sequences per batch (default: {engine_default['max_num_seqs']})")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length in tokens (default: the model's max_position_embeddings, lowered to what "
+                        "the KV cache holds; the log says what it chose and why)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="token budget per scheduler step (chunked prefill)")
-    p.add_argument("--block-size", type=_positive_int, default=None, help="KV cache block size in tokens")
+                   help="token budget per scheduler step (chunked prefill; "
+                        f"default: {engine_default['max_num_batched_tokens']})")
+    p.add_argument("--block-size", type=_positive_int, default=None, help=f"KV cache block size in tokens (default: {engine_default['block_size']})")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV cache blocks (default: sized from free memory)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
@@ -85,11 +90,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="auto", choices=RECIPE_CHOICES,
                    help="named knob set of the stock forward pass (engine/forward_pass/recipes.py); auto: triton on CUDA, "
                         "torch elsewhere; ignored with --forward-pass")
-    p.add_argument("--seed", type=int, default=None, help="engine seed")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"engine seed (unseeded sampling draws from it; default: {engine_default['seed']})")
     p.add_argument("--max-waiting", type=_nonnegative_int, default=None,
                    help="requests allowed to wait beyond --max-num-seqs before new ones get HTTP 429 "
                         "(default: 256)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(default: $SHAPESHIFT_API_KEY; unset: no key)")
+    p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="browser origin allowed to call the API (repeatable; '*' for any; default: none)")
+    p.add_argument("--metrics-compat", choices=("vllm",), default=None,
+                   help="also export vLLM-named series on /metrics (vllm:num_requests_waiting, "
+                        "vllm:kv_cache_usage_perc, ... with label model_name) for autoscalers written for vLLM")
     hot = p.add_argument_group("hot reload")
     hot.add_argument("--admin-token-file", default=None,
                      help="file holding the bearer token of the admin API (/admin/forward-passes: load, list, "
@@ -110,6 +124,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                      help="longest wait between retries of a failed rollout (default: %(default)s)")
     hot.add_argument("--artifact-fetch-timeout", type=_positive_float, default=120.0,
                      help="seconds allowed for downloading one forward-pass artifact (default: %(default)s)")
+
+
+def _engine_config_defaults() -> dict:
+    """EngineConfig's field defaults, for --help (engine/core/config.py imports no torch)."""
+    import dataclasses
+
+    from shapeshift.engine.core.config import EngineConfig
+
+    return {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 
 
 def _positive_float(text: str) -> float:
@@ -163,44 +186,72 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    """Every user error (flags, model, device, context, port) is one line on stderr and exit 2,
+    found before the model loads (engine/serving/preflight.py)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from shapeshift.engine.core.config import EngineConfig
+    try:
+        config, sock = _prepare_serve(args)
+    except (ValueError, OSError) as exc:
+        print(f"shapeshift serve: {exc}", file=sys.stderr)
+        return 2
+    import os
+
     from shapeshift.engine.serving.server import DEFAULT_MAX_WAITING, serve
 
+    token_file, token_from_env = admin_token_settings(args)
+    api_key = args.api_key or os.environ.get("SHAPESHIFT_API_KEY") or None
+    try:
+        serve(config, host=args.host, port=args.port, served_model_name=args.served_model_name,
+              max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
+              log_level=args.log_level, admin_token_file=token_file, admin_token_from_env=token_from_env,
+              rollout=rollout_settings(args), api_key=api_key, cors_allow_origins=args.cors_allow_origin,
+              metrics_compat=args.metrics_compat, sock=sock)
+    except FileNotFoundError as exc:  # a preset to import, a weight file gone since the check
+        print(f"shapeshift serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _prepare_serve(args: argparse.Namespace) -> tuple[object, object]:
+    """(EngineConfig, bound socket) after every check that needs no model; raises ValueError
+    (or OSError for the port) with a one-line message."""
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.serving import preflight
+    from shapeshift.engine.serving.server import bind_socket
+
+    log = logging.getLogger("shapeshift.serve")
+    info = preflight.check_model(args.model)
+    device = preflight.check_device(args.device)
     kwargs = engine_config_kwargs(args)
+    defaults = EngineConfig(model=args.model, device="cpu")
+    max_model_len, why = preflight.choose_max_model_len(
+        info, args.max_model_len, device=device, dtype=args.dtype,
+        block_size=args.block_size or defaults.block_size, num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=defaults.gpu_memory_utilization)
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+        log.info("context length (max_model_len) %d: %s", max_model_len, why)
     if not args.forward_pass:
         from shapeshift.engine.forward_pass.recipes import resolve_recipe
 
-        device = args.device
-        if device is None:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         kwargs["forward_pass_recipe"] = resolve_recipe(args.recipe, device) or None
     try:
         config = EngineConfig(**kwargs)
     except ValueError as exc:
-        print(f"shapeshift serve: invalid engine settings: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError(f"invalid engine settings: {exc}") from None
     token_file, token_from_env = admin_token_settings(args)
     if token_file is not None or token_from_env:
         from shapeshift.engine.serving.admin import AdminTokenSource
 
-        try:  # fail before loading the model, not after
+        try:
             AdminTokenSource(token_file)
         except ValueError as exc:
-            print(f"shapeshift serve: admin API: {exc}", file=sys.stderr)
-            return 2
+            raise ValueError(f"admin API: {exc}") from None
     try:
-        rollout = rollout_settings(args)
+        rollout_settings(args)
     except ValueError as exc:
-        print(f"shapeshift serve: invalid rollout settings: {exc}", file=sys.stderr)
-        return 2
-    serve(config, host=args.host, port=args.port, served_model_name=args.served_model_name,
-          max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
-          log_level=args.log_level, admin_token_file=token_file, admin_token_from_env=token_from_env,
-          rollout=rollout)
-    return 0
+        raise ValueError(f"invalid rollout settings: {exc}") from None
+    return config, bind_socket(args.host, args.port)
 
 
 # -------------------------------------------------------- import-smollm2
@@ -261,10 +312,20 @@ PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shapeshift")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shapeshift",
         description="Shapeshift: an LLM inference engine and the Kubernetes operator that keeps it fast.")
+    parser.add_argument("--version", action="version", version=f"shapeshift {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_serve(sub)

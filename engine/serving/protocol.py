@@ -488,6 +488,33 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
+class TokenizeRequest(_Strict):
+    """`/tokenize` (as vLLM): a prompt, or chat messages through the chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+    def check_together(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "Send either 'prompt' (a string) or 'messages' (a chat), not both or neither.",
+                           param="prompt", code="invalid_value")
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _nonnegative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+
 # ---------------------------------------------------------------------------
 # Responses
 
@@ -601,3 +628,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

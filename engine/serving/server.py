@@ -32,11 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
+import socket
 import time
 import traceback
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -67,8 +69,12 @@ from shapeshift.engine.serving.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     error_from_validation,
     new_id,
@@ -79,6 +85,11 @@ logger = logging.getLogger("shapeshift.engine.serving.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_MAX_WAITING = 256
+# A 429's Retry-After: a waiting line's worth of requests usually drains within a second or two.
+RETRY_AFTER_SECONDS = 1
+# Paths open without --api-key's token: probes and scrapes, and the admin API (its own token).
+OPEN_PATHS = ("/health", "/metrics")
+OPEN_PREFIXES = ("/admin/",)
 # Prompts longer than this (characters) are tokenized off the event loop so a
 # 128K-token prompt does not stall every other connection.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
@@ -93,7 +104,7 @@ class _ClientDisconnected(Exception):
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+    return JSONResponse(err.body(), status_code=err.status_code, headers=getattr(err, "headers", None))
 
 
 class _Handlers:
@@ -225,7 +236,9 @@ class _Handlers:
             return self.async_engine.submit(request_id, prompt_ids, params, arrival_time=arrival)
         except EngineOverloadedError as exc:
             self.metrics.count_request("rejected")
-            raise APIError(429, str(exc), code="server_overloaded") from None
+            err = APIError(429, str(exc), code="server_overloaded")
+            err.headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+            raise err from None
         except EngineDeadError as exc:
             self.metrics.count_request("error")
             raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable") from None
@@ -506,6 +519,24 @@ class _Handlers:
                                                  req.continuous_usage(), envelope, choice, heads=heads),
                                  media_type="text/event-stream")
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = self.parse(TokenizeRequest, await request.body())
+        req.check_together()
+        if req.messages is not None:
+            ids = await self.chat_prompt_ids(req)
+        else:
+            ids = list(await self._off_loop_if_long(len(req.prompt), self.engine.tokenizer.encode, req.prompt,
+                                                    add_special_tokens=bool(req.add_special_tokens)))
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len).model_dump()
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = self.parse(DetokenizeRequest, await request.body())
+        bad = [t for t in req.tokens if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"Invalid value for 'tokens': token id {bad[0]} is outside the vocabulary "
+                                f"(size {self.vocab_size}).", param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)).model_dump()
+
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.served_model_name, created=self.created, max_model_len=self.max_model_len)
         return ModelList(data=[card]).model_dump()
@@ -515,6 +546,16 @@ def _finish_reason(out: Any) -> str | None:
     if not out.finished:
         return None
     return "length" if out.finish_reason == "length" else "stop"
+
+
+def shapeshift_version() -> str:
+    """The installed package's version (`shapeshift --version`, /version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shapeshift")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _finite(value: float) -> float | None:
@@ -587,9 +628,12 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str) -> FastAPI:
+def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str, *,
+              api_key: str | None = None, cors_allow_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app over a started (or to-be-started) `AsyncEngine`; its lifespan starts
-    and stops the engine loop."""
+    and stops the engine loop. ``api_key``: every route but OPEN_PATHS and the admin API
+    needs `Authorization: Bearer <api_key>` (compared in constant time). ``cors_allow_origins``:
+    browser origins allowed to call the API (`*` for any)."""
     handlers = _Handlers(async_engine, metrics, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -625,6 +669,30 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
         logger.error("unhandled error on %s:\n%s", request.url.path, traceback.format_exc())
         return _error_response(APIError(500, f"Internal error: {exc!r}", code="internal_error"))
 
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next: Callable[..., Any]) -> Response:
+            path = request.url.path
+            if request.method == "OPTIONS" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
+                return await call_next(request)
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
+                                    "the server was started with (--api-key).", code="invalid_api_key",
+                               type="authentication_error")
+                err.headers = {"WWW-Authenticate": "Bearer"}
+                return _error_response(err)
+            return await call_next(request)
+
+    if cors_allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Added last, so it runs first: a browser's preflight is answered before the key check.
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in cors_allow_origins)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
@@ -643,6 +711,18 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
     async def models() -> dict[str, Any]:
         return handlers.models()
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await handlers.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await handlers.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": shapeshift_version(), "model": served_model_name}
+
     @app.get("/health")
     async def health() -> Response:
         healthy, reason = async_engine.is_healthy()
@@ -660,8 +740,13 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
 
 def build_server(config: Any, *, served_model_name: str | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, admin_token_file: str | None = None,
-                 admin_token_from_env: bool = False, rollout: Any = None) -> tuple[FastAPI, AsyncEngine]:
+                 admin_token_from_env: bool = False, rollout: Any = None, api_key: str | None = None,
+                 cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None
+                 ) -> tuple[FastAPI, AsyncEngine]:
     """Load the engine for `config` (an `EngineConfig`) and wrap it in an app.
+
+    `api_key`, `cors_allow_origins`: see `build_app`. `metrics_compat`: "vllm" adds the
+    vLLM-named series to /metrics (`metrics.EngineMetrics`).
 
     Admin API: mounted when `admin_token_file` is given, or `admin_token_from_env`
     (token from $SHAPESHIFT_ADMIN_TOKEN_FILE or $SHAPESHIFT_ADMIN_TOKEN); a missing or
@@ -675,7 +760,10 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
-    app = build_app(async_engine, metrics, name)
+    app = build_app(async_engine, metrics, name, api_key=api_key, cors_allow_origins=cors_allow_origins)
+    if api_key is not None:
+        logger.info("API key required on every route but %s (and /admin, which has its own token)",
+                    ", ".join(OPEN_PATHS))
     # One manager for the admin API and the rollout agent, so both see one history.
     manager = ForwardPassManager(engine)
     app.state.forward_pass_manager = manager
@@ -701,14 +789,41 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     return app, async_engine
 
 
+class PortInUseError(OSError):
+    """The address to serve on cannot be bound (taken, or not this host's)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), bound before the model loads so a taken port is
+    found at once; uvicorn serves on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
+                                        "(or stop what holds it) or another --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info", admin_token_file: str | None = None,
-          admin_token_from_env: bool = False, rollout: Any = None) -> None:
-    """Run the server until interrupted (blocking)."""
+          admin_token_from_env: bool = False, rollout: Any = None, api_key: str | None = None,
+          cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None,
+          sock: socket.socket | None = None) -> None:
+    """Run the server until interrupted (blocking). ``sock``: a socket from `bind_socket`
+    (bound here when not given, before the model loads)."""
     import uvicorn
 
+    sock = sock or bind_socket(host, port)
     app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting,
                                      admin_token_file=admin_token_file, admin_token_from_env=admin_token_from_env,
-                                     rollout=rollout)
+                                     rollout=rollout, api_key=api_key, cors_allow_origins=cors_allow_origins,
+                                     metrics_compat=metrics_compat)
     logger.info("serving %s on http://%s:%d", app.state.handlers.served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])

@@ -84,3 +84,77 @@ def test_operator_subcommand_dispatches_to_operator_main(tmp_path):
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "operator" in (out.stdout + out.stderr).lower()
+
+
+def _serve(args: list[str], tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(shapeshift_command() + ["serve", *args], capture_output=True, text=True, env=ENV,
+                          cwd=tmp_path, timeout=timeout)
+
+
+def _folder_without_tokenizer(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 512}')
+    (folder / "model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("unknown-preset", "neither a preset"),
+    ("no-tokenizer", "no tokenizer.json"),
+    ("cuda-without-gpu", "no CUDA GPU is visible"),
+    ("context-too-long", "use at most 4096"),
+    ("port-taken", "pick another --port"),
+])
+def test_user_errors_are_one_line_and_exit_2_before_loading(case, needle, tmp_path):
+    import socket
+
+    holder = None
+    args = ["--model", "tiny-llama", "--device", "cpu", "--port", "0"]
+    if case == "unknown-preset":
+        args = ["--model", "tiny-llama-typo"]
+    elif case == "no-tokenizer":
+        args = ["--model", _folder_without_tokenizer(tmp_path)]
+    elif case == "cuda-without-gpu":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible here")
+        args = ["--model", "tiny-llama", "--device", "cuda"]
+    elif case == "context-too-long":
+        args = ["--model", "tiny-llama", "--device", "cpu", "--max-model-len", "100000"]
+    elif case == "port-taken":
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        args = ["--model", "tiny-llama", "--device", "cpu", "--port", str(holder.getsockname()[1])]
+    try:
+        out = _serve(args, tmp_path)
+    finally:
+        if holder is not None:
+            holder.close()
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and lines[0].startswith("shapeshift serve: "), out.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in out.stderr
+    assert "loaded" not in out.stderr.lower()
+
+
+def test_version(tmp_path):
+    from shapeshift.engine.serving.server import shapeshift_version
+
+    out = subprocess.run(shapeshift_command() + ["--version"], capture_output=True, text=True, env=ENV,
+                         cwd=tmp_path, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"shapeshift {shapeshift_version()}"
+
+
+def test_context_length_comes_from_the_model_bounded_by_the_kv_cache():
+    from shapeshift.engine.serving.preflight import check_model, choose_max_model_len
+
+    info = check_model("tiny-llama")
+    common = dict(device="cpu", dtype=None, block_size=16, gpu_memory_utilization=0.9)
+    assert choose_max_model_len(info, None, num_kv_blocks=None, **common)[0] == info.max_position_embeddings
+    chosen, why = choose_max_model_len(info, None, num_kv_blocks=10, **common)
+    assert chosen == (10 - 1) * 16 and "--num-kv-blocks 10" in why and "holds 160 tokens" in why
+    assert choose_max_model_len(info, 300, num_kv_blocks=None, **common) == (300, "--max-model-len")
