@@ -418,9 +418,17 @@ def build_compile_rbac(parent: Parent, run: CompileRunSpec) -> list[dict[str, An
     return [_finish(sa), _finish(role), _finish(binding)]
 
 
-def user_env(spec: InferenceDeploymentSpec) -> list[dict[str, str]]:
-    """spec.engine.env as container env entries (names the operator sets are refused at admission)."""
-    return [{"name": e.name, "value": e.value} for e in spec.engine.env or []]
+def user_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """spec.engine.env as the engine container's env entries (reserved names are refused at
+    admission); a credential as a secretKeyRef, never a literal."""
+    out: list[dict[str, Any]] = []
+    for e in spec.engine.env or []:
+        if e.value_from is not None:
+            ref = e.value_from.secret_key_ref
+            out.append({"name": e.name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        else:
+            out.append({"name": e.name, "value": e.value})
+    return out
 
 
 def compile_command(parent: Parent) -> list[str]:
@@ -441,7 +449,8 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
         # The worker writes <sha256>.tar.gz here and records its path in the ForwardPass; without
         # it the archive stays in the pod's emptyDir and the ForwardPass is marked not durable.
         artifact_dir=ARTIFACT_MOUNT if artifact_mounts else None,
-        engine_env=tuple((e.name, e.value) for e in deployment.engine.env or []),
+        # Literal values only: credentials (valueFrom) serve requests, the compile pod only measures.
+        engine_env=tuple((e.name, e.value) for e in deployment.engine.env or [] if e.value_from is None),
         agent_api_key_secrets={
             index: pod_env.SecretKeySelector(agent.llm.api_key_secret_ref.name, agent.llm.api_key_secret_ref.key)
             for index, agent in enumerate(run.agents) if agent.llm is not None and agent.llm.api_key_secret_ref},

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION
+from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
 from shapeshift.engine.contracts.pod_annotations import STOCK_FORWARD_PASS
 from shapeshift.operator.api import InferenceDeploymentSpec
 from shapeshift.operator.provenance import provenance_problem
@@ -94,13 +95,15 @@ def resolve_target(name: str | None, forward_pass: Mapping[str, Any] | None,
 
 
 def engine_env_changes(forward_pass_spec: Mapping[str, Any], spec: InferenceDeploymentSpec) -> list[str]:
-    """How the deployment's spec.engine.env differs from the one the forward pass was measured
-    under (its spec.engine.env), one line a variable; empty when equal or not recorded."""
+    """How the deployment's performance switches in spec.engine.env (contracts/engine_env.py
+    PERFORMANCE_ENV) differ from those the forward pass was measured under (its spec.engine.env),
+    one line a variable; empty when equal or not recorded."""
     recorded = (forward_pass_spec.get("engine") or {}).get("env")
     if recorded is None:
         return []
-    then = {e["name"]: e.get("value", "") for e in recorded}
-    now = {e.name: e.value for e in spec.engine.env or []}
+    # Only the engine's performance switches count (the only names a compile worker records).
+    then = {e["name"]: e.get("value", "") for e in recorded if e.get("name") in PERFORMANCE_ENV}
+    now = {e.name: e.value for e in spec.engine.env or [] if e.name in PERFORMANCE_ENV}
     lines = []
     for key in sorted(then.keys() | now.keys()):
         if key not in now:

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 from shapeshift.engine.compile.champions import GROUP, VERSION, ClusterRegistry, forward_pass_spec
 from shapeshift.engine.compile.job import DEFAULT_OUT, JobRequest
 from shapeshift.engine.contracts.compile_pod_env import ARTIFACT_DURABLE_ANNOTATION, CompilePodEnv
+from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
 from shapeshift.operator.api import (
     COMPILE_RUN_UID_ANNOTATION,
@@ -70,13 +71,14 @@ DEPLOYED_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_pref
 
 
 def engine_env(environ: Any = os.environ) -> list[dict[str, str]] | None:
-    """The deployment's spec.engine.env as this process sees it (sorted by name), from the names the
+    """The engine's performance switches (contracts/engine_env.py PERFORMANCE_ENV) among the
+    deployment's spec.engine.env as this process sees it (sorted by name), from the names the
     operator lists in $SHAPESHIFT_ENGINE_ENV_NAMES; None when that variable is unset (not an
-    operator's pod)."""
+    operator's pod). Nothing else reaches the ForwardPass."""
     listed = CompilePodEnv.from_environ(environ).engine_env
     if listed is None:
         return None
-    return [{"name": n, "value": v} for n, v in sorted(listed)]
+    return [{"name": n, "value": v} for n, v in sorted(listed) if n in PERFORMANCE_ENV]
 
 
 # CompileRun spec fields the worker does not act on yet: (section, field) -> what happens instead

@@ -15,8 +15,9 @@ it too. Everything public is re-exported here: `from shapeshift.operator.api imp
 
 from __future__ import annotations
 
-from shapeshift.operator.api.common import (DTYPES, ENV_LIST_SCHEMA, MAX_ENV_VARS, RESERVED_ENV_NAMES,
-                                            RESERVED_ENV_PREFIX, BuiltinTrafficProfile, Condition, Dtype, EnvVar,
+from shapeshift.operator.api.common import (DTYPES, ENV_LIST_SCHEMA, MAX_ENV_VARS, OPERATOR_ENV_NAMES,
+                                            RESERVED_ENV_NAMES, RESERVED_ENV_PREFIX, RESERVED_ENV_PREFIXES,
+                                            EnvSecretKeyRef, EnvValueFrom, BuiltinTrafficProfile, Condition, Dtype, EnvVar,
                                             HardwareSpec, StatusModel, Toleration, WireModel, cel, get_condition,
                                             now_utc, parse_spec, parse_status, set_condition, short_error)
 from shapeshift.operator.api.compile_run import (COMPILE_RUN, TERMINAL_PHASES, AgentSpec, BaselineSpec, CompileBudget,
@@ -45,7 +46,8 @@ __all__ = [
     "GROUP", "VERSION", "API_VERSION", "Kind", "KINDS", "INFERENCE_DEPLOYMENT", "COMPILE_RUN", "FORWARD_PASS",
     # common
     "WireModel", "StatusModel", "cel", "Condition", "set_condition", "get_condition", "Toleration", "HardwareSpec",
-    "BuiltinTrafficProfile", "Dtype", "DTYPES", "EnvVar", "RESERVED_ENV_NAMES", "RESERVED_ENV_PREFIX", "MAX_ENV_VARS",
+    "BuiltinTrafficProfile", "Dtype", "DTYPES", "EnvVar", "EnvValueFrom", "EnvSecretKeyRef",
+    "OPERATOR_ENV_NAMES", "RESERVED_ENV_NAMES", "RESERVED_ENV_PREFIX", "RESERVED_ENV_PREFIXES", "MAX_ENV_VARS",
     "ENV_LIST_SCHEMA", "parse_spec", "parse_status", "now_utc", "short_error",
     # hardware
     "AcceleratorKind", "Accelerator", "ACCELERATORS", "accelerator", "accelerator_of_device",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from shapeshift.engine.contracts import engine_env
 from shapeshift.engine.contracts.traffic_profile import BUILTIN_PROFILES
 from shapeshift.operator.api.hardware import ACCELERATORS, AcceleratorKind
 
@@ -148,36 +149,78 @@ class HardwareSpec(WireModel):
 
 # Environment variables the operator sets in engine and compile pods itself; a spec may not set
 # them (the container's later entry would silently win over the user's, or the user's over ours).
-RESERVED_ENV_NAMES = (
+OPERATOR_ENV_NAMES = (
     "POD_NAME", "POD_NAMESPACE", "SHAPESHIFT_INFERENCE_DEPLOYMENT", "SHAPESHIFT_ENGINE_CONFIG",
     "SHAPESHIFT_NAMESPACE", "SHAPESHIFT_COMPILE_RUN", "SHAPESHIFT_ACCELERATOR", "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS",
     "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_ENGINE_ENV_NAMES",
 )
 RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
+# Every name a spec may not set: the operator's, and those the engine, the compile worker, the
+# Kubernetes client and the runtimes read for something other than speed (contracts/engine_env.py).
+RESERVED_ENV_NAMES = tuple(dict.fromkeys(OPERATOR_ENV_NAMES + engine_env.RESERVED_NAMES))
+RESERVED_ENV_PREFIXES = engine_env.RESERVED_PREFIXES
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 MAX_ENV_VARS = 32
 ENV_LIST_SCHEMA = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}  # keyed by name
 
 
+def _cel_list(names) -> str:
+    return "[" + ", ".join(f"'{n}'" for n in names) + "]"
+
+
+class EnvSecretKeyRef(WireModel):
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Secret in the deployment's namespace.")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
+
+
+class EnvValueFrom(WireModel):
+    secret_key_ref: EnvSecretKeyRef = Field(description="The Secret key whose value the kubelet sets.")
+
+
 class EnvVar(WireModel):
-    """An environment variable of the engine and compile containers (a literal value)."""
+    """An environment variable of the engine container: a literal value, or for a credential a
+    Secret's key. Reserved names (contracts/engine_env.py) are refused."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("!(self.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
+                cel(f"!(self.name in {_cel_list(OPERATOR_ENV_NAMES)}) && "
                     f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
                     "spec.engine.env: this name is set by the operator itself"),
+                cel(f"self.name in {_cel_list(engine_env.PERFORMANCE_ENV)} || "
+                    f"(!(self.name in {_cel_list(RESERVED_ENV_NAMES)}) && "
+                    + " && ".join(f"!self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")",
+                    "spec.engine.env[].name is reserved: the engine, the compile worker, the Kubernetes client, "
+                    "the loader (LD_*), Python (PYTHON*) or the device runtimes (CUDA_*, NVIDIA_*, NEURON_RT_*, "
+                    "NCCL plugins) read it; of the SHAPESHIFT_ names only the performance switches "
+                    + ", ".join(engine_env.PERFORMANCE_ENV) + " may be set"),
+                cel(f"!self.name.matches('{engine_env.SECRET_NAME_PATTERN}') || "
+                    "(has(self.valueFrom) && self.value == '')",
+                    "spec.engine.env[].valueFrom.secretKeyRef: a credential (a name with TOKEN, SECRET, PASSWORD, "
+                    "API_KEY, ACCESS_KEY ...) takes its value from a Secret, never from spec.engine.env[].value"),
+                cel("!has(self.valueFrom) || self.value == ''",
+                    "spec.engine.env[]: set value or valueFrom, not both"),
             ]
         }
     )
     name: str = Field(max_length=128, pattern=_ENV_NAME, description="Variable name (a C identifier).")
-    value: str = Field(default="", max_length=4096, description="Its value.")
+    value: str = Field(default="", max_length=4096, description="Its literal value (not for credentials).")
+    value_from: EnvValueFrom | None = Field(
+        default=None, description="For a credential: the Secret key the kubelet takes the value from (engine pods "
+                                  "only; compile pods measure and get literal values only).")
 
     @model_validator(mode="after")
     def _not_reserved(self) -> "EnvVar":
-        if self.name in RESERVED_ENV_NAMES or self.name.startswith(RESERVED_ENV_PREFIX):
+        if self.name in OPERATOR_ENV_NAMES or self.name.startswith(RESERVED_ENV_PREFIX):
             raise ValueError(f"spec.engine.env: {self.name} is set by the operator itself")
+        why = engine_env.reserved_reason(self.name)
+        if why is not None:
+            raise ValueError(f"spec.engine.env[].name is reserved: {why}")
+        if engine_env.is_secret_name(self.name) and (self.value_from is None or self.value):
+            raise ValueError(f"spec.engine.env[].valueFrom.secretKeyRef: {self.name} looks like a credential; it "
+                             "takes its value from a Secret, never from spec.engine.env[].value")
+        if self.value_from is not None and self.value:
+            raise ValueError("spec.engine.env[]: set value or valueFrom, not both")
         return self
 
 

@@ -86,8 +86,12 @@ def test_target_measured_under_another_engine_env_is_refused():
     assert "SHAPESHIFT_PDL='0' then, 'layer_tail' now" in changed.problem and "CompileRun" in changed.problem
     dropped = resolve("fp-2", measured_under(pdl_off), spec())
     assert "SHAPESHIFT_PDL='0' then, unset now" in dropped.problem
-    added = resolve("fp-2", measured_under([]), spec(engine={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}))
-    assert "NCCL_DEBUG unset then, 'WARN' now" in added.problem
+    added = resolve("fp-2", measured_under([]), spec(engine={"env": [{"name": "SHAPESHIFT_GEMV_PREFETCH",
+                                                                       "value": "0"}]}))
+    assert "SHAPESHIFT_GEMV_PREFETCH unset then, '0' now" in added.problem
+    # only the engine's performance switches count (the only names a compile worker records)
+    other = resolve("fp-2", measured_under([]), spec(engine={"env": [{"name": "NCCL_DEBUG", "value": "WARN"}]}))
+    assert other.problem is None
 
 
 def test_policy_comes_from_the_spec():
