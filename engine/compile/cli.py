@@ -116,6 +116,25 @@ def recipe_seeds(space: Any) -> list:
     return list(out.values())
 
 
+def plain_pass(space: Any, evaluator: Any, serving: Any) -> Any:
+    """The plain-PyTorch pass (the stock recipe.yaml, no named recipe over it) at the serving
+    default's engine settings: the second figure a champion is quoted against. None where the
+    serving default is that pass already (the CPU)."""
+    if serving.is_plain:
+        return None
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass.bundle import load_recipe
+
+    stock = load_recipe(evaluator.stock_dir)
+    recipe = space.default()
+    for name in serving.recipe:
+        if name in recipe:
+            recipe[name] = stock.get(name, space.knob(name).values[0])
+    if not space.is_valid(recipe):
+        return None
+    return Candidate(recipe, None, "plain", "the plain-PyTorch pass (recipe torch) at the serving engine settings")
+
+
 def _resolve_profile(text: str):
     from shapeshift.engine.contracts.traffic_profile import load_profile
 
@@ -195,13 +214,19 @@ def run(job: CompileJob, cluster: Any = None) -> int:
     device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cpu = not device.startswith("cuda")
     tiers = job.tiers.on(cpu)
+    # The pass to beat is what serves: `shapeshift serve`'s recipe and engine settings for this
+    # model and device, with the deployment's engine.yaml (job.engine_base) over them.
+    from shapeshift.engine.forward_pass.recipes import serving_default
+
+    serving = serving_default(job.model, device)
     settings = EvaluatorSettings(
         model=job.model, device=device, dtype=job.dtype, max_model_len=job.max_model_len_on(cpu),
         fast_layers=tiers.fast_layers, screen_repeats=tiers.screen_repeats, confirm_repeats=tiers.confirm_repeats,
         final_repeats=tiers.final_repeats, screen_requests=tiers.screen_requests,
         confirm_requests=tiers.confirm_requests, length_scale=None, seed=job.seed, work_dir=str(out / "work"),
         cpu_threads=tiers.cpu_threads, timer=tiers.timer, verify_prompts=job.verification.prompts,
-        verify_steps=job.verification.steps, engine_base=dict(job.engine_base))
+        verify_steps=job.verification.steps, engine_base={**serving.engine, **job.engine_base},
+        base_recipe=dict(serving.recipe))
     evaluator = EngineEvaluator(profile, settings)
     space = evaluator.space()
     board = Board(out / "board.jsonl")
@@ -255,12 +280,15 @@ def run(job: CompileJob, cluster: Any = None) -> int:
         pass_to_beat = cluster.pass_to_beat(evaluator.stock_source, out / "work" / "artifacts", fit_pass_to_beat)
 
     on_status = cluster.patch_status if cluster is not None else None
+    baseline_name = serving.describe() if not job.engine_base else \
+        f"{serving.describe()} with the deployment's engine settings {dict(job.engine_base)}"
     loop = CompileLoop(evaluator, space, board, agents, job.budget,
-                       LoopConfig(seed=job.seed, deterministic=job.deterministic, min_speedup=job.min_speedup),
-                       on_status, seeds, pass_to_beat)
+                       LoopConfig(seed=job.seed, deterministic=job.deterministic, min_speedup=job.min_speedup,
+                                  baseline_name=baseline_name),
+                       on_status, seeds, pass_to_beat, plain_pass(space, evaluator, serving))
     result = loop.run()
 
-    context = {"command": list(job.command), "commit": _git_commit(),
+    context = {"command": list(job.command), "commit": _git_commit(), "serving_default": serving.to_dict(),
                "model": job.model, "profile": profile.name, "device": device, "signature": signature,
                "hardware": hardware, "regime": TrafficRegime.of(profile).key, "evaluator": evaluator.describe()}
     exported = None

@@ -87,6 +87,10 @@ class EvaluatorSettings:
     # max_num_batched_tokens, enable_prefix_caching). Both tiers start from them, and they are
     # the defaults of the engine.* knobs, so the stock candidate is measured as it is deployed.
     engine_base: dict[str, Any] = field(default_factory=dict)
+    # Recipe knobs over the stock recipe.yaml that the pass to beat runs with (the shipped
+    # serving default's recipe: forward_pass/recipes.py serving_default): the defaults of the
+    # recipe knobs, so the search space's default point is what serves.
+    base_recipe: dict[str, Any] = field(default_factory=dict)
 
     @property
     def closing_pairs(self) -> int:
@@ -254,7 +258,7 @@ class EngineEvaluator:
         from shapeshift.engine.forward_pass.bundle import load_recipe
 
         eng = self._engine(FULL, {})
-        stock_recipe = load_recipe(self.stock_dir)
+        stock_recipe = {**load_recipe(self.stock_dir), **self.settings.base_recipe}
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
                                   stock_recipe=stock_recipe,
                                   concurrency=self.profile.concurrency,
@@ -429,7 +433,7 @@ class EngineEvaluator:
         return {"model": s.model, "device": str(eng.device) if eng is not None else s.device,
                 "dtype": str(eng.dtype) if eng is not None else s.dtype, "fast_layers": self.fast_layers(),
                 "profile": self.profile.name, "fitted_profile": self._profile().name, "timer": self.timer(),
-                "cpu_threads": s.cpu_threads, "engine_base": dict(s.engine_base),
+                "cpu_threads": s.cpu_threads, "engine_base": dict(s.engine_base), "base_recipe": dict(s.base_recipe),
                 "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats},

@@ -72,6 +72,9 @@ class LoopConfig:
     # 2.08x, bounds 0.40..10.8). One look more raises the false-accept rate a little; the
     # verification gates and the closing 5-pair comparison with the stock pass still follow.
     extend_undecided: int = 1
+    # What the baseline is (the report and the last line name it): the shipped serving default
+    # (forward_pass/recipes.py serving_default) when the composition says so.
+    baseline_name: str = "the stock forward pass with default knobs"
 
 
 @dataclass
@@ -95,11 +98,19 @@ class CompileResult:
     elapsed_s: float
     leaderboard: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""
+    baseline_name: str = ""
+    speedup_bounds: tuple[float, float] | None = None  # 95% bounds of `speedup` (paired, the closing comparison)
+    # The champion against the plain-PyTorch pass where the baseline is another pass:
+    # {"speedup", "low", "high", "pairs"} (None: the baseline is the plain pass, or no champion).
+    vs_plain: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
             "champion": None if self.champion is None else self.champion.digest,
             "speedup": self.speedup,
+            "speedup_bounds": None if self.speedup_bounds is None else list(self.speedup_bounds),
+            "baseline_name": self.baseline_name,
+            "vs_plain": self.vs_plain,
             "trials": self.trials,
             "confirms": self.confirms,
             "verifications": self.verifications,
@@ -111,9 +122,11 @@ class CompileResult:
 class CompileLoop:
     def __init__(self, evaluator: Evaluator, space: SearchSpace, board: Board, agents: list[Agent],
                  budget: Budget, config: LoopConfig | None = None, on_status: StatusCallback | None = None,
-                 seed_candidates: list[Candidate] | None = None, pass_to_beat: Candidate | None = None):
+                 seed_candidates: list[Candidate] | None = None, pass_to_beat: Candidate | None = None,
+                 plain_pass: Candidate | None = None):
         """`pass_to_beat`: a forward pass already serving (e.g. the deployment's active one) that a
-        champion must beat besides the stock pass; it is measured first, as a seed."""
+        champion must beat besides the baseline; it is measured first, as a seed. `plain_pass`:
+        the plain-PyTorch pass, the champion's second figure when the baseline is another pass."""
         self.evaluator = evaluator
         self.space = space
         self.board = board
@@ -127,6 +140,8 @@ class CompileLoop:
             pass_to_beat, recipe=space.complete(pass_to_beat.recipe), agent=pass_to_beat.agent or "pass-to-beat")
         if self.pass_to_beat is not None:
             self.seed_candidates.insert(0, self.pass_to_beat)
+        self.plain_pass = plain_pass
+        self.vs_plain: dict[str, Any] | None = None
         self.experiments: queue.Queue[Candidate] = queue.Queue(maxsize=max(1, self.config.queue_size))
         self.pending: collections.deque[tuple[Candidate, str | None]] = collections.deque()  # (cand, trial id)
         self.stop = threading.Event()
@@ -174,7 +189,7 @@ class CompileLoop:
         return tid
 
     def _baseline_candidate(self) -> Candidate:
-        return Candidate(self.space.default(), None, "baseline", "the stock forward pass with default knobs")
+        return Candidate(self.space.default(), None, "baseline", self.config.baseline_name)
 
     # ------------------------------------------------------------------ resume
     def _restore(self) -> None:
@@ -410,9 +425,25 @@ class CompileLoop:
             return None
         self.final = (champ_m, stock_m)
         gain, low, high = paired_gain(champ_m, stock_m)
-        self.board.note("loop", f"final: champion {champion.short} vs stock, paired speed ratio {gain:.3f} "
-                        f"(95% bounds {low:.3f}..{high:.3f})", final=True, gain=gain, low=low, high=high)
+        self.board.note("loop", f"final: champion {champion.short} vs {self.config.baseline_name}, paired speed "
+                        f"ratio {gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final=True, gain=gain, low=low, high=high)
         return gain
+
+    def _compare_with_plain(self, champion: Candidate) -> None:
+        """Champion against the plain-PyTorch pass (the second figure, labelled), when that is not the baseline."""
+        plain = self.plain_pass
+        if plain is None or plain.digest == self._baseline_candidate().digest or plain.digest == champion.digest:
+            return
+        tid = self._trial_id(champion) + "-final-vs-plain"
+        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final-vs-plain")
+        champ_m, plain_m = getattr(self.evaluator, "compare_final", self.evaluator.compare)(champion, plain)
+        self._record(plain, tid + "-plain", FULL, plain_m, None, role="final-plain")
+        self._record(champion, tid, FULL, champ_m, plain_m, role="final-vs-plain")
+        if champ_m.ok and plain_m.ok:
+            gain, low, high = paired_gain(champ_m, plain_m)
+            self.vs_plain = {"speedup": gain, "low": low, "high": high, "pairs": len(champ_m.samples)}
+            self.board.note("loop", f"final: champion {champion.short} vs the plain-PyTorch pass, paired speed ratio "
+                            f"{gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final_vs_plain=True, **self.vs_plain)
 
     def _loses_to_pass_to_beat(self, champion: Candidate) -> str | None:
         """Champion against the pass to beat, alternated in one window: why it is withdrawn (not
@@ -599,9 +630,13 @@ class CompileLoop:
             if why:
                 stop_reason = (stop_reason + "; " if stop_reason else "") + why
                 champion, speedup = None, None
+        if champion is not None and callable(getattr(self.evaluator, "compare", None)):
+            self._compare_with_plain(champion)
+        bounds = tuple(paired_gain(*self.final)[1:]) if champion is not None and self.final is not None else None
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,
-                               [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason)
+                               [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason,
+                               self.config.baseline_name, bounds, self.vs_plain)
         log.info("compile finished (%s): %s\n%s", stop_reason, json.dumps(result.summary()),
                  format_leaderboard(self.board.leaderboard(FAST, k=10)))
         if self.on_status:

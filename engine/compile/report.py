@@ -80,13 +80,14 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
     }
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", ""]
+    lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", "",
+             f"Pass to beat: {_baseline(result)}.", ""]
     if result.champion is None:
-        lines.append("No candidate beat the stock forward pass beyond the measured noise and passed verification; "
-                     "the stock forward pass stays.")
+        lines.append(f"No candidate beat {_baseline(result)} beyond the measured noise and passed verification; "
+                     "it stays.")
     else:
         lines.append(f"Champion `{result.champion.digest[:12]}` by **{result.champion.agent}**: "
-                     f"**{result.speedup:.3f}x** the stock pass's replay throughput (full tier, verified).")
+                     f"**{_versus(result)}** (full tier, verified).")
         lines.append(f"- why: {result.champion.note}")
         lines.append(f"- recipe: `{json.dumps(dict(result.champion.recipe), sort_keys=True)}`")
     lines += ["", f"- trials (fast tier): {result.trials}, confirmations (full tier): {result.confirms}, "
@@ -101,13 +102,29 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
     return json_path, md_path
 
 
+def _baseline(result: CompileResult) -> str:
+    return result.baseline_name or "the stock forward pass"
+
+
+def _versus(result: CompileResult) -> str:
+    """'1.234x (95% 1.10..1.38, paired) <baseline>[; 2.1x (...) the plain-PyTorch pass]'."""
+    def figure(gain: float, bounds: Any) -> str:
+        return f"{gain:.3f}x" + (f" (95% bounds {bounds[0]:.3f}..{bounds[1]:.3f}, paired)" if bounds else "")
+
+    text = f"{figure(result.speedup or 0.0, result.speedup_bounds)} {_baseline(result)}"
+    if result.vs_plain:
+        p = result.vs_plain
+        text += f"; {figure(p['speedup'], (p['low'], p['high']))} the plain-PyTorch pass"
+    return text
+
+
 def print_outcome(result: CompileResult, board: Board, exported: dict[str, Any] | None, md_path: Path) -> None:
     """The leaderboard and one line on the outcome, on stdout, when the run ends."""
     print()
     print(format_leaderboard(board.leaderboard(FAST, k=10)))
     print()
     if result.champion is None:
-        print(f"no verified improvement over the stock forward pass ({result.stop_reason}); report: {md_path}")
+        print(f"no verified improvement over {_baseline(result)} ({result.stop_reason}); report: {md_path}")
     else:
-        print(f"champion {result.champion.digest[:12]} by {result.champion.agent}: {result.speedup:.3f}x the stock "
-              f"pass (full tier, verified) -> {exported['path']}; report: {md_path}")
+        print(f"champion {result.champion.digest[:12]} by {result.champion.agent}: {_versus(result)} "
+              f"(full tier, verified) -> {exported['path']}; report: {md_path}")

@@ -9,10 +9,16 @@ and SwiGLU through kernels/, `fast` adds the weight-streaming GEMV with SwiGLU i
 per layer for o_proj, the MLP and the next qkv projection. `auto` picks `triton` on CUDA and
 `torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on a CPU). Their
 measured speeds: docs/decode-performance.md and bench/results/README.md. Imports nothing heavy.
+
+`serving_default(model, device)` is what `shapeshift serve` runs with no flags: the `auto`
+recipe and EngineConfig's own defaults for that model and device (read from an EngineConfig
+built there, never copied here). Serve resolves `auto` through it, and the compile loop
+measures it as the pass to beat (engine/compile/cli.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from shapeshift.engine.forward_pass.knobs import validate_recipe
@@ -41,10 +47,59 @@ for _name, _knobs in NAMED_RECIPES.items():  # a knob renamed or dropped in the 
         raise ValueError(f"named recipe {_name!r}: {'; '.join(_problems)} (see engine/forward_pass/knobs.py)")
 
 
+PLAIN_RECIPE = "torch"  # the plain-PyTorch pass: the second figure every speedup is quoted against
+
+# EngineConfig fields that shape serving and that the compile search moves (engine.* knobs);
+# the serving default records their values.
+SERVING_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "block_size",
+                         "decode_steps", "overlap_decode", "enforce_eager")
+
+
+def auto_recipe_name(device: str) -> str:
+    """The recipe `auto` stands for on `device`: triton on CUDA, the plain pass elsewhere."""
+    return "triton" if device.startswith("cuda") else PLAIN_RECIPE
+
+
+@dataclass(frozen=True)
+class ServingDefault:
+    """What `shapeshift serve --model MODEL --device DEVICE` runs with no other flags."""
+
+    model: str
+    device: str
+    recipe_name: str
+    recipe: dict[str, Any] = field(default_factory=dict)  # knob overrides of the stock recipe.yaml
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (SERVING_ENGINE_FIELDS)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.recipe_name == PLAIN_RECIPE
+
+    def describe(self) -> str:
+        """One line naming it: 'the shipped serving default (recipe torch; max_num_seqs 64, ...)'."""
+        engine = ", ".join(f"{k} {v}" for k, v in self.engine.items())
+        return f"the shipped serving default (recipe {self.recipe_name}; {engine})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "recipe_name": self.recipe_name,
+                "recipe": dict(self.recipe), "engine": dict(self.engine)}
+
+
+def serving_default(model: str, device: str) -> ServingDefault:
+    """The recipe and engine settings `shapeshift serve` runs for `model` on `device` when no
+    flag says otherwise. The engine settings are read from an EngineConfig built for that model
+    and device, so a default changed there (or made device-dependent) is what this reports."""
+    from shapeshift.engine.core.config import EngineConfig  # torch-free
+
+    config = EngineConfig(model=model, device=device)
+    name = auto_recipe_name(device)
+    return ServingDefault(model=model, device=device, recipe_name=name, recipe=dict(NAMED_RECIPES[name]),
+                          engine={f: getattr(config, f) for f in SERVING_ENGINE_FIELDS})
+
+
 def resolve_recipe(name: str, device: str) -> dict[str, Any]:
     """Knob overrides for recipe `name` on `device` ("cpu", "cuda", "cuda:1", ...)."""
     if name == "auto":
-        name = "triton" if device.startswith("cuda") else "torch"
+        name = auto_recipe_name(device)
     if name not in NAMED_RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_CHOICES)}")
     return dict(NAMED_RECIPES[name])
