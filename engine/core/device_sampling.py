@@ -6,16 +6,22 @@ numpy generator seeded by EngineConfig.seed) to the device in one copy -> after 
 graph replay ``ChunkSampler.sample`` draws that step's tokens from the graph's logits into
 the static token buffer the next replay reads; the host reads the k x n tokens once.
 
-On CUDA the draw is kernels.sampling.sample (no host sync; a row's draw depends only on its
-seed and the logits). Elsewhere the host sampler's math (engine/core/sampling.py) with each
-row's exponential noise from a generator seeded by its seed, so the CPU tests exercise the
-same staging and seeds. Greedy rows get temperature 0: the first index of the maximum, as
-everywhere else. Only unseeded requests come here (ModelRunner.can_decode_steps): a seeded
+The draw is the host sampler's math (engine/core/sampling.py: temperature, top-k, top-p on
+the sorted row, the exponential race) in device ops with no host sync, its noise a
+counter-based hash of (the row's seed, token index) instead of a generator, so a row's draw
+depends only on its seed and logits, on the CPU and on CUDA alike. kernels.sampling.sample
+(SHAPESHIFT_CHUNK_SAMPLER=triton) avoids the sort, but at top-p 0.9 on the benchmark's random
+weights (near-flat rows: the nucleus holds most of the vocabulary) it falls back to its
+one-program-per-row exact search: batch-1 sampled decode with 8 overlapped steps ran at
+408 tok/s with it on an H200 against 587 tok/s for single steps with the host sampler
+(docs/serving-performance.md). Greedy rows get temperature 0: the first index of the maximum,
+as everywhere else. Only unseeded requests come here (ModelRunner.can_decode_steps): a seeded
 request's draws follow its own generator on the host.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -63,38 +69,60 @@ class ChunkSampler:
         self.temperature[:n].copy_(self._dev[0, :n].to(torch.int32).view(torch.float32))
         self.top_p[:n].copy_(self._dev[1, :n].to(torch.int32).view(torch.float32))
         self.top_k[:n].copy_(self._dev[2, :n])
+        self.filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
         if self._draw is None:
             self._draw = device_sampler(self.device.type == "cuda")
 
     def sample(self, logits: torch.Tensor, step: int, out: torch.Tensor) -> None:
         """Step ``step``'s tokens from logits [n, V] float32 into out [n] int64; no host sync on CUDA."""
         n = logits.shape[0]
-        self._draw(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self._dev[3 + step, :n], out)
+        self._draw(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self._dev[3 + step, :n], out,
+                   self.filtered)
 
 
 def device_sampler(on_cuda: bool) -> Callable[..., Any]:
     """(logits [n, V] float32, temperature [n] float32, top_k [n] int32, top_p [n] float32,
-    seeds [n] int64, out [n] int64) -> None."""
-    if on_cuda:
+    seeds [n] int64, out [n] int64, filtered: bool) -> None. ``filtered`` False: no sampled row
+    has top-k or top-p, so the sort is skipped."""
+    if on_cuda and os.environ.get("SHAPESHIFT_CHUNK_SAMPLER", "torch") == "triton":
         try:
             from shapeshift.kernels.sampling import sample as kernel_sample
         except ImportError:
             pass
         else:
-            return lambda logits, t, k, p, seeds, out: kernel_sample(logits, t, k, p, seeds, out=out)
-    return sample_seeded_torch
+            return lambda logits, t, k, p, seeds, out, filtered: kernel_sample(logits, t, k, p, seeds, out=out)
+    return sample_hashed
 
 
-def sample_seeded_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                        top_p: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor) -> None:
-    """The host sampler's math with row i's noise from a generator seeded by seeds[i] (reads
-    the seeds on the host: a CPU form, and the CUDA fallback without Triton)."""
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def hashed_uniforms(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float32 [n, V]: splitmix64 of seed * golden + token index, top 24 bits
+    (the race needs no more: the largest noise is then -ln(2^-25), about 17)."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    z = seeds.to(torch.int64)[:, None] * _GOLDEN + idx[None, :]  # [n, V]
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_hashed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  seeds: torch.Tensor, out: torch.Tensor, filtered: bool = True) -> None:
+    """The host sampler's math in device ops, noise from hashed_uniforms(seeds)."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    probs = torch.softmax(apply_top_k_top_p(scaled, top_k.long(), top_p), dim=-1)  # [n, V]
-    noise = torch.empty_like(probs)
-    for i, seed in enumerate(seeds.tolist()):
-        gen = torch.Generator(device=probs.device)
-        gen.manual_seed(seed)
-        noise[i].exponential_(generator=gen)
+    if filtered:
+        scaled = apply_top_k_top_p(scaled, top_k.long(), top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [n, V]
+    noise = -torch.log(hashed_uniforms(seeds, logits.shape[-1]))  # Exp(1)
     out.copy_(torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1)))

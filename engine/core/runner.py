@@ -26,9 +26,9 @@ to EngineConfig.chunk_graph_max_batch also get a graph of a whole k-step chunk: 
 their staging rows and the previous step's tokens where they lie, so a chunk is one launch with
 no copies between steps (chunks of another length replay the one-step graph as above).
 With EngineConfig.multi_step_sampling, unseeded sampled rows join multi-step decode: after each
-replay kernels.sampling.sample draws the step's tokens on the device (per-row temperature,
-top-k, top-p copied once a chunk; Philox seeds the runner draws per row and step) into the
-static token buffer the next replay reads, so the host still waits once per k steps.
+replay engine/core/device_sampling.py draws the step's tokens on the device (per-row
+temperature, top-k, top-p copied once a chunk; seeds drawn per row and step) into the static
+token buffer the next replay reads, so the host still waits once per k steps.
 
 Mixed steps (EngineConfig.mixed_cuda_graphs): a batch that is not decode-only replays the graph
 of the cheapest (tokens, seqs) bucket holding it (engine/core/mixed_graphs.py), over static

@@ -22,7 +22,7 @@ import torch
 from engine_factories import make_engine, make_requests, make_scheduler, run_scheduler
 from shapeshift.engine.core.attention import (AttentionContext, paged_prefill_attention,
                                               paged_varlen_attention_static)
-from shapeshift.engine.core.device_sampling import ChunkSampler, device_sampler, sample_seeded_torch
+from shapeshift.engine.core.device_sampling import ChunkSampler, device_sampler, hashed_uniforms, sample_hashed
 from shapeshift.engine.core.mixed_graphs import (MixedBucket, MixedBuckets, MixedHostInputs, choose_buckets,
                                                  default_buckets, fill_mixed_inputs, padded_cost, parse_buckets)
 from shapeshift.engine.core.sampling import SamplingParams, apply_top_k_top_p
@@ -221,8 +221,8 @@ def test_triton_kernel_with_the_graphs_padding_equals_the_eager_loop():
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_mixed_graph_engine_gives_the_eager_engines_tokens(preset):
     params = greedy(3, 9, 14, 20, 27, 40, 5, 8)
-    eager = emulated(preset)
-    mixed = emulated(preset, mixed_cuda_graphs=True)
+    eager = emulated(preset, mixed_cuda_graphs=False)
+    mixed = emulated(preset)  # on by default
     assert not eager.runner.mixed_graphs and len(mixed.runner.mixed_graphs) == 6
     assert mixed.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
     assert mixed.runner.num_mixed_replays == sum(mixed.runner.mixed_step_shapes.values()) > 0
@@ -248,8 +248,8 @@ def test_mixed_graph_logits_equal_the_eager_steps():
 
 
 def test_steps_no_bucket_holds_run_eagerly_and_are_still_counted():
-    engine = emulated(mixed_cuda_graphs=True, mixed_graph_buckets=[[16, 4]])
-    eager = emulated()
+    engine = emulated(mixed_graph_buckets=[[16, 4]])
+    eager = emulated(mixed_cuda_graphs=False)
     params = greedy(4, 4, 4)
     assert engine.generate(PROMPTS[:3], params) == eager.generate(PROMPTS[:3], params)
     shapes = engine.runner.mixed_step_shapes
@@ -260,7 +260,7 @@ def test_steps_no_bucket_holds_run_eagerly_and_are_still_counted():
 def test_mixed_graphs_stay_off_where_they_cannot_run(caplog):
     moe = emulated("tiny-moe", mixed_cuda_graphs=True)
     assert not moe.runner.mixed_graphs and "expert routing" in moe.runner.mixed_graphs_supported()
-    assert not emulated().runner.mixed_graphs  # the knob is off by default
+    assert not emulated(mixed_cuda_graphs=False).runner.mixed_graphs
     engine = emulated(mixed_cuda_graphs=True)
 
     class NeedsHostCopies:  # a forward pass whose mixed step reads host lengths (as a loop over sequences)
@@ -277,7 +277,8 @@ def test_mixed_graphs_stay_off_where_they_cannot_run(caplog):
         engine.runner.capture_cudagraphs()
     assert engine.runner.graphs and not engine.runner.mixed_graphs
     assert "mixed steps run eagerly" in caplog.text and "host copies" in caplog.text
-    assert engine.generate(PROMPTS[:2], greedy(3, 3)) == emulated().generate(PROMPTS[:2], greedy(3, 3))
+    assert engine.generate(PROMPTS[:2], greedy(3, 3)) == emulated(mixed_cuda_graphs=False).generate(
+        PROMPTS[:2], greedy(3, 3))
 
 
 def test_config_checks_mixed_graph_buckets():
@@ -303,35 +304,54 @@ def _run(engine, prompts, params):
     return [outputs[r] for r in ids], widest
 
 
-def test_seeded_torch_sampler_draws_from_the_host_samplers_distribution():
+def test_hashed_uniforms_are_uniform_and_independent_across_seeds_and_tokens():
+    u = hashed_uniforms(torch.arange(64, dtype=torch.int64) * 7919 - 3, 4096)  # [64, 4096]
+    assert ((u > 0) & (u < 1)).all()
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.003
+    flat = u.flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1].item()) < 0.01  # neighbouring tokens
+    assert abs(torch.corrcoef(torch.stack([u[0], u[1]]))[0, 1].item()) < 0.05  # neighbouring seeds
+    assert torch.equal(u, hashed_uniforms(torch.arange(64, dtype=torch.int64) * 7919 - 3, 4096))
+
+
+def test_hashed_sampler_draws_from_the_host_samplers_distribution():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -1.0, 0.9]])
     t, k, p = torch.tensor([0.7]), torch.tensor([4], dtype=torch.int32), torch.tensor([0.9])
     probs = torch.softmax(apply_top_k_top_p(logits / 0.7, k.long(), p), dim=-1)[0]
-    counts = torch.zeros(6)
-    out = torch.zeros(1, dtype=torch.int64)
     n = 4000
-    for seed in range(n):
-        sample_seeded_torch(logits, t, k, p, torch.tensor([seed]), out)
-        counts[out[0]] += 1
+    rows = logits.expand(n, -1).contiguous()
+    out = torch.zeros(n, dtype=torch.int64)
+    sample_hashed(rows, t.expand(n).contiguous(), k.expand(n).contiguous(), p.expand(n).contiguous(),
+                  torch.arange(n, dtype=torch.int64) * 104729 + 11, out)
+    counts = torch.bincount(out, minlength=6).float()
     assert counts[probs == 0].sum() == 0
     torch.testing.assert_close(counts / n, probs, atol=0.03, rtol=0)
     # The same seed draws the same token; temperature 0 is the first index of the maximum.
     a, b = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    sample_seeded_torch(logits, t, k, p, torch.tensor([77]), a)
-    sample_seeded_torch(logits, t, k, p, torch.tensor([77]), b)
+    sample_hashed(logits, t, k, p, torch.tensor([77]), a)
+    sample_hashed(logits, t, k, p, torch.tensor([77]), b)
     assert a == b
-    sample_seeded_torch(torch.tensor([[1.0, 3.0, 3.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.int32),
-                        torch.ones(1), torch.tensor([5]), a)
+    sample_hashed(torch.tensor([[1.0, 3.0, 3.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.int32),
+                  torch.ones(1), torch.tensor([5]), a)
     assert a.item() == 1
+    # Unfiltered (no top-k, top-p): the plain softmax at the temperature.
+    out = torch.zeros(n, dtype=torch.int64)
+    sample_hashed(rows, torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.ones(n),
+                  torch.arange(n, dtype=torch.int64) + 5, out, filtered=False)
+    torch.testing.assert_close(torch.bincount(out, minlength=6).float() / n, torch.softmax(logits[0], -1),
+                               atol=0.03, rtol=0)
 
 
-def test_kernel_sampler_on_the_chunk_samplers_staging():
-    """The CUDA path's sampler (kernels.sampling.sample; Triton's interpreter on the CPU) fed
+def test_kernel_sampler_on_the_chunk_samplers_staging(monkeypatch):
+    """The Triton sampler (SHAPESHIFT_CHUNK_SAMPLER=triton; Triton's interpreter on the CPU) fed
     by ChunkSampler's staging: greedy rows take the argmax, sampled rows stay in their top-k,
     the same seeds draw the same tokens."""
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sampler = ChunkSampler(device, seed=1)
+    monkeypatch.setenv("SHAPESHIFT_CHUNK_SAMPLER", "triton")
     sampler._draw = device_sampler(True)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
               SamplingParams(temperature=1.0, top_k=3)]
@@ -360,7 +380,7 @@ def test_sampled_requests_decode_several_steps_at_a_time():
     c, _ = _run(emulated(**settings, seed=5), PROMPTS[:4], sampled)
     assert c != a
     # Without the knob, sampled requests decode one step at a time.
-    _, widest_off = _run(emulated(decode_steps=4), PROMPTS[:4], sampled)
+    _, widest_off = _run(emulated(decode_steps=4, multi_step_sampling=False), PROMPTS[:4], sampled)
     assert widest_off == 1
 
 
@@ -396,8 +416,8 @@ CUDA_SETTINGS = dict(device="cuda", max_num_seqs=8, max_model_len=128, block_siz
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_cuda_mixed_graphs_equal_eager(preset):
     params = greedy(3, 9, 14, 20, 27, 40, 60, 8)
-    eager = make_engine(preset, **CUDA_SETTINGS, dtype="float32")
-    mixed = make_engine(preset, **CUDA_SETTINGS, dtype="float32", mixed_cuda_graphs=True)
+    eager = make_engine(preset, **CUDA_SETTINGS, dtype="float32", mixed_cuda_graphs=False)
+    mixed = make_engine(preset, **CUDA_SETTINGS, dtype="float32")
     assert mixed.runner.mixed_graphs and mixed.runner.graphs
     assert mixed.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
     assert mixed.runner.num_mixed_replays > 0
@@ -417,8 +437,8 @@ def test_cuda_mixed_graphs_equal_eager(preset):
 @pytest.mark.gpu
 def test_cuda_mixed_graphs_bf16_greedy_tokens_match_eager_early():
     params = greedy(8, 8, 8, 8, 8, 8, 8, 8)
-    eager = make_engine("tiny-llama", **CUDA_SETTINGS, dtype="bfloat16")
-    mixed = make_engine("tiny-llama", **CUDA_SETTINGS, dtype="bfloat16", mixed_cuda_graphs=True)
+    eager = make_engine("tiny-llama", **CUDA_SETTINGS, dtype="bfloat16", mixed_cuda_graphs=False)
+    mixed = make_engine("tiny-llama", **CUDA_SETTINGS, dtype="bfloat16")
     got, want = mixed.generate(PROMPTS, params), eager.generate(PROMPTS, params)
     assert [g[:4] for g in got] == [w[:4] for w in want]  # bf16 may part on near-ties later, not at once
 
@@ -435,3 +455,10 @@ def test_cuda_sampled_multi_step(overlap):
     got, widest = _run(engine, PROMPTS[:4], params)
     assert widest == 4 and got[0] == want[0] and got[2] == want[2]
     assert all(len(g) == 24 and all(0 <= t < engine.model_config.vocab_size for t in g) for g in got)
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_hashed_uniforms_equal_the_cpus():
+    seeds = torch.tensor([0, 1, 2**62 - 1, 123456789], dtype=torch.int64)
+    assert torch.equal(hashed_uniforms(seeds.cuda(), 128256).cpu(), hashed_uniforms(seeds, 128256))
