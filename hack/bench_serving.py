@@ -58,16 +58,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Named engine settings over EngineConfig's defaults (what `shapeshift serve` runs), each
 # knob of this work named explicitly so a configuration means the same whatever the defaults.
-# "before": serve as it was (decode_steps 1, mixed steps eager).
+# "before": serve as it was (decode_steps 1, mixed steps eager). Names are file-name safe (the
+# server logs carry them).
 CONFIGS: dict[str, dict[str, Any]] = {
     "before": {"mixed_cuda_graphs": False, "decode_steps": 1, "overlap_decode": False},
     "mixed-graphs": {"mixed_cuda_graphs": True, "decode_steps": 1, "overlap_decode": False},
-    "mixed-graphs+overlap8": {"mixed_cuda_graphs": True, "decode_steps": 8, "overlap_decode": True,
+    "mixed-graphs-overlap8": {"mixed_cuda_graphs": True, "decode_steps": 8, "overlap_decode": True,
                               "multi_step_sampling": True},
-    "mixed-graphs+overlap8-host-sampling": {"mixed_cuda_graphs": True, "decode_steps": 8, "overlap_decode": True,
+    "mixed-graphs-overlap8-host-sampling": {"mixed_cuda_graphs": True, "decode_steps": 8, "overlap_decode": True,
                                             "multi_step_sampling": False},
 }
-DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs+overlap8")
+DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 
