@@ -27,6 +27,18 @@ series in ``_info``; a histogram's name is the stem of its ``_bucket``/``_sum``/
 | shapeshift_forward_pass_last_reload_status            | gauge     | result       | 1 on the last attempt's outcome, 0 on the others  |
 | shapeshift_forward_pass_last_reload_timestamp_seconds | gauge     |              | unix time of the last attempt (0: none yet)       |
 | shapeshift_forward_pass_in_sync                       | gauge     |              | 1 when the active pass is the one asked for       |
+| shapeshift_prompt_tokens_accepted_total               | counter   |              | prompt tokens of requests accepted by the engine  |
+| shapeshift_generated_tokens_total                     | counter   |              | tokens generated, counted as they are made        |
+| shapeshift_kv_cache_usage_ratio                       | gauge     |              | KV-cache blocks in use / all blocks (0..1)        |
+| shapeshift_preemptions_total                          | counter   |              | sequences preempted (KV blocks freed, recomputed) |
+| shapeshift_request_queue_time_seconds                 | histogram |              | arrival -> start of the step first scheduling it  |
+| shapeshift_request_prefill_time_seconds               | histogram |              | first scheduled -> first generated token          |
+| shapeshift_request_decode_time_seconds                | histogram |              | first generated token -> finish                   |
+
+With ``shapeshift serve --metrics-compat vllm`` the server also exports the same
+observations under vLLM's names with a ``model_name`` label (``VLLM_SERIES``), so
+autoscaling recipes written for vLLM (HPA/KEDA on ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``; llm-d's and Dynamo's planners) work unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +65,42 @@ FORWARD_PASS_LAST_RELOAD_TIMESTAMP = "shapeshift_forward_pass_last_reload_timest
 FORWARD_PASS_IN_SYNC = "shapeshift_forward_pass_in_sync"  # 1: the active pass is the desired one
 # info (labels: name, sha256; value 1)
 FORWARD_PASS_INFO = "shapeshift_forward_pass_info"
+# token counters, KV cache and the request phases
+# (not *_prompt_tokens_total: Prometheus would take it for a sample of the histogram above)
+PROMPT_TOKENS_TOTAL = "shapeshift_prompt_tokens_accepted_total"
+GENERATION_TOKENS_TOTAL = "shapeshift_generated_tokens_total"
+KV_CACHE_USAGE = "shapeshift_kv_cache_usage_ratio"
+PREEMPTIONS = "shapeshift_preemptions_total"
+REQUEST_QUEUE_TIME = "shapeshift_request_queue_time_seconds"
+REQUEST_PREFILL_TIME = "shapeshift_request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "shapeshift_request_decode_time_seconds"
+
+# `--metrics-compat vllm`: vLLM's names (label `model_name`) -> the shapeshift series whose
+# observations they repeat. gpu_cache_usage_perc is vLLM's older name of kv_cache_usage_perc,
+# still read by recipes written before vLLM 0.10.
+VLLM_MODEL_LABEL = "model_name"
+VLLM_SERIES = {
+    "vllm:num_requests_running": REQUESTS_RUNNING,
+    "vllm:num_requests_waiting": REQUESTS_WAITING,
+    "vllm:kv_cache_usage_perc": KV_CACHE_USAGE,
+    "vllm:gpu_cache_usage_perc": KV_CACHE_USAGE,
+    "vllm:num_preemptions_total": PREEMPTIONS,
+    "vllm:prompt_tokens_total": PROMPT_TOKENS_TOTAL,
+    "vllm:generation_tokens_total": GENERATION_TOKENS_TOTAL,
+    "vllm:prefix_cache_queries_total": PREFIX_CACHE_QUERIES,
+    "vllm:prefix_cache_hits_total": PREFIX_CACHE_HITS,
+    "vllm:request_success_total": REQUESTS,  # label finished_reason: stop, length, abort
+    "vllm:time_to_first_token_seconds": TIME_TO_FIRST_TOKEN,
+    "vllm:inter_token_latency_seconds": INTER_TOKEN_LATENCY,
+    "vllm:time_per_output_token_seconds": INTER_TOKEN_LATENCY,
+    "vllm:e2e_request_latency_seconds": E2E_REQUEST_LATENCY,
+    "vllm:request_queue_time_seconds": REQUEST_QUEUE_TIME,
+    "vllm:request_prefill_time_seconds": REQUEST_PREFILL_TIME,
+    "vllm:request_decode_time_seconds": REQUEST_DECODE_TIME,
+    "vllm:request_prompt_tokens": PROMPT_TOKENS,
+    "vllm:request_generation_tokens": GENERATION_TOKENS,
+}
+METRICS_COMPAT_CHOICES = ("vllm",)
 
 # `shapeshift_requests_total{status}`: finished normally by the OpenAI finish reason
 # (`stop`, `length`), the client went away (`abort`), engine failure / HTTP 500 (`error`),

@@ -81,6 +81,7 @@ class _RequestState:
     arrival_time: float  # time.monotonic() at submit
     first_token_time: float | None = None
     last_token_time: float | None = None
+    scheduled_time: float | None = None  # start of the step that first scheduled it
 
 
 _END = object()  # stream sentinel after a failure was delivered
@@ -141,6 +142,7 @@ class AsyncEngine:
         self._in_flight = 0
         self._pending_adds = 0
         self._states: dict[str, _RequestState] = {}  # engine thread only
+        self._unscheduled: set[str] = set()  # in _states, not yet seen running (engine thread only)
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
         self._closed = False  # set (under _lock) once the loop stops taking requests
@@ -310,11 +312,14 @@ class AsyncEngine:
                          status="error")
             return
         self._states[state.request_id] = state
+        self._unscheduled.add(state.request_id)
         if self.metrics is not None:
             self.metrics.prompt_tokens.observe(len(state.prompt_token_ids))
+            self.metrics.prompt_tokens_total.inc(len(state.prompt_token_ids))
 
     def _abort(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
+        self._unscheduled.discard(request_id)
         if state is None:
             return  # finished already, or failed before it reached the engine
         try:
@@ -325,6 +330,7 @@ class AsyncEngine:
         self._deliver(state, _END)
 
     def _step_once(self) -> None:
+        step_start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -341,6 +347,8 @@ class AsyncEngine:
         # its response must already see this step's counters.
         self._publish_stats()
         now = time.monotonic()
+        if self._unscheduled:
+            self._mark_scheduled(outputs, step_start)
         for out in outputs:
             state = self._states.get(out.request_id)
             if state is None:
@@ -351,15 +359,29 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.generation_tokens.observe(len(out.output_token_ids))
                     self.metrics.e2e_request_latency.observe(now - state.arrival_time)
+                    self.metrics.observe_phases(state.arrival_time, state.scheduled_time, state.first_token_time, now)
                 status = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
                 self._release(status=status)
             self._deliver(state, out)
+
+    def _mark_scheduled(self, outputs: list[Any], step_start: float) -> None:
+        """Stamp requests this step scheduled for the first time (running now, or already out)."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        running = scheduler.running if scheduler is not None else []
+        seen = {seq.request_id for seq in running} | {o.request_id for o in outputs}
+        for request_id in self._unscheduled & seen:
+            state = self._states.get(request_id)
+            if state is not None:
+                state.scheduled_time = step_start
+        self._unscheduled -= seen
+        self._unscheduled &= self._states.keys()
 
     def _record_token_timing(self, state: _RequestState, out: Any, now: float) -> None:
         n_new = len(out.new_token_ids)
         if n_new == 0:
             return
         if self.metrics is not None:
+            self.metrics.generation_tokens_total.inc(n_new)
             if state.first_token_time is None:
                 self.metrics.time_to_first_token.observe(now - state.arrival_time)
                 n_gaps, since = n_new - 1, now

@@ -14,6 +14,10 @@ read them). `forward_pass_*reload*` results are `RELOAD_RESULTS` of
 `engine/contracts/pod_annotations.py`; they move only when the rollout agent runs
 (`--desired-forward-pass-file`); `in_sync` is 1 when no agent runs.
 
+`metrics_compat="vllm"` (`shapeshift serve --metrics-compat vllm`) adds vLLM's
+names (`metric_names.VLLM_SERIES`, label `model_name`) fed by the same
+observations: each attribute below is then a `_Fanout` that forwards to both.
+
 Histogram buckets: token counts are roughly exponential (factor ~1.5 above
 512) up to 131072 so that prompt-length drift at 10K-128K tokens moves mass
 between distinct buckets; latencies span 1 ms to minutes.
@@ -50,14 +54,58 @@ E2E_BUCKETS: tuple[float, ...] = (
 )
 
 
+class _Fanout:
+    """One observation into several series (the shapeshift one and its vLLM-named twin)."""
+
+    def __init__(self, *children: Any) -> None:
+        self.children = children
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+
 class EngineMetrics:
     """All series of one server, bound to one served model name."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 metrics_compat: str | None = None) -> None:
+        if metrics_compat not in (None, *names.METRICS_COMPAT_CHOICES):
+            raise ValueError(f"metrics_compat must be one of {names.METRICS_COMPAT_CHOICES} or None, "
+                             f"got {metrics_compat!r}")
         self.model_name = model_name
+        self.metrics_compat = metrics_compat
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         m = ("model",)
+        self.prompt_tokens_total = Counter(
+            names.client_name(names.PROMPT_TOKENS_TOTAL), "Prompt tokens of requests accepted by the engine.",
+            m, registry=r).labels(model_name)
+        self.generation_tokens_total = Counter(
+            names.client_name(names.GENERATION_TOKENS_TOTAL), "Tokens generated, counted as they are made.",
+            m, registry=r).labels(model_name)
+        self.kv_cache_usage = Gauge(
+            names.KV_CACHE_USAGE, "KV-cache blocks in use over all blocks (0..1).", m, registry=r).labels(model_name)
+        self.preemptions = Counter(
+            names.client_name(names.PREEMPTIONS), "Sequences preempted (KV blocks freed, recomputed later).",
+            m, registry=r).labels(model_name)
+        self.request_queue_time = Histogram(
+            names.REQUEST_QUEUE_TIME, "Arrival to the start of the step that first schedules the request.",
+            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.request_prefill_time = Histogram(
+            names.REQUEST_PREFILL_TIME, "First scheduled to first generated token.",
+            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.request_decode_time = Histogram(
+            names.REQUEST_DECODE_TIME, "First generated token to finish.",
+            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.prompt_tokens = Histogram(
             names.PROMPT_TOKENS, "Prompt length in tokens of requests accepted by the engine.",
             m, buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
@@ -115,11 +163,62 @@ class EngineMetrics:
         # Last cumulative values seen in EngineStats; counters advance by the difference.
         self._last_queried_tokens = 0
         self._last_hit_tokens = 0
+        self._last_preemptions = 0
+        self._vllm_success = None
+        if metrics_compat == "vllm":
+            self._add_vllm_series()
+
+    def _add_vllm_series(self) -> None:
+        """vLLM's names next to ours, fed by the same observations (metric_names.VLLM_SERIES)."""
+        r, label, model = self.registry, (names.VLLM_MODEL_LABEL,), self.model_name
+        ours = {value: key for key, value in vars(names).items() if isinstance(value, str)}
+        buckets = {names.PROMPT_TOKENS: TOKEN_BUCKETS, names.GENERATION_TOKENS: TOKEN_BUCKETS,
+                   names.TIME_TO_FIRST_TOKEN: TTFT_BUCKETS, names.INTER_TOKEN_LATENCY: INTER_TOKEN_BUCKETS}
+        attribute = {
+            names.REQUESTS_RUNNING: "requests_running", names.REQUESTS_WAITING: "requests_waiting",
+            names.KV_CACHE_USAGE: "kv_cache_usage", names.PREEMPTIONS: "preemptions",
+            names.PROMPT_TOKENS_TOTAL: "prompt_tokens_total", names.GENERATION_TOKENS_TOTAL: "generation_tokens_total",
+            names.PREFIX_CACHE_QUERIES: "prefix_cache_queries", names.PREFIX_CACHE_HITS: "prefix_cache_hits",
+            names.TIME_TO_FIRST_TOKEN: "time_to_first_token", names.INTER_TOKEN_LATENCY: "inter_token_latency",
+            names.E2E_REQUEST_LATENCY: "e2e_request_latency", names.REQUEST_QUEUE_TIME: "request_queue_time",
+            names.REQUEST_PREFILL_TIME: "request_prefill_time", names.REQUEST_DECODE_TIME: "request_decode_time",
+            names.PROMPT_TOKENS: "prompt_tokens", names.GENERATION_TOKENS: "generation_tokens",
+        }
+        for vllm_name, series in names.VLLM_SERIES.items():
+            doc = f"vLLM-compatible name of {series} ({ours[series]} in engine/contracts/metric_names.py)."
+            if series == names.REQUESTS:
+                self._vllm_success = Counter(names.client_name(vllm_name), doc, ("finished_reason", *label),
+                                             registry=r)
+                for reason in ("stop", "length", "abort"):
+                    self._vllm_success.labels(reason, model)
+                continue
+            mine = getattr(self, attribute[series])
+            if series.endswith("_total"):
+                twin = Counter(names.client_name(vllm_name), doc, label, registry=r).labels(model)
+            elif series in (names.REQUESTS_RUNNING, names.REQUESTS_WAITING, names.KV_CACHE_USAGE):
+                twin = Gauge(vllm_name, doc, label, registry=r).labels(model)
+            else:
+                twin = Histogram(vllm_name, doc, label, buckets=buckets.get(series, E2E_BUCKETS),
+                                 registry=r).labels(model)
+            children = mine.children if isinstance(mine, _Fanout) else (mine,)
+            setattr(self, attribute[series], _Fanout(*children, twin))
+
+    def observe_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
+                       finished: float) -> None:
+        """A finished request's queue, prefill and decode times (time.monotonic() stamps)."""
+        if scheduled is not None:
+            self.request_queue_time.observe(max(scheduled - arrival, 0.0))
+            if first_token is not None:
+                self.request_prefill_time.observe(max(first_token - scheduled, 0.0))
+        if first_token is not None:
+            self.request_decode_time.observe(max(finished - first_token, 0.0))
 
     def count_request(self, status: str) -> None:
         if status not in REQUEST_STATUSES:
             raise ValueError(f"unknown request status {status!r}; expected one of {REQUEST_STATUSES}")
         self._requests.labels(self.model_name, status).inc()
+        if self._vllm_success is not None and status in ("stop", "length", "abort"):
+            self._vllm_success.labels(status, self.model_name).inc()
 
     def requests_counter_value(self, status: str) -> float:
         value = self.registry.get_sample_value(names.REQUESTS,
@@ -161,6 +260,12 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(hits - self._last_hit_tokens
                                    if hits >= self._last_hit_tokens else hits)
         self._last_queried_tokens, self._last_hit_tokens = queried, hits
+        blocks = int(getattr(stats, "num_kv_blocks", 0) or 0)
+        if blocks > 0:
+            self.kv_cache_usage.set(1.0 - int(stats.num_free_blocks) / blocks)
+        preempted = int(getattr(stats, "num_preemptions", 0) or 0)
+        self.preemptions.inc(preempted - self._last_preemptions if preempted >= self._last_preemptions else preempted)
+        self._last_preemptions = preempted
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition of this server's registry and its content type."""

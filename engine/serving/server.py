@@ -758,7 +758,7 @@ def build_server(config: Any, *, served_model_name: str | None = None,
 
     engine = LLMEngine(config)
     name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
-    metrics = EngineMetrics(name)
+    metrics = EngineMetrics(name, metrics_compat=metrics_compat)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     app = build_app(async_engine, metrics, name, api_key=api_key, cors_allow_origins=cors_allow_origins)
     if api_key is not None:
