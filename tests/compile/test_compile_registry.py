@@ -104,10 +104,12 @@ def test_cluster_object_validates_against_the_crd_model() -> None:
 def test_cluster_object_records_the_engine_env_it_was_measured_under() -> None:
     from shapeshift.engine.compile.worker import engine_env
 
-    environ = {"SHAPESHIFT_ENGINE_ENV_NAMES": "SHAPESHIFT_PDL, NCCL_DEBUG,", "SHAPESHIFT_PDL": "0"}
+    environ = {"SHAPESHIFT_ENGINE_ENV_NAMES": "SHAPESHIFT_PDL, NCCL_DEBUG, SHAPESHIFT_GEMV_PREFETCH,",
+               "SHAPESHIFT_PDL": "0", "NCCL_DEBUG": "WARN"}
     recorded = engine_env(environ)
-    # a listed name missing from the process environment reads as the empty value it would serve with
-    assert recorded == [{"name": "NCCL_DEBUG", "value": ""}, {"name": "SHAPESHIFT_PDL", "value": "0"}]
+    # a listed name missing from the process environment reads as the empty value it would serve with;
+    # only the engine's performance switches are recorded (NCCL_DEBUG is not one)
+    assert recorded == [{"name": "SHAPESHIFT_GEMV_PREFETCH", "value": ""}, {"name": "SHAPESHIFT_PDL", "value": "0"}]
     assert engine_env({}) is None and engine_env({"SHAPESHIFT_ENGINE_ENV_NAMES": ""}) == []
     e = entry("tiny/chat", model_signature(cfg("tiny-llama")), digest="b" * 64)
     e.verification = {"passed": True, "gates": {"smoke": True}}
@@ -120,7 +122,7 @@ def test_cluster_object_records_the_engine_env_it_was_measured_under() -> None:
 def test_forward_pass_object_is_built_from_the_crd_model_and_round_trips() -> None:
     sig = model_signature(cfg("tiny-llama"))
     e = entry("Tiny Llama/chat #1", sig, hardware="nvidia-h100-80gb-hbm3", digest="c" * 64)
-    e.verification = {"passed": True, "gates": {"smoke": True, "outputs.agreement": False}}
+    e.verification = {"passed": False, "gates": {"smoke": True, "outputs.agreement": False}}
     e.metrics = {"tokens_per_second": 12.5, "baseline_tokens_per_second": 10.0, "per_user_p50": 0.5,
                  "per_user_p90": 1.0, "ttft_p50": 0.01, "ttft_p90": 0.02, "noise": 0.03, "dtype": "int8"}
     e.profile = builtin_profile("chat").to_dict()
@@ -150,8 +152,9 @@ def test_forward_pass_object_is_built_from_the_crd_model_and_round_trips() -> No
     assert spec["metrics"] == {"tokensPerSecond": 12.5, "baselineTokensPerSecond": 10.0, "speedup": 1.2,
                                "perUserTokensPerSecondP50": 0.5, "perUserTokensPerSecondP90": 1.0,
                                "ttftP50Seconds": 0.01, "ttftP90Seconds": 0.02, "noise": 0.03}
-    assert spec["verification"] == {"passed": True, "gates": [{"name": "smoke", "passed": True},
-                                                              {"name": "outputs.agreement", "passed": False}]}
+    assert spec["verification"] == {"passed": False, "gates": [{"name": "smoke", "passed": True},
+                                                               {"name": "outputs.agreement", "passed": False}],
+                                    "artifactSha256": "c" * 64}  # the report names the bundle it verified
     assert spec["engine"] == {"env": env}
     assert spec["reasoning"] == [{"agent": "sweep-0", "note": "fused qkv"}]
     assert (spec["parent"], spec["compileRun"]) == ("parent-pass-v1", "ns/run-1")
@@ -165,6 +168,7 @@ def test_a_minimal_entry_leaves_the_optional_fields_out_and_a_bad_one_is_refused
     assert spec == {"model": {"name": "m", "architecture": "llama", "dtype": "bfloat16"},
                     "hardware": {"accelerator": "cpu", "count": 1},
                     "artifact": {"uri": "file:///d.tar.gz", "sha256": "d" * 64},
-                    "recipe": {"fuse_qkv": True}, "metrics": {}, "verification": {"passed": False, "gates": []}}
+                    "recipe": {"fuse_qkv": True}, "metrics": {},
+                    "verification": {"passed": False, "gates": [], "artifactSha256": "d" * 64}}
     with pytest.raises(ValidationError, match="sha256"):  # always validated against the CRD's model
         ClusterRegistry(api=None, namespace="ns").to_object(entry("x", "s", digest="not-a-digest"), "file:///x")

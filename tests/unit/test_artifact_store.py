@@ -18,8 +18,10 @@ from shapeshift.operator import builders
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.api import (
     ARTIFACT_MOUNT,
+    COMPILE_RUN_UID_ANNOTATION,
     CompileRunSpec,
     CompileRunStatus,
+    ForwardPassSpec,
     ForwardPassStatus,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
@@ -114,15 +116,24 @@ def test_claim_name_must_be_a_dns_name():
 
 
 def forward_pass(durable: str | None):
-    annotations = {} if durable is None else {"shapeshift.dev/artifact-durable": durable}
+    """A pass as its compile worker publishes it (its run: published_by)."""
+    annotations = {COMPILE_RUN_UID_ANNOTATION: "uid-1"}
+    if durable is not None:
+        annotations["shapeshift.dev/artifact-durable"] = durable
     return {"metadata": {"name": "fp-2", "annotations": annotations}, "spec": {
-        "model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
+        "model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "compileRun": "run-1",
         "artifact": {"uri": "file:///var/lib/shapeshift/run/fp.tar.gz", "sha256": "b" * 64},
-        "metrics": {"speedup": 1.3}, "verification": {"passed": True}}}
+        "metrics": {"speedup": 1.3}, "verification": {"passed": True, "artifactSha256": "b" * 64,
+                                                      "gates": [{"name": "greedy-match", "passed": True}]}}}
+
+
+def published_by(fp):
+    return {"metadata": {"name": "run-1", "uid": "uid-1"},
+            "status": {"champion": "fp-2", "championSpecSha256": ForwardPassSpec.model_validate(fp["spec"]).digest()}}
 
 
 def test_a_forward_pass_marked_not_durable_is_refused_with_its_own_reason():
-    target = resolve_target("fp-2", forward_pass("false"), spec())
+    target = resolve_target("fp-2", forward_pass("false"), spec(), published_by(forward_pass("false")))
     assert target.identity is None and target.reason == NOT_DURABLE and target.refused == "fp-2"
     assert "spec.artifacts.pvc" in target.problem and "emptyDir" in target.problem
     assert "file:///var/lib/shapeshift/run/fp.tar.gz" in target.problem
@@ -132,7 +143,8 @@ def test_a_forward_pass_marked_not_durable_is_refused_with_its_own_reason():
     assert condition[1:3] == ("False", "ArtifactNotDurable") and condition[3] == target.problem
     # Durable, or published before the annotation existed: rolled out as before.
     for durable in ("true", None):
-        assert resolve_target("fp-2", forward_pass(durable), spec()).identity is not None
+        fp = forward_pass(durable)
+        assert resolve_target("fp-2", fp, spec(), published_by(fp)).identity is not None
 
 
 # ---- the worker's last word survives the Job's completion --------------------------------------
