@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import datetime
 from typing import Any, Literal
 
@@ -39,13 +40,53 @@ class ForwardPassHardware(WireModel):
     count: int = Field(default=1, ge=1, le=64, description="Accelerators per engine.")
 
 
+# The locations the engine's rollout agent fetches (engine/rollout/agent.py ArtifactFetcher): a local
+# path, used in place, or an http(s) archive it downloads; nothing else.
+ARTIFACT_URI_PREFIXES = ("/", "file:///", "file://localhost/", "https://", "http://")
+_USERINFO = r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/]*@"
+_DOT_DOT = r"(^|/)[.][.](/|$)"
+
+
 class Artifact(WireModel):
     """Where the bundle lives."""
 
-    uri: str = Field(max_length=2048, description="Location of the bundle (file://, s3://, http(s)://, configmap://).")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(" || ".join(f"self.uri.startsWith('{p}')" for p in ARTIFACT_URI_PREFIXES),
+                    "spec.artifact.uri must be an absolute path, file:///path or an http(s):// URL: the engine "
+                    "fetches no other location"),
+                cel(f"!self.uri.matches('{_USERINFO}') && !self.uri.contains('?') && !self.uri.contains('#')",
+                    "spec.artifact.uri must carry no credentials: no user:password@, query string or fragment "
+                    "(the URI is copied into pod annotations that anyone who may get pods reads)"),
+                cel(f"!self.uri.matches('{_DOT_DOT}')",
+                    "spec.artifact.uri must not contain '..' segments: a path stays inside the folder it names"),
+            ]
+        }
+    )
+    uri: str = Field(
+        min_length=1, max_length=2048,
+        description="Location of the bundle, one of the locations the engine fetches: an absolute path on a volume "
+                    "the engine pods mount (the artifact store of spec.artifacts.pvc, mounted at "
+                    "/var/lib/shapeshift-artifacts), the same as file:///path, or an http(s):// URL of a .tar.gz "
+                    "it downloads. No other scheme. No user:password@, query string or fragment (the URI is copied "
+                    "into pod annotations), no '..' segments.")
     sha256: str = Field(pattern=r"^[a-f0-9]{64}$", max_length=64,
                         description="Bundle digest (the manifest digest, independent of packing) the engine checks before loading.")
     size_bytes: int | None = Field(default=None, ge=0, description="Size of the bundle.")
+
+    @model_validator(mode="after")
+    def _fetchable_without_credentials(self) -> "Artifact":
+        if not self.uri.startswith(ARTIFACT_URI_PREFIXES):
+            raise ValueError("spec.artifact.uri must be an absolute path, file:///path or an http(s):// URL: the "
+                             "engine fetches no other location")
+        if re.match(_USERINFO, self.uri) or "?" in self.uri or "#" in self.uri:
+            raise ValueError("spec.artifact.uri must carry no credentials: no user:password@, query string or "
+                             "fragment (the URI is copied into pod annotations that anyone who may get pods reads)")
+        if re.search(_DOT_DOT, self.uri):
+            raise ValueError("spec.artifact.uri must not contain '..' segments: a path stays inside the folder it "
+                             "names")
+        return self
 
 
 class ForwardPassMetrics(WireModel):

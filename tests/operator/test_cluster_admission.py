@@ -204,6 +204,25 @@ def test_a_verification_report_that_contradicts_itself_or_its_artifact_is_reject
     assert "spec.verification.artifactSha256 differs from spec.artifact.sha256" in message, message
 
 
+@pytest.mark.parametrize("uri, fragment", [
+    ("s3://bucket/fp.tar.gz", "spec.artifact.uri must be an absolute path, file:///path or an http(s):// URL"),
+    ("configmap://fp", "the engine fetches no other location"),
+    ("relative/fp.tar.gz", "spec.artifact.uri must be an absolute path"),
+    ("", "spec.artifact.uri"),
+    ("https://user:hunter2@store.example/fp.tar.gz", "spec.artifact.uri must carry no credentials"),
+    ("https://store.example/fp.tar.gz?X-Amz-Signature=abc", "no user:password@, query string or fragment"),
+    ("/var/lib/shapeshift-artifacts/../../etc/fp.tar.gz", "spec.artifact.uri must not contain '..' segments"),
+])
+def test_an_artifact_uri_the_engine_cannot_fetch_or_that_carries_credentials_is_rejected(crds, namespace, uri,
+                                                                                         fragment):
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-uri"},
+            "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
+                     "artifact": {"uri": uri, "sha256": "a" * 64},
+                     "verification": {"passed": True, "gates": [{"name": "greedy", "passed": True}]}}}
+    message = rejected(crds, namespace, "forwardpasses", body)
+    assert fragment in message and "hunter2" not in message, message
+
+
 @pytest.mark.parametrize("example", ["inferencedeployment.yaml", "compilerun.yaml"])
 def test_the_documented_examples_are_accepted(crds, namespace, example):
     """docs/examples/*.yaml, as a user would `kubectl apply` them: the API server's schema and CEL

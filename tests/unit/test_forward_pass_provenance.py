@@ -6,6 +6,7 @@ server: tests/operator/test_cluster_rollout.py)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -81,3 +82,23 @@ def test_a_report_that_contradicts_itself_or_its_artifact_is_refused():
         "fp-1", published(verification={"passed": False, "gates": [{"name": "g", "passed": False}]}), None)
     with pytest.raises(ValidationError, match="spec.verification.passed is true but a gate"):
         ForwardPassSpec.model_validate(failed_gate["spec"])
+
+
+@pytest.mark.parametrize("uri, fragment", [
+    ("s3://bucket/x.tar.gz", "must be an absolute path, file:///path or an http(s):// URL"),
+    ("file://host/x.tar.gz", "must be an absolute path"),
+    ("http://u:p@store/x.tar.gz", "must carry no credentials"),
+    ("https://store/x.tar.gz?sig=1", "must carry no credentials"),
+    ("/store/../x.tar.gz", "'..' segments"),
+])
+def test_artifact_uris_outside_the_engines_schemes_or_with_credentials_are_refused(uri, fragment):
+    with pytest.raises(ValidationError, match=re.escape(fragment)):
+        ForwardPassSpec.model_validate(published(artifact={"uri": uri, "sha256": SHA})["spec"])
+    # a pass stored before the rule existed is not trusted either (the rollout parses it first)
+    assert fragment in provenance_problem("fp-1", published(artifact={"uri": uri, "sha256": SHA}), None)
+
+
+def test_the_engines_locations_are_accepted():
+    for uri in ("/var/lib/shapeshift-artifacts/x.tar.gz", "file:///var/lib/x.tar.gz", "file://localhost/x.tar.gz",
+                "https://store.example/x.tar.gz", "http://store.svc:8080/x.tar.gz"):
+        ForwardPassSpec.model_validate(published(artifact={"uri": uri, "sha256": SHA})["spec"])
