@@ -34,3 +34,40 @@ def test_chat_answers_paris_streaming_and_not(smollm2_server):
         model="smollm2-135m", messages=QUESTION, max_tokens=30, temperature=0, stream=True) if c.choices)
     assert streamed == answer
     client.close()
+
+
+# A two-question multiple-choice task, as lm-eval's loglikelihood tasks are built: each choice
+# is scored by the logprob of its tokens after the question (echo + logprobs on /v1/completions).
+TINY_TASK_DOCS = [
+    {"question": "The capital of France is", "choices": [" Paris", " a banana"], "answer": 0},
+    {"question": "Two plus two equals", "choices": [" purple", " four"], "answer": 1},
+]
+
+
+def test_lm_eval_local_completions_loglikelihood(smollm2_server, smollm2_folder, tmp_path, monkeypatch):
+    import json
+
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in TINY_TASK_DOCS))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: shapeshift_tiny_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(f"model=smollm2-135m,base_url={smollm2_server.base_url}/v1/completions,"
+                    f"tokenizer={smollm2_folder},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"),
+        tasks=["shapeshift_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    acc = results["results"]["shapeshift_tiny_mc"]["acc,none"]
+    assert acc == 1.0, results["results"]  # a real 135M model gets these two right
