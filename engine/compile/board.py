@@ -183,14 +183,20 @@ class Board:
         return done
 
     def leaderboard(self, tier: str = "fast", k: int | None = 10) -> list[LeaderRow]:
-        """Best ok result per candidate on `tier`, fastest first."""
+        """Best ok result per candidate on `tier`, fastest first: by speedup over the stock pass
+        where recorded (chained through paired comparisons, so the machine's drift between
+        screens does not rank a pass against itself), else by throughput."""
+        def rank(metrics: dict[str, Any]) -> tuple[float, float]:
+            speedup = metrics.get("speedup")
+            return (-1.0 if speedup is None else float(speedup), float(metrics["throughput"]))
+
         best: dict[str, dict[str, Any]] = {}
         for e in self.results(tier):
             metrics = e.get("metrics") or {}
             if metrics.get("throughput") is None:
                 continue
             cur = best.get(e["digest"])
-            if cur is None or metrics["throughput"] > cur["metrics"]["throughput"]:
+            if cur is None or rank(metrics) > rank(cur["metrics"]):
                 best[e["digest"]] = e
         cands = {c["digest"]: c for c in self.entries("candidate")}
         rows = []
@@ -209,7 +215,7 @@ class Board:
                 note=(cand.get("note") or "")[:120],
                 trial_id=e["trial_id"],
             ))
-        rows.sort(key=lambda r: (-r.throughput, r.digest))
+        rows.sort(key=lambda r: (-(r.speedup if r.speedup is not None else -1.0), -r.throughput, r.digest))
         return rows if k is None else rows[:k]
 
 

@@ -156,6 +156,7 @@ class EngineEvaluator:
         self._loaded: dict[str, str | None] = {}  # tier -> bundle path currently active
         self._model_config = None
         self.fitted = None
+        self._draws = 0  # prompt draws so far: each repeat replays fresh prompts
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
@@ -324,8 +325,12 @@ class EngineEvaluator:
         return self._interleaved(tier, [cand], requests, repeats)[0]
 
     def _interleaved(self, tier: str, cands: list[Candidate], requests: int, repeats: int) -> list[Measurement]:
-        """Measure candidates in alternation (A B A B ...), so a change in machine load between
-        repeats hits all of them alike. A candidate that fails is marked failed; the others go on."""
+        """Measure candidates in alternation, the order reversed every repeat (A B, B A, A B, ...:
+        ABBA), so a change in machine load, and whatever the second slot of a pair inherits from
+        the first, hits all of them alike. Every candidate is warmed up on its own prompts before
+        anything counts; every repeat replays the same traffic shapes with fresh prompts (one
+        draw per repeat, shared by the candidates of that repeat). A candidate that fails is
+        marked failed; the others go on."""
         if self.settings.cpu_threads is not None and not self.on_cuda:
             import torch
 
@@ -338,7 +343,9 @@ class EngineEvaluator:
         prompts: list[ReplayRequest] | None = None
         warm_up: list[ReplayRequest] = []
         for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
-            for i, cand in enumerate(cands):
+            order = list(enumerate(cands))
+            prompts = None  # fresh prompts for this repeat (drawn at its first activation)
+            for i, cand in (order if rep % 2 == 0 else order[::-1]):
                 m = out[i]
                 if m.error is not None:
                     continue
@@ -352,7 +359,9 @@ class EngineEvaluator:
                     spent[i] += time.perf_counter() - t0
                     continue
                 if prompts is None:
-                    prompts = requests_from_profile(profile, eng, requests, self.settings.seed)
+                    self._draws += 1
+                    prompts = requests_from_profile(profile, eng, requests, self.settings.seed,
+                                                    token_seed=self.settings.seed * 1_000_003 + self._draws)
                     # On CUDA the warm-up replays every prompt: the first H200 run showed a
                     # quarter-length warm-up leaves the first measured repeat 12x slower
                     # (505 vs 6272 tok/s: graph buckets and Triton compiles still cold).
@@ -386,6 +395,11 @@ class EngineEvaluator:
         cand_m, inc_m = self._interleaved(FULL, [candidate, incumbent], s.confirm_requests,
                                           repeats or s.confirm_repeats)
         return cand_m, inc_m
+
+    def screen_paired(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
+        """Fast-tier replays of candidate and incumbent in alternation (ABBA): (candidate, incumbent)."""
+        s = self.settings
+        return tuple(self._interleaved(FAST, [candidate, incumbent], s.screen_requests, s.screen_repeats))
 
     def compare_final(self, champion: Candidate, stock: Candidate) -> tuple[Measurement, Measurement]:
         """The run's closing comparison (champion, stock), with final_repeats pairs."""

@@ -2,14 +2,15 @@
 
 Data flow:
     agents (threads) --candidates--> bounded experiment queue --> loop (one measuring thread)
-    loop: screen on the fast tier ---------------------------------> board "trial" + "result"
+    loop: screen on the fast tier, paired with the incumbent (ABBA) -> board "trial" + "result"
           faster than the incumbent by screen_margin? -> confirm on the full tier: traffic
             replay of candidate and incumbent in alternation (evaluator.compare)
           lower 95% bound of the paired speed ratio > 1 + noise floor (and >= min_speedup),
             (undecided: mean above that bar, lower bound below -> one more round of pairs, pooled)
             p90 per-user speed not worse? -> verify (the gate suite, against the stock pass)
           passed -> new incumbent -------------------------------> board "incumbent"
-    every few trials the incumbent is re-screened (the machine's load drifts)
+    every screen measures the incumbent too: its series over the run is the drift the report
+      gives (an evaluator that cannot pair: the incumbent is re-screened every few trials)
     budget (trials, wall clock) spent -> stop agents -> final paired comparison of the
       incumbent with the stock pass (the reported speedup; within noise -> nothing published)
       -> with a pass to beat (the deployment's active forward pass, measured first like a
@@ -42,11 +43,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from shapeshift.engine.compile import closing
 from shapeshift.engine.compile.agents.base import Agent, AgentWorker, submit
 from shapeshift.engine.compile.board import Board, format_leaderboard
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.job import Budget
-from shapeshift.engine.compile.measure import Evaluator, Measurement, Verification, beats, beats_paired, paired_gain, per_user_not_worse
+from shapeshift.engine.compile.measure import (Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
+                                               paired_gain, per_user_not_worse)
 from shapeshift.engine.compile.search_space import SearchSpace
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,7 @@ class CompileResult:
     # The champion against the plain-PyTorch pass where the baseline is another pass:
     # {"speedup", "low", "high", "pairs"} (None: the baseline is the plain pass, or no champion).
     vs_plain: dict[str, Any] | None = None
+    drift: dict[str, Any] = field(default_factory=dict)  # the incumbents' drift over the run (measure.drift_summary)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -111,6 +115,7 @@ class CompileResult:
             "speedup_bounds": None if self.speedup_bounds is None else list(self.speedup_bounds),
             "baseline_name": self.baseline_name,
             "vs_plain": self.vs_plain,
+            "drift": self.drift,
             "trials": self.trials,
             "confirms": self.confirms,
             "verifications": self.verifications,
@@ -159,6 +164,8 @@ class CompileLoop:
         self.baseline_full: Measurement | None = None
         self.incumbent: Incumbent | None = None
         self.incumbent_speedup = 1.0  # the incumbent over the stock pass, chained through paired comparisons
+        self.incumbent_fast_speedup = 1.0  # the same on the fast tier, chained through paired screens
+        self.drift: list[dict[str, Any]] = []  # the incumbent's measurements over the run (measure.drift_summary)
         self.best_fast_speedup = 1.0
         self.final: tuple[Measurement, Measurement] | None = None  # (champion, stock) of the final comparison
 
@@ -245,11 +252,13 @@ class CompileLoop:
 
     # ------------------------------------------------------------------ measuring
     def _record(self, cand: Candidate, trial_id: str, tier: str, m: Measurement, baseline: Measurement | None,
-                role: str | None = None, paired_with: Measurement | None = None) -> None:
+                role: str | None = None, paired_with: Measurement | None = None, speedup: float | None = None) -> None:
         metrics = m.metrics(baseline) if m.ok else {"seconds": m.seconds}
         if paired_with is not None and m.ok and paired_with.ok:
             gain, low, high = paired_gain(m, paired_with)
             metrics["paired_gain"] = {"mean": gain, "low": low, "high": high}
+        if speedup is not None and m.ok:
+            metrics["speedup"] = speedup  # over the stock pass, chained through paired comparisons
         self.board.append("result", trial_id=trial_id, digest=cand.digest, tier=tier, agent=cand.agent,
                           status="ok" if m.ok else "failed", metrics=metrics,
                           error=m.error, text=(f"{cand.agent} {cand.short}: {m.error}" if m.error else None),
@@ -271,29 +280,61 @@ class CompileLoop:
         self.board.append("trial", trial_id=trial_id, digest=base.digest, tier=tier, role="baseline")
         m = self.evaluator.screen(base) if tier == FAST else self.evaluator.confirm(base)
         self._record(base, trial_id, tier, m, m, role="baseline")
+        if m.ok:
+            self._note_drift(tier, base, m)
         if not m.ok:
             raise RuntimeError(f"the stock forward pass failed on the {tier} tier: {m.error}; nothing to compare against")
         return m
 
+    @property
+    def _pairs_screens(self) -> bool:
+        return callable(getattr(self.evaluator, "screen_paired", None))
+
     def _screen(self, cand: Candidate, trial_id: str | None) -> Measurement:
+        """The candidate on the fast tier, in alternation with the incumbent where the evaluator
+        can pair (the incumbent's fresh measurement replaces its fast figure and joins the drift)."""
         trial_id = trial_id or self._trial_id(cand)
         self.board.append("trial", trial_id=trial_id, digest=cand.digest, tier=FAST, agent=cand.agent)
+        inc = self.incumbent
+        inc_m = None
         try:
-            m = self.evaluator.screen(cand)
+            if self._pairs_screens:
+                m, inc_m = self.evaluator.screen_paired(cand, inc.candidate)
+            else:
+                m = self.evaluator.screen(cand)
         except Exception as exc:  # noqa: BLE001 - an evaluator bug for one candidate must not end the run
             log.exception("screening %s raised", cand.short)
             m = Measurement(error=f"evaluator raised {type(exc).__name__}: {exc}")
-        self._record(cand, trial_id, FAST, m, self.baseline_fast)
+        speedup = None
+        if inc_m is not None and inc_m.ok:
+            self._record(inc.candidate, trial_id + "-incumbent", FAST, inc_m, self.baseline_fast,
+                         role="incumbent-paired", speedup=self.incumbent_fast_speedup)
+            self._note_drift(FAST, inc.candidate, inc_m)
+            inc.fast = inc_m
+            if m.ok:
+                speedup = paired_gain(m, inc_m)[0] * self.incumbent_fast_speedup
+        elif m.ok and self.baseline_fast is not None:
+            speedup = m.mean / self.baseline_fast.mean
+        self._record(cand, trial_id, FAST, m, self.baseline_fast, paired_with=inc_m, speedup=speedup)
         self.trials += 1
-        if m.ok and self.baseline_fast is not None:
-            self.best_fast_speedup = max(self.best_fast_speedup, m.mean / self.baseline_fast.mean)
+        if speedup is not None:
+            self.best_fast_speedup = max(self.best_fast_speedup, speedup)
         return m
 
+    def _note_drift(self, tier: str, cand: Candidate, m: Measurement) -> None:
+        self.drift.append({"tier": tier, "digest": cand.digest, "elapsed_s": round(self.elapsed, 2), "mean": m.mean,
+                           "cv": m.cv, "stock": cand.agent == "baseline"})
+
     def _promising(self, fast: Measurement) -> bool:
-        """Screening: faster than the incumbent's fast-tier figure by `screen_margin`. Deliberately
-        lenient: the fast tier is quick but noisy; the paired full-tier confirmation decides."""
+        """Screening: faster than the incumbent by `screen_margin`, paired (the ratio of the two
+        measured in alternation) where the evaluator pairs. Deliberately lenient: the fast tier
+        is quick but noisy; the paired full-tier confirmation decides."""
         inc = self.incumbent.fast
-        return fast.ok and inc.ok and fast.mean > inc.mean * (1 + self.config.screen_margin)
+        if not (fast.ok and inc.ok):
+            return False
+        if self._pairs_screens and len(fast.samples) == len(inc.samples):
+            return paired_gain(fast, inc)[0] > 1 + self.config.screen_margin
+        return fast.mean > inc.mean * (1 + self.config.screen_margin)
 
     def _refresh_incumbent(self) -> None:
         """Re-measure the incumbent on the fast tier (the machine's load drifts; screening compares with it)."""
@@ -324,6 +365,8 @@ class CompileLoop:
                 full, inc_full = compare(cand, inc.candidate)
                 self._record(inc.candidate, tid + "-incumbent", FULL, inc_full, self.baseline_full,
                              role="incumbent-paired")
+                if inc_full.ok:
+                    self._note_drift(FULL, inc.candidate, inc_full)
             else:
                 full = self.evaluator.confirm(cand)
         except Exception as exc:  # noqa: BLE001
@@ -404,78 +447,12 @@ class CompileLoop:
             return
         gain = paired_gain(full, inc_full)[0] if paired else full.mean / inc_full.mean
         speedup = gain * self.incumbent_speedup
+        if self._pairs_screens and len(fast.samples) == len(self.incumbent.fast.samples):
+            self.incumbent_fast_speedup *= paired_gain(fast, self.incumbent.fast)[0]
         self.incumbent = Incumbent(cand, fast, full, verdict)
         self.incumbent_speedup = speedup
         self.board.append("incumbent", digest=cand.digest, speedup=speedup, agent=cand.agent)
         log.info("new incumbent %s by %s: %.3fx the stock pass on the full tier", cand.short, cand.agent, speedup or 0)
-
-    def _final_comparison(self, champion: Candidate) -> float | None:
-        """Champion against the stock pass, alternated in one window: the speedup we report."""
-        compare = getattr(self.evaluator, "compare", None)
-        if not callable(compare):
-            inc = self.incumbent
-            return inc.full.mean / self.baseline_full.mean if inc.full and self.baseline_full else None
-        base = self._baseline_candidate()
-        tid = self._trial_id(champion) + "-final"
-        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final")
-        champ_m, stock_m = getattr(self.evaluator, "compare_final", compare)(champion, base)
-        self._record(base, tid + "-stock", FULL, stock_m, None, role="final-stock")
-        self._record(champion, tid, FULL, champ_m, stock_m, role="final")
-        if not (champ_m.ok and stock_m.ok):
-            return None
-        self.final = (champ_m, stock_m)
-        gain, low, high = paired_gain(champ_m, stock_m)
-        self.board.note("loop", f"final: champion {champion.short} vs {self.config.baseline_name}, paired speed "
-                        f"ratio {gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final=True, gain=gain, low=low, high=high)
-        return gain
-
-    def _compare_with_plain(self, champion: Candidate) -> None:
-        """Champion against the plain-PyTorch pass (the second figure, labelled), when that is not the baseline."""
-        plain = self.plain_pass
-        if plain is None or plain.digest == self._baseline_candidate().digest or plain.digest == champion.digest:
-            return
-        tid = self._trial_id(champion) + "-final-vs-plain"
-        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final-vs-plain")
-        champ_m, plain_m = getattr(self.evaluator, "compare_final", self.evaluator.compare)(champion, plain)
-        self._record(plain, tid + "-plain", FULL, plain_m, None, role="final-plain")
-        self._record(champion, tid, FULL, champ_m, plain_m, role="final-vs-plain")
-        if champ_m.ok and plain_m.ok:
-            gain, low, high = paired_gain(champ_m, plain_m)
-            self.vs_plain = {"speedup": gain, "low": low, "high": high, "pairs": len(champ_m.samples)}
-            self.board.note("loop", f"final: champion {champion.short} vs the plain-PyTorch pass, paired speed ratio "
-                            f"{gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final_vs_plain=True, **self.vs_plain)
-
-    def _loses_to_pass_to_beat(self, champion: Candidate) -> str | None:
-        """Champion against the pass to beat, alternated in one window: why it is withdrawn (not
-        faster by min_speedup beyond the noise, or the champion failed to run), else None."""
-        rival = self.pass_to_beat
-        assert rival is not None
-        compare = getattr(self.evaluator, "compare_final", None) or getattr(self.evaluator, "compare", None)
-        tid = self._trial_id(champion) + "-final-vs-pass"
-        self.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final-vs-pass")
-        if callable(compare):
-            champ_m, rival_m = compare(champion, rival)
-        else:
-            champ_m, rival_m = self.evaluator.confirm(champion), self.evaluator.confirm(rival)
-        self._record(rival, tid + "-pass", FULL, rival_m, None, role="final-pass")
-        self._record(champion, tid, FULL, champ_m, rival_m, role="final-vs-pass")
-        if not champ_m.ok:
-            return f"the champion failed in its comparison with the pass to beat ({champ_m.error})"
-        if not rival_m.ok:
-            # A serving pass that no longer runs here is nothing to hold a verified champion back.
-            self.board.note("loop", f"the pass to beat ({rival.note}) failed to run ({rival_m.error}); the champion "
-                            "stands on its comparison with the stock pass", final_vs_pass=True, won=True)
-            return None
-        paired = callable(compare) and len(champ_m.samples) == len(rival_m.samples)
-        won = (beats_paired(champ_m, rival_m, self.config.min_speedup - 1) if paired
-               else beats(champ_m, rival_m) and champ_m.mean >= rival_m.mean * self.config.min_speedup)
-        gain, low, high = paired_gain(champ_m, rival_m) if paired else (champ_m.mean / rival_m.mean,) * 3
-        self.board.note("loop", f"final: champion {champion.short} vs the pass to beat ({rival.note}), speed ratio "
-                        f"{gain:.3f} (95% bounds {low:.3f}..{high:.3f})", final_vs_pass=True, gain=gain, won=won)
-        if won:
-            return None
-        return (f"not faster than the pass to beat beyond the noise (speed ratio {gain:.3f}, "
-                f"95% bounds {low:.3f}..{high:.3f}, needs {self.config.min_speedup:.3f})")
 
     # ------------------------------------------------------------------ agents
     def _start_agents(self) -> None:
@@ -594,7 +571,7 @@ class CompileLoop:
                     stop_reason = self._budget_left() or "agents have nothing new to propose"
                     break
                 cand, tid = nxt
-                if self.trials and self.config.refresh_incumbent_every and \
+                if self.trials and self.config.refresh_incumbent_every and not self._pairs_screens and \
                         self.trials % self.config.refresh_incumbent_every == 0:
                     self._refresh_incumbent()
                 fast = self._screen(cand, tid)
@@ -616,7 +593,7 @@ class CompileLoop:
             stop_reason = (stop_reason + "; " if stop_reason else "") + "the pass to beat is still the best"
             champion = None
         if champion is not None:
-            speedup = self._final_comparison(champion)
+            speedup = closing.final_comparison(self, champion)
             if self.final is not None and not beats_paired(*self.final):
                 # Each step beat its incumbent, but against the stock pass, measured side by side
                 # at the end, the gain does not clear the noise: publish nothing.
@@ -626,17 +603,17 @@ class CompileLoop:
                 stop_reason = (stop_reason + "; " if stop_reason else "") + "final comparison with the stock pass within noise"
                 champion, speedup = None, None
         if champion is not None and self.pass_to_beat is not None:
-            why = self._loses_to_pass_to_beat(champion)
+            why = closing.loses_to_pass_to_beat(self, champion)
             if why:
                 stop_reason = (stop_reason + "; " if stop_reason else "") + why
                 champion, speedup = None, None
         if champion is not None and callable(getattr(self.evaluator, "compare", None)):
-            self._compare_with_plain(champion)
+            closing.compare_with_plain(self, champion)
         bounds = tuple(paired_gain(*self.final)[1:]) if champion is not None and self.final is not None else None
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason,
-                               self.config.baseline_name, bounds, self.vs_plain)
+                               self.config.baseline_name, bounds, self.vs_plain, drift_summary(self.drift))
         log.info("compile finished (%s): %s\n%s", stop_reason, json.dumps(result.summary()),
                  format_leaderboard(self.board.leaderboard(FAST, k=10)))
         if self.on_status:

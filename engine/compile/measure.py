@@ -155,6 +155,27 @@ def beats_paired(candidate: Measurement, incumbent: Measurement, min_gain: float
     return low > 1 + max(incumbent.noise_floor, min_gain or 0.0)
 
 
+def drift_summary(series: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far one pass's own figure moved over the run, per tier: of the pass measured most
+    often there (the stock pass wins ties), its first, last, lowest and highest mean, last/first
+    and highest/lowest. ``series``: {"tier", "digest", "mean", "stock", ...} in time order.
+    Paired comparisons cancel this drift; unpaired ones would read it as a gain or a loss."""
+    out: dict[str, Any] = {}
+    for tier in sorted({e["tier"] for e in series}):
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for e in series:
+            if e["tier"] == tier:
+                runs.setdefault(e["digest"], []).append(e)
+        digest, points = max(runs.items(), key=lambda kv: (len(kv[1]), kv[1][0].get("stock", False)))
+        means = [p["mean"] for p in points]
+        out[tier] = {"digest": digest, "stock": bool(points[0].get("stock")), "measurements": len(means),
+                     "first": means[0], "last": means[-1], "low": min(means), "high": max(means),
+                     "last_over_first": means[-1] / means[0] if means[0] else None,
+                     "high_over_low": max(means) / min(means) if min(means) else None,
+                     "elapsed_s": [p.get("elapsed_s") for p in points]}
+    return out
+
+
 def per_user_not_worse(candidate: Measurement, incumbent: Measurement) -> bool:
     """Per-user p90 speed at least the incumbent's, within the incumbent's noise (absent data: no veto).
 

@@ -95,11 +95,23 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
               f"- trials per hour: fast {data['trials_per_hour']['fast']:.0f}, full {data['trials_per_hour']['full']:.0f}",
               f"- baseline: fast {result.baseline_fast.mean:.1f} tok/s (cv {result.baseline_fast.cv:.3f})"
               + (f", full {result.baseline_full.mean:.1f} tok/s (cv {result.baseline_full.cv:.3f})" if result.baseline_full else ""),
+              *_drift_lines(result),
               f"- stopped: {result.stop_reason}", "", "## Leaderboard (fast tier)", "", "```",
               format_leaderboard(board.leaderboard(FAST, k=10)), "```", ""]
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(lines))
     return json_path, md_path
+
+
+def _drift_lines(result: CompileResult) -> list[str]:
+    """One line per tier: how far the incumbent's own figure moved over the run."""
+    lines = []
+    for tier, d in sorted((result.drift or {}).items()):
+        who = "the baseline" if d["stock"] else f"incumbent {d['digest'][:12]}"
+        lines.append(f"- drift ({tier} tier): {who} measured {d['measurements']}x, first {d['first']:.1f}, last "
+                     f"{d['last']:.1f} tok/s (last/first {d['last_over_first'] or 0:.3f}, high/low "
+                     f"{d['high_over_low'] or 0:.3f}); every comparison is paired, so this drift cancels")
+    return lines
 
 
 def _baseline(result: CompileResult) -> str:

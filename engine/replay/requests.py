@@ -72,8 +72,14 @@ def make_requests(shapes: list[dict[str, Any]], seed: int, vocab_size: int, max_
     return out
 
 
-def requests_from_profile(profile: Any, engine: Any, n: int, seed: int) -> list[ReplayRequest]:
-    """``n`` requests from ``profile`` sized for ``engine`` (its vocabulary, max_model_len, EOS ids)."""
+def requests_from_profile(profile: Any, engine: Any, n: int, seed: int,
+                          token_seed: int | None = None) -> list[ReplayRequest]:
+    """``n`` requests from ``profile`` sized for ``engine`` (its vocabulary, max_model_len, EOS ids).
+
+    ``token_seed`` (default: ``seed``) draws the prompts' tokens apart from their shapes: the
+    same traffic (lengths, prefix sharing, arrivals) with fresh prompts, so a repeated
+    measurement compares like with like and nothing can be answered from a memo of the last one.
+    """
     eos = set(getattr(engine.model_config, "eos_token_ids", []) or [])
-    return make_requests(sample_shapes(profile, n, seed), seed, engine.model_config.vocab_size,
-                         engine.config.max_model_len, eos)
+    return make_requests(sample_shapes(profile, n, seed), seed if token_seed is None else token_seed,
+                         engine.model_config.vocab_size, engine.config.max_model_len, eos)

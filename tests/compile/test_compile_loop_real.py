@@ -46,6 +46,16 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> Non
     with capsys.disabled():
         print(f"\nembedded default: champion={report['champion']} speedup={report['speedup']}")
     _incumbent_entries_are_verified(board)
+    # The pass to beat is the shipped serving default, named; every screen paired the incumbent,
+    # whose drift over the run is reported; the stock pass ranks at exactly 1x of itself.
+    assert report["baseline_name"].startswith("the shipped serving default (recipe torch;")
+    assert report["serving_default"]["recipe_name"] == "torch" and report["vs_plain"] is None
+    assert report["baseline_name"] in printed
+    paired = [r for r in board.results("fast") if r.get("role") == "incumbent-paired"]
+    assert len(paired) == 12 and all(len(r["metrics"]["samples"]) == 3 for r in paired)
+    assert report["drift"]["fast"]["measurements"] >= 2 and "drift (fast tier)" in (out / "report.md").read_text()
+    stock_row = [r for r in report["leaderboard"] if r["agent"] == "baseline"]
+    assert not stock_row or stock_row[0]["speedup"] == pytest.approx(1.0)
     if report["champion"] is None:
         assert "no verified improvement" in printed
         assert not (out / "champion").exists()
