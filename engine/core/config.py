@@ -204,8 +204,8 @@ class EngineConfig:
     # bucket, attention through the varlen path whose launch shape depends only on the bucket
     # (engine/core/mixed_graphs.py, docs/serving-performance.md). Dense models only (the MoE
     # prefill path sorts tokens by expert on the host); steps no bucket holds run eagerly.
-    # Measured on an H200 through the server (docs/serving-performance.md): agentic replay
-    # 5.9x the output tokens/s, burst 1.09x, chat 0.98x (within its run-to-run spread).
+    # Measured on an H200 through the server (docs/serving-performance.md): chat replay 3.1x the
+    # output tokens/s at 32 in flight (0.98x at 24 requests), agentic 5.9x, burst 1.09x.
     mixed_cuda_graphs: bool = True
     # [[tokens, seqs], ...]; None -> mixed_graphs.default_buckets (the token ladder up to
     # max_num_batched_tokens x sequence buckets up to max_num_seqs).
