@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                "(default: shapeshift-compile-out)")
     p.add_argument("--min-speedup", type=float, default=None,
                    help="least speedup over the incumbent, beyond the noise, to accept (default: 1.0)")
+    p.add_argument("--slo-ttft-p90", type=float, default=None, metavar="SECONDS",
+                   help="SLO: 90%% of requests get their first token within this (default: 1.0; the objective is "
+                        "goodput, the output tokens/s of requests that meet the SLO: engine/replay/slo.py)")
+    p.add_argument("--slo-per-user-p90", type=float, default=None, metavar="TOKENS_PER_S",
+                   help="SLO: 90%% of requests stream at least this many tokens/s each (default: 10)")
     p.add_argument("--registry", default=None, help="champion registry folder (default: OUT/../shapeshift-registry)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
@@ -156,7 +161,8 @@ def request_from_flags(args: argparse.Namespace, argv: Sequence[str]) -> JobRequ
         fast_layers=args.fast_layers, screen_repeats=args.screen_repeats, confirm_repeats=args.confirm_repeats,
         final_repeats=args.final_repeats, screen_requests=args.screen_requests,
         confirm_requests=args.confirm_requests, verify_prompts=args.verify_prompts, verify_steps=args.verify_steps,
-        cpu_threads=args.cpu_threads, timer=args.timer, min_speedup=args.min_speedup, seed=args.seed,
+        cpu_threads=args.cpu_threads, timer=args.timer, min_speedup=args.min_speedup,
+        slo_ttft_p90_s=args.slo_ttft_p90, slo_per_user_tokens_per_s_p90=args.slo_per_user_p90, seed=args.seed,
         deterministic=args.deterministic, registry=args.registry, use_registry=not args.no_registry,
         recipe_seeds=not args.no_recipe_seeds, compile_run=args.compile_run, artifact_dir=args.artifact_dir,
         command=("shapeshift", "compile", *argv))
@@ -226,7 +232,7 @@ def run(job: CompileJob, cluster: Any = None) -> int:
         confirm_requests=tiers.confirm_requests, length_scale=None, seed=job.seed, work_dir=str(out / "work"),
         cpu_threads=tiers.cpu_threads, timer=tiers.timer, verify_prompts=job.verification.prompts,
         verify_steps=job.verification.steps, engine_base={**serving.engine, **job.engine_base},
-        base_recipe=dict(serving.recipe))
+        base_recipe=dict(serving.recipe), slo=job.slo)
     evaluator = EngineEvaluator(profile, settings)
     space = evaluator.space()
     board = Board(out / "board.jsonl")

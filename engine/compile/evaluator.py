@@ -41,6 +41,7 @@ from typing import Any, Callable
 from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
 from shapeshift.engine.replay.driver import ReplayRun, run_once
 from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
+from shapeshift.engine.replay.slo import SLO
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
@@ -91,6 +92,8 @@ class EvaluatorSettings:
     # serving default's recipe: forward_pass/recipes.py serving_default): the defaults of the
     # recipe knobs, so the search space's default point is what serves.
     base_recipe: dict[str, Any] = field(default_factory=dict)
+    # The objective: goodput under this SLO (engine/replay/slo.py); None: output tokens/s.
+    slo: SLO | None = None
 
     @property
     def closing_pairs(self) -> int:
@@ -109,7 +112,7 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
 
 
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
-           clock: Callable[[], float] = time.perf_counter) -> ReplayRun:
+           clock: Callable[[], float] = time.perf_counter, slo: SLO | None = None) -> ReplayRun:
     """One closed-loop run (`concurrency` requests in flight, greedy, fixed lengths) through the
     engine's replay driver, shapeshift.engine.replay.driver.run_once. `clock` times everything
     (throughput, per-user speed, TTFT): wall, process or thread CPU time.
@@ -117,7 +120,7 @@ def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection pause inside one repeat would read as noise of the candidate
     try:
-        return run_once(engine, requests, concurrency, clock)
+        return run_once(engine, requests, concurrency, clock, slo)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -371,8 +374,15 @@ class EngineEvaluator:
                     if rep < 0:
                         replay(eng, warm_up, profile.concurrency, clock)
                     else:
-                        run = replay(eng, prompts, profile.concurrency, clock)
-                        m.samples.append(run.output_tokens_per_s)
+                        run = replay(eng, prompts, profile.concurrency, clock, self.settings.slo)
+                        m.throughput.append(run.output_tokens_per_s)
+                        if self.settings.slo is not None:
+                            m.slo_attainment.append(run.slo_attainment)
+                            if not run.goodput_tokens_per_s > 0:  # a measured outcome, not a crash: the engine stays
+                                m.error = (f"no request met the SLO ({self.settings.slo.describe()}): goodput 0; "
+                                           "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")
+                        m.samples.append(run.output_tokens_per_s if self.settings.slo is None
+                                         else run.goodput_tokens_per_s)
                         m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))
                         # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
                         m.per_user_p90.append(_zero_if_nan(run.per_user_tokens_per_s_p90))
@@ -451,7 +461,9 @@ class EngineEvaluator:
                 "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats},
-                "final_repeats": s.closing_pairs}
+                "final_repeats": s.closing_pairs,
+                "objective": "output tokens/s" if s.slo is None else f"goodput at {s.slo.describe()}",
+                "slo": None if s.slo is None else s.slo.to_dict()}
 
     def hardware(self) -> str:
         """Coarse hardware key for the registry: the GPU name, or 'cpu'."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
+from shapeshift.engine.replay.slo import SLO
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_PROFILE = "chat"
@@ -127,6 +128,8 @@ class CompileJob:
     tiers: TierSettings = field(default_factory=TierSettings)
     verification: VerificationSettings = field(default_factory=VerificationSettings)
     min_speedup: float = DEFAULT_MIN_SPEEDUP  # least speedup over the incumbent, beyond the noise
+    # The objective is goodput under this SLO (engine/replay/slo.py: its defaults and why goodput).
+    slo: SLO = field(default_factory=SLO)
     seed: int = 0
     deterministic: bool = False  # agents driven round-robin from the loop's thread
     registry: Path | None = None  # champion registry folder; None: neither seed from nor publish to one
@@ -163,7 +166,10 @@ class CompileJob:
                 cpu_threads=r.cpu_threads, timer=r.timer),
             verification=VerificationSettings(prompts=r.verify_prompts or DEFAULT_VERIFY_PROMPTS,
                                               steps=r.verify_steps or DEFAULT_VERIFY_STEPS),
-            min_speedup=r.min_speedup or DEFAULT_MIN_SPEEDUP, seed=r.seed or 0, deterministic=bool(r.deterministic),
+            min_speedup=r.min_speedup or DEFAULT_MIN_SPEEDUP,
+            slo=SLO(**{k: v for k, v in (("ttft_p90_s", r.slo_ttft_p90_s),
+                                         ("per_user_tokens_per_s_p90", r.slo_per_user_tokens_per_s_p90)) if v is not None}),
+            seed=r.seed or 0, deterministic=bool(r.deterministic),
             registry=registry, recipe_seeds=r.recipe_seeds is not False, compile_run=r.compile_run,
             artifact_dir=r.artifact_dir, command=tuple(r.command or ()))
 
@@ -197,6 +203,8 @@ class JobRequest:
     cpu_threads: int | None = None
     timer: str | None = None
     min_speedup: float | None = None
+    slo_ttft_p90_s: float | None = None
+    slo_per_user_tokens_per_s_p90: float | None = None
     seed: int | None = None
     deterministic: bool | None = None
     registry: str | None = None

@@ -30,9 +30,13 @@ DEFAULT_NOISE_FLOOR = 0.01  # +-1% even when the repeats agree perfectly
 
 @dataclass
 class Measurement:
-    """Repeated runs of one candidate on one tier. `samples`: output tokens/s per repeat."""
+    """Repeated runs of one candidate on one tier. `samples`: the objective per repeat: goodput
+    (output tokens/s of the requests that met the SLO, engine/replay/slo.py) when the evaluator
+    has an SLO, else output tokens/s."""
 
     samples: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)  # output tokens/s per repeat, every request counted
+    slo_attainment: list[float] = field(default_factory=list)  # share of requests that met the SLO, per repeat
     per_user_p50: list[float] = field(default_factory=list)  # per-user tokens/s, per repeat
     per_user_p90: list[float] = field(default_factory=list)
     # per-user end-to-end tokens/s (submission to last token, queueing included), p90 per repeat
@@ -70,7 +74,8 @@ class Measurement:
     def extended(self, more: Measurement) -> Measurement:
         """This measurement with `more`'s repeats appended (the same candidate, tier and request set)."""
         return Measurement(
-            samples=self.samples + more.samples, per_user_p50=self.per_user_p50 + more.per_user_p50,
+            samples=self.samples + more.samples, throughput=self.throughput + more.throughput,
+            slo_attainment=self.slo_attainment + more.slo_attainment, per_user_p50=self.per_user_p50 + more.per_user_p50,
             per_user_p90=self.per_user_p90 + more.per_user_p90,
             e2e_per_user_p90=self.e2e_per_user_p90 + more.e2e_per_user_p90,
             ttft_p50=self.ttft_p50 + more.ttft_p50, ttft_p90=self.ttft_p90 + more.ttft_p90,
@@ -97,6 +102,10 @@ class Measurement:
             values = getattr(self, name)
             if values:
                 out[name] = statistics.fmean(values)
+        if self.slo_attainment:  # the objective is goodput: say so, and keep the raw throughput
+            out["objective"] = "goodput"
+            out["output_tokens_per_s"] = statistics.fmean(self.throughput)
+            out["slo_attainment"] = statistics.fmean(self.slo_attainment)
         if baseline is not None and baseline.ok and self.ok:
             out["speedup"] = self.mean / baseline.mean
         return out

@@ -81,7 +81,9 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", "",
-             f"Pass to beat: {_baseline(result)}.", ""]
+             f"Pass to beat: {_baseline(result)}.", "",
+             f"Objective: {(context.get('evaluator') or {}).get('objective', 'output tokens/s')} (the leaderboard's "
+             "tok/s; speedups are paired ratios of it).", ""]
     if result.champion is None:
         lines.append(f"No candidate beat {_baseline(result)} beyond the measured noise and passed verification; "
                      "it stays.")

@@ -43,6 +43,10 @@ class ReplayRun:
     # does not see it). p90 in the same latency sense: the speed 90% of users beat.
     per_user_e2e_tokens_per_s_p50: float = float("nan")
     per_user_e2e_tokens_per_s_p90: float = float("nan")
+    # With an SLO (engine/replay/slo.py): output tokens/s of the requests that met it, and
+    # their share of the requests (NaN without one).
+    goodput_tokens_per_s: float = float("nan")
+    slo_attainment: float = float("nan")
 
 
 @dataclass
@@ -106,7 +110,7 @@ def _flush_prefix_cache(engine: Any) -> None:
 
 
 def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
-             clock: Any = time.perf_counter) -> ReplayRun:
+             clock: Any = time.perf_counter, slo: Any = None) -> ReplayRun:
     from shapeshift.engine.core.sampling import SamplingParams
 
     if engine.has_unfinished_requests():
@@ -155,6 +159,12 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
     per_user = [(produced[r] - 1) / (last[r] - first[r]) for r in first if produced[r] > 1 and last[r] > first[r]]
     end_to_end = [produced[r] / (last[r] - submitted[r]) for r in first if last[r] > submitted[r]]
     queried = bm.prefix_cache_queried_tokens - queried0
+    goodput = attainment = float("nan")
+    if slo is not None:
+        met = [r for r in first if slo.met(first[r] - submitted[r], (produced[r] - 1) / (last[r] - first[r])
+                                           if produced[r] > 1 and last[r] > first[r] else None)]
+        goodput = sum(produced[r] for r in met) / wall if wall else 0.0
+        attainment = len(met) / len(requests) if requests else 0.0
     return ReplayRun(wall_s=wall, output_tokens=total, output_tokens_per_s=total / wall if wall else 0.0,
                      per_user_tokens_per_s_p50=_percentile(per_user, 0.5),
                      # p90 of per-user speed in the latency sense: the speed 90% of users beat
@@ -163,7 +173,8 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
                      prefix_cache_hit_rate=(bm.prefix_cache_hit_tokens - hit0) / queried if queried else 0.0,
                      failed=failed,
                      per_user_e2e_tokens_per_s_p50=_percentile(end_to_end, 0.5),
-                     per_user_e2e_tokens_per_s_p90=_percentile(end_to_end, 0.1))
+                     per_user_e2e_tokens_per_s_p90=_percentile(end_to_end, 0.1),
+                     goodput_tokens_per_s=goodput, slo_attainment=attainment)
 
 
 def replay(engine: Any, requests: list[ReplayRequest], *, profile_name: str, seed: int,
