@@ -1,0 +1,89 @@
+"""The adversarial corpus grown against the verifier's known holes (issue 31), one entry per
+class of hole: each known-bad candidate must be rejected by the gate named here, with a reason.
+
+Entries in HOLES are still open: they pass verification today, and the test says so
+(strict xfail), so closing a hole without moving its entry out of HOLES fails too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.forward_pass.importer import load_bundle
+from shapeshift.engine.models.loader import random_weights
+from shapeshift.engine.models.presets import PRESETS
+from shapeshift.engine.verify import GateSettings, anticheat, verify_candidate
+from shapeshift.engine.verify import context as verify_context
+
+CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
+
+# candidate -> (class of hole, the gate that must reject it)
+CORPUS = {
+    "tamper_tolerances": (1, "outputs.agreement"),
+    "tamper_reference": (1, "outputs.agreement"),
+    "lazy_off_gate_thread": (2, "measured.outputs"),
+    "lazy_off_verifier_stack": (2, "measured.outputs"),
+    "long_context_window": (3, "coverage.long_context"),
+    "odd_batch_sizes": (3, "coverage.shapes"),
+    "mixed_step": (3, "coverage.mixed_steps"),
+    "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
+    "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
+    "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
+    "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
+}
+# Still passing verification (the holes not closed yet).
+HOLES = {"tamper_tolerances", "tamper_reference", "lazy_off_gate_thread", "lazy_off_verifier_stack",
+         "long_context_window", "odd_batch_sizes", "mixed_step", "weights_swap_keeps_sum",
+         "weights_touched_when_measured", "thread_named_shapeshift", "unwatched_thread_clock"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    preset = PRESETS["tiny-llama"]
+    cfg = ModelConfig.from_hf(preset.hf_config)
+    return cfg, random_weights(cfg, seed=preset.weight_seed, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture
+def verifier_state():
+    """Candidates of class 1 edit the verifier's module state in this process: put it back."""
+    tolerances = dict(verify_context.TOLERANCES)
+    yield
+    verify_context.TOLERANCES.clear()
+    verify_context.TOLERANCES.update(tolerances)
+    anticheat.restore_patched()
+
+
+def test_every_corpus_candidate_has_a_readme_naming_its_gate():
+    for name, (_, gate) in CORPUS.items():
+        readme = (CANDIDATES / name / "README.md").read_text()
+        assert f"`{gate}`" in readme, f"{name}/README.md does not name {gate}"
+
+
+def _verify(name: str, cfg, weights):
+    path = CANDIDATES / name
+    if name == "weights_touched_when_measured":  # the measured hot reload builds it first
+        loaded = load_bundle(path, allow_unmanifested=True)
+        loaded.module.build(cfg, weights, dict(loaded.recipe))
+        loaded.unload()
+    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=8.0, build_timeout_s=8.0))
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, request, name):
+    if name in HOLES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="hole still open: passes verification"))
+    cfg, weights = model
+    weights = {k: w.clone() for k, w in weights.items()}  # weights tampering stays in this copy
+    report = _verify(name, cfg, weights)
+    gate = CORPUS[name][1]
+    assert not report.passed
+    names = [g.name for g in report.gates]
+    assert gate in names, f"no gate {gate} in {names}"
+    target = report.gate(gate)
+    assert not target.passed and not target.skipped and target.evidence.get("reason"), str(target)
+    assert report.gate("smoke").passed
