@@ -10,13 +10,11 @@ The draw is the host sampler's math (engine/core/sampling.py: temperature, top-k
 the sorted row, the exponential race) in device ops with no host sync, its noise a
 counter-based hash of (the row's seed, token index) instead of a generator, so a row's draw
 depends only on its seed and logits, on the CPU and on CUDA alike. kernels.sampling.sample
-(SHAPESHIFT_CHUNK_SAMPLER=triton) avoids the sort, but at top-p 0.9 on the benchmark's random
-weights (near-flat rows: the nucleus holds most of the vocabulary) it falls back to its
-one-program-per-row exact search: batch-1 sampled decode with 8 overlapped steps ran at
-408 tok/s with it on an H200 against 587 tok/s for single steps with the host sampler
-(docs/serving-performance.md). Greedy rows get temperature 0: the first index of the maximum,
-as everywhere else. Only unseeded requests come here (ModelRunner.can_decode_steps): a seeded
-request's draws follow its own generator on the host.
+(SHAPESHIFT_CHUNK_SAMPLER=triton) avoids the sort, but on near-flat rows (random weights, top-p
+0.9) it made sampled multi-step decode slower than single steps (docs/serving-performance.md).
+Greedy rows get temperature 0: the first index of the maximum, as everywhere else. Only
+unseeded requests come here (ModelRunner.can_decode_steps): a seeded request's draws follow its
+own generator on the host.
 """
 
 from __future__ import annotations
