@@ -361,7 +361,9 @@ class LLMEngine:
         """Per prompt position, the logprob of that token given the ones before it and the
         ``top_n`` most likely tokens there [(id, logprob)]; None at position 0 (nothing
         precedes it). For ``echo`` with logprobs. Runs between two steps with requests in
-        flight: the prompt takes KV blocks of its own for one eager prefill and returns them."""
+        flight: the prompt takes KV blocks of its own for eager prefill chunks of at most
+        max_num_batched_tokens (so the logits held at once are [chunk, V], not [T, V]) and
+        returns them."""
         self.drain_inflight()
         seq = Sequence(request_id="__prompt_logprobs__", prompt_token_ids=list(prompt_token_ids),
                        params=SamplingParams(max_tokens=1))
@@ -370,19 +372,28 @@ class LLMEngine:
             raise InvalidRequestError(f"the KV cache has no room now for the {seq.num_tokens} prompt tokens "
                                       "whose logprobs were asked for (echo with logprobs); retry later", "echo")
         bm.append_slots(seq, seq.num_tokens)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None]
+        targets = torch.tensor(prompt_token_ids[1:] + [0], dtype=torch.int64)  # next token of each position
+        chunk = self.config.max_num_batched_tokens
         try:
-            batch = ScheduledBatch(seqs=[seq], num_new_tokens=[seq.num_tokens])
             with torch.inference_mode():
-                logprobs = torch.log_softmax(self.runner.prompt_logits(batch).float(), dim=-1)  # [T, V]
+                for start in range(0, seq.num_tokens, chunk):
+                    n = min(chunk, seq.num_tokens - start)
+                    seq.num_computed_tokens = start
+                    batch = ScheduledBatch(seqs=[seq], num_new_tokens=[n])
+                    logprobs = torch.log_softmax(self.runner.prompt_logits(batch).float(), dim=-1)  # [n, V]
+                    if start + n == seq.num_tokens:
+                        logprobs, n = logprobs[:-1], n - 1  # the last position predicts no prompt token
+                    ids = targets[start:start + n].to(logprobs.device)
+                    chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1).tolist()  # [n]
+                    tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+                    if top_n:
+                        values, top_ids = logprobs.topk(top_n, dim=-1)  # [n, top_n]
+                        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+                    out += list(zip(chosen, tops))
         finally:
             bm.deallocate(seq)
-        ids = torch.tensor(prompt_token_ids[1:], dtype=torch.int64, device=logprobs.device)
-        chosen = logprobs[:-1].gather(-1, ids[:, None]).squeeze(-1).tolist()  # [T-1]
-        tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
-        if top_n:
-            values, top_ids = logprobs[:-1].topk(top_n, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
-        return [None] + list(zip(chosen, tops))
+        return out
 
     # ------------------------------------------------------------------ hot swap
     def set_forward_pass(self, bundle: LoadedBundle, forward_pass: Any | None = None) -> None:

@@ -193,3 +193,21 @@ def test_the_api_and_the_sampler_agree_on_the_top_logprobs_maximum():
     from shapeshift.engine.serving import protocol
 
     assert protocol.MAX_TOP_LOGPROBS == sampling.MAX_TOP_LOGPROBS
+
+
+def test_prompt_logprobs_in_chunks_equal_one_pass(reference_engine):
+    """Long prompts are scored in prefill chunks of max_num_batched_tokens; the result is the same."""
+    import torch
+
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(100)]
+    whole = torch.log_softmax(reference_engine.prompt_logits(prompt).float(), dim=-1)
+    saved = reference_engine.config.max_num_batched_tokens
+    reference_engine.config.max_num_batched_tokens = 32
+    try:
+        chunked = reference_engine.prompt_logprobs(prompt, top_n=2)
+    finally:
+        reference_engine.config.max_num_batched_tokens = saved
+    assert len(chunked) == len(prompt) and chunked[0] is None
+    for pos in range(1, len(prompt)):
+        assert chunked[pos][0] == pytest.approx(whole[pos - 1, prompt[pos]].item(), abs=1e-5)
+        assert chunked[pos][1][0][0] == whole[pos - 1].argmax().item()
