@@ -66,7 +66,8 @@ __all__ = [
 
 QUANTILE_KEYS = ("p50", "p90", "p99")
 
-NoDataReason = Literal["PrometheusUnreachable", "NoTraffic", "TooFewRequests", "NoBaseline"]
+NoDataReason = Literal["PrometheusUnreachable", "PrometheusAnswerMalformed", "OutboundRefused", "TrafficQueryFailed",
+                       "NoTraffic", "TooFewRequests", "NoBaseline"]
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,9 @@ __all__ = [
 CONDITION_TRAFFIC = "TrafficObserved"
 CONDITION_DRIFT = "Drifted"
 FINISHED_PHASES = ("Succeeded", "Failed")
-TRAFFIC_REASONS = ("PrometheusUnreachable", "NoTraffic", "TooFewRequests")  # NoData reasons about the traffic
+# NoData reasons about the traffic (the TrafficQueryError reasons, and too little of it)
+TRAFFIC_REASONS = ("PrometheusUnreachable", "PrometheusAnswerMalformed", "OutboundRefused", "TrafficQueryFailed",
+                   "NoTraffic", "TooFewRequests")
 MANUAL_POLICY_NOTE = "policy Manual: create a CompileRun to act on it, or set spec.compilation.policy OnDrift"
 
 

@@ -60,11 +60,14 @@ from shapeshift.engine.contracts.metric_names import (
     REQUESTS_WAITING,
 )
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, TrafficWindow
+from shapeshift.operator.outbound import host_of, outbound_problem
 
 __all__ = [
     "DataQuality",
     "NoTrafficData",
     "ObservedTraffic",
+    "PrometheusAnswerMalformed",
+    "PrometheusRefused",
     "PrometheusTraffic",
     "PrometheusUnreachable",
     "SeriesSelector",
@@ -86,6 +89,18 @@ class PrometheusUnreachable(TrafficQueryError):
     """Prometheus did not answer, or answered with an error."""
 
     reason = "PrometheusUnreachable"
+
+
+class PrometheusRefused(TrafficQueryError):
+    """The outbound policy (operator/outbound.py) refuses the address; nothing was sent."""
+
+    reason = "OutboundRefused"
+
+
+class PrometheusAnswerMalformed(TrafficQueryError):
+    """Prometheus answered 200, but not with a vector of samples."""
+
+    reason = "PrometheusAnswerMalformed"
 
 
 class NoTrafficData(TrafficQueryError):
@@ -166,8 +181,11 @@ class PrometheusTraffic:
     """Reads observed traffic from one Prometheus through prometheus-api-client."""
 
     def __init__(self, url: str, *, timeout_seconds: float = 5.0, headers: dict[str, str] | None = None,
-                 disable_ssl: bool = False) -> None:
+                 disable_ssl: bool = False, allowed_cidrs: tuple[str, ...] = ()) -> None:
         self.url = url.rstrip("/")
+        self.host = host_of(self.url)  # what messages quote: never the URL's userinfo or path
+        # Checked before the first query, so nothing is sent to a refused address.
+        self._refused = outbound_problem(self.url, allowed_cidrs, what="the Prometheus address")
         # One quick attempt: the drift timer retries on its own schedule, and a
         # check stuck in urllib3's backoff would delay the NoData condition.
         self._client = PrometheusConnect(
@@ -188,22 +206,31 @@ class PrometheusTraffic:
 
     def query(self, promql: str, at: datetime | None = None) -> list[dict[str, Any]]:
         """An instant query; connection failures and error answers become PrometheusUnreachable."""
+        if self._refused is not None:
+            raise PrometheusRefused(self._refused)
         params = {"time": f"{at.timestamp():.3f}"} if at is not None else None
         try:
-            return self._client.custom_query(promql, params=params)
+            result = self._client.custom_query(promql, params=params)
         except requests.RequestException as err:
             raise PrometheusUnreachable(
-                f"Prometheus at {self.url} cannot be reached ({_short_cause(err)}); check the "
+                f"Prometheus at {self.host} cannot be reached ({_short_cause(err)}); check the "
                 "operator's Prometheus address (chart value prometheus.url) and that Prometheus is running"
             ) from err
         except PrometheusApiClientException as err:
+            # The exception carries the answer's body: quote only its HTTP status.
+            status = str(err).split()[3] if str(err).startswith("HTTP Status Code") else "an error"
             raise PrometheusUnreachable(
-                f"Prometheus at {self.url} rejected the query {promql!r}: {err}"
+                f"Prometheus at {self.host} rejected the query {promql!r} (HTTP {status})"
             ) from err
         except ValueError as err:  # a body that is not JSON: something else listens on that address
             raise PrometheusUnreachable(
-                f"{self.url} did not answer like a Prometheus HTTP API ({err}); check the address"
+                f"{self.host} did not answer like a Prometheus HTTP API (not JSON); check the address"
             ) from err
+        except (KeyError, TypeError, AttributeError) as err:  # JSON without data.result
+            raise PrometheusAnswerMalformed(
+                f"Prometheus at {self.host} answered the query {promql!r} without data.result; check the address"
+            ) from err
+        return _samples(result, self.host, promql)
 
     def scalar(self, promql: str, at: datetime | None = None) -> float | None:
         """The value of a one-element vector, or None when the vector is empty or NaN."""
@@ -244,7 +271,7 @@ class PrometheusTraffic:
         requests_seen = self.scalar(q["requests"], evaluated_at)
         if requests_seen is None:
             raise NoTrafficData(
-                f"Prometheus at {self.url} has no {PROMPT_TOKENS} series for {selector.describe()} in the last "
+                f"Prometheus at {self.host} has no {PROMPT_TOKENS} series for {selector.describe()} in the last "
                 f"{w}: no engine pod of this deployment is being scraped (check the ServiceMonitor or scrape "
                 "annotations and the namespace/deployment target labels)"
             )
@@ -315,7 +342,11 @@ class PrometheusTraffic:
         """Per-bucket (not cumulative) request counts over the window, finite buckets only."""
         cumulative: list[tuple[float, float]] = []
         for series in self.query(promql, at):
-            le = float(series["metric"].get("le", "nan"))
+            try:
+                le = float(series["metric"].get("le", "nan"))
+            except (TypeError, ValueError):
+                raise PrometheusAnswerMalformed(f"Prometheus at {self.host} answered {promql!r} with a bucket "
+                                                "whose le label is not a number") from None
             value = float(series["value"][1])
             if math.isfinite(le) and not math.isnan(value):
                 cumulative.append((le, value))
@@ -334,6 +365,29 @@ class PrometheusTraffic:
         while result and result[-1]["weight"] <= 0:
             result.pop()
         return result
+
+
+def _samples(result: Any, host: str, promql: str) -> list[dict[str, Any]]:
+    """``result`` checked to be a vector: [{"metric": {label: value}, "value": [time, "number"]}]."""
+    def well_formed(series: Any) -> bool:
+        if not isinstance(series, dict) or not isinstance(series.get("metric", {}), dict):
+            return False
+        value = series.get("value")
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            return False
+        try:
+            float(value[1])
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    if not isinstance(result, list) or not all(well_formed(series) for series in result):
+        raise PrometheusAnswerMalformed(
+            f"Prometheus at {host} answered the query {promql!r} with something other than a vector of samples "
+            "(data.result[].metric, data.result[].value); check the address")
+    for series in result:
+        series.setdefault("metric", {})
+    return result
 
 
 def _short_cause(err: BaseException) -> str:

@@ -14,6 +14,7 @@ Only the kubeconfig variables (KUBECONFIG, KUBERNETES_SERVICE_HOST) are read els
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -41,6 +42,9 @@ class OperatorSettings:
     # SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS. The engine's inter-token histogram has
     # 0.5-2 ms wide buckets below 10 ms; p90 differences smaller than that are interpolation noise.
     rollout_latency_resolution_seconds: float = 0.002
+    # SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS: comma-separated CIDRs the operator may connect to although they
+    # are link-local or cloud metadata addresses (operator/outbound.py); empty: none.
+    outbound_allowed_cidrs: tuple[str, ...] = ()
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -62,7 +66,21 @@ class OperatorSettings:
             rollout_min_requests=float(env.get("SHAPESHIFT_ROLLOUT_MIN_REQUESTS") or 20),
             rollout_latency_resolution_seconds=float(
                 env.get("SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS") or 0.002),
+            outbound_allowed_cidrs=_cidrs(env.get("SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS") or ""),
         )
+
+
+def _cidrs(text: str) -> tuple[str, ...]:
+    """SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS as networks; ValueError names the one that does not parse."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ValueError(f"SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS: {item!r} is not a CIDR (e.g. 169.254.10.0/24)") from None
+    return tuple(out)
 
 
 @functools.cache

@@ -224,6 +224,31 @@ class EnvVar(WireModel):
         return self
 
 
+# ---- outbound URLs (spec.prometheusUrl, spec.agents[].llm.endpoint) -------------------------
+
+# http(s), a host (and port), a path; no user:password@, query string or fragment: credentials
+# belong in Secrets, and these URLs are quoted in status and events.
+OUTBOUND_URL = r"^https?://[^/?#@]+(/[^?#]*)?$"
+
+
+def outbound_url_rule(field: str, path: str) -> dict[str, str]:
+    """The CEL rule of an optional outbound URL field `field` (wire name) at `path`."""
+    return cel(f"!has(self.{field}) || self.{field}.matches('{OUTBOUND_URL}')", outbound_url_message(path))
+
+
+def outbound_url_message(path: str) -> str:
+    return (f"{path} must be an http(s):// URL with no user:password@, query string or fragment "
+            "(credentials go in Secrets; the URL is quoted in status)")
+
+
+def check_outbound_url(url: str | None, path: str) -> None:
+    """The pydantic twin of outbound_url_rule (ValueError naming `path`)."""
+    import re
+
+    if url is not None and not re.match(OUTBOUND_URL, url):
+        raise ValueError(outbound_url_message(path))
+
+
 # ---- parsing helpers ------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ from pydantic import ConfigDict, Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (DNS_LABEL, DNS_SUBDOMAIN, BuiltinTrafficProfile, Condition, HardwareSpec,
-                                            StatusModel, WireModel, cel, default_of)
+                                            StatusModel, WireModel, cel, check_outbound_url, default_of,
+                                            outbound_url_rule)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 from shapeshift.operator.api.hardware import AcceleratorKind
 
@@ -29,12 +30,42 @@ class SecretKeyRef(WireModel):
     key: str = Field(default="api-key", max_length=253, description="Key in the Secret.")
 
 
+# Where an API key may travel over plain http: a Service of the cluster (one label, or *.svc[.cluster.local]).
+IN_CLUSTER_HTTP = r"^http://([a-z0-9]([-a-z0-9]*[a-z0-9])?|[^/:]+[.]svc([.]cluster[.]local)?)(:[0-9]+)?(/|$)"
+
+
 class LLMAgentSpec(WireModel):
     """An OpenAI-compatible endpoint for an LLM coding agent."""
 
-    endpoint: str = Field(max_length=1024, pattern=r"^https?://", description="Base URL of an OpenAI-compatible API.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                outbound_url_rule("endpoint", "spec.agents[].llm.endpoint"),
+                cel(f"!has(self.apiKeySecretRef) || self.endpoint.startsWith('https://') || "
+                    f"self.endpoint.matches('{IN_CLUSTER_HTTP}')",
+                    "spec.agents[].llm.endpoint must be https:// when spec.agents[].llm.apiKeySecretRef is set "
+                    "(plain http only to a Service of the cluster)"),
+            ]
+        }
+    )
+    endpoint: str = Field(max_length=1024, pattern=r"^https?://",
+                          description="Base URL of an OpenAI-compatible API: http(s)://host[:port][/path], no "
+                                      "user:password@, query or fragment; https when an API key is sent (plain http "
+                                      "only to a Service of the cluster). The operator refuses link-local and cloud "
+                                      "metadata addresses unless SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS allows them.")
     model: str = Field(max_length=256, description="Model name to ask.")
     api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key.")
+
+    @model_validator(mode="after")
+    def _no_credentials_in_the_clear(self) -> "LLMAgentSpec":
+        import re
+
+        check_outbound_url(self.endpoint, "spec.agents[].llm.endpoint")
+        if (self.api_key_secret_ref is not None and not self.endpoint.startswith("https://")
+                and not re.match(IN_CLUSTER_HTTP, self.endpoint)):
+            raise ValueError("spec.agents[].llm.endpoint must be https:// when spec.agents[].llm.apiKeySecretRef is "
+                             "set (plain http only to a Service of the cluster)")
+        return self
 
 
 class AgentSpec(WireModel):

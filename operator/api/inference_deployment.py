@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, model_validator
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (DNS_SUBDOMAIN, ENV_LIST_SCHEMA, MAX_ENV_VARS, BuiltinTrafficProfile,
                                             Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel,
+                                            check_outbound_url, outbound_url_rule,
                                             default_of)
 from shapeshift.operator.api.compile_run import (AgentSpec, BaselineSpec, CompileBudget, TierSpec,
                                                  VerificationSpec)
@@ -268,6 +269,7 @@ class InferenceDeploymentSpec(WireModel):
             "x-kubernetes-validations": [
                 cel("self.replicas == 0 || self.rollout.canaryReplicas <= self.replicas",
                     "spec.rollout.canaryReplicas must not exceed spec.replicas"),
+                outbound_url_rule("prometheusUrl", "spec.prometheusUrl"),
             ]
         }
     )
@@ -288,7 +290,9 @@ class InferenceDeploymentSpec(WireModel):
     )
     prometheus_url: str | None = Field(
         default=None, max_length=1024, pattern=r"^https?://",
-        description="Prometheus that scrapes this deployment (default: the operator's).",
+        description="Prometheus that scrapes this deployment (default: the operator's): http(s)://host[:port][/path], "
+                    "no user:password@, query or fragment. The operator refuses link-local and cloud metadata "
+                    "addresses unless the operator setting SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS allows them.",
     )
     artifacts: ArtifactStore | None = Field(
         default=None,
@@ -301,6 +305,7 @@ class InferenceDeploymentSpec(WireModel):
     def _canary_fits(self) -> "InferenceDeploymentSpec":
         if self.replicas and self.rollout.canary_replicas > self.replicas:
             raise ValueError("spec.rollout.canaryReplicas must not exceed spec.replicas")
+        check_outbound_url(self.prometheus_url, "spec.prometheusUrl")
         return self
 
 

@@ -32,7 +32,8 @@ from shapeshift.operator.api import (
 )
 from shapeshift.operator.handlers.errors import api_errors, parse_or_fail
 from shapeshift.operator.kube import Kube, kube_of
-from shapeshift.operator.settings import registered_timers
+from shapeshift.operator.outbound import outbound_problem
+from shapeshift.operator.settings import OperatorSettings, registered_timers
 from shapeshift.operator.status import StatusUpdate, compile_run_event, compile_run_status, newly_unschedulable
 
 CRUN = (GROUP, VERSION, COMPILE_RUN.plural)
@@ -67,6 +68,15 @@ def compile_run_start(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                                        [("Failed", "True", "InvalidDeployment", message)]))
         raise kopf.PermanentError(message)
 
+    refused = _refused_endpoints(run)
+    if refused:
+        message = "; ".join(refused)
+        kube.write_status(COMPILE_RUN, namespace, name,
+                          StatusUpdate({"phase": "Failed", "message": message},
+                                       [("Failed", "True", "OutboundRefused", message)]))
+        kopf.warn(body, reason="OutboundRefused", message=message[:1000])
+        raise kopf.PermanentError(message)
+
     parent = builders.Parent.from_body(body)
     for desired in builders.build_compile_rbac(parent, run):
         api_errors(lambda: kube.ensure(desired))
@@ -82,6 +92,15 @@ def compile_run_start(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
         [("DeploymentFound", "True", "Found", f"InferenceDeployment {dep_name}")],
     ), generation=body["metadata"].get("generation"))
     api_errors(lambda: _observe_run(body, kube))
+
+
+def _refused_endpoints(run: Any) -> list[str]:
+    """The agents' LLM endpoints the outbound policy refuses (checked before the Job exists, so
+    no compile pod is started to call them)."""
+    allowed = OperatorSettings.from_environ().outbound_allowed_cidrs
+    problems = (outbound_problem(agent.llm.endpoint, allowed, what=f"spec.agents[{i}].llm.endpoint")
+                for i, agent in enumerate(run.agents) if agent.llm is not None)
+    return [p for p in problems if p is not None]
 
 
 def _observe_run(body: kopf.Body, kube: Kube) -> None:

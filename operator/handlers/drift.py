@@ -20,6 +20,7 @@ from typing import Any
 
 import kopf
 from kubernetes.client import ApiException
+from pydantic import ValidationError
 
 from shapeshift.operator.api import (
     COMPILE_RUN,
@@ -28,11 +29,13 @@ from shapeshift.operator.api import (
     VERSION,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    short_error,
 )
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.drift_check import active_compile_run, check_drift, is_due, selector_for, thresholds_of
 from shapeshift.operator.kube import Kube, kube_of
-from shapeshift.operator.prometheus import ObservedTraffic, PrometheusTraffic, TrafficQueryError
+from shapeshift.operator.prometheus import (ObservedTraffic, PrometheusAnswerMalformed, PrometheusTraffic,
+                                            TrafficQueryError)
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
 TIMER_SECONDS = registered_timers().drift_timer_seconds
@@ -71,8 +74,13 @@ def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
     def observe() -> ObservedTraffic:
         if not url:
             raise _NoPrometheusAddress(NO_PROMETHEUS_ADDRESS)
-        with PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds) as prom:
-            return prom.observe(selector, window, at=now, name=f"{name}-observed")
+        with PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds,
+                               allowed_cidrs=settings.outbound_allowed_cidrs) as prom:
+            try:
+                return prom.observe(selector, window, at=now, name=f"{name}-observed")
+            except ValidationError as err:  # numbers no traffic profile can hold (negative lengths ...)
+                raise PrometheusAnswerMalformed(f"Prometheus at {prom.host} answered with figures that make no "
+                                                f"traffic profile ({short_error(err)[:300]})") from err
 
     check = check_drift(spec=typed_spec, status=typed_status, parent=Parent.from_body(body), observe=observe,
                         active_compile_run=active_compile_run(runs, name), settings=settings, now=now)

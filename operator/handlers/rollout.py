@@ -67,7 +67,8 @@ def _reports(url: str | None, settings: OperatorSettings, namespace: str, name: 
     if not url:
         return None, {}, NO_PROMETHEUS_ADDRESS
     selector = selector_for(namespace, name, spec, settings)
-    prometheus = PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds)
+    prometheus = PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds,
+                                   allowed_cidrs=settings.outbound_allowed_cidrs)
     queries = RolloutQueries(prometheus, selector, settings.prometheus_pod_label)
     try:
         return queries, queries.reports(), None

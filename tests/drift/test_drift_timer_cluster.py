@@ -16,7 +16,11 @@ TrafficObserved=False (PrometheusUnreachable) and creates nothing.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
+import threading
 import time
 
 import pytest
@@ -29,6 +33,33 @@ os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")  # only effective i
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+
+
+@contextlib.contextmanager
+def malformed_prometheus():
+    """A loopback HTTP server answering every query 200 with JSON that has no data.result."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            body = json.dumps({"status": "success", "data": {"resultType": "vector"}, "note": "secret-body"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture
@@ -116,8 +147,27 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
         condition = wait_until(unreachable_reported, timeout_s=30 + 2 * drift_handlers.TIMER_SECONDS,
                                what="TrafficObserved=False after Prometheus stopped")
         assert condition["status"] == "False"
-        assert server.url in condition["message"]
+        assert server.url.split("://", 1)[1] in condition["message"]  # host and port, nothing else
         assert len(runs()) == 1
+
+        # A loopback server that answers 200 without data.result, then a metadata address: each
+        # becomes TrafficObserved=False with its reason on the next check; no timer crashes.
+        with malformed_prometheus() as malformed_url:
+            for url, reason, fragment in [
+                    (malformed_url, "PrometheusAnswerMalformed", "without data.result"),
+                    ("http://169.254.169.254:9090", "OutboundRefused", "link-local or cloud metadata address")]:
+                custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", "llama",
+                                                      {"spec": {"prometheusUrl": url}})
+
+                def reported(reason=reason):
+                    st = idep().get("status") or {}
+                    cond = {c["type"]: c for c in st.get("conditions") or []}.get("TrafficObserved") or {}
+                    return cond.get("reason") == reason and cond
+
+                condition = wait_until(reported, timeout_s=30 + 2 * drift_handlers.TIMER_SECONDS,
+                                       what=f"TrafficObserved=False ({reason})")
+                assert condition["status"] == "False" and fragment in condition["message"], condition
+                assert "secret-body" not in condition["message"]
     assert runner.exception is None, runner.output[-4000:]
     # within two checks: the first one drifting (counted), the second one compiling
     decisions = [line.split("drift check: ", 1)[1].split()[0] for line in runner.output.splitlines()

@@ -72,6 +72,10 @@ def rejected(cluster, namespace, plural, body) -> str:
     ("value and valueFrom (CEL)", lambda s: s.update(engine={"env": [
         {"name": "DEBUG_LEVEL", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
      ["spec.engine.env[]: set value or valueFrom, not both"]),
+    ("prometheusUrl with a password (CEL)", lambda s: s.update(prometheusUrl="http://admin:hunter2@prom:9090"),
+     ["spec.prometheusUrl must be an http(s):// URL with no user:password@"]),
+    ("prometheusUrl with a token in the query (CEL)", lambda s: s.update(prometheusUrl="https://prom/?token=abc"),
+     ["spec.prometheusUrl must be an http(s):// URL with no user:password@, query string or fragment"]),
     ("env name not an identifier", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT-PDL", "value": "0"}]}),
      ["spec.engine.env[0].name", "should match"]),
     ("env name twice", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_PDL", "value": "0"},
@@ -95,6 +99,12 @@ def test_bad_compile_runs_are_rejected(crds, namespace):
         (lambda s: s.update(agents=[{"kind": "llm"}]), "an agent of kind llm needs llm settings"),
         (lambda s: s.update(traffic={"builtin": "chat", "prometheus": {}}), "set at most one of spec.traffic"),
         (lambda s: s.pop("deploymentRef"), "spec.deploymentRef"),
+        (lambda s: s.update(agents=[{"kind": "llm", "llm": {"endpoint": "http://api.example.com/v1", "model": "m",
+                                                            "apiKeySecretRef": {"name": "k"}}}]),
+         "spec.agents[].llm.endpoint must be https:// when spec.agents[].llm.apiKeySecretRef is set"),
+        (lambda s: s.update(agents=[{"kind": "llm", "llm": {"endpoint": "https://me:pw@api.example.com/v1",
+                                                            "model": "m"}}]),
+         "spec.agents[].llm.endpoint must be an http(s):// URL with no user:password@"),
     ]:
         body = copy.deepcopy(base)
         mutate(body["spec"])
