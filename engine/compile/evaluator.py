@@ -111,9 +111,10 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
     return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
 
 
-def replay(engine: Any, requests: list[ReplayRequest], concurrency: int,
+def replay(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
            clock: Callable[[], float] = time.perf_counter, slo: SLO | None = None) -> ReplayRun:
-    """One closed-loop run (`concurrency` requests in flight, greedy, fixed lengths) through the
+    """One run (closed loop: `concurrency` requests in flight; None: open loop at the requests'
+    arrival times; greedy, fixed lengths) through the
     engine's replay driver, shapeshift.engine.replay.driver.run_once. `clock` times everything
     (throughput, per-user speed, TTFT): wall, process or thread CPU time.
     """
@@ -343,6 +344,8 @@ class EngineEvaluator:
         out = [Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
                                                                   "profile": profile.name}) for _ in cands]
         spent = [0.0] * len(cands)
+        # Open loop at the profile's arrival times where it has a rate; closed loop at its concurrency otherwise.
+        concurrency = None if profile.arrival_rate else profile.concurrency
         prompts: list[ReplayRequest] | None = None
         warm_up: list[ReplayRequest] = []
         for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
@@ -372,9 +375,9 @@ class EngineEvaluator:
                 try:
                     self._fresh_cache(eng)
                     if rep < 0:
-                        replay(eng, warm_up, profile.concurrency, clock)
+                        replay(eng, warm_up, concurrency, clock)
                     else:
-                        run = replay(eng, prompts, profile.concurrency, clock, self.settings.slo)
+                        run = replay(eng, prompts, concurrency, clock, self.settings.slo)
                         m.throughput.append(run.output_tokens_per_s)
                         if self.settings.slo is not None:
                             m.slo_attainment.append(run.slo_attainment)

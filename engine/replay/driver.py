@@ -126,10 +126,18 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
     last: dict[str, float] = {}
     produced: dict[str, int] = {}
     failed = 0
-    start = clock()
+    # Open loop: while nothing is in flight the clock jumps to the next arrival instead of
+    # sleeping (the engine is idle either way), which also makes arrival times work on a CPU-time
+    # clock, where sleeping would not advance it.
+    skipped = 0.0
+
+    def now_abs() -> float:
+        return clock() + skipped
+
+    start = now_abs()
     in_flight = 0
     while pending or in_flight:
-        now = clock() - start
+        now = now_abs() - start
         while pending and in_flight < limit:
             i, req = pending[0]
             if open_loop and req.arrival_s is not None and req.arrival_s > now:
@@ -138,13 +146,15 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
             rid = f"replay-{i}"
             params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
             engine.add_request(rid, list(req.prompt_token_ids), params)
-            submitted[rid] = clock()
+            # open loop: a request's wait counts from its arrival, even when a step delayed its submission
+            arrived = start + req.arrival_s if open_loop and req.arrival_s is not None else now_abs()
+            submitted[rid] = min(arrived, now_abs())
             in_flight += 1
         if not in_flight:
-            time.sleep(min(0.001, max(0.0, (pending[0][1].arrival_s or 0) - now)))
+            skipped += max(0.0, (pending[0][1].arrival_s or 0) - now)
             continue
         for out in engine.step():
-            t = clock()
+            t = now_abs()
             if out.new_token_ids:
                 first.setdefault(out.request_id, t)
                 last[out.request_id] = t
@@ -153,7 +163,7 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
                 in_flight -= 1
                 if out.finish_reason not in ("length", "stop"):
                     failed += 1
-    wall = clock() - start
+    wall = now_abs() - start
     total = sum(produced.values())
     ttft = [first[r] - submitted[r] for r in first]
     per_user = [(produced[r] - 1) / (last[r] - first[r]) for r in first if produced[r] > 1 and last[r] > first[r]]

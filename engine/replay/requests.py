@@ -6,8 +6,10 @@ Data flow:
       --sample_shapes--> [{prompt_len, output_len, shared_prefix_len, arrival_s}]
       --make_requests--> [ReplayRequest(prompt_token_ids, max_tokens, arrival_s)]
          lengths clipped to the engine's max_model_len (output to a quarter of it), the
-         shared prefix as one fixed random token string, the rest random token ids (EOS
-         ids avoided); same seed -> same requests
+         shared prefix as one fixed token string, the rest each request's own; tokens are
+         spans of real text (engine/replay/corpus.py, the model's tokenizer) where the
+         engine has a tokenizer, else random token ids; EOS ids avoided; same seed -> same
+         requests
 
 Used by the replay driver (engine/replay/driver.py), the measurement tiers and the compile
 loop's evaluator (engine/compile/evaluator.py), so every measurement replays the same kind
@@ -55,18 +57,31 @@ def load_shapes(path: str | Path) -> dict[str, Any]:
 
 
 def make_requests(shapes: list[dict[str, Any]], seed: int, vocab_size: int, max_model_len: int,
-                  avoid_token_ids: set[int] | frozenset[int] = frozenset()) -> list[ReplayRequest]:
-    """Token ids for request shapes: one shared prefix string, the rest random, all from ``seed``."""
+                  avoid_token_ids: set[int] | frozenset[int] = frozenset(),
+                  text_tokens: list[int] | None = None) -> list[ReplayRequest]:
+    """Token ids for request shapes: one shared prefix string, the rest each request's own, all
+    from ``seed``. ``text_tokens`` (a tokenized corpus): every string is a span of it from a
+    random offset; None: random token ids."""
     rng = random.Random(seed)
     usable = [t for t in range(min(vocab_size, 1 << 16)) if t not in avoid_token_ids]
+
+    def draw(n: int) -> list[int]:
+        if not text_tokens:
+            return [rng.choice(usable) for _ in range(n)]
+        out: list[int] = []
+        while len(out) < n:  # a span from a random offset, wrapping into another when the corpus ends
+            start = rng.randrange(len(text_tokens))
+            out += text_tokens[start:start + n - len(out)]
+        return out
+
     longest_prefix = max((s["shared_prefix_len"] for s in shapes), default=0)
-    shared = [rng.choice(usable) for _ in range(longest_prefix)]
+    shared = draw(longest_prefix)
     out = []
     for s in shapes:
         max_tokens = max(1, min(int(s["output_len"]), max_model_len // 4))
         prompt_len = max(1, min(int(s["prompt_len"]), max_model_len - max_tokens - 1))
         prefix = shared[:min(int(s["shared_prefix_len"]), prompt_len - 1)] if s["shared_prefix_len"] else []
-        tail = [rng.choice(usable) for _ in range(prompt_len - len(prefix))]
+        tail = draw(prompt_len - len(prefix))
         out.append(ReplayRequest(prompt_token_ids=prefix + tail, max_tokens=max_tokens, arrival_s=s.get("arrival_s"),
                                  shared_prefix_len=len(prefix)))
     return out
@@ -81,5 +96,11 @@ def requests_from_profile(profile: Any, engine: Any, n: int, seed: int,
     measurement compares like with like and nothing can be answered from a memo of the last one.
     """
     eos = set(getattr(engine.model_config, "eos_token_ids", []) or [])
+    tokenizer = getattr(engine, "tokenizer", None)
+    text = None
+    if tokenizer is not None:
+        from shapeshift.engine.replay.corpus import corpus_tokens
+
+        text = corpus_tokens(tokenizer, eos, engine.model_config.vocab_size)
     return make_requests(sample_shapes(profile, n, seed), seed if token_seed is None else token_seed,
-                         engine.model_config.vocab_size, engine.config.max_model_len, eos)
+                         engine.model_config.vocab_size, engine.config.max_model_len, eos, text)
