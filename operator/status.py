@@ -60,6 +60,53 @@ def unschedulable_message(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
+# Container waiting reasons that mean the pod will not get better on its own.
+FAILING_WAITING_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                           "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+
+
+def _terminated_detail(terminated: dict[str, Any]) -> str:
+    code = terminated.get("exitCode")
+    detail = f"exit code {code}" + (f" ({terminated['reason']})" if terminated.get("reason") else "")
+    if terminated.get("message"):
+        detail += f", termination message: {str(terminated['message']).strip()[:1000]}"
+    return detail
+
+
+def pod_failure(pod: dict[str, Any]) -> str | None:
+    """Why `pod` is failing: a container that exited non-zero (exit code, reason, termination
+    message), one stuck in CrashLoopBackOff or an image pull error, or a Failed pod; with its
+    node. None: nothing is failing."""
+    st = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName")
+    where = f" on node {node}" if node else ""
+    name = pod["metadata"]["name"]
+    for container in st.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        last = (container.get("lastState") or {}).get("terminated") or {}
+        if waiting.get("reason") in FAILING_WAITING_REASONS:
+            detail = f"{waiting['reason']}" + (f": {waiting['message']}" if waiting.get("message") else "")
+            if last:
+                detail += f"; last run: {_terminated_detail(last)}"
+            return f"pod {name} container {container.get('name')}{where}: {detail}"[:4096]
+        if terminated and terminated.get("exitCode") not in (0, None):
+            return f"pod {name} container {container.get('name')}{where}: {_terminated_detail(terminated)}"[:4096]
+    if st.get("phase") == "Failed":
+        return f"pod {name}{where} failed: {st.get('reason') or ''} {st.get('message') or ''}".strip()[:4096]
+    return None
+
+
+def first_pod_failure(pods: list[dict[str, Any]]) -> str | None:
+    """pod_failure of the newest failing pod."""
+    for pod in sorted(pods, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]),
+                      reverse=True):
+        failure = pod_failure(pod)
+        if failure is not None:
+            return failure
+    return None
+
+
 def newest(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not pods:
         return None
@@ -88,7 +135,11 @@ def inference_deployment_status(
     rolled = deployment is not None and st.get("observedGeneration") == dep_generation
     dep_conditions = {c.get("type"): c for c in st.get("conditions") or []}
     progressing = dep_conditions.get("Progressing") or {}
+    replica_failure = dep_conditions.get("ReplicaFailure") or {}
+    cannot_create = (f"Deployment {deployment_name} cannot create pods: {replica_failure.get('message') or ''}".strip()
+                     if replica_failure.get("status") == "True" else None)
     unschedulable = unschedulable_message(pods)
+    failing = first_pod_failure(pods)
 
     conditions: list[tuple[str, Literal["True", "False", "Unknown"], str, str]] = []
     if deployment is None:
@@ -97,13 +148,26 @@ def inference_deployment_status(
         phase, message = "Degraded", f"Deployment {deployment_name}: {progressing.get('message', 'progress deadline exceeded')}"
     elif rolled and ready >= desired_replicas and updated >= desired_replicas and replicas == desired_replicas:
         phase, message = "Ready", f"{ready}/{desired_replicas} engine pods ready"
+    elif cannot_create:
+        phase, message = "Degraded", f"{ready}/{desired_replicas} engine pods ready; {cannot_create}"
+    elif failing:
+        phase, message = "Degraded", f"{ready}/{desired_replicas} engine pods ready; {failing}"
     elif unschedulable:
         phase, message = "Degraded", f"{ready}/{desired_replicas} engine pods ready; {unschedulable}"
     else:
         phase, message = "Progressing", f"{ready}/{desired_replicas} engine pods ready"
 
-    conditions.append(("Ready", "True" if phase == "Ready" else "False", "AllReplicasReady" if phase == "Ready" else
-                       ("Unschedulable" if unschedulable else "ReplicasNotReady"), message))
+    not_ready = ("ReplicaFailure" if cannot_create else "PodsFailing" if failing else
+                 "Unschedulable" if unschedulable else "ReplicasNotReady")
+    conditions.append(("Ready", "True" if phase == "Ready" else "False",
+                       "AllReplicasReady" if phase == "Ready" else not_ready, message[:4096]))
+    if deployment is not None:
+        # Kept current on every resync: a pod that recovers, or a ReplicaSet that can create pods
+        # again, turns these back to True.
+        conditions.append(("PodsCreated", "False", "ReplicaFailure", cannot_create) if cannot_create else
+                          ("PodsCreated", "True", "Created", f"Deployment {deployment_name} creates its pods"))
+        conditions.append(("PodsHealthy", "False", "PodsFailing", failing) if failing else
+                          ("PodsHealthy", "True", "NoFailures", "no engine container is failing"))
     if unschedulable:
         conditions.append(("Scheduled", "False", "Unschedulable", unschedulable))
     elif pods:
@@ -224,15 +288,22 @@ def compile_run_status(
             fields["message"] = msg
         return StatusUpdate(fields, [("Complete", "True", complete.get("reason") or "Completed", msg[:4096]),
                                      ("Failed", "False", "Completed", "")])
+    failing = first_pod_failure(pods)
     if failed is not None:
         reason = failed.get("reason") or "JobFailed"
         detail = failed.get("message") or "the compile Job failed"
         msg = f"Job {job_name} failed ({reason}): {detail}"
+        if failing is not None:
+            msg += f"; {failing}"
         if reported is not None:
             msg += f"; last report of the worker: {reported}"
         fields.update(phase="Failed", completionTime=failed.get("lastTransitionTime"), message=msg[:4096])
         return StatusUpdate(fields, [("Failed", "True", reason, msg[:4096]), ("Complete", "False", reason, "")])
 
+    # A pod of an earlier attempt failed and the Job retries (backoffLimit): say why, and keep it
+    # current: the newest pod's failure, or none once it is past where the last one failed.
+    retry = (("PodFailed", "True", "ContainerFailed", failing) if failing is not None else
+             ("PodFailed", "False", "NoFailure", ""))
     unschedulable = unschedulable_message(pods)
     if unschedulable:
         msg = f"compile pod cannot be scheduled: {unschedulable}"
@@ -256,7 +327,9 @@ def compile_run_status(
     # replace a short run's final word with "compiling on node ...").
     if phase != current.phase and reported is None:
         fields["message"] = message
-    return StatusUpdate(fields, [bound])
+    if failing is not None and reported is None:
+        fields["message"] = f"retrying after a failed attempt: {failing}"[:4096]
+    return StatusUpdate(fields, [bound, retry])
 
 
 def compile_run_event(before_phase: str | None,

@@ -16,20 +16,43 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes.client import ApiException
 from pydantic import ValidationError
 
 from shapeshift.operator import builders
 from shapeshift.operator.api import GROUP, INFERENCE_DEPLOYMENT, VERSION, InferenceDeploymentSpec, parse_spec, parse_status
 from shapeshift.operator.handlers.children import engine_child_writers
-from shapeshift.operator.handlers.errors import api_errors, parse_or_fail
+from shapeshift.operator.handlers.errors import api_errors, api_message, parse_or_fail
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.rollout import RolloutState
 from shapeshift.operator.rollout_tick import identity_of, state_from_status
 from shapeshift.operator.settings import registered_timers
-from shapeshift.operator.status import engine_status, newly_unschedulable
+from shapeshift.operator.status import StatusUpdate, engine_status, newly_unschedulable
 
 IDEP = (GROUP, VERSION, INFERENCE_DEPLOYMENT.plural)
 RESYNC_SECONDS = registered_timers().resync_seconds
+
+
+CHILDREN_CONDITION = "ChildrenApplied"
+
+
+def _write_child(body: kopf.Body, kube: Kube, write):
+    """One child's write; a child the API server refuses (invalid, forbidden) becomes phase Failed,
+    condition ChildrenApplied=False with the API server's message, and a Warning event (once per
+    message), then a retry: the condition stays current until a write succeeds."""
+    try:
+        return api_errors(write)
+    except ApiException as error:
+        name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+        message = f"the API server refused a child of this InferenceDeployment: {api_message(error)}"[:4096]
+        before = parse_status(INFERENCE_DEPLOYMENT, body.get("status"))
+        prior = next((c for c in before.conditions or [] if c.type == CHILDREN_CONDITION), None)
+        kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, StatusUpdate(
+            {"phase": "Failed", "message": message}, [(CHILDREN_CONDITION, "False", "ChildRefused", message),
+                                                      ("Ready", "False", "ChildRefused", message)]))
+        if prior is None or prior.message != message:
+            kopf.warn(body, reason="ChildRefused", message=message[:1000])
+        raise kopf.TemporaryError(message, delay=30) from error
 
 
 def _reconcile_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube,
@@ -45,7 +68,7 @@ def _reconcile_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube
         rollout, active = state_from_status(status.rollout), identity_of(status.active_forward_pass)
     by_kind: dict[str, dict[str, Any]] = {}
     for write in engine_child_writers(kube, builders.Parent.from_body(body), spec, rollout, active):
-        action, desired, by_kind[desired["kind"]] = api_errors(write)
+        action, desired, by_kind[desired["kind"]] = _write_child(body, kube, write)
         if action != "unchanged":
             what = f"{desired['kind']} {desired['metadata']['name']}"
             logger.info("%s %s", action, what)
@@ -61,6 +84,8 @@ def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube,
     update = engine_status(name=name, spec=spec, generation=body["metadata"].get("generation"),
                            deployment=deployment,
                            pods=kube.list("Pod", namespace, builders.engine_selector(name)))
+    update.conditions.append((CHILDREN_CONDITION, "True", "Applied",
+                              "the engine ConfigMap, Service and Deployment match the spec"))
     before = parse_status(INFERENCE_DEPLOYMENT, body.get("status"))
     changed, _ = kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, update,
                                    generation=body["metadata"].get("generation"), read=stored)

@@ -2,10 +2,12 @@
 
     ApiException 409, 429, 5xx  --api_errors-->   kopf.TemporaryError (retried in 5 s)
     a spec the models reject    --parse_or_fail--> status phase Failed + Ready False, kopf.PermanentError
+    any other ApiException      --api_message-->  the API server's message, for a condition
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, TypeVar
 
 import kopf
@@ -27,6 +29,15 @@ def api_errors(call: Callable[[], T]) -> T:
         if error.status in (409, 429) or (error.status or 0) >= 500:
             raise kopf.TemporaryError(f"API server answered {error.status} {error.reason}; retrying", delay=5)
         raise
+
+
+def api_message(error: ApiException) -> str:
+    """The API server's own message of a refusal (its Status body), else status and reason."""
+    try:
+        message = json.loads(error.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return message or f"{error.status} {error.reason}"
 
 
 def parse_or_fail(kind: Kind, spec: Any, body: kopf.Body, kube: Kube) -> Any:

@@ -177,3 +177,38 @@ def test_scale_subresource_drives_the_engine_deployment(crds, namespace, operato
     wait_until(lambda: (kube.get("Deployment", namespace, "llama-engine") or {}).get("spec", {}).get("replicas") == 2,
                30, "the engine Deployment to follow the scale")
     wait_until(lambda: status(crds, namespace).get("readyReplicas") == 2, 60, "2 ready replicas")
+
+
+def test_a_child_the_api_server_refuses_is_reported_and_cleared_once_fixed(crds, namespace, operator, kube):
+    """Two bad inputs only the API server's own validation of the children catches (a memory
+    value that is not a quantity, a node selector key that is not a label): a Failed phase, ChildrenApplied=False quoting the API server, a Warning; kept
+    current, and back to True once the spec is fixed."""
+    make(crds, namespace, hardware={"accelerator": "cpu", "memory": "lots"}, replicas=1)
+
+    def refused(fragment):
+        def check():
+            st = status(crds, namespace)
+            c = {c["type"]: c for c in st.get("conditions") or []}.get("ChildrenApplied")
+            return c if c and c["status"] == "False" and fragment in c["message"] else None
+        return check
+
+    cond = wait_until(refused("quantities must match"), 60,
+                      "ChildrenApplied=False for a memory value that is not a quantity")
+    assert cond["reason"] == "ChildRefused" and "Deployment" in cond["message"], cond
+    assert status(crds, namespace)["phase"] == "Failed"
+    crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama",
+                                               {"spec": {"hardware": {"memory": "1Gi",
+                                                                      "nodeSelector": {"not a label!": "x"}}}})
+    cond = wait_until(refused("nodeSelector"), 60, "ChildrenApplied=False for a node selector key no node can have")
+    assert "not a label!" in cond["message"], cond
+    events = [e for e in crds.core.list_namespaced_event(namespace).items if e.reason == "ChildRefused"]
+    assert {e.type for e in events} == {"Warning"} and len(events) >= 2
+    crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama",
+                                               {"spec": {"hardware": {"nodeSelector": None}}})
+
+    def applied():
+        c = {c["type"]: c for c in status(crds, namespace).get("conditions") or []}.get("ChildrenApplied")
+        return c if c and c["status"] == "True" else None
+
+    wait_until(applied, 60, "ChildrenApplied=True once the spec is fixed")
+    assert kube.get("Deployment", namespace, "llama-engine") is not None

@@ -115,3 +115,71 @@ def test_status_writes_are_checked_against_the_model():
         _check_against_model(COMPILE_RUN, StatusUpdate({"phaze": "Running"}))
     with pytest.raises(ValidationError):
         _check_against_model(COMPILE_RUN, StatusUpdate({"phase": "Done"}))
+
+
+# ---- failures made visible: pods that cannot be created or keep failing, failed compile attempts ----
+
+
+def _engine_deployment(conditions):
+    return {"metadata": {"name": "llama-engine", "generation": 1},
+            "status": {"observedGeneration": 1, "replicas": 1, "conditions": conditions}}
+
+
+def _failing_pod(name, **container):
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:0" + name[-1] + "Z"},
+            "spec": {"nodeName": "gpu-0"},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "engine", **container}]}}
+
+
+def test_a_replicaset_that_cannot_create_pods_and_a_crashing_engine_are_in_status():
+    from shapeshift.operator.status import inference_deployment_status
+
+    def status_of(deployment, pods):
+        return inference_deployment_status(generation=1, desired_replicas=1, deployment=deployment, pods=pods,
+                                           deployment_name="llama-engine", service_name="llama", selector="x=y")
+
+    quota = _engine_deployment([{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                 "message": 'pods "llama-engine-1" is forbidden: exceeded quota: gpus'}])
+    update = status_of(quota, [])
+    assert update.fields["phase"] == "Degraded" and "exceeded quota" in update.fields["message"]
+    assert update.condition("Ready")[1:3] == ("False", "ReplicaFailure")
+    assert update.condition("PodsCreated")[1:3] == ("False", "ReplicaFailure")
+
+    crashing = _failing_pod("p1", state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                            lastState={"terminated": {"exitCode": 3, "reason": "Error",
+                                                      "message": "CUDA error: no kernel image"}})
+    update = status_of(_engine_deployment([]), [crashing])
+    ready, healthy = update.condition("Ready"), update.condition("PodsHealthy")
+    assert ready[1:3] == ("False", "PodsFailing") and healthy[1:3] == ("False", "PodsFailing")
+    for fragment in ("pod p1 container engine on node gpu-0", "CrashLoopBackOff", "exit code 3 (Error)",
+                     "termination message: CUDA error: no kernel image"):
+        assert fragment in healthy[3], healthy
+    # recovered: the conditions turn back on the next resync
+    fine = _failing_pod("p1", state={"running": {}})
+    assert status_of(_engine_deployment([]), [fine]).condition("PodsHealthy")[1] == "True"
+
+
+def test_a_failed_compile_attempt_names_exit_code_message_and_node_and_stays_current():
+    from shapeshift.operator.api import CompileRunStatus
+    from shapeshift.operator.status import compile_run_status
+
+    first = _failing_pod("p1", state={"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                      "message": "worker out of memory"}})
+    first["status"]["phase"] = "Failed"
+    retry = _failing_pod("p2", state={"running": {}})
+    job = {"metadata": {"name": "run-compile"}, "status": {"startTime": "2026-01-01T00:00:00Z", "active": 1}}
+    running = compile_run_status(current=CompileRunStatus(phase="Running"), job=job, job_name="run-compile",
+                                 pods=[first, retry])
+    failed = running.condition("PodFailed")
+    assert failed[1:3] == ("True", "ContainerFailed")
+    assert "pod p1 container engine on node gpu-0: exit code 137 (OOMKilled)" in failed[3]
+    assert "worker out of memory" in failed[3]
+    job["status"]["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                    "message": "Job has reached the specified backoff limit",
+                                    "lastTransitionTime": "2026-01-01T00:10:00Z"}]
+    second = _failing_pod("p2", state={"terminated": {"exitCode": 2, "message": "bad recipe"}})
+    done = compile_run_status(current=CompileRunStatus(phase="Running"), job=job, job_name="run-compile",
+                              pods=[first, second])
+    assert done.fields["phase"] == "Failed"
+    assert "BackoffLimitExceeded" in done.fields["message"] and "pod p2" in done.fields["message"]
+    assert "exit code 2, termination message: bad recipe" in done.fields["message"]
