@@ -1,7 +1,8 @@
 """CompileRun handlers: its least-privilege RBAC and Job, and the Job's fate as the run's status.
 
-    create/resume -> read its InferenceDeployment -> ensure ServiceAccount, Role, RoleBinding,
-                     Job (once) -> status
+    create/resume -> read its InferenceDeployment -> owner reference to it (deleting the
+                     deployment deletes the run, its Job and pod) -> ensure ServiceAccount, Role,
+                     RoleBinding, Job (once) -> status
     resync timer  -> Job conditions and pod scheduling -> phase, conditions
                      (status.compile_run_status), events (status.compile_run_event)
 
@@ -68,6 +69,7 @@ def compile_run_start(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                                        [("Failed", "True", "InvalidDeployment", message)]))
         raise kopf.PermanentError(message)
 
+    api_errors(lambda: _owned_by_deployment(kube, body, dep_body))
     refused = _refused_endpoints(run)
     if refused:
         message = "; ".join(refused)
@@ -92,6 +94,20 @@ def compile_run_start(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
         [("DeploymentFound", "True", "Found", f"InferenceDeployment {dep_name}")],
     ), generation=body["metadata"].get("generation"))
     api_errors(lambda: _observe_run(body, kube))
+
+
+def _owned_by_deployment(kube: Kube, body: kopf.Body, deployment: dict[str, Any]) -> None:
+    """Make the run a dependent of its InferenceDeployment (drift runs already are), so deleting
+    the deployment deletes the run, its Job and its pod through the garbage collector, freeing
+    the accelerators. Not a controller reference: a run created by hand stays the user's."""
+    refs = list(body["metadata"].get("ownerReferences") or [])
+    uid = deployment["metadata"]["uid"]
+    if any(ref.get("uid") == uid for ref in refs):
+        return
+    refs.append({"apiVersion": deployment["apiVersion"], "kind": deployment["kind"],
+                 "name": deployment["metadata"]["name"], "uid": uid})
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, body["metadata"]["namespace"], COMPILE_RUN.plural,
+                                               body["metadata"]["name"], {"metadata": {"ownerReferences": refs}})
 
 
 def _refused_endpoints(run: Any) -> list[str]:

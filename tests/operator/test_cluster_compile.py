@@ -209,3 +209,21 @@ def test_operator_killed_mid_run_finishes_with_one_job(crds, namespace, kube, ru
     finally:
         stop_operator(second)
     assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-4000:]
+
+
+def test_deleting_the_deployment_stops_its_manual_compile_run(crds, namespace, operator, kube):
+    """A CompileRun created by hand becomes a dependent of its InferenceDeployment: deleting the
+    deployment deletes the run, its Job and its pod (garbage collector), freeing the accelerator."""
+    make_deployment(crds, namespace)
+    make_run(crds, namespace)
+    wait_until(lambda: jobs(kube, namespace) or None, 60, "the run's Job")
+    run = crds.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "run-1")
+    (ref,) = [r for r in run["metadata"].get("ownerReferences") or [] if r["kind"] == "InferenceDeployment"]
+    assert ref["name"] == "llama" and not ref.get("controller")
+    crds.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", "llama")
+
+    def gone():
+        runs = crds.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns")["items"]
+        pods = kube.list("Pod", namespace, {"shapeshift.dev/compile-run": "run-1"})
+        return not runs and not jobs(kube, namespace) and not pods
+    wait_until(gone, 60, "the CompileRun, its Job and its pod deleted with the deployment")
