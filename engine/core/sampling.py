@@ -25,6 +25,7 @@ that also carries the row's most likely tokens as ``top`` [(token id, logprob)].
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -98,6 +99,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     repetition_penalty: float = 1.0  # HF/CTRL: logits of prompt or output tokens / (or *) this
+    # Constrained decoding (response_format): an object whose mask_logits(row [V], history) sets
+    # the logits of tokens the constraint forbids next to -inf, in place. One per sequence.
+    constraint: Any = field(default=None, repr=False, compare=False)
     # Bound per sequence by the engine when processors need it (see SequenceHistory).
     history: SequenceHistory | None = field(default=None, repr=False, compare=False)
 
@@ -152,12 +156,12 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether the logits change before sampling (min_tokens, bias, penalties)."""
         return bool(self.min_tokens or self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.constraint is not None)
 
     @property
     def needs_history(self) -> bool:
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.constraint is not None)
 
 
 def apply_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -165,7 +169,8 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     min_tokens (EOS / stop ids to -inf while the output is shorter), logit_bias (added),
     repetition penalty (positive logits of seen tokens divided by it, negative multiplied),
     presence and frequency penalties (OpenAI: minus presence x [count > 0] + frequency x count,
-    counts over the output). Applied before temperature, as OpenAI and vLLM do."""
+    counts over the output), then the constraint's mask. Applied before temperature, as
+    OpenAI and vLLM do."""
     out = logits.clone()
     vocab, device = logits.shape[-1], logits.device
     for i, p in enumerate(params):
@@ -191,6 +196,8 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         if p.presence_penalty or p.frequency_penalty:
             counts = h.output_counts(vocab, device)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.constraint is not None:
+            p.constraint.mask_logits(row, h)  # last: bias and penalties never re-allow a token
     return out
 
 

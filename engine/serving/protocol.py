@@ -11,13 +11,14 @@ offending field, built by `APIError` and `error_from_validation`.
 Field policy (docs/serving-api.md lists every field): every field of OpenAI's chat
 and completions request schemas is accepted. What the engine can honour, it does
 (n, penalties, logit_bias, logprobs and top logprobs up to MAX_TOP_LOGPROBS, echo
-with prompt logprobs, list prompts, stream_options.continuous_usage_stats, ...).
+with prompt logprobs, list prompts, stream_options.continuous_usage_stats,
+response_format json through xgrammar when installed, ...).
 Fields that change nothing about the output at any value (`store`, `metadata`,
 `user`, `service_tier`, `reasoning_effort`, `parallel_tool_calls`, ...) are
 accepted and logged at debug level (`INERT_FIELDS`). What it cannot honour is
 refused only when set to a non-neutral value, with a 400 that names the field
-and says what to do instead (tools, json response formats, audio, image parts,
-suffix, best_of other than n). A field outside the schemas is a 400 too, so a
+and says what to do instead (tools, audio, image parts, suffix, best_of other
+than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
 typo is not silently dropped. Extensions (as in vLLM): `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids` (adds `token_ids` to each choice).
@@ -388,17 +389,31 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
-    @field_validator("type")
+
+class ResponseFormat(BaseModel):
+    """`text`; `json_object` and `json_schema` are honoured through constrained decoding
+    (engine/serving/structured.py) when xgrammar is installed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
     @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"type {v!r} needs constrained decoding, which this engine does not have; "
-                             "send {\"type\": \"text\"} (or omit response_format) and ask for JSON in the prompt")
+    def _schema_given(cls, v: JsonSchemaFormat | None) -> JsonSchemaFormat | None:
+        if v is not None and v.schema_ is None:
+            raise ValueError("json_schema needs a 'schema' (a JSON Schema object)")
         return v
+
+    def constrained(self) -> bool:
+        return self.type != "text"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -477,6 +492,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_together(self) -> None:
         """Checks across fields (an APIError naming the field)."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+            raise APIError(400, "Invalid value for 'response_format': type json_schema needs "
+                                "'json_schema': {\"name\": ..., \"schema\": {...}}.",
+                           param="response_format.json_schema", code="invalid_value")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "Invalid value for 'top_logprobs': it needs logprobs: true; send both.",
                            param="top_logprobs", code="invalid_value")

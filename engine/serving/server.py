@@ -118,6 +118,7 @@ class _Handlers:
         self.max_model_len = int(self.engine.config.max_model_len)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.created = now_unix()
+        self._structured: Any = None  # structured.StructuredOutput, made on the first json response_format
 
     # ------------------------------------------------------------ parsing
 
@@ -208,6 +209,26 @@ class _Handlers:
         if n == 1:
             return [params]
         return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+
+    async def compile_response_format(self, rf: Any) -> Any:
+        """The compiled grammar of a json response_format (compiled off the event loop)."""
+        from shapeshift.engine.serving import structured
+
+        if not structured.available():
+            raise APIError(400, f"response_format type {rf.type!r} needs constrained decoding, and xgrammar is not "
+                                "installed on this server; install it (pip install xgrammar) and restart, or send "
+                                "{\"type\": \"text\"} and ask for JSON in the prompt.",
+                           param="response_format.type", code="unsupported_value")
+        if self._structured is None:
+            eos = sorted(self.engine.scheduler.eos_token_ids)
+            self._structured = await asyncio.to_thread(structured.StructuredOutput, self.engine.tokenizer,
+                                                       self.vocab_size, eos)
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        try:
+            return await asyncio.to_thread(self._structured.compile, rf.type, schema)
+        except Exception as exc:  # xgrammar's schema errors are the client's to fix
+            raise APIError(400, f"Invalid value for 'response_format.json_schema.schema': {exc}",
+                           param="response_format.json_schema", code="invalid_value") from None
 
     def log_inert(self, req: Any) -> None:
         fields = req.inert_fields_set()
@@ -473,9 +494,13 @@ class _Handlers:
         top_n = req.top_logprobs or 0
         params = self.sampling_params(req, len(prompt_ids), req.requested_max_tokens(),
                                       req.max_tokens_param(), want_logprobs, top_n)
+        per_choice = self.choice_params(params, req.n or 1)
+        if req.response_format is not None and req.response_format.constrained():
+            compiled = await self.compile_response_format(req.response_format)
+            for p in per_choice:
+                p.constraint = self._structured.constraint(compiled)  # one grammar state per choice
         request_id = new_id("chatcmpl")
-        started = await self.start_choices(
-            request_id, [(prompt_ids, p) for p in self.choice_params(params, req.n or 1)], arrival)
+        started = await self.start_choices(request_id, [(prompt_ids, p) for p in per_choice], arrival)
         created = now_unix()
 
         def logprobs_of(outs: list[Any]) -> ChatLogprobs | None:

@@ -211,3 +211,23 @@ def test_prompt_logprobs_in_chunks_equal_one_pass(reference_engine):
     for pos in range(1, len(prompt)):
         assert chunked[pos][0] == pytest.approx(whole[pos - 1, prompt[pos]].item(), abs=1e-5)
         assert chunked[pos][1][0][0] == whole[pos - 1].argmax().item()
+
+
+def test_json_schema_response_format_constrains_the_output(openai_client):
+    pytest.importorskip("xgrammar")
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    for seed in range(3):
+        resp = openai_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "yes or no?"}], max_tokens=12, temperature=1.0,
+            seed=seed, n=2, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        for choice in resp.choices:
+            assert json.loads(choice.message.content) in ("yes", "no"), choice.message.content
+            assert choice.finish_reason == "stop"  # only the stop token is allowed once the JSON is complete
+
+
+def test_json_object_response_format_starts_an_object(openai_client):
+    pytest.importorskip("xgrammar")
+    resp = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=8, temperature=0,
+        response_format={"type": "json_object"})
+    assert resp.choices[0].message.content.lstrip().startswith("{")

@@ -75,8 +75,10 @@ CASES = [
     # Fields the engine cannot honour: refused only at non-neutral values, saying what to do.
     ("tools", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("tool-choice-required", CHAT, _with(OK_CHAT, tool_choice="required"), 400, "tool_choice"),
-    ("response-format-json", CHAT, _with(OK_CHAT, response_format={"type": "json_object"}), 400,
+    ("response-format-unknown", CHAT, _with(OK_CHAT, response_format={"type": "yaml"}), 400,
      "response_format.type"),
+    ("json-schema-without-schema", CHAT, _with(OK_CHAT, response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema"),
     ("audio-modality", CHAT, _with(OK_CHAT, modalities=["text", "audio"]), 400, "modalities"),
     ("image-part", CHAT, _with(OK_CHAT, messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
@@ -106,9 +108,9 @@ def test_refusals_say_what_to_do(server):
     error = httpx.post(f"{server.base_url}{CHAT}", json=image, timeout=30).json()["error"]
     assert "text only" in error["message"] and "image_url" in error["message"]
     assert "Input should be" not in error["message"]  # not pydantic's union wording
-    error = httpx.post(f"{server.base_url}{CHAT}", json=_with(OK_CHAT, response_format={"type": "json_schema"}),
+    error = httpx.post(f"{server.base_url}{CHAT}", json=_with(OK_CHAT, tools=[{"type": "function"}]),
                        timeout=30).json()["error"]
-    assert "constrained decoding" in error["message"] and "omit" in error["message"]
+    assert "tool calling is not supported" in error["message"] and "omit" in error["message"]
 
 
 def test_limits_are_exact(server):

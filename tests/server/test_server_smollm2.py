@@ -71,3 +71,20 @@ def test_lm_eval_local_completions_loglikelihood(smollm2_server, smollm2_folder,
         tasks=["shapeshift_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
     acc = results["results"]["shapeshift_tiny_mc"]["acc,none"]
     assert acc == 1.0, results["results"]  # a real 135M model gets these two right
+
+
+def test_langchain_structured_output_through_json_schema(smollm2_server):
+    """LangChain's with_structured_output sends response_format json_schema; the constrained
+    reply parses into the schema and a real model fills it sensibly."""
+    pytest.importorskip("xgrammar")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        city: str = Field(max_length=20)
+
+    chat = langchain_openai.ChatOpenAI(model="smollm2-135m", base_url=f"{smollm2_server.base_url}/v1",
+                                       api_key="unused", temperature=0, max_tokens=40, max_retries=0, timeout=120)
+    answer = chat.with_structured_output(Capital, method="json_schema").invoke(QUESTION)
+    assert isinstance(answer, Capital)
+    assert "Paris" in answer.city, answer
