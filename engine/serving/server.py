@@ -653,6 +653,28 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+class _ApiKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which would wrap the receive channel the handlers watch
+    for disconnects): every HTTP route but OPEN_PATHS, the admin API and CORS preflights needs
+    `Authorization: Bearer <key>`, compared in constant time."""
+
+    def __init__(self, app: Any, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS \
+                or scope["path"].startswith(OPEN_PREFIXES):
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
+                            "was started with (--api-key).", code="invalid_api_key", type="authentication_error")
+        err.headers = {"WWW-Authenticate": "Bearer"}
+        await _error_response(err)(scope, receive, send)
+
+
 def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str, *,
               api_key: str | None = None, cors_allow_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app over a started (or to-be-started) `AsyncEngine`; its lifespan starts
@@ -695,21 +717,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
         return _error_response(APIError(500, f"Internal error: {exc!r}", code="internal_error"))
 
     if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def _require_api_key(request: Request, call_next: Callable[..., Any]) -> Response:
-            path = request.url.path
-            if request.method == "OPTIONS" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
-                return await call_next(request)
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                                    "the server was started with (--api-key).", code="invalid_api_key",
-                               type="authentication_error")
-                err.headers = {"WWW-Authenticate": "Bearer"}
-                return _error_response(err)
-            return await call_next(request)
+        app.add_middleware(_ApiKeyMiddleware, expected=f"Bearer {api_key}".encode())
 
     if cors_allow_origins:
         from starlette.middleware.cors import CORSMiddleware

@@ -85,3 +85,10 @@ def test_tokenize_detokenize_version(server, reference_engine):
     from shapeshift.engine.serving.server import shapeshift_version
 
     assert version == {"version": shapeshift_version(), "model": MODEL}
+
+
+def test_streaming_through_the_key_check(keyed_server):
+    client = openai.OpenAI(base_url=f"{keyed_server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="stream", max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text is not None) == 3
