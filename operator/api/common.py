@@ -128,21 +128,98 @@ class Toleration(WireModel):
     toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay bound.")
 
 
+NVIDIA_KINDS = tuple(k for k, a in ACCELERATORS.items() if a.resource_name == "nvidia.com/gpu")
+NEURON_KINDS = tuple(k for k, a in ACCELERATORS.items() if a.resource_name == "aws.amazon.com/neuron")
+# Taints of the accelerator pools: a CPU pod that tolerates one may land on an accelerator node.
+POOL_TAINT_KEYS = tuple(dict.fromkeys(t["key"] for a in ACCELERATORS.values() for t in a.tolerations))
+INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+
+
+def _cel_kinds(kinds) -> str:
+    return "[" + ", ".join(f"'{k}'" for k in kinds) + "]"
+
+
+def _pool_rules() -> list[dict[str, str]]:
+    """Placement rules: a user's node selector may narrow the pool, never contradict it; wildcard
+    or accelerator-taint tolerations only when spec.hardware.widenTolerations says so (CPU pods)."""
+    rules = []
+    for kind, acc in ACCELERATORS.items():
+        for key, value in acc.node_selector.items():
+            rules.append(cel(f"self.accelerator != '{kind}' || !has(self.nodeSelector) || "
+                             f"!('{key}' in self.nodeSelector) || self.nodeSelector['{key}'] == '{value}'",
+                             f"spec.hardware.nodeSelector['{key}'] must be '{value}' for accelerator {kind}: "
+                             "extra labels may narrow the pool, never contradict its own"))
+    rules.append(cel(f"self.accelerator in {_cel_kinds(NVIDIA_KINDS)} || !has(self.nodeSelector) || "
+                     "self.nodeSelector.all(k, !k.startsWith('nvidia.com/'))",
+                     "spec.hardware.nodeSelector: nvidia.com/ labels are only on NVIDIA nodes; this accelerator's "
+                     "pods could never be scheduled"))
+    rules.append(cel(f"self.accelerator in {_cel_kinds(NEURON_KINDS)} || !has(self.nodeSelector) || "
+                     f"(self.nodeSelector.all(k, !k.startsWith('aws.amazon.com/neuron')) && "
+                     f"(!('{INSTANCE_TYPE}' in self.nodeSelector) || "
+                     f"!self.nodeSelector['{INSTANCE_TYPE}'].startsWith('trn')))",
+                     "spec.hardware.nodeSelector: Trainium (trn*) instance types and aws.amazon.com/neuron labels "
+                     "are only for accelerator trainium2"))
+    rules.append(cel("self.accelerator != 'cpu' || self.widenTolerations || !has(self.tolerations) || "
+                     "self.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in "
+                     + "[" + ", ".join(f"'{k}'" for k in POOL_TAINT_KEYS) + "]))",
+                     "spec.hardware.tolerations: a CPU deployment may not tolerate every taint (no key) or an "
+                     "accelerator pool's taint unless spec.hardware.widenTolerations is true"))
+    return rules
+
+
+def _pool_problem(hw: "HardwareSpec") -> str | None:
+    """The pydantic twin of _pool_rules."""
+    acc = ACCELERATORS[hw.accelerator]
+    selector = hw.node_selector or {}
+    for key, value in acc.node_selector.items():
+        if key in selector and selector[key] != value:
+            return (f"spec.hardware.nodeSelector['{key}'] must be '{value}' for accelerator {hw.accelerator}: "
+                    "extra labels may narrow the pool, never contradict its own")
+    if hw.accelerator not in NVIDIA_KINDS and any(k.startswith("nvidia.com/") for k in selector):
+        return ("spec.hardware.nodeSelector: nvidia.com/ labels are only on NVIDIA nodes; this accelerator's pods "
+                "could never be scheduled")
+    if hw.accelerator not in NEURON_KINDS and (any(k.startswith("aws.amazon.com/neuron") for k in selector)
+                                               or selector.get(INSTANCE_TYPE, "").startswith("trn")):
+        return ("spec.hardware.nodeSelector: Trainium (trn*) instance types and aws.amazon.com/neuron labels are "
+                "only for accelerator trainium2")
+    if hw.accelerator == "cpu" and not hw.widen_tolerations and any(
+            not t.key or t.key in POOL_TAINT_KEYS for t in hw.tolerations or []):
+        return ("spec.hardware.tolerations: a CPU deployment may not tolerate every taint (no key) or an "
+                "accelerator pool's taint unless spec.hardware.widenTolerations is true")
+    return None
+
+
 class HardwareSpec(WireModel):
     """The accelerator pool pods run on."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _pool_rules()})
 
     accelerator: AcceleratorKind = Field(
         description="Accelerator kind: " + ", ".join(f"{k} ({a.description})" for k, a in ACCELERATORS.items()) + "."
     )
     count: int = Field(default=1, ge=1, le=64, description="Accelerators per pod (ignored for cpu).")
     node_selector: dict[str, str] | None = Field(
-        default=None, max_length=32, description="Extra node labels, merged over the pool's own selector."
+        default=None, max_length=32, description="Extra node labels that narrow the pool: they may not contradict "
+                                                 "the pool's own labels, nor name another pool's (nvidia.com/ for a "
+                                                 "non-NVIDIA accelerator, trn* instance types but for trainium2)."
     )
     tolerations: list[Toleration] | None = Field(
-        default=None, max_length=32, description="Extra tolerations, added to the pool's."
+        default=None, max_length=32, description="Extra tolerations, added to the pool's. For cpu, none that "
+                                                 "matches every taint or an accelerator pool's taint unless "
+                                                 "widenTolerations is true."
     )
+    widen_tolerations: bool = Field(
+        default=False, description="Let a cpu deployment tolerate every taint or an accelerator pool's taint "
+                                   "(it may then land on accelerator nodes).")
     cpu: str | None = Field(default=None, max_length=32, description="CPU request per pod, e.g. '8'.")
     memory: str | None = Field(default=None, max_length=32, description="Memory request and limit per pod, e.g. '64Gi'.")
+
+    @model_validator(mode="after")
+    def _narrows_the_pool(self) -> "HardwareSpec":
+        problem = _pool_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 # ---- environment of the engine and compile containers ------------------------------------

@@ -76,6 +76,21 @@ def rejected(cluster, namespace, plural, body) -> str:
      ["spec.prometheusUrl must be an http(s):// URL with no user:password@"]),
     ("prometheusUrl with a token in the query (CEL)", lambda s: s.update(prometheusUrl="https://prom/?token=abc"),
      ["spec.prometheusUrl must be an http(s):// URL with no user:password@, query string or fragment"]),
+    ("selector contradicting the pool (CEL)", lambda s: s["hardware"].update(
+        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+     ["spec.hardware.nodeSelector['nvidia.com/gpu.product'] must be 'NVIDIA-H200' for accelerator nvidia-h200"]),
+    ("Trainium with an NVIDIA selector (CEL)", lambda s: s.update(hardware={
+        "accelerator": "trainium2", "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}),
+     ["spec.hardware.nodeSelector: nvidia.com/ labels are only on NVIDIA nodes"]),
+    ("CPU with a Trainium instance type (CEL)", lambda s: s.update(hardware={
+        "accelerator": "cpu", "nodeSelector": {"node.kubernetes.io/instance-type": "trn2.48xlarge"}}),
+     ["Trainium (trn*) instance types"]),
+    ("CPU with a wildcard toleration (CEL)", lambda s: s.update(hardware={
+        "accelerator": "cpu", "tolerations": [{"operator": "Exists"}]}),
+     ["spec.hardware.tolerations: a CPU deployment may not tolerate every taint"]),
+    ("CPU tolerating the GPU taint (CEL)", lambda s: s.update(hardware={
+        "accelerator": "cpu", "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
+     ["unless spec.hardware.widenTolerations is true"]),
     ("env name not an identifier", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT-PDL", "value": "0"}]}),
      ["spec.engine.env[0].name", "should match"]),
     ("env name twice", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_PDL", "value": "0"},
@@ -88,6 +103,14 @@ def test_bad_inference_deployment_is_rejected(crds, namespace, case, mutate, exp
     message = rejected(crds, namespace, "inferencedeployments", body)
     for fragment in expect:
         assert fragment in message, f"{case}: {fragment!r} not in {message}"
+
+
+def test_placement_that_narrows_the_pool_or_is_widened_explicitly_is_accepted(crds, namespace):
+    for name, hardware in [("narrow", {"accelerator": "nvidia-h200", "nodeSelector": {"zone": "a",
+                                                                                      "nvidia.com/gpu.product": "NVIDIA-H200"}}),
+                           ("wide", {"accelerator": "cpu", "widenTolerations": True,
+                                     "tolerations": [{"operator": "Exists"}]})]:
+        create(crds, namespace, "inferencedeployments", idep(name=name, hardware=hardware))
 
 
 def test_bad_compile_runs_are_rejected(crds, namespace):

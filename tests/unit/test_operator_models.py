@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -130,3 +132,30 @@ def test_short_error_names_the_wire_path():
     with pytest.raises(ValidationError) as info:
         idep(hardware={"accelerator": "tpu"})
     assert "hardware.accelerator" in short_error(info.value)
+
+
+def test_placement_may_narrow_the_pool_never_contradict_it():
+    import pytest
+    from pydantic import ValidationError
+
+    from shapeshift.operator.api import HardwareSpec
+
+    HardwareSpec(accelerator="nvidia-h200", node_selector={"zone": "a", "nvidia.com/gpu.product": "NVIDIA-H200"})
+    HardwareSpec(accelerator="cpu", node_selector={"node.kubernetes.io/instance-type": "m7i.large"})
+    HardwareSpec(accelerator="cpu", widen_tolerations=True, tolerations=[{"operator": "Exists"}])
+    HardwareSpec(accelerator="nvidia-h100", tolerations=[{"operator": "Exists"}])
+    for hardware, message in [
+        ({"accelerator": "nvidia-h200", "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+         "spec.hardware.nodeSelector['nvidia.com/gpu.product'] must be 'NVIDIA-H200'"),
+        ({"accelerator": "trainium2", "node_selector": {"node.kubernetes.io/instance-type": "p5.48xlarge"}},
+         "must be 'trn2.48xlarge' for accelerator trainium2"),
+        ({"accelerator": "trainium2", "node_selector": {"nvidia.com/gpu.present": "true"}},
+         "nvidia.com/ labels are only on NVIDIA nodes"),
+        ({"accelerator": "nvidia-h200", "node_selector": {"node.kubernetes.io/instance-type": "trn1.32xlarge"}},
+         "Trainium (trn*) instance types"),
+        ({"accelerator": "cpu", "tolerations": [{"operator": "Exists"}]}, "may not tolerate every taint"),
+        ({"accelerator": "cpu", "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists"}]},
+         "widenTolerations"),
+    ]:
+        with pytest.raises(ValidationError, match=re.escape(message)):
+            HardwareSpec.model_validate(hardware)
