@@ -18,11 +18,21 @@ from typing import Any
 from shapeshift.engine.compile.measure import Verification
 
 
-def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16) -> Verification:
+def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16,
+                         weights_baseline: Any = None) -> Verification:
+    """``weights_baseline``: the engine weights' WeightsBaseline from before the candidate was
+    first loaded (engine/forward_pass/weights_guard.py); None: taken at the start of verification."""
     from shapeshift.engine.verify import GateSettings, verify_candidate
 
-    settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size)
+    cfg = engine.config
+    # The serving paths the engine takes: every decode batch size up to 16 and every graph bucket
+    # up to its largest batch, contexts up to its max model length.
+    buckets = tuple(b for b in (cfg.cuda_graph_batch_sizes or ()) if b <= cfg.max_num_seqs) + (cfg.max_num_seqs,)
+    most = max((min(cfg.max_num_seqs, 16),) + buckets)
+    settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size,
+                            max_batch_size=min(cfg.max_num_seqs, 16), graph_buckets=buckets,
+                            max_model_len=cfg.max_model_len, num_blocks=max(96, 3 * most + 8))
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,
-                              device=engine.device, settings=settings)
+                              device=engine.device, settings=settings, weights_baseline=weights_baseline)
     gates = {g.name: bool(g.passed) for g in report.gates}
     return Verification(passed=bool(report.passed) and bool(gates), gates=gates, report=report.to_dict())

@@ -7,7 +7,12 @@ candidate that hangs is refused instead of stalling the caller.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
+
+# The harness's own worker threads, by identity: the verifier's thread check exempts these,
+# never a thread because of its name (a candidate can name its threads anything).
+HARNESS_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 class DeadlineExceeded(TimeoutError):
@@ -31,6 +36,7 @@ def run_with_deadline(fn: Callable[[], Any], timeout_s: float, what: str) -> Any
             result["error"] = exc
 
     worker = threading.Thread(target=target, name=f"shapeshift-{what}", daemon=True)
+    HARNESS_THREADS.add(worker)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():

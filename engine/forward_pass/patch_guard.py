@@ -33,8 +33,9 @@ perf_counter = time.perf_counter  # the harness clock
 _cuda_synchronize = torch.cuda.synchronize
 
 PATCH_TARGETS: dict[str, tuple[str, ...]] = {
+    # every clock the evaluator may time with (wall, process or thread CPU time) and the engine reads
     "time": ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns",
-             "process_time", "sleep"),
+             "process_time", "process_time_ns", "thread_time", "thread_time_ns", "sleep"),
     "torch": ("matmul", "softmax", "log_softmax", "isfinite", "isnan", "allclose", "equal", "argmax",
               "topk", "cat", "stack", "randn", "randint", "manual_seed", "zeros", "empty", "full"),
     "torch.nn.functional": ("linear", "embedding", "scaled_dot_product_attention", "silu", "softmax",
@@ -43,6 +44,10 @@ PATCH_TARGETS: dict[str, tuple[str, ...]] = {
     "shapeshift.engine.core.attention": ("write_kv", "paged_attention", "paged_decode_attention",
                                     "paged_prefill_attention", "AttentionContext"),
     "shapeshift.engine.core.kv_cache": ("KVCache",),
+    # the engine's samplers: a replaced sampler serves other tokens than the logits say
+    "shapeshift.engine.core.sampling": ("sample", "apply_processors", "apply_min_p", "apply_top_k_top_p"),
+    "shapeshift.engine.core.device_sampling": ("ChunkSampler", "device_sampler", "hashed_uniforms",
+                                               "sample_hashed"),
 }
 TENSOR_METHODS = ("__matmul__", "argmax", "float", "copy_", "clone", "sum", "tolist", "item", "max", "abs",
                   "isfinite", "equal", "allclose", "index_copy_")

@@ -23,9 +23,12 @@ from shapeshift.engine.forward_pass.patch_guard import (_REFERENCE, PATCH_TARGET
                                                         patched_functions, perf_counter, restore_patched)
 
 def foreign_threads(before: set[int]) -> list[str]:
-    """Threads started since ``before`` (thread idents) that are not the harness's own."""
-    return sorted(t.name for t in threading.enumerate()
-                  if t.ident not in before and not t.name.startswith("shapeshift-"))
+    """Threads started since ``before`` (thread idents) that are not the harness's own
+    (deadline.HARNESS_THREADS, by identity: a name proves nothing)."""
+    from shapeshift.engine.forward_pass.deadline import HARNESS_THREADS
+
+    own = set(HARNESS_THREADS)
+    return sorted(t.name for t in threading.enumerate() if t.ident not in before and t not in own)
 
 
 def synchronize(device: torch.device) -> None:

@@ -44,7 +44,14 @@ class GateSettings:
     min_prompt_len: int = 3
     max_prompt_len: int = 70
     long_prompt_len: int = 200
-    batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8)
+    # Decode batch sizes: None -> every size from 1 to max_batch_size, the graph buckets and the
+    # engine's largest batch (odd sizes between buckets take other code paths than the buckets).
+    batch_sizes: tuple[int, ...] | None = None
+    max_batch_size: int = 12
+    graph_buckets: tuple[int, ...] = ()
+    # Contexts up to the deployment's max model length (coverage.long_context): one at the limit,
+    # one drawn from the upper half (the profile's long tail).
+    max_model_len: int = 512
     odd_lengths: tuple[int, ...] | None = None  # None -> derived from the block size
     block_size: int = 16
     num_blocks: int = 96
@@ -58,6 +65,11 @@ class GateSettings:
     # the logprob and logit bounds to precision_factor times it (see TOLERANCES).
     calibrate: bool = True
     precision_factor: float = PRECISION_FACTOR
+
+    def decode_batch_sizes(self) -> list[int]:
+        if self.batch_sizes is not None:
+            return sorted(set(self.batch_sizes))
+        return sorted(set(range(1, self.max_batch_size + 1)) | set(self.graph_buckets))
 
     def odd(self) -> tuple[int, ...]:
         b = self.block_size
@@ -95,8 +107,8 @@ class GateContext:
         s = self.settings
         return (s.logprob_atol or atol, s.logit_rtol or rtol, s.tie_margin or tie)
 
-    def driver(self) -> PagedDriver:
-        return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=self.settings.num_blocks,
+    def driver(self, num_blocks: int | None = None) -> PagedDriver:
+        return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=num_blocks or self.settings.num_blocks,
                            block_size=self.settings.block_size, seed=self.rng.getrandbits(31))
 
     def prompt(self, length: int | None = None) -> list[int]:

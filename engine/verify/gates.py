@@ -24,11 +24,19 @@ Gates (names are stable; reports and tests refer to them):
                               blocks freed by it, and never contain the canary
   kv.swap_compatibility       same declared cache format -> each pass reads the other's cache;
                               different format -> the engine flushes on swap (recorded)
-  coverage.shapes             every batch bucket for decode, odd prompt lengths for prefill
+  coverage.shapes             every decode batch size up to the largest batch and every graph
+                              bucket, odd prompt lengths for prefill, chunked prefill
+  coverage.long_context       contexts at the deployment's max model length and in its long tail,
+                              over a KV pool they fill
+  coverage.mixed_steps        decode rows next to prefills and prefill chunks in one step; a prefix
+                              donor batched with the child sharing its blocks, re-checked after
   anti_cheat.fresh_inputs     reused input buffers with new contents, same tokens in new contexts
   anti_cheat.poisoned_outputs returned logits are not changed after return; poisoned previous
                               outputs never leak into new ones
-  anti_cheat.inputs_unchanged input tensors, context and the shared weights are unchanged
+  anti_cheat.inputs_unchanged input tensors, context and the shared weights' contents are unchanged
+                              (against a baseline taken before the candidate was first loaded
+                              when the caller has one; checked again after every gate, and the
+                              weights restored when they changed)
   anti_cheat.no_patching      no clock, sync, math or harness function replaced; no stray threads
   anti_cheat.speed_of_light   harness-timed decode step is not faster than bytes/bandwidth or
                               FLOPs/peak allow
@@ -48,12 +56,13 @@ from shapeshift.engine.verify import anticheat  # noqa: F401  (first: captures c
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
 from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError
 from shapeshift.engine.forward_pass.importer import load_bundle as load_bundle_isolated
-from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
+from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
                                                      gate_poisoned_outputs, gate_speed_of_light)
 from shapeshift.engine.verify.context import GateContext, GateFailure, GateSettings
 from shapeshift.engine.verify.kv_isolation import gate_batched_alone, gate_canary, gate_prefix_hit, gate_swap
-from shapeshift.engine.verify.outputs import calibrate, gate_agreement, gate_coverage, gate_finite, gate_smoke
+from shapeshift.engine.verify.outputs import (calibrate, gate_agreement, gate_coverage, gate_finite, gate_long_context,
+                                             gate_mixed_steps, gate_smoke)
 from shapeshift.engine.verify.report import GATE_NAMES, GateReport, GateSuiteReport
 
 
@@ -76,12 +85,17 @@ def _run_gate(name: str, fn: Callable[[], dict[str, Any]], timeout_s: float) -> 
 def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, weights: dict[str, torch.Tensor],
                      *, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                      reference: Any = None, reference_cache_format: str | None = None,
-                     settings: GateSettings | None = None, only: tuple[str, ...] | None = None) -> GateSuiteReport:
+                     settings: GateSettings | None = None, only: tuple[str, ...] | None = None,
+                     weights_baseline: WeightsBaseline | None = None) -> GateSuiteReport:
     """Run every gate (or ``only`` these) on a candidate bundle against the reference pass.
 
     ``reference`` defaults to the stock pass built over ``weights``. A candidate that
     fails ``smoke`` (import, build, crash, hang) gets every other gate marked failed
     and skipped: nothing else can be learned from it.
+
+    ``weights_baseline``: the weights' fingerprint from before the candidate was first loaded
+    (the compile loop takes it before measuring); without one it is taken here, with a copy to
+    restore from. Weights found changed fail anti_cheat.inputs_unchanged and are restored.
     """
     settings = settings or GateSettings()
     first = next(iter(weights.values()))
@@ -89,7 +103,8 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     device = torch.device(device) if device is not None else first.device
     seed = settings.seed if settings.seed is not None else int.from_bytes(os.urandom(4), "little")
     threads_before = {t.ident for t in threading.enumerate()}
-    weights_before = weights_fingerprint(weights)
+    baseline = weights_baseline or WeightsBaseline(weights, keep_copy=True)
+    weights_before = baseline.fingerprint
     reports: list[GateReport] = []
     want = set(only or GATE_NAMES)
 
@@ -133,6 +148,8 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         ("kv.canary_isolation", lambda: gate_canary(ctx)),
         ("kv.swap_compatibility", lambda: gate_swap(ctx)),
         ("coverage.shapes", lambda: gate_coverage(ctx)),
+        ("coverage.long_context", lambda: gate_long_context(ctx)),
+        ("coverage.mixed_steps", lambda: gate_mixed_steps(ctx)),
         ("anti_cheat.fresh_inputs", lambda: gate_fresh_inputs(ctx)),
         ("anti_cheat.poisoned_outputs", lambda: gate_poisoned_outputs(ctx)),
         ("anti_cheat.inputs_unchanged", lambda: gate_inputs_unchanged(ctx, weights_before)),
@@ -154,6 +171,20 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
             smoke_failed = True
         if report.evidence.get("timeout"):
             smoke_failed = True  # a hung candidate's thread is still blocked; stop using it
+    late = baseline.changed(weights)  # written after anti_cheat.inputs_unchanged ran, or before it ran at all
+    if late:
+        restored = baseline.restore(weights)
+        i = next((k for k, r in enumerate(reports) if r.name == "anti_cheat.inputs_unchanged"), None)
+        failed = GateReport("anti_cheat.inputs_unchanged", False,
+                            {"reason": "the shared weights differ from their contents before the candidate ran",
+                             "weights": late[:8], "restored": restored[:8],
+                             **({"discard_engine": True} if not restored else {})})
+        if i is None:
+            reports.append(failed)
+        elif reports[i].passed or reports[i].skipped:
+            reports[i] = failed
+        else:
+            reports[i].evidence["restored"] = restored[:8]
     if loaded is not None and not isinstance(candidate, LoadedBundle):
         loaded.unload()
     if stock is not None:

@@ -87,7 +87,7 @@ def gate_agreement(ctx: GateContext) -> dict[str, Any]:
 def gate_coverage(ctx: GateContext) -> dict[str, Any]:
     s = ctx.settings
     covered = {"decode_batch_sizes": [], "prefill_lengths": []}
-    for bs in s.batch_sizes:
+    for bs in s.decode_batch_sizes():
         prompts = [ctx.prompt(ctx.rng.randint(2, 24)) for _ in range(bs)]
         _, ref, cand = run_pair(ctx, prompts, 3)
         ev = compare(ref, cand, ctx.tol, s.top_k_compare)
@@ -112,6 +112,70 @@ def gate_coverage(ctx: GateContext) -> dict[str, Any]:
         raise GateFailure("chunked prefill differs", chunk=s.block_size - 3, **ev)
     covered["chunked_prefill"] = s.block_size - 3
     return covered
+
+
+def gate_long_context(ctx: GateContext) -> dict[str, Any]:
+    """Contexts up to the deployment's max model length: one prompt that ends at the limit and one
+    drawn from the upper half (the profile's long tail), each decoded a few steps, over a KV pool
+    just large enough for it (so nearly every block id is used)."""
+    s = ctx.settings
+    steps = 4
+    limit = s.max_model_len - steps
+    lengths = [limit, ctx.rng.randint(max(1, limit // 2), limit)]
+    covered = []
+    for n in lengths:
+        prompt = ctx.prompt(n)
+        blocks = -(-(n + steps) // s.block_size) + 1
+        d_ref, d_cand = ctx.driver(blocks), ctx.driver(blocks)
+        tok, ref = d_ref.greedy(ctx.reference, [Seq(list(prompt))], steps)
+        _, cand = d_cand.greedy(ctx.candidate, [Seq(list(prompt))], steps, forced=tok)
+        ev = compare(ref, cand, ctx.tol, s.top_k_compare)
+        if not ev["ok"]:
+            raise GateFailure(f"a {n}-token context differs", context_len=n + steps, max_model_len=s.max_model_len,
+                              **ev)
+        covered.append(n + steps)
+    return {"context_lens": covered, "max_model_len": s.max_model_len}
+
+
+def gate_mixed_steps(ctx: GateContext) -> dict[str, Any]:
+    """The steps the scheduler builds under load, on one schedule for both passes: a decode row
+    next to a prefill (and a prefill chunk), then a prefix donor batched with a child that borrows
+    its full blocks, then the donor decoding again after its child ran (re-checked)."""
+    s = ctx.settings
+    bs = s.block_size
+    donor_prompt = ctx.prompt(2 * bs + ctx.rng.randint(1, bs - 1))
+    other = ctx.prompt(ctx.rng.randint(bs + 2, 3 * bs))
+    chunked = ctx.prompt(2 * bs + 5)
+    child_tail = ctx.prompt(ctx.rng.randint(2, bs))
+    runs: dict[str, list[torch.Tensor]] = {}
+    forced: list[int] = []
+    for label, fp in (("reference", ctx.reference), ("candidate", ctx.candidate)):
+        d = ctx.driver()
+        donor, b, c = Seq(list(donor_prompt)), Seq(list(other)), Seq(list(chunked))
+        out = [d.step(fp, [donor])]
+
+        def next_token(k: int, logits: torch.Tensor, row: int) -> int:
+            if label == "reference":
+                forced.append(int(logits[row].argmax()))
+            return forced[k]
+
+        donor.tokens.append(next_token(0, out[-1], 0))
+        out.append(d.step(fp, [donor, b, c], [1, len(other), bs - 3]))  # decode + prefill + chunk
+        donor.tokens.append(next_token(1, out[-1], 0))
+        out.append(d.step(fp, [donor, c], [1, len(chunked) - c.num_computed]))  # decode + chunk rest
+        donor.tokens.append(next_token(2, out[-1], 0))
+        shared = donor.num_computed // bs
+        child = d.fork_prefix(donor, donor.tokens[:shared * bs] + child_tail, shared)
+        out.append(d.step(fp, [donor, child], [1, len(child.tokens) - child.num_computed]))  # donor + child
+        donor.tokens.append(next_token(3, out[-1], 0))
+        out.append(d.step(fp, [donor], [1]))  # the donor after its child wrote next to its blocks
+        runs[label] = out
+    checks = ("prefill", "decode+prefill+chunk", "decode+chunk", "donor+child sharing blocks", "donor re-checked")
+    for name, r, c in zip(checks, runs["reference"], runs["candidate"]):
+        ev = compare([r], [c], ctx.tol, s.top_k_compare)
+        if not ev["ok"]:
+            raise GateFailure(f"a mixed step differs: {name}", step=name, **ev)
+    return {"steps": list(checks)}
 
 
 # (model, dtype, device, weights fingerprint, settings) -> (ctx.calibrated, evidence): the stock

@@ -14,6 +14,7 @@ import torch
 
 from shapeshift.engine.core.config import ModelConfig
 from shapeshift.engine.forward_pass.importer import load_bundle
+from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
 from shapeshift.engine.models.loader import random_weights
 from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.verify import GateSettings, anticheat, verify_candidate
@@ -36,9 +37,7 @@ CORPUS = {
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
 # Still passing verification (the holes not closed yet).
-HOLES = {"tamper_tolerances", "tamper_reference", "lazy_off_gate_thread", "lazy_off_verifier_stack",
-         "long_context_window", "odd_batch_sizes", "mixed_step", "weights_swap_keeps_sum",
-         "weights_touched_when_measured", "thread_named_shapeshift", "unwatched_thread_clock"}
+HOLES = {"tamper_tolerances", "tamper_reference", "lazy_off_gate_thread", "lazy_off_verifier_stack"}
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +65,14 @@ def test_every_corpus_candidate_has_a_readme_naming_its_gate():
 
 def _verify(name: str, cfg, weights):
     path = CANDIDATES / name
+    baseline = None
     if name == "weights_touched_when_measured":  # the measured hot reload builds it first
+        baseline = WeightsBaseline(weights)  # as the compile loop takes it, before the first load
         loaded = load_bundle(path, allow_unmanifested=True)
         loaded.module.build(cfg, weights, dict(loaded.recipe))
         loaded.unload()
-    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=8.0, build_timeout_s=8.0))
+    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=8.0, build_timeout_s=8.0),
+                            weights_baseline=baseline)
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
@@ -87,3 +89,15 @@ def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, request, n
     target = report.gate(gate)
     assert not target.passed and not target.skipped and target.evidence.get("reason"), str(target)
     assert report.gate("smoke").passed
+    print(f"{name}: {gate}: {target.evidence['reason']}")
+
+
+def test_tampered_weights_are_restored(model):
+    cfg, weights = model
+    weights = {k: w.clone() for k, w in weights.items()}
+    pristine = {k: w.clone() for k, w in weights.items()}
+    report = _verify("weights_swap_keeps_sum", cfg, weights)
+    gate = report.gate("anti_cheat.inputs_unchanged")
+    assert not gate.passed and "model.embed_tokens.weight" in gate.evidence["weights"]
+    assert gate.evidence["restored"] == ["model.embed_tokens.weight"]
+    assert all(torch.equal(weights[k], pristine[k]) for k in weights)
