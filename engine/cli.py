@@ -217,7 +217,6 @@ def _prepare_serve(args: argparse.Namespace) -> tuple[object, object]:
     (or OSError for the port) with a one-line message."""
     from shapeshift.engine.core.config import EngineConfig
     from shapeshift.engine.serving import preflight
-    from shapeshift.engine.serving.server import bind_socket
 
     log = logging.getLogger("shapeshift.serve")
     info = preflight.check_model(args.model)
@@ -251,7 +250,7 @@ def _prepare_serve(args: argparse.Namespace) -> tuple[object, object]:
         rollout_settings(args)
     except ValueError as exc:
         raise ValueError(f"invalid rollout settings: {exc}") from None
-    return config, bind_socket(args.host, args.port)
+    return config, preflight.bind_socket(args.host, args.port)
 
 
 # -------------------------------------------------------- import-smollm2

@@ -4,7 +4,7 @@ Data flow: CLI flags -> `check_model` (preset or folder: config.json, tokenizer.
 weights) -> `check_device` (a CUDA device that exists) -> `choose_max_model_len` (the
 model's max_position_embeddings, bounded by what the KV cache can hold; an explicit
 --max-model-len above the model's limit is refused) -> EngineConfig -> the port bound
-(`server.bind_socket`) -> the model loads. Every failure is a `ServeUsageError`: one line
+(`bind_socket`) -> the model loads. Every failure is a `ServeUsageError`: one line
 saying what was wrong and what to do, which the CLI prints and exits 2 on.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,24 @@ def _kv_cache_tokens(info: ModelInfo, *, device: str, dtype: str | None, block_s
     budget = free - total * (1.0 - gpu_memory_utilization) - weights
     return max(int(budget // per_token), 0), (f"the GPU memory left for the KV cache "
                                               f"(~{max(budget, 0) / 2**30:.1f} GiB)")
+
+
+class PortInUseError(OSError):
+    """The address to serve on cannot be bound (taken, or not this host's)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), bound before the model loads so a taken port is
+    found at once; uvicorn serves on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
+                                        "(or stop what holds it) or another --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

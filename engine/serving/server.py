@@ -25,15 +25,17 @@ token) and the rollout agent that follows the pod's annotations
 (`rollout_agent.RolloutAgent`); `serve(...)` runs uvicorn (the `shapeshift serve`
 command). Background services in `app.state.background_services` start after the
 engine loop and stop before it.
+
+Beside this module: `params.py` (request fields -> SamplingParams per choice),
+`outputs.py` (engine outputs -> API shapes; several choices' streams merged),
+`access.py` (--api-key, CORS), `structured.py` (response_format JSON), `preflight.py`
+(the CLI's checks before loading, the listening socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hmac
-import json
 import logging
 import socket
 import time
@@ -53,7 +55,10 @@ from shapeshift.engine.serving.async_engine import (
     RequestRejectedError,
     RequestStream,
 )
+from shapeshift.engine.serving.access import OPEN_PATHS, add_access_control
 from shapeshift.engine.serving.metrics import EngineMetrics
+from shapeshift.engine.serving.params import choice_params, sampling_params
+from shapeshift.engine.serving.outputs import finish_reason, finite, logprob_at, merge, prepend, sse, top_at
 from shapeshift.engine.serving.protocol import (
     APIError,
     ChatChoice,
@@ -83,20 +88,12 @@ from shapeshift.engine.serving.protocol import (
 
 logger = logging.getLogger("shapeshift.engine.serving.server")
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DEFAULT_MAX_WAITING = 256
 # A 429's Retry-After: a waiting line's worth of requests usually drains within a second or two.
 RETRY_AFTER_SECONDS = 1
-# Paths open without --api-key's token: probes and scrapes, and the admin API (its own token).
-OPEN_PATHS = ("/health", "/metrics")
-OPEN_PREFIXES = ("/admin/",)
 # Prompts longer than this (characters) are tokenized off the event loop so a
 # 128K-token prompt does not stall every other connection.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
-
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
-                    "top_logprobs", "logprobs", "ignore_eos", "min_tokens", "logit_bias", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty")
 
 
 class _ClientDisconnected(Exception):
@@ -151,64 +148,13 @@ class _Handlers:
         # The template already spells out BOS and role markers.
         return list(await self._off_loop_if_long(size, tok.encode, text, add_special_tokens=False))
 
-    def sampling_params(self, req: Any, prompt_len: int, max_tokens: int | None,
-                        max_tokens_param: str, logprobs: bool, top_logprobs: int = 0) -> Any:
-        from shapeshift.engine.core.sampling import SamplingParams
-
-        if prompt_len >= self.max_model_len:
-            raise APIError(400, f"The prompt is {prompt_len} tokens long but this server's context "
-                                f"(max_model_len) is {self.max_model_len} tokens, which must also hold at "
-                                "least one generated token. Shorten the prompt.",
-                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
-        room = self.max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = room if isinstance(req, ChatCompletionRequest) else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-        elif max_tokens > room:
-            raise APIError(400, f"Invalid value for '{max_tokens_param}': the prompt ({prompt_len} tokens) plus "
-                                f"{max_tokens_param} ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
-                                f"ask for at most {room} tokens.",
-                           param=max_tokens_param, code="context_length_exceeded")
-        bias = req.logit_bias_ids()
-        outside = next((t for t in bias if t >= self.vocab_size), None)
-        if outside is not None:
-            raise APIError(400, f"Invalid value for 'logit_bias': token id {outside} is outside the vocabulary "
-                                f"(size {self.vocab_size}).", param="logit_bias", code="invalid_value")
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-        kwargs = dict(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=top_k,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            stop=req.stop_list(),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            min_tokens=req.min_tokens or 0,
-            logit_bias=bias,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        )
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as exc:
-            msg = str(exc)
-            param = (next((f for f in _SAMPLING_FIELDS if msg.startswith(f)), None)
-                     or next((f for f in _SAMPLING_FIELDS if f in msg), None))
-            if param == "max_tokens":
-                param = max_tokens_param
-            raise APIError(400, f"Invalid sampling parameters: {msg}", param=param, code="invalid_value") from None
+    def sampling_params(self, req: Any, prompt_len: int, max_tokens: int | None, max_tokens_param: str,
+                        logprobs: bool, top_logprobs: int = 0) -> Any:
+        return sampling_params(req, prompt_len, max_tokens, max_tokens_param, logprobs, top_logprobs,
+                               max_model_len=self.max_model_len, vocab_size=self.vocab_size)
 
     def choice_params(self, params: Any, n: int) -> list[Any]:
-        """One SamplingParams per choice: independent sequences; a seeded request's choice j
-        draws from seed + j, so choice 0 is what n=1 returns."""
-        if n == 1:
-            return [params]
-        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+        return choice_params(params, n)
 
     async def compile_response_format(self, rf: Any) -> Any:
         """The compiled grammar of a json response_format (compiled off the event loop)."""
@@ -298,7 +244,7 @@ class _Handlers:
         # Two ids may decode to one string; the more likely one (listed first) is kept.
         out: dict[str, float] = {}
         for tid, lp in top:
-            out.setdefault(self.token_text(tid), _finite(lp))
+            out.setdefault(self.token_text(tid), finite(lp))
         return out
 
     async def prompt_logprobs(self, prompt_ids: list[int], top_n: int) -> list[Any]:
@@ -327,18 +273,18 @@ class _Handlers:
         completion_tokens = [0] * len(started)
         try:
             for head in heads or []:
-                yield _sse(envelope([head]).model_dump(exclude_none=True))
-            async for index, out in _merge(started):
+                yield sse(envelope([head]).model_dump(exclude_none=True))
+            async for index, out in merge(started):
                 if not out.text_delta and not out.finished and not out.new_token_ids:
                     continue
                 completion_tokens[index] += len(out.new_token_ids)
                 usage = UsageInfo.of(prompt_tokens, sum(completion_tokens)) if continuous_usage else None
-                yield _sse(envelope([choice(index, out)], usage).model_dump(exclude_none=True))
+                yield sse(envelope([choice(index, out)], usage).model_dump(exclude_none=True))
             if include_usage:
-                yield _sse(envelope([], UsageInfo.of(prompt_tokens, sum(completion_tokens))).model_dump(
+                yield sse(envelope([], UsageInfo.of(prompt_tokens, sum(completion_tokens))).model_dump(
                     exclude_none=True))
         except (RequestRejectedError, EngineDeadError, EngineStepError) as exc:
-            yield _sse(self.stream_error(exc).body())
+            yield sse(self.stream_error(exc).body())
         finally:
             for _, _, stream in started:
                 stream.abort()
@@ -362,7 +308,7 @@ class _Handlers:
                     return
 
         async def collect(first: Any, stream: RequestStream) -> list[Any]:
-            return [out async for out in _prepend(first, stream)]
+            return [out async for out in prepend(first, stream)]
 
         watcher = asyncio.ensure_future(watch_disconnect())
         try:
@@ -406,7 +352,7 @@ class _Handlers:
                     for tid, entry in zip(ids, await self.prompt_logprobs(ids, top_n)):
                         tok = self.token_text(tid)
                         lp.tokens.append(tok)
-                        lp.token_logprobs.append(None if entry is None else _finite(entry[0]))
+                        lp.token_logprobs.append(None if entry is None else finite(entry[0]))
                         if top_n:
                             lp.top_logprobs.append(None if entry is None else self.top_dict(entry[1]))
                         lp.text_offset.append(offset)
@@ -428,9 +374,9 @@ class _Handlers:
                     for i, tid in enumerate(o.new_token_ids):
                         tok = self.token_text(tid)
                         lp.tokens.append(tok)
-                        lp.token_logprobs.append(_logprob_at(o, i))
+                        lp.token_logprobs.append(logprob_at(o, i))
                         if top_n:
-                            lp.top_logprobs.append(self.top_dict(_top_at(o, i)))
+                            lp.top_logprobs.append(self.top_dict(top_at(o, i)))
                         lp.text_offset.append(offset)
                         offset += len(tok)
             return text, token_ids, lp
@@ -448,7 +394,7 @@ class _Handlers:
                 prefix, prefix_lp = echo_of(index)
                 text, token_ids, lp = choice_parts(outs, len(prefix), prefix_lp)
                 completion_tokens += len(outs[-1].output_token_ids)
-                choices.append(CompletionChoice(index=index, text=prefix + text, finish_reason=_finish_reason(outs[-1]),
+                choices.append(CompletionChoice(index=index, text=prefix + text, finish_reason=finish_reason(outs[-1]),
                                                 logprobs=lp, token_ids=token_ids if req.return_token_ids else None))
             body = CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
                                       usage=UsageInfo.of(prompt_tokens, completion_tokens))
@@ -462,7 +408,7 @@ class _Handlers:
             echo_pending[index] = False
             text, token_ids, lp = choice_parts([out], offsets[index] + len(prefix), prefix_lp)
             offsets[index] += len(prefix) + len(text)
-            return CompletionChoice(index=index, text=prefix + text, finish_reason=_finish_reason(out), logprobs=lp,
+            return CompletionChoice(index=index, text=prefix + text, finish_reason=finish_reason(out), logprobs=lp,
                                     token_ids=token_ids if req.return_token_ids else None)
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> CompletionResponse:
@@ -511,8 +457,8 @@ class _Handlers:
                 for i, tid in enumerate(o.new_token_ids):
                     tok = self.token_text(tid)
                     top = [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                           for t, lp in self.top_dict(_top_at(o, i)).items()] if top_n else []
-                    content.append(ChatTokenLogprob(token=tok, logprob=_logprob_at(o, i),
+                           for t, lp in self.top_dict(top_at(o, i)).items()] if top_n else []
+                    content.append(ChatTokenLogprob(token=tok, logprob=logprob_at(o, i),
                                                     bytes=list(tok.encode("utf-8")), top_logprobs=top))
             return ChatLogprobs(content=content)
 
@@ -524,7 +470,7 @@ class _Handlers:
                 completion_tokens += len(outs[-1].output_token_ids)
                 choices.append(ChatChoice(
                     index=index, message=ChatResponseMessage(content="".join(o.text_delta for o in outs)),
-                    finish_reason=_finish_reason(outs[-1]), logprobs=logprobs_of(outs),
+                    finish_reason=finish_reason(outs[-1]), logprobs=logprobs_of(outs),
                     token_ids=token_ids if req.return_token_ids else None))
             body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                           choices=choices, usage=UsageInfo.of(len(prompt_ids), completion_tokens))
@@ -532,7 +478,7 @@ class _Handlers:
 
         def choice(index: int, out: Any) -> ChatChunkChoice:
             return ChatChunkChoice(index=index, delta=ChatDelta(content=out.text_delta),
-                                   finish_reason=_finish_reason(out), logprobs=logprobs_of([out]),
+                                   finish_reason=finish_reason(out), logprobs=logprobs_of([out]),
                                    token_ids=list(out.new_token_ids) if req.return_token_ids else None)
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -567,12 +513,6 @@ class _Handlers:
         return ModelList(data=[card]).model_dump()
 
 
-def _finish_reason(out: Any) -> str | None:
-    if not out.finished:
-        return None
-    return "length" if out.finish_reason == "length" else "stop"
-
-
 def shapeshift_version() -> str:
     """The installed package's version (`shapeshift --version`, /version)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -581,98 +521,6 @@ def shapeshift_version() -> str:
         return version("shapeshift")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _finite(value: float) -> float | None:
-    # None (JSON null) for NaN and infinities, which JSON cannot spell.
-    value = float(value)
-    return value if value == value and abs(value) != float("inf") else None
-
-
-def _logprob_at(out: Any, i: int) -> float | None:
-    # RequestOutput.logprobs holds one value per token of `new_token_ids`;
-    # None (JSON null) where the engine gave none.
-    lps = out.logprobs
-    if lps is None or i >= len(lps) or lps[i] is None:
-        return None
-    return _finite(lps[i])
-
-
-def _top_at(out: Any, i: int) -> list[tuple[int, float]]:
-    # A logprob with top_logprobs is a sampling.TokenLogprob carrying the alternatives.
-    lps = out.logprobs
-    if lps is None or i >= len(lps):
-        return []
-    return list(getattr(lps[i], "top", None) or [])
-
-
-async def _prepend(first: Any, stream: RequestStream) -> AsyncIterator[Any]:
-    yield first
-    if first.finished:
-        return
-    async for out in stream:
-        yield out
-
-
-async def _merge(started: list[tuple[int, Any, RequestStream]]) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, output) from every choice's stream, in the order they arrive."""
-    if len(started) == 1:
-        index, first, stream = started[0]
-        async for out in _prepend(first, stream):
-            yield index, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, first: Any, stream: RequestStream) -> None:
-        try:
-            async for out in _prepend(first, stream):
-                await queue.put((index, out))
-        except BaseException as exc:  # delivered to the consumer, which re-raises it
-            await queue.put((index, exc))
-        finally:
-            await queue.put((index, done))
-
-    tasks = [asyncio.ensure_future(pump(*item)) for item in started]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _ApiKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware, which would wrap the receive channel the handlers watch
-    for disconnects): every HTTP route but OPEN_PATHS, the admin API and CORS preflights needs
-    `Authorization: Bearer <key>`, compared in constant time."""
-
-    def __init__(self, app: Any, expected: bytes) -> None:
-        self.app = app
-        self.expected = expected
-
-    async def __call__(self, scope: dict, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS \
-                or scope["path"].startswith(OPEN_PREFIXES):
-            return await self.app(scope, receive, send)
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>' with the key the server "
-                            "was started with (--api-key).", code="invalid_api_key", type="authentication_error")
-        err.headers = {"WWW-Authenticate": "Bearer"}
-        await _error_response(err)(scope, receive, send)
 
 
 def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str, *,
@@ -716,15 +564,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
         logger.error("unhandled error on %s:\n%s", request.url.path, traceback.format_exc())
         return _error_response(APIError(500, f"Internal error: {exc!r}", code="internal_error"))
 
-    if api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, expected=f"Bearer {api_key}".encode())
-
-    if cors_allow_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        # Added last, so it runs first: a browser's preflight is answered before the key check.
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials="*" not in cors_allow_origins)
+    add_access_control(app, api_key, cors_allow_origins)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -822,35 +662,16 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     return app, async_engine
 
 
-class PortInUseError(OSError):
-    """The address to serve on cannot be bound (taken, or not this host's)."""
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port), bound before the model loads so a taken port is
-    found at once; uvicorn serves on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise PortInUseError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
-                                        "(or stop what holds it) or another --host") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info", admin_token_file: str | None = None,
           admin_token_from_env: bool = False, rollout: Any = None, api_key: str | None = None,
           cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None,
           sock: socket.socket | None = None) -> None:
-    """Run the server until interrupted (blocking). ``sock``: a socket from `bind_socket`
+    """Run the server until interrupted (blocking). ``sock``: a socket from `preflight.bind_socket`
     (bound here when not given, before the model loads)."""
     import uvicorn
+
+    from shapeshift.engine.serving.preflight import bind_socket
 
     sock = sock or bind_socket(host, port)
     app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting,
