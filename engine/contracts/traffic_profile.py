@@ -89,6 +89,18 @@ class LengthDistribution(_WireModel):
         description="Optional buckets (le, weight); when given, sampling follows them.",
     )
 
+    # The CEL twins of _ordered (the CRDs embed this model): the API server refuses what the
+    # validator refuses. Strictly increasing `le` is checked there as sorted (CEL has no pairwise
+    # comparison a CRD's cost budget allows on an unbounded list); repeated `le` is refused here.
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "(has(self.min) ? self.min : 1) <= self.p50 && self.p50 <= self.p90 && self.p90 <= self.p99",
+         "message": "length quantiles must be ordered min <= p50 <= p90 <= p99"},
+        {"rule": "!has(self.max) || self.max >= self.p99", "message": "max must be >= p99"},
+        {"rule": "!has(self.histogram) || (size(self.histogram) > 0 && self.histogram.exists(b, b.weight > 0) && "
+                 "self.histogram.map(b, b.le).isSorted())",
+         "message": "histogram must have at least one bucket, increasing le and a weight above zero (or be omitted)"},
+    ]})
+
     @model_validator(mode="after")
     def _ordered(self) -> "LengthDistribution":
         if not (self.min <= self.p50 <= self.p90 <= self.p99):
@@ -233,11 +245,18 @@ class TrafficProfile(_WireModel):
     )
     window: TrafficWindow | None = Field(default=None, description="Observation window metadata.")
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.sharedPrefixRatio) || self.sharedPrefixRatio == 0.0 || "
+                 "(has(self.sharedPrefixLen) && self.sharedPrefixLen > 0)",
+         "message": "sharedPrefixRatio is above 0 but sharedPrefixLen is 0: set the prefix length in tokens, "
+                    "or the ratio to 0"},
+    ]})
+
     @model_validator(mode="after")
     def _prefix_consistent(self) -> "TrafficProfile":
         if self.shared_prefix_ratio > 0 and self.shared_prefix_len == 0:
             raise ValueError(
-                f"shared_prefix_ratio is {self.shared_prefix_ratio} but shared_prefix_len is 0: "
+                f"sharedPrefixRatio is {self.shared_prefix_ratio} but sharedPrefixLen is 0: "
                 "set the prefix length in tokens, or the ratio to 0"
             )
         return self

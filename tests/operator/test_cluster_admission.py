@@ -113,6 +113,21 @@ def test_placement_that_narrows_the_pool_or_is_widened_explicitly_is_accepted(cr
         create(crds, namespace, "inferencedeployments", idep(name=name, hardware=hardware))
 
 
+@pytest.mark.parametrize("inline, fragment", [
+    ({"promptLength": {"p50": 100, "p90": 50, "p99": 200}, "outputLength": {"p50": 8, "p90": 8, "p99": 8}},
+     "length quantiles must be ordered min <= p50 <= p90 <= p99"),
+    ({"promptLength": {"p50": 10, "p90": 20, "p99": 30, "histogram": [{"le": 64, "weight": 1}, {"le": 32, "weight": 1}]},
+      "outputLength": {"p50": 8, "p90": 8, "p99": 8}}, "histogram must have at least one bucket, increasing le"),
+    ({"promptLength": {"p50": 10, "p90": 20, "p99": 30}, "outputLength": {"p50": 8, "p90": 8, "p99": 8},
+      "sharedPrefixRatio": 0.5}, "sharedPrefixRatio is above 0 but sharedPrefixLen is 0"),
+])
+def test_a_traffic_profile_the_models_refuse_is_refused_by_the_api_server(crds, namespace, inline, fragment):
+    """The CEL twins of the traffic profile's cross-field rules (it is embedded in CompileRuns)."""
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-traffic"},
+            "spec": {"deploymentRef": {"name": "llama"}, "traffic": {"inline": inline}}}
+    assert fragment in rejected(crds, namespace, "compileruns", body)
+
+
 def test_bad_compile_runs_are_rejected(crds, namespace):
     base = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run"},
             "spec": {"deploymentRef": {"name": "llama"}}}
