@@ -271,7 +271,8 @@ class ModelRunner:
     def can_decode_steps(self, seqs: list) -> bool:
         """May these sequences decode several steps on the device before the host reads them?
         Greedy rows always (no logprobs); sampled rows with EngineConfig.multi_step_sampling
-        when unseeded (a seeded request's draws follow its own generator, on the host)."""
+        when unseeded (a seeded request's draws follow its own generator, on the host; so do
+        rows with logits processors, which the engine gives a generator for that reason)."""
         sampled_ok = self.config.multi_step_sampling
         return all(not s.params.logprobs and (s.params.greedy or (sampled_ok and s.generator is None))
                    for s in seqs)

@@ -25,7 +25,7 @@ from shapeshift.engine.core.attention import (AttentionContext, paged_prefill_at
 from shapeshift.engine.core.device_sampling import ChunkSampler, device_sampler, hashed_uniforms, sample_hashed
 from shapeshift.engine.core.mixed_graphs import (MixedBucket, MixedBuckets, MixedHostInputs, choose_buckets,
                                                  default_buckets, fill_mixed_inputs, padded_cost, parse_buckets)
-from shapeshift.engine.core.sampling import SamplingParams, apply_top_k_top_p
+from shapeshift.engine.core.sampling import SamplingParams, apply_min_p, apply_top_k_top_p
 from shapeshift.engine.core.scheduler import ScheduledBatch
 
 PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate([9, 14, 5, 11, 7, 12, 30, 3])]
@@ -342,6 +342,42 @@ def test_hashed_sampler_draws_from_the_host_samplers_distribution():
                   torch.arange(n, dtype=torch.int64) + 5, out, filtered=False)
     torch.testing.assert_close(torch.bincount(out, minlength=6).float() / n, torch.softmax(logits[0], -1),
                                atol=0.03, rtol=0)
+
+
+def test_hashed_sampler_applies_min_p_after_top_k_top_p_as_the_host_sampler_does():
+    logits = torch.tensor([[2.0, 1.9, 1.0, 0.2, -1.0, 1.6, 0.5]])
+    t, k, p, mp = torch.tensor([1.3]), torch.tensor([6], dtype=torch.int32), torch.tensor([0.95]), torch.tensor([0.3])
+    probs = torch.softmax(apply_min_p(apply_top_k_top_p(logits / 1.3, k.long(), p), mp), dim=-1)[0]
+    assert (probs == 0).sum() >= 2  # min-p removes tokens top-k and top-p kept
+    n = 4000
+    out = torch.zeros(n, dtype=torch.int64)
+    sample_hashed(logits.expand(n, -1).contiguous(), t.expand(n).contiguous(), k.expand(n).contiguous(),
+                  p.expand(n).contiguous(), torch.arange(n, dtype=torch.int64) * 31 + 7, out,
+                  min_p=mp.expand(n).contiguous())
+    counts = torch.bincount(out, minlength=7).float()
+    assert counts[probs == 0].sum() == 0
+    torch.testing.assert_close(counts / n, probs, atol=0.03, rtol=0)
+
+
+def test_chunk_sampler_stages_min_p_and_leaves_it_off_when_unused():
+    sampler = ChunkSampler(torch.device("cpu"), seed=3)
+    sampler.stage([SamplingParams(temperature=0.8, min_p=0.25), SamplingParams(temperature=0.0)], k=3)
+    assert sampler.min_p_used and sampler.min_p[:2].tolist() == pytest.approx([0.25, 0.0])
+    assert not sampler.filtered
+    sampler.stage([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0, min_p=0.5)], k=2)
+    assert not sampler.min_p_used  # a greedy row's min-p changes nothing
+
+
+def test_requests_with_logits_processors_keep_single_steps():
+    """Bias and penalties run on the host sampler only (the engine gives such rows a generator)."""
+    engine = emulated(decode_steps=4, multi_step_sampling=True)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, logit_bias={5: 2.0}, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.8, presence_penalty=0.5, ignore_eos=True)]
+    _, widest = _run(engine, PROMPTS[:2], params)
+    assert widest == 1
+    plain, widest = _run(emulated(decode_steps=4, multi_step_sampling=True), PROMPTS[:2],
+                         [SamplingParams(max_tokens=10, temperature=0.8, min_p=0.1, ignore_eos=True)] * 2)
+    assert widest == 4 and [len(x) for x in plain] == [10, 10]
 
 
 def test_kernel_sampler_on_the_chunk_samplers_staging(monkeypatch):
