@@ -55,19 +55,12 @@ from shapeshift.engine.core.attention import AttentionContext
 from shapeshift.engine.core.device_sampling import ChunkSampler
 from shapeshift.engine.core.config import EngineConfig, ModelConfig
 from shapeshift.engine.core.kv_cache import KVCache
-from shapeshift.engine.core.mixed_graphs import (MixedBucket, MixedBuckets, MixedHostInputs, default_buckets,
-                                                 fill_mixed_inputs, parse_buckets, step_shape)
+from shapeshift.engine.core.mixed_graphs import MixedBucket, MixedBuckets, step_shape
+from shapeshift.engine.core.mixed_step_graphs import CapturedGraph, MixedStepGraphs
 from shapeshift.engine.core.sampling import sample
 from shapeshift.engine.core.scheduler import RunnerOutput, ScheduledBatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Graph:
-    replay: Callable[[], Any]  # CUDAGraph.replay, or an eager stand-in when emulating on the CPU
-    batch_size: int
-    width: int  # KV blocks read per sequence
 
 
 @dataclass
@@ -88,7 +81,7 @@ class DecodeChunk:
         return self.host_tokens[:self.k, :self.n].tolist()
 
 
-class ModelRunner:
+class ModelRunner(MixedStepGraphs):
     def __init__(self, model_config: ModelConfig, config: EngineConfig, forward_pass: Any, kv_cache: KVCache,
                  device: torch.device) -> None:
         self.model_config = model_config
@@ -99,7 +92,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
         self.use_pinned = device.type == "cuda"
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.graph_batch_sizes: list[int] = []
         self.graph_widths: list[int] = []
         self._static: dict[str, torch.Tensor] = {}
@@ -118,12 +111,12 @@ class ModelRunner:
         self.num_graph_replays = 0  # decode steps run by graphs (a chunk graph counts its steps)
         # Whole-chunk graphs (EngineConfig.chunk_graph_max_batch) per (batch bucket, width), for
         # chunks of _chunk_steps steps, with their own staging and token rows (fixed addresses).
-        self.chunk_graphs: dict[tuple[int, int], _Graph] = {}
+        self.chunk_graphs: dict[tuple[int, int], CapturedGraph] = {}
         self._chunk_steps = 0
         self.num_chunk_replays = 0
         # Mixed-step graphs per bucket (EngineConfig.mixed_cuda_graphs), their static inputs and
         # the histogram of every mixed step's (num_seqs, num_tokens).
-        self.mixed_graphs: dict[MixedBucket, _Graph] = {}
+        self.mixed_graphs: dict[MixedBucket, CapturedGraph] = {}
         self.mixed_buckets: MixedBuckets | None = None
         self.mixed_step_shapes: Counter[tuple[int, int]] = Counter()
         self.num_mixed_replays = 0
@@ -409,13 +402,13 @@ class ModelRunner:
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _replay(self, batch: ScheduledBatch, g: _Graph, ahead: int = 0) -> torch.Tensor:
+    def _replay(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0) -> torch.Tensor:
         self._copy_inputs(batch, g, ahead)
         g.replay()
         self.num_graph_replays += 1
         return self._graph_logits[(g.batch_size, g.width)][:len(batch.seqs)]
 
-    def _copy_inputs(self, batch: ScheduledBatch, g: _Graph, ahead: int = 0) -> None:
+    def _copy_inputs(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0) -> None:
         """A replay's inputs into the static buffers: host arrays through the pinned packs, and
         when chained (``ahead``) the token ids from the device's last argmax."""
         n = len(batch.seqs)
@@ -510,7 +503,7 @@ class ModelRunner:
                     greedy_argmax(logits, s["tokens"][:bs])
 
                 if not capture:
-                    self.graphs[(bs, width)] = _Graph(run_static, bs, width)
+                    self.graphs[(bs, width)] = CapturedGraph(run_static, bs, width)
                     continue
                 # Warm-up outside the graph, on the stream the capture will use: lazy
                 # initialisation (cuBLAS handles, Triton autotuning, the split-K GEMVs' tile
@@ -523,7 +516,7 @@ class ModelRunner:
                     run_static()
                 if self._graph_pool is None:
                     self._graph_pool = graph.pool()
-                self.graphs[(bs, width)] = _Graph(graph.replay, bs, width)
+                self.graphs[(bs, width)] = CapturedGraph(graph.replay, bs, width)
                 torch.cuda.synchronize(dev)
         self.graph_batch_sizes = sizes
         self.graph_widths = widths
@@ -585,7 +578,7 @@ class ModelRunner:
                     s["tokens"][:bs].copy_(self._chunk_tokens[len(contexts) - 1, :bs])
 
                 if capture_stream is None:  # emulated on the CPU
-                    self.chunk_graphs[(bs, width)] = _Graph(run_chunk, bs, width)
+                    self.chunk_graphs[(bs, width)] = CapturedGraph(run_chunk, bs, width)
                     continue
                 with torch.cuda.stream(capture_stream):
                     run_chunk()  # warm-up: writes only the null slot
@@ -593,126 +586,9 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
                     run_chunk()
-                self.chunk_graphs[(bs, width)] = _Graph(graph.replay, bs, width)
+                self.chunk_graphs[(bs, width)] = CapturedGraph(graph.replay, bs, width)
                 torch.cuda.synchronize(dev)
         self._chunk_steps = k
-
-
-    # ------------------------------------------------------------------ mixed-step graphs
-    def mixed_graphs_supported(self) -> str | None:
-        """Why mixed steps cannot replay graphs here (None: they can)."""
-        if not self.config.mixed_cuda_graphs:
-            return "EngineConfig.mixed_cuda_graphs is off"
-        if self.config.enforce_eager or (self.device.type != "cuda" and not self.emulate_graphs):
-            return "graphs are off (enforce_eager, or not on CUDA)"
-        if self.model_config.family != "llama":
-            return f"the {self.model_config.family} prefill path is not capturable (host-side expert routing)"
-        if not self.graphs:
-            return "no decode graphs were captured (their pool and stream are shared)"
-        return None
-
-    @torch.inference_mode()
-    def capture_mixed_graphs(self, buckets: MixedBuckets | None = None) -> None:
-        """(Re)capture one graph per mixed-step bucket: ``buckets``, else EngineConfig's table,
-        else mixed_graphs.default_buckets. Largest first, in the decode graphs' pool. A forward
-        pass whose mixed step cannot run without host values fails its warm-up: mixed steps then
-        stay eager, with a warning naming the error."""
-        self.mixed_graphs.clear()
-        self.mixed_buckets = None
-        why_not = self.mixed_graphs_supported()
-        if why_not is not None:
-            if self.config.mixed_cuda_graphs:
-                log.info("mixed steps run eagerly: %s", why_not)
-            return
-        cfg = self.config
-        if buckets is None:
-            buckets = (parse_buckets(cfg.mixed_graph_buckets) if cfg.mixed_graph_buckets else
-                       default_buckets(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.graph_batch_sizes))
-        T, B, W = buckets.max_tokens, buckets.max_seqs, self.max_blocks_per_seq
-        dev, capture = self.device, self.device.type == "cuda"
-        # Two packs as for decode: int64 (ids, positions, slots | last-token rows), int32
-        # (cumulative query lengths | context lengths | block tables); one copy each a step.
-        self._mixed64 = torch.zeros(3 * T + B, dtype=torch.int64, device=dev)
-        self._mixed32 = torch.zeros(2 * B + 1 + B * W, dtype=torch.int32, device=dev)
-        self._mixed64_host = torch.zeros(self._mixed64.shape, dtype=torch.int64)
-        self._mixed32_host = torch.zeros(self._mixed32.shape, dtype=torch.int32)
-        if capture:
-            self._mixed64_host = self._mixed64_host.pin_memory()
-            self._mixed32_host = self._mixed32_host.pin_memory()
-
-        def views(p64: Any, p32: Any) -> dict[str, Any]:
-            return {"input_ids": p64[:T], "positions": p64[T:2 * T], "slot_mapping": p64[2 * T:3 * T],
-                    "last_token_indices": p64[3 * T:], "query_start_loc": p32[:B + 1],
-                    "context_lens": p32[B + 1:2 * B + 1], "block_tables": p32[2 * B + 1:].reshape(B, W)}
-
-        m = views(self._mixed64, self._mixed32)
-        self._mixed_host = MixedHostInputs(**views(self._mixed64_host.numpy(), self._mixed32_host.numpy()))
-        # An all-padding step for the warm-ups: no sequence, every token to the null slot.
-        fill_mixed_inputs(self._mixed_host, MixedBucket(T, B), [], [], self.block_size, self.kv_cache.null_slot)
-        self._mixed64.copy_(self._mixed64_host)
-        self._mixed32.copy_(self._mixed32_host)
-        self._mixed_logits = torch.zeros(B, self.model_config.vocab_size, dtype=torch.float32, device=dev)
-        capture_stream = self._capture_stream
-        if capture and capture_stream is None:
-            capture_stream = self._capture_stream = torch.cuda.Stream(dev)
-        graphs: dict[MixedBucket, _Graph] = {}
-        for bucket in buckets.largest_first():
-            t, b = bucket.tokens, bucket.seqs
-            ctx = AttentionContext(
-                is_prefill=True, slot_mapping=m["slot_mapping"][:t], block_tables=m["block_tables"][:b],
-                context_lens=m["context_lens"][:b], query_start_loc=m["query_start_loc"][:b + 1],
-                max_query_len=t, max_context_len=W * self.block_size, last_token_indices=m["last_token_indices"][:b])
-
-            def run_mixed(t: int = t, b: int = b, ctx: AttentionContext = ctx) -> None:
-                logits = self.forward_pass.forward(m["input_ids"][:t], m["positions"][:t], ctx, self.kv_cache)
-                self._mixed_logits[:b].copy_(logits)  # one static output for all buckets ([b, V] float32)
-
-            try:
-                if capture:
-                    with torch.cuda.stream(capture_stream):
-                        run_mixed()  # warm-up: lazy initialisation stays out of the capture
-                    torch.cuda.synchronize(dev)
-                else:
-                    run_mixed()
-            except Exception as exc:  # noqa: BLE001 - any failure means: this pass's mixed step is not static
-                log.warning("mixed steps run eagerly: the forward pass failed a static mixed step of %s: %s: %s",
-                            bucket, type(exc).__name__, exc)
-                return
-            if not capture:
-                graphs[bucket] = _Graph(run_mixed, b, W)
-                continue
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._graph_pool, stream=capture_stream):
-                    run_mixed()
-            except RuntimeError as exc:  # a host sync or a CPU tensor inside the step: not capturable
-                torch.cuda.synchronize(dev)
-                log.warning("mixed steps run eagerly: capturing the mixed step of %s failed: %s", bucket, exc)
-                return
-            if self._graph_pool is None:
-                self._graph_pool = graph.pool()
-            graphs[bucket] = _Graph(graph.replay, b, W)
-            torch.cuda.synchronize(dev)
-        self.mixed_graphs = graphs
-        self.mixed_buckets = buckets
-
-    def _replay_mixed(self, batch: ScheduledBatch, bucket: MixedBucket) -> torch.Tensor:
-        """A mixed step through its bucket's graph -> float32 logits [n, V] (a view of the static
-        output: read before the next replay)."""
-        if self._mixed_inputs_consumed is not None:
-            # A step whose rows all stopped mid-prompt sampled nothing, hence never synced:
-            # its copies must have read the pinned packs before they are rewritten.
-            self._mixed_inputs_consumed.synchronize()
-        fill_mixed_inputs(self._mixed_host, bucket, batch.seqs, batch.num_new_tokens, self.block_size,
-                          self.kv_cache.null_slot)
-        self._mixed64.copy_(self._mixed64_host, non_blocking=True)
-        self._mixed32.copy_(self._mixed32_host, non_blocking=True)
-        if self.device.type == "cuda":
-            self._mixed_inputs_consumed = torch.cuda.Event()
-            self._mixed_inputs_consumed.record()
-        self.mixed_graphs[bucket].replay()
-        self.num_mixed_replays += 1
-        return self._mixed_logits[:len(batch.seqs)]
 
 
 def _graph_argmax(on_cuda: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
