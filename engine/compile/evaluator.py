@@ -133,6 +133,23 @@ def _zero_if_nan(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
+def check_measured_outputs(out: list[Measurement], tokens: dict[int, list[list[int]] | None]) -> None:
+    """One repeat's tokens against the reference's on the same requests: the last candidate of a
+    pair is the incumbent (compare, screen_paired, compare_final), the others are checked against
+    it, and a measured run whose outputs diverge is not a result (engine/verify/measured.py)."""
+    from shapeshift.engine.verify.measured import measured_outputs_agree
+
+    ref = len(out) - 1
+    if ref < 1 or tokens.get(ref) is None or out[ref].error is not None:
+        return
+    for i in range(ref):
+        if out[i].error is None and tokens.get(i) is not None:
+            ev = measured_outputs_agree(tokens[i], tokens[ref])
+            out[i].details["measured_outputs"] = ev
+            if not ev["ok"]:
+                out[i].error = f"measured.outputs: {ev['reason']}"
+
+
 class EngineEvaluator:
     """`Evaluator` over the engine: persistent fast and full tiers, hot reload, replay, gates."""
 
@@ -351,6 +368,7 @@ class EngineEvaluator:
         for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
             order = list(enumerate(cands))
             prompts = None  # fresh prompts for this repeat (drawn at its first activation)
+            tokens: dict[int, list[list[int]] | None] = {}  # candidate index -> its tokens this repeat
             for i, cand in (order if rep % 2 == 0 else order[::-1]):
                 m = out[i]
                 if m.error is not None:
@@ -378,6 +396,7 @@ class EngineEvaluator:
                         replay(eng, warm_up, concurrency, clock)
                     else:
                         run = replay(eng, prompts, concurrency, clock, self.settings.slo)
+                        tokens[i] = run.output_token_ids
                         m.throughput.append(run.output_tokens_per_s)
                         if self.settings.slo is not None:
                             m.slo_attainment.append(run.slo_attainment)
@@ -397,6 +416,7 @@ class EngineEvaluator:
                     self._recover(tier)
                     m.error = f"failed during replay: {type(exc).__name__}: {exc}"
                 spent[i] += time.perf_counter() - t0
+            check_measured_outputs(out, tokens)
         for m, sec in zip(out, spent):
             m.seconds = sec
         return out

@@ -47,6 +47,9 @@ class ReplayRun:
     # their share of the requests (NaN without one).
     goodput_tokens_per_s: float = float("nan")
     slo_attainment: float = float("nan")
+    # The tokens each request got, in request order: what was measured is checked against the
+    # reference's tokens on the same requests (engine/verify/measured.py).
+    output_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -125,6 +128,7 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     produced: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
     failed = 0
     # Open loop: while nothing is in flight the clock jumps to the next arrival instead of
     # sleeping (the engine is idle either way), which also makes arrival times work on a CPU-time
@@ -159,6 +163,7 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
                 first.setdefault(out.request_id, t)
                 last[out.request_id] = t
                 produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 in_flight -= 1
                 if out.finish_reason not in ("length", "stop"):
@@ -184,7 +189,8 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
                      failed=failed,
                      per_user_e2e_tokens_per_s_p50=_percentile(end_to_end, 0.5),
                      per_user_e2e_tokens_per_s_p90=_percentile(end_to_end, 0.1),
-                     goodput_tokens_per_s=goodput, slo_attainment=attainment)
+                     goodput_tokens_per_s=goodput, slo_attainment=attainment,
+                     output_token_ids=[tokens.get(f"replay-{i}", []) for i in range(len(requests))])
 
 
 def replay(engine: Any, requests: list[ReplayRequest], *, profile_name: str, seed: int,

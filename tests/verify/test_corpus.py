@@ -37,7 +37,9 @@ CORPUS = {
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
 # Still passing verification (the holes not closed yet).
-HOLES = {"tamper_tolerances", "tamper_reference", "lazy_off_gate_thread", "lazy_off_verifier_stack"}
+HOLES = {"tamper_tolerances", "tamper_reference"}
+# Exact while verified by design: caught where they are measured (the compile loop's replays).
+MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def _verify(name: str, cfg, weights):
                             weights_baseline=baseline)
 
 
-@pytest.mark.parametrize("name", sorted(CORPUS))
+@pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED)))
 def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, request, name):
     if name in HOLES:
         request.applymarker(pytest.mark.xfail(strict=True, reason="hole still open: passes verification"))
@@ -101,3 +103,36 @@ def test_tampered_weights_are_restored(model):
     assert not gate.passed and "model.embed_tokens.weight" in gate.evidence["weights"]
     assert gate.evidence["restored"] == ["model.embed_tokens.weight"]
     assert all(torch.equal(weights[k], pristine[k]) for k in weights)
+
+
+@pytest.fixture(scope="module")
+def evaluator(tmp_path_factory):
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+    from shapeshift.engine.contracts.traffic_profile import builtin_profile
+
+    return EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+        model="tiny-llama", device="cpu", max_model_len=256, screen_requests=6, confirm_requests=6,
+        screen_repeats=1, confirm_repeats=1, cpu_threads=1, work_dir=str(tmp_path_factory.mktemp("work"))))
+
+
+@pytest.mark.parametrize("name", MEASURED + ["good_refactored"])
+def test_measured_outputs_checked_against_the_incumbent(evaluator, name):
+    """A pass exact only while verified passes verification, and its measured replays are not a
+    result: their tokens differ from the incumbent's on the same requests."""
+    from shapeshift.engine.compile.candidate import Candidate
+
+    space = evaluator.space()
+    stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
+    cand = Candidate(space.default(), (CANDIDATES / name / "forward.py").read_text(), "test", name)
+    cand_m, stock_m = evaluator.compare(cand, stock, repeats=1)
+    assert stock_m.error is None
+    ev = cand_m.details["measured_outputs"]
+    if name.startswith("good_"):
+        assert cand_m.error is None and ev["ok"] and ev["first_token_agreement"] == 1.0
+        return
+    assert cand_m.error and cand_m.error.startswith("measured.outputs: measured outputs diverge"), cand_m.error
+    assert not ev["ok"] and ev["first_token_agreement"] < 0.9
+    print(f"{name}: measured.outputs: {cand_m.error}")
+    cfg = evaluator.model_config()
+    weights = evaluator._engine("full", {}).weights
+    assert verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=8.0)).passed
