@@ -214,6 +214,17 @@ def run(job: CompileJob, cluster: Any = None) -> int:
     profile = job.profile
     out = job.out
     out.mkdir(parents=True, exist_ok=True)
+    # A gate that tests itself: gates that let a known-bad candidate through (or refuse a good one)
+    # must not vouch for anything, so the worker refuses to search and publish, and says why.
+    from shapeshift.engine.verify.selftest import run_self_test
+
+    self_test = run_self_test()
+    log.info("%s", self_test.message())
+    if not self_test.passed:
+        log.error("%s", self_test.message())
+        if cluster is not None:
+            cluster.fail(self_test.message())
+        return 3
 
     import torch
 
