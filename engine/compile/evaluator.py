@@ -178,6 +178,7 @@ class EngineEvaluator:
         self._model_config = None
         self.fitted = None
         self._draws = 0  # prompt draws so far: each repeat replays fresh prompts
+        self._weights: dict[str, Any] = {}  # tier -> WeightsBaseline taken before any candidate loaded
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
@@ -223,6 +224,9 @@ class EngineEvaluator:
             memory = self._gpu_memory_utilization(tier) if self.on_cuda else None
             eng = LLMEngine(self._base_config(tier, overrides, memory))
             self._engines[tier] = eng
+            from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
+
+            self._weights[tier] = WeightsBaseline(eng.weights)
             self._managers[tier] = ForwardPassManager(eng, build_timeout_s=self.settings.reload_timeout_s,
                                                       smoke_timeout_s=self.settings.reload_timeout_s)
             self._engine_knobs[tier] = dict(overrides)
@@ -380,6 +384,7 @@ class EngineEvaluator:
                         SyntaxError) as exc:
                     self._loaded[tier] = None
                     m.error = f"refused at load: {type(exc).__name__}: {exc}"
+                    self._check_weights(tier, m)
                     spent[i] += time.perf_counter() - t0
                     continue
                 if prompts is None:
@@ -415,6 +420,7 @@ class EngineEvaluator:
                     log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
                     self._recover(tier)
                     m.error = f"failed during replay: {type(exc).__name__}: {exc}"
+                self._check_weights(tier, m)
                 spent[i] += time.perf_counter() - t0
             check_measured_outputs(out, tokens)
         for m, sec in zip(out, spent):
@@ -438,8 +444,19 @@ class EngineEvaluator:
         """The run's closing comparison (champion, stock), with final_repeats pairs."""
         return self.compare(champion, stock, self.settings.closing_pairs)
 
+    def _check_weights(self, tier: str, m: Measurement) -> None:
+        """The tier's weights against their contents before any candidate loaded: a candidate that
+        wrote to them is not a result, and the engine is discarded (rebuilt from the checkpoint)."""
+        base, eng = self._weights.get(tier), self._engines.get(tier)
+        changed = base.changed(eng.weights) if base is not None and eng is not None else []
+        if changed:
+            m.error = (f"weights: the candidate changed the engine's weights ({', '.join(changed[:4])}); "
+                       "the engine is discarded")
+            self._recover(tier)
+
     def _recover(self, tier: str) -> None:
         """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
+        self._weights.pop(tier, None)
         self._engines.pop(tier, None)
         self._managers.pop(tier, None)
         self._loaded.pop(tier, None)
@@ -459,7 +476,8 @@ class EngineEvaluator:
         t0 = time.perf_counter()
         path = self.materialize(candidate)
         eng = self._engine(FULL, {})
-        verdict = verify_for_promotion(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps)
+        verdict = verify_for_promotion(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps,
+                                       weights_baseline=self._weights.get(FULL))
         verdict.seconds = time.perf_counter() - t0
         return verdict
 

@@ -136,3 +136,20 @@ def test_measured_outputs_checked_against_the_incumbent(evaluator, name):
     cfg = evaluator.model_config()
     weights = evaluator._engine("full", {}).weights
     assert verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=8.0)).passed
+
+
+def test_weights_touched_while_measured_discard_the_engine(evaluator):
+    """The measured hot reload is where weights_touched_when_measured writes: that measurement is
+    not a result, the engine is rebuilt from the checkpoint, and its weights are the pristine ones."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
+
+    space = evaluator.space()
+    before = weights_fingerprint(evaluator._engine("full", {}).weights)
+    stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
+    source = (CANDIDATES / "weights_touched_when_measured" / "forward.py").read_text()
+    cand_m, _ = evaluator.compare(Candidate(space.default(), source, "test", "tamper"), stock, repeats=1)
+    assert cand_m.error and cand_m.error.startswith("weights: the candidate changed the engine's weights"), cand_m.error
+    assert "model.norm.weight" in cand_m.error
+    after = {k: v[1:] for k, v in weights_fingerprint(evaluator._engine("full", {}).weights).items()}
+    assert after == {k: v[1:] for k, v in before.items()}  # same contents (a new engine: new addresses)
