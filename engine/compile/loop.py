@@ -598,9 +598,10 @@ class CompileLoop:
                 # Each step beat its incumbent, but against the stock pass, measured side by side
                 # at the end, the gain does not clear the noise: publish nothing.
                 gain, low, high = paired_gain(*self.final)
-                self.board.note("loop", f"champion {champion.short} withdrawn: against the stock pass its paired "
-                                f"speed ratio is {gain:.3f} ({low:.3f}..{high:.3f}), within the noise", withdrawn=True)
-                stop_reason = (stop_reason + "; " if stop_reason else "") + "final comparison with the stock pass within noise"
+                self.board.note("loop", f"champion {champion.short} withdrawn: against {self.config.baseline_name} its "
+                                f"paired speed ratio is {gain:.3f} ({low:.3f}..{high:.3f}), within the noise", withdrawn=True)
+                stop_reason = (stop_reason + "; " if stop_reason else "") + \
+                    f"final comparison with the baseline within noise (paired ratio {gain:.3f}, 95% bounds {low:.3f}..{high:.3f})"
                 champion, speedup = None, None
         if champion is not None and self.pass_to_beat is not None:
             why = closing.loses_to_pass_to_beat(self, champion)
