@@ -19,7 +19,8 @@ from pathlib import Path
 # What hack/ and the compile loop measure; a result's name starts with one of these.
 RESULT_BENCHMARKS = (
     "agreement", "agreement-gate", "compile", "decode", "decode-curve", "decode-profile", "kernels",
-    "kernels-quick", "kernels-tune", "kernels-quick-tune", "layer-tail", "parallel", "reload",
+    "kernels-quick", "kernels-tune", "kernels-quick-tune", "layer-tail", "parallel", "regimes", "reload",
+    "serving", "operator-scale",
 )
 _SLUG = r"[a-z0-9]+(?:[.-][a-z0-9]+)*"
 # <benchmark>-<model>-<hardware>-<UTC stamp>, then -2, -3, ... for a second run started in the

@@ -33,7 +33,6 @@ positions. A recipe whose errors stay near the control's rounds no worse than pl
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -53,7 +52,7 @@ from shapeshift.engine.verify.agreement import judge, score, teacher_forced
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import RECIPES, Recorder, log, needs_triton, recipe_with_overrides  # noqa: E402  (sibling)
-from benchmeta import REPO_ROOT, claim_result_name, git_commit  # noqa: E402
+from benchmeta import REPO_ROOT, claim_result_name, git_commit, hardware_slug, result_name  # noqa: E402
 from decode_baselines import random_prompts  # noqa: E402
 
 PROMPT_SEED = 7  # bench_decode's agreement check draws its prompts with this seed
@@ -150,9 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = random_prompts(args.prompts, args.prompt_len, cfg.vocab_size, seed=PROMPT_SEED)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
-    name = claim_result_name(out_dir, f"agreement-{args.model}-{gpu.lower().replace(' ', '-')}-{stamp}")
+    name = claim_result_name(out_dir, result_name("agreement", args.model, hardware_slug(gpu)))
     rec = Recorder(out_dir / f"{name}.json", {
         "benchmark": "agreement", "git_commit": git_commit(), "gpu": gpu, "torch": torch.__version__,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

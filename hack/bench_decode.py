@@ -66,7 +66,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINES_SCRIPT = Path(__file__).resolve().parent / "decode_baselines.py"
 sys.path.insert(0, str(BASELINES_SCRIPT.parent))
 import decode_baselines as baselines  # noqa: E402  (sibling script: prompts, fingerprint, percentiles)
-from benchmeta import claim_result_name, git_commit  # noqa: E402  (sibling module)
+from benchmeta import claim_result_name, git_commit, hardware_slug, result_name  # noqa: E402  (sibling module)
 
 # The serving recipes (engine/forward_pass/recipes.py); the plain-torch one is "stock" here, the name its
 # rows carry in recorded results.
@@ -802,10 +802,9 @@ def main(argv: list[str] | None = None) -> int:
 
     commit, dirty = git_commit()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-") or "device"
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir)
-    base_name = claim_result_name(out_dir, f"decode{'' if mode == 'table' else '-' + mode}-{args.model}-{slug}-{stamp}")
+    benchmark = "decode" if mode == "table" else f"decode-{mode}"
+    base_name = claim_result_name(out_dir, result_name(benchmark, args.model, hardware_slug(gpu)))
     out_json = out_dir / f"{base_name}.json"
     max_batch = max(batch_sizes)
     max_model_len = int(math.ceil((args.prompt_len + max(args.new_tokens, args.check_tokens) + 1) / 16) * 16)

@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profiles", default=",".join(PLAN))
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/reload-<gpu>-<time>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/reload-<model>-<gpu>-<utc>.json)")
     parser.add_argument("--write-shapes", action="store_true", help="write bench/profiles/*.json and exit")
     args = parser.parse_args()
     if args.write_shapes:
@@ -94,7 +94,7 @@ def main() -> int:
 
     # Sibling module; imported here so that loading this file for load_plan() leaves sys.path alone.
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchmeta import git_commit
+    from benchmeta import git_commit, hardware_slug, result_name
 
     from shapeshift.engine.forward_pass.bundle import create_bundle, stock_bundle_dir
     from shapeshift.engine.core.config import EngineConfig
@@ -119,8 +119,8 @@ def main() -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
-    out = Path(args.out) if args.out else (REPO / "bench" / "results" / "reload-{}-{}.json".format(
-        (result["gpu"] or "cpu").lower().replace(" ", "-"), dt.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    name = result_name("reload", args.model, hardware_slug(result["gpu"] or "cpu"))
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
