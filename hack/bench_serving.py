@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shapeshift.engine.replay.driver import percentile  # torch-free
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Named engine settings over EngineConfig's defaults (what `shapeshift serve` runs), each
@@ -71,15 +73,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 # ---------------------------------------------------------------------------- server side

@@ -95,7 +95,8 @@ class ReplayReport:
 # ---------------------------------------------------------------------- driving
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` by linear interpolation between order statistics (NaN when empty)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -181,14 +182,14 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
         goodput = sum(produced[r] for r in met) / wall if wall else 0.0
         attainment = len(met) / len(requests) if requests else 0.0
     return ReplayRun(wall_s=wall, output_tokens=total, output_tokens_per_s=total / wall if wall else 0.0,
-                     per_user_tokens_per_s_p50=_percentile(per_user, 0.5),
+                     per_user_tokens_per_s_p50=percentile(per_user, 0.5),
                      # p90 of per-user speed in the latency sense: the speed 90% of users beat
-                     per_user_tokens_per_s_p90=_percentile(per_user, 0.1),
-                     ttft_s_p50=_percentile(ttft, 0.5), ttft_s_p90=_percentile(ttft, 0.9),
+                     per_user_tokens_per_s_p90=percentile(per_user, 0.1),
+                     ttft_s_p50=percentile(ttft, 0.5), ttft_s_p90=percentile(ttft, 0.9),
                      prefix_cache_hit_rate=(bm.prefix_cache_hit_tokens - hit0) / queried if queried else 0.0,
                      failed=failed,
-                     per_user_e2e_tokens_per_s_p50=_percentile(end_to_end, 0.5),
-                     per_user_e2e_tokens_per_s_p90=_percentile(end_to_end, 0.1),
+                     per_user_e2e_tokens_per_s_p50=percentile(end_to_end, 0.5),
+                     per_user_e2e_tokens_per_s_p90=percentile(end_to_end, 0.1),
                      goodput_tokens_per_s=goodput, slo_attainment=attainment,
                      output_token_ids=[tokens.get(f"replay-{i}", []) for i in range(len(requests))])
 
