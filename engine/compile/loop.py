@@ -413,7 +413,7 @@ class CompileLoop:
                 if accepted or not self._undecided(full, inc_full):
                     break
                 full, inc_full = self._confirm_more(cand, full, inc_full, round_ + 1)
-                accepted = beats_paired(full, inc_full, self.config.min_speedup - 1)
+                accepted = beats_paired(full, inc_full, self.config.min_speedup - 1, looks=round_ + 2)
         else:
             accepted = inc_full is not None and beats(full, inc_full) and \
                 full.mean >= inc_full.mean * self.config.min_speedup

@@ -131,19 +131,28 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
-def _t95(dof: int) -> float:
+# Two-sided 97.5% quantiles, for a second look at a confirmation's pairs (an undecided first
+# round, pooled with another): with the first look at 2.5% one-sided and the second at 1.25%,
+# the two together accept a no-op at most 3.75% of the time (Bonferroni), not the 5% that two
+# uncorrected looks allow.
+_T975 = {1: 25.452, 2: 6.205, 3: 4.177, 4: 3.495, 5: 3.163, 6: 2.969, 7: 2.841, 8: 2.752, 9: 2.685,
+         10: 2.634, 12: 2.560, 15: 2.490, 20: 2.423, 30: 2.360}
+
+
+def _t95(dof: int, table: dict[int, float] = _T95) -> float:
     if dof <= 0:
         return math.inf
-    known = [d for d in _T95 if d <= dof]
-    return _T95[max(known)] if dof <= 30 else 1.96
+    known = [d for d in table if d <= dof]
+    return table[max(known)] if dof <= 30 else (1.96 if table is _T95 else 2.241)
 
 
-def paired_gain(candidate: Measurement, incumbent: Measurement) -> tuple[float, float, float]:
+def paired_gain(candidate: Measurement, incumbent: Measurement, looks: int = 1) -> tuple[float, float, float]:
     """Repeats measured in alternation (candidate_i next to incumbent_i): the per-pair log ratio's
     mean, and its 95% lower and upper bounds, as speed ratios (exp of the log bounds).
 
     Pairing cancels load changes that hit both members of a pair alike; the spread of the
-    ratios is the measured noise.
+    ratios is the measured noise. ``looks`` = 2: the bounds of a second look at pooled pairs
+    (97.5% two-sided, see _T975).
     """
     pairs = [(c, i) for c, i in zip(candidate.samples, incumbent.samples) if c > 0 and i > 0]
     if not pairs:
@@ -152,15 +161,17 @@ def paired_gain(candidate: Measurement, incumbent: Measurement) -> tuple[float, 
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), 0.0, math.inf  # one pair says nothing about the noise
-    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = _t95(len(logs) - 1, _T95 if looks <= 1 else _T975) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def beats_paired(candidate: Measurement, incumbent: Measurement, min_gain: float | None = None) -> bool:
-    """True when the lower 95% bound of the paired speed ratio exceeds 1 + max(noise floor, min_gain)."""
+def beats_paired(candidate: Measurement, incumbent: Measurement, min_gain: float | None = None,
+                 looks: int = 1) -> bool:
+    """True when the lower 95% bound of the paired speed ratio exceeds 1 + max(noise floor, min_gain)
+    (``looks`` = 2: the stricter bound of a second look, see paired_gain)."""
     if not (candidate.ok and incumbent.ok) or len(candidate.samples) != len(incumbent.samples):
         return False
-    _, low, _ = paired_gain(candidate, incumbent)
+    _, low, _ = paired_gain(candidate, incumbent, looks)
     return low > 1 + max(incumbent.noise_floor, min_gain or 0.0)
 
 

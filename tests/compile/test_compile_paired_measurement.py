@@ -76,3 +76,18 @@ def test_drift_summary_follows_the_pass_measured_most_often():
     assert d["fast"]["digest"] == "s" and d["fast"]["measurements"] == 3
     assert d["fast"]["last_over_first"] == pytest.approx(0.9) and d["fast"]["high_over_low"] == pytest.approx(120 / 90)
     assert d["full"]["measurements"] == 1 and d["full"]["last_over_first"] == 1.0
+
+
+def test_a_second_look_at_pooled_pairs_is_held_to_a_stricter_bound():
+    """Pairs of a no-op candidate from a loaded run (12 pooled after an undecided first round):
+    the uncorrected 95% bound clears the 1% noise floor, the second look's 97.5% bound does not."""
+    from shapeshift.engine.compile.measure import Measurement, beats_paired, paired_gain
+
+    cand = Measurement(samples=[10043.6, 9086.2, 9473.1, 6250.4, 7688.5, 9606.0,
+                                9002.2, 8592.8, 6818.6, 6749.8, 9604.7, 7357.5])
+    inc = Measurement(samples=[8393.7, 8454.8, 6767.9, 8155.6, 7903.0, 7202.2,
+                               8158.8, 8212.2, 5717.2, 5949.7, 6296.6, 6078.0])
+    _, low_first, _ = paired_gain(cand, inc)
+    _, low_second, _ = paired_gain(cand, inc, looks=2)
+    assert low_second < 1.01 < low_first
+    assert beats_paired(cand, inc) and not beats_paired(cand, inc, looks=2)

@@ -164,8 +164,13 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert report["evaluator"]["dtype"] == "torch.float32" and report["evaluator"]["fast_layers"] == 1, report["evaluator"]
     assert report["evaluator"]["confirm"] == {"requests": 32, "repeats": 3}, report["evaluator"]
     assert report["evaluator"]["verify"] == {"prompts": 2, "steps": 8}, report["evaluator"]
-    assert report["evaluator"]["engine_base"] == {"max_num_seqs": DEPLOYED_BATCH, "block_size": 16,
-                                                  "enable_prefix_caching": True}, report["evaluator"]
+    # The engine settings every candidate starts from: what `serve` runs here with no flags (the
+    # pass to beat), with the deployment's engine.yaml over it.
+    from shapeshift.engine.forward_pass.recipes import serving_default
+
+    deployed = {"max_num_seqs": DEPLOYED_BATCH, "block_size": 16, "enable_prefix_caching": True}
+    assert report["evaluator"]["engine_base"] == {**serving_default("tiny-llama", "cpu").engine, **deployed}, \
+        report["evaluator"]
     assert report["trials"] == TRIALS, report
     assert status["trials"]["total"] == TRIALS, status["trials"]
     # Every candidate the space offers on this CPU builds: no trial is spent on a recipe the
