@@ -44,7 +44,7 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> Non
     assert report["trials"] == 12 and "Leaderboard" in (out / "report.md").read_text()
     assert len({r["trial_id"] for r in board.results("fast") if not r.get("role")}) == 12
     with capsys.disabled():
-        print(f"\nembedded default: champion={report['champion']} speedup={report['speedup']}")
+        print(f"\nembedded default: champion={report['champion']} speedup vs the shipped serving default={report['speedup']}")
     _incumbent_entries_are_verified(board)
     # The pass to beat is the shipped serving default, named; every screen paired the incumbent,
     # whose drift over the run is reported; the stock pass ranks at exactly 1x of itself.
