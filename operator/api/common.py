@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from shapeshift.engine.contracts import compile_pod_env as pod_env
 from shapeshift.engine.contracts import engine_env
 from shapeshift.engine.contracts.traffic_profile import BUILTIN_PROFILES
 from shapeshift.operator.api.hardware import ACCELERATORS, AcceleratorKind
@@ -226,12 +227,13 @@ class HardwareSpec(WireModel):
 
 # Environment variables the operator sets in engine and compile pods itself; a spec may not set
 # them (the container's later entry would silently win over the user's, or the user's over ours).
+# The compile pod's names come from its contract (engine/contracts/compile_pod_env.py).
 OPERATOR_ENV_NAMES = (
-    "POD_NAME", "POD_NAMESPACE", "SHAPESHIFT_INFERENCE_DEPLOYMENT", "SHAPESHIFT_ENGINE_CONFIG",
-    "SHAPESHIFT_NAMESPACE", "SHAPESHIFT_COMPILE_RUN", "SHAPESHIFT_ACCELERATOR", "SHAPESHIFT_BUDGET_WALL_CLOCK_SECONDS",
-    "SHAPESHIFT_BUDGET_TRIALS", "SHAPESHIFT_WORK_DIR", "SHAPESHIFT_ARTIFACT_DIR", "SHAPESHIFT_ENGINE_ENV_NAMES",
+    pod_env.POD_NAME, "POD_NAMESPACE", pod_env.INFERENCE_DEPLOYMENT, pod_env.ENGINE_CONFIG,
+    pod_env.NAMESPACE, pod_env.COMPILE_RUN, pod_env.ACCELERATOR, pod_env.BUDGET_WALL_CLOCK_SECONDS,
+    pod_env.BUDGET_TRIALS, pod_env.WORK_DIR, pod_env.ARTIFACT_DIR, pod_env.ENGINE_ENV_NAMES,
 )
-RESERVED_ENV_PREFIX = "SHAPESHIFT_AGENT_"  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
+RESERVED_ENV_PREFIX = pod_env.AGENT_API_KEY_PREFIX  # SHAPESHIFT_AGENT_<n>_API_KEY, from the agents' Secrets
 # Every name a spec may not set: the operator's, and those the engine, the compile worker, the
 # Kubernetes client and the runtimes read for something other than speed (contracts/engine_env.py).
 RESERVED_ENV_NAMES = tuple(dict.fromkeys(OPERATOR_ENV_NAMES + engine_env.RESERVED_NAMES))
