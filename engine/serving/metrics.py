@@ -86,60 +86,43 @@ class EngineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         m = ("model",)
-        self.prompt_tokens_total = Counter(
-            names.client_name(names.PROMPT_TOKENS_TOTAL), "Prompt tokens of requests accepted by the engine.",
-            m, registry=r).labels(model_name)
-        self.generation_tokens_total = Counter(
-            names.client_name(names.GENERATION_TOKENS_TOTAL), "Tokens generated, counted as they are made.",
-            m, registry=r).labels(model_name)
-        self.kv_cache_usage = Gauge(
-            names.KV_CACHE_USAGE, "KV-cache blocks in use over all blocks (0..1).", m, registry=r).labels(model_name)
-        self.preemptions = Counter(
-            names.client_name(names.PREEMPTIONS), "Sequences preempted (KV blocks freed, recomputed later).",
-            m, registry=r).labels(model_name)
-        self.request_queue_time = Histogram(
-            names.REQUEST_QUEUE_TIME, "Arrival to the start of the step that first schedules the request.",
-            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.request_prefill_time = Histogram(
-            names.REQUEST_PREFILL_TIME, "First scheduled to first generated token.",
-            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.request_decode_time = Histogram(
-            names.REQUEST_DECODE_TIME, "First generated token to finish.",
-            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Histogram(
-            names.PROMPT_TOKENS, "Prompt length in tokens of requests accepted by the engine.",
-            m, buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
-        self.generation_tokens = Histogram(
-            names.GENERATION_TOKENS, "Generated tokens per finished request.",
-            m, buckets=TOKEN_BUCKETS, registry=r).labels(model_name)
-        self.time_to_first_token = Histogram(
-            names.TIME_TO_FIRST_TOKEN, "Arrival to first generated token.",
-            m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.inter_token_latency = Histogram(
-            names.INTER_TOKEN_LATENCY, "Gap between consecutive tokens of one request.",
-            m, buckets=INTER_TOKEN_BUCKETS, registry=r).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            names.E2E_REQUEST_LATENCY, "Arrival to finish of a request.",
-            m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            names.client_name(names.PREFIX_CACHE_QUERIES), "Prompt tokens looked up in the prefix cache.",
-            m, registry=r).labels(model_name)
-        self.prefix_cache_hits = Counter(
-            names.client_name(names.PREFIX_CACHE_HITS), "Prompt tokens found in the prefix cache.",
-            m, registry=r).labels(model_name)
+        self.prompt_tokens_total = self._series(
+            Counter, names.PROMPT_TOKENS_TOTAL, "Prompt tokens of requests accepted by the engine.")
+        self.generation_tokens_total = self._series(
+            Counter, names.GENERATION_TOKENS_TOTAL, "Tokens generated, counted as they are made.")
+        self.kv_cache_usage = self._series(
+            Gauge, names.KV_CACHE_USAGE, "KV-cache blocks in use over all blocks (0..1).")
+        self.preemptions = self._series(
+            Counter, names.PREEMPTIONS, "Sequences preempted (KV blocks freed, recomputed later).")
+        self.request_queue_time = self._series(
+            Histogram, names.REQUEST_QUEUE_TIME, "Arrival to the start of the step that first schedules the request.", E2E_BUCKETS)
+        self.request_prefill_time = self._series(
+            Histogram, names.REQUEST_PREFILL_TIME, "First scheduled to first generated token.", E2E_BUCKETS)
+        self.request_decode_time = self._series(
+            Histogram, names.REQUEST_DECODE_TIME, "First generated token to finish.", E2E_BUCKETS)
+        self.prompt_tokens = self._series(
+            Histogram, names.PROMPT_TOKENS, "Prompt length in tokens of requests accepted by the engine.", TOKEN_BUCKETS)
+        self.generation_tokens = self._series(
+            Histogram, names.GENERATION_TOKENS, "Generated tokens per finished request.", TOKEN_BUCKETS)
+        self.time_to_first_token = self._series(
+            Histogram, names.TIME_TO_FIRST_TOKEN, "Arrival to first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = self._series(
+            Histogram, names.INTER_TOKEN_LATENCY, "Gap between consecutive tokens of one request.", INTER_TOKEN_BUCKETS)
+        self.e2e_request_latency = self._series(
+            Histogram, names.E2E_REQUEST_LATENCY, "Arrival to finish of a request.", E2E_BUCKETS)
+        self.prefix_cache_queries = self._series(
+            Counter, names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = self._series(
+            Counter, names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.")
         self._requests = Counter(
             names.client_name(names.REQUESTS), "Requests by outcome.", ("model", "status"), registry=r)
         for status in REQUEST_STATUSES:  # pre-create so rate() sees zeros, not absent series
             self._requests.labels(model_name, status)
-        self.requests_running = Gauge(
-            names.REQUESTS_RUNNING, "Requests in the engine's running set.",
-            m, registry=r).labels(model_name)
-        self.requests_waiting = Gauge(
-            names.REQUESTS_WAITING, "Requests admitted but not yet running.",
-            m, registry=r).labels(model_name)
-        self.batch_size = Gauge(
-            names.BATCH_SIZE, "Sequences in the last scheduler step.",
-            m, registry=r).labels(model_name)
+        self.requests_running = self._series(
+            Gauge, names.REQUESTS_RUNNING, "Requests in the engine's running set.")
+        self.requests_waiting = self._series(
+            Gauge, names.REQUESTS_WAITING, "Requests admitted but not yet running.")
+        self.batch_size = self._series(Gauge, names.BATCH_SIZE, "Sequences in the last scheduler step.")
         self._forward_pass = Info(
             names.client_name(names.FORWARD_PASS_INFO), "The active forward pass.", m, registry=r)
         self._forward_pass_identity: tuple[str, str] | None = None
@@ -167,6 +150,11 @@ class EngineMetrics:
         self._vllm_success = None
         if metrics_compat == "vllm":
             self._add_vllm_series()
+
+    def _series(self, kind: type, series: str, doc: str, buckets: tuple[float, ...] | None = None) -> Any:
+        """One series of the contract (metric_names), labelled with this server's model."""
+        extra = {"buckets": buckets} if buckets is not None else {}
+        return kind(names.client_name(series), doc, ("model",), registry=self.registry, **extra).labels(self.model_name)
 
     def _add_vllm_series(self) -> None:
         """vLLM's names next to ours, fed by the same observations (metric_names.VLLM_SERIES)."""
