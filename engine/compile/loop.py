@@ -452,7 +452,8 @@ class CompileLoop:
         self.incumbent = Incumbent(cand, fast, full, verdict)
         self.incumbent_speedup = speedup
         self.board.append("incumbent", digest=cand.digest, speedup=speedup, agent=cand.agent)
-        log.info("new incumbent %s by %s: %.3fx the stock pass on the full tier", cand.short, cand.agent, speedup or 0)
+        log.info("new incumbent %s by %s: %.3fx the baseline (%s) on the full tier", cand.short, cand.agent, speedup or 0,
+                 self.config.baseline_name)
 
     # ------------------------------------------------------------------ agents
     def _start_agents(self) -> None:

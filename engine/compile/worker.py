@@ -423,7 +423,7 @@ class CompileRunContext:
             message = f"no verified improvement over the stock forward pass{beaten} ({result.stop_reason})"
         else:
             message = (f"champion {self.champion_name or result.champion.digest[:12]}: {result.speedup:.3f}x the "
-                       f"stock pass, verified ({result.stop_reason})")
+                       f"shipped serving default, verified ({result.stop_reason})")
             if self.artifact_uri and not self.artifact_durable:
                 message += (f"; its bundle {self.artifact_uri} is in the compile pod's work folder and is lost with "
                             "the pod, so it is not rolled out (give the InferenceDeployment spec.artifacts.pvc, a "
