@@ -236,7 +236,7 @@ def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decis
     """A CompileRun owned by the deployment, carrying the traffic that triggered it.
 
     Its budget is ``spec.compilation.budget``; the fields set in ``spec.compilation.template``
-    (agents, tiers, verification, baseline, hardware, image, backoffLimit) are copied as they
+    (agents, tiers, verification, baseline, hardware, image, backoffLimit, slo) are copied as they
     are, and the fields left out of the template stay out of the run, so the CompileRun's
     defaults apply to them.
     """

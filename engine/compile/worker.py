@@ -6,7 +6,7 @@ Data flow (inside the compile pod, `shapeshift compile --compile-run NS/NAME`):
         deployment's engine.yaml: model, dtype, context; $SHAPESHIFT_AGENT_<i>_API_KEY, LLM keys the
         kubelet took from Secrets; the work and artifact folders; the pool's accelerator)
       --job_request, through the typed CompileRunSpec--> the command line's JobRequest completed
-        (job.py: model, profile, budget, agents, tiers, verification, baseline)
+        (job.py: model, profile, budget, agents, tiers, verification, baseline, slo)
     spec.baseline.forwardPass, else the deployment's status.activeForwardPass
       --pass_to_beat--> that ForwardPass's bundle (fetched, sha256 checked) as a candidate the
       champion must beat besides the stock pass (compile/pass_to_beat.py)
@@ -206,7 +206,7 @@ def job_request(given: JobRequest, spec: CompileRunSpec, run: str, deployment: D
         filled["budget_trials"] = spec.budget.trials
     if given.budget_seconds is None and _given(spec.budget, "wall_clock_seconds"):
         filled["budget_seconds"] = float(spec.budget.wall_clock_seconds)
-    if given.agents is None and "agents" in spec.model_fields_set and spec.agents:
+    if given.agents is None and "agents" in spec.model_fields_set:  # never empty (CompileRunSpec)
         names, llm_index = agent_names(spec.agents)
         if llm_index is not None:
             llm = spec.agents[llm_index].llm
@@ -215,6 +215,11 @@ def job_request(given: JobRequest, spec: CompileRunSpec, run: str, deployment: D
             if key:
                 filled["llm_key_file"] = str(_key_file(pod.work_dir or given.out or DEFAULT_OUT, key))
         filled["agents"] = tuple(names)
+    if spec.slo is not None:  # 0 is a value here (no per-user streaming rate promised)
+        for field_name, name in (("slo_ttft_p90_s", "ttft_p90_seconds"),
+                                 ("slo_per_user_tokens_per_s_p90", "per_user_tokens_per_second_p90")):
+            if getattr(given, field_name) is None and getattr(spec.slo, name) is not None:
+                filled[field_name] = float(getattr(spec.slo, name))
     for field_name, section, name in (("fast_layers", spec.tiers, "fast_layers"),
                                       ("confirm_requests", spec.tiers, "replay_requests"),
                                       ("confirm_repeats", spec.tiers, "repeats"),

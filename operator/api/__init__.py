@@ -21,7 +21,7 @@ from shapeshift.operator.api.common import (DTYPES, ENV_LIST_SCHEMA, MAX_ENV_VAR
                                             HardwareSpec, StatusModel, Toleration, WireModel, cel, get_condition,
                                             now_utc, parse_spec, parse_status, set_condition, short_error)
 from shapeshift.operator.api.compile_run import (COMPILE_RUN, TERMINAL_PHASES, AgentSpec, BaselineSpec, CompileBudget,
-                                                 CompileRunPhase, CompileRunSpec, CompileRunStatus, CompileTrigger,
+                                                 CompileRunPhase, CompileRunSpec, CompileRunStatus, CompileSLO, CompileTrigger,
                                                  DeploymentRef, LeaderboardEntry, LLMAgentSpec, PrometheusWindow,
                                                  SecretKeyRef, TierSpec, TrafficSource, TrialCounts, VerificationSpec)
 from shapeshift.operator.api.forward_pass import (COMPILE_RUN_UID_ANNOTATION, FORWARD_PASS, Artifact, ForwardPassEngine, ForwardPassHardware,
@@ -58,7 +58,7 @@ __all__ = [
     "InferenceDeploymentStatus",
     # CompileRun
     "SecretKeyRef", "LLMAgentSpec", "AgentSpec", "TierSpec", "VerificationSpec", "BaselineSpec", "CompileBudget",
-    "DeploymentRef", "PrometheusWindow", "TrafficSource", "CompileTrigger", "CompileRunSpec", "LeaderboardEntry",
+    "DeploymentRef", "PrometheusWindow", "TrafficSource", "CompileTrigger", "CompileSLO", "CompileRunSpec", "LeaderboardEntry",
     "TrialCounts", "CompileRunPhase", "TERMINAL_PHASES", "CompileRunStatus",
     # ForwardPass
     "ModelSignature", "ForwardPassHardware", "Artifact", "ForwardPassMetrics", "GateResult", "VerificationReport",

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
-from shapeshift.operator.api.common import (DNS_LABEL, DNS_SUBDOMAIN, BuiltinTrafficProfile, Condition, HardwareSpec,
+from shapeshift.operator.api.common import (DNS_SUBDOMAIN, BuiltinTrafficProfile, Condition, HardwareSpec,
                                             StatusModel, WireModel, cel, check_outbound_url, default_of,
                                             outbound_url_rule)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
@@ -76,8 +76,9 @@ class AgentSpec(WireModel):
             "x-kubernetes-validations": [cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings")]
         }
     )
-    kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(description="Agent strategy.")
-    name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL, description="Name on the message board (default: kind-index).")
+    kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(
+        description="Agent strategy. On the run's message board an agent is named by its kind (sweep, evolve, "
+                    "bayes, llm) and its later replicas <kind>-2, <kind>-3, ...")
     replicas: int = Field(default=1, ge=1, le=16, description="Concurrent instances of this agent.")
     llm: LLMAgentSpec | None = Field(default=None, description="Endpoint settings for kind llm.")
 
@@ -86,6 +87,35 @@ class AgentSpec(WireModel):
         if self.kind == "llm" and self.llm is None:
             raise ValueError("an agent of kind llm needs llm settings")
         return self
+
+
+AGENTS_NOT_EMPTY = ("spec.agents must name at least one agent; leave spec.agents out for the default agents "
+                    "(coordinate-sweep and evolutionary)")
+
+
+def check_agents(agents: list[AgentSpec] | None, where: str) -> None:
+    """An empty agent list is refused, never read as "the defaults" (the CEL twin: AGENTS_NOT_EMPTY)."""
+    if agents is not None and not agents:
+        raise ValueError(AGENTS_NOT_EMPTY.replace("spec.agents", where))
+
+
+# The compile engine's defaults (engine/replay/slo.py; tests/compile/test_compile_job.py holds these to them).
+SLO_DEFAULT_TTFT_P90_SECONDS = 1.0
+SLO_DEFAULT_PER_USER_TOKENS_PER_SECOND_P90 = 10.0
+
+
+class CompileSLO(WireModel):
+    """The service-level objective candidates are judged by: the compile loop maximises goodput,
+    the output tokens/s of the replayed requests that meet it. A field left out takes the compile
+    engine's default."""
+
+    ttft_p90_seconds: float | None = Field(
+        default=None, gt=0, le=3600,
+        description=f"p90 time to first token, in seconds (> 0; default {SLO_DEFAULT_TTFT_P90_SECONDS:g}).")
+    per_user_tokens_per_second_p90: float | None = Field(
+        default=None, ge=0, le=100000,
+        description="Output tokens per second each user streams at, met by 90% of requests (>= 0, 0: no "
+                    f"streaming-rate promise; default {SLO_DEFAULT_PER_USER_TOKENS_PER_SECOND_P90:g}).")
 
 
 class TierSpec(WireModel):
@@ -200,6 +230,7 @@ class CompileRunSpec(WireModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self == oldSelf", "spec of a CompileRun is immutable; create a new CompileRun"),
+                cel("!has(self.agents) || self.agents.size() > 0", AGENTS_NOT_EMPTY),
             ]
         }
     )
@@ -212,7 +243,8 @@ class CompileRunSpec(WireModel):
         default_factory=lambda: [AgentSpec(kind="coordinate-sweep"), AgentSpec(kind="evolutionary")],
         max_length=16,
         json_schema_extra={"default": [{"kind": "coordinate-sweep", "replicas": 1}, {"kind": "evolutionary", "replicas": 1}]},
-        description="Search agents, run concurrently on one message board.",
+        description="Search agents, run concurrently on one message board (at least one; left out: "
+                    "coordinate-sweep and evolutionary).",
     )
     tiers: TierSpec = Field(default_factory=TierSpec, json_schema_extra=default_of(TierSpec), description="Measurement tiers.")
     verification: VerificationSpec = Field(default_factory=VerificationSpec, json_schema_extra=default_of(VerificationSpec),
@@ -221,6 +253,13 @@ class CompileRunSpec(WireModel):
     backoff_limit: int = Field(default=1, ge=0, le=10, description="Retries of the compile pod before the run fails.")
     trigger: CompileTrigger = Field(default_factory=CompileTrigger, json_schema_extra=default_of(CompileTrigger), description="Why the run exists.")
     image: str | None = Field(default=None, max_length=512, description="Compile worker image (default: the deployment's engine image).")
+    slo: CompileSLO | None = Field(default=None, description="The SLO candidates are judged by (goodput under it); "
+                                                              "left out: the compile engine's defaults.")
+
+    @model_validator(mode="after")
+    def _agents(self) -> "CompileRunSpec":
+        check_agents(self.agents, "spec.agents")
+        return self
 
 
 class LeaderboardEntry(StatusModel):

@@ -19,7 +19,7 @@ from shapeshift.operator.api.common import (DNS_SUBDOMAIN, ENV_LIST_SCHEMA, MAX_
                                             Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel,
                                             check_outbound_url, outbound_url_rule,
                                             default_of)
-from shapeshift.operator.api.compile_run import (AgentSpec, BaselineSpec, CompileBudget, TierSpec,
+from shapeshift.operator.api.compile_run import (AgentSpec, BaselineSpec, CompileBudget, CompileSLO, TierSpec,
                                                  VerificationSpec)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 
@@ -171,6 +171,8 @@ class CompileRunTemplate(WireModel):
         default=None, max_length=512, description="Compile worker image (default: the deployment's engine image).")
     backoff_limit: int | None = Field(
         default=None, ge=0, le=10, description="Retries of the compile pod before an automatic run fails.")
+    slo: CompileSLO | None = Field(
+        default=None, description="The SLO automatic runs judge candidates by (default: the compile engine's).")
 
 
 class CompilationPolicy(WireModel):
@@ -191,7 +193,7 @@ class CompilationPolicy(WireModel):
                                   description="Budget of automatic CompileRuns.")
     template: CompileRunTemplate | None = Field(
         default=None,
-        description="Agents, tiers, verification, baseline, hardware, image and backoff limit of automatic "
+        description="Agents, tiers, verification, baseline, hardware, image, backoff limit and SLO of automatic "
                     "CompileRuns (each field left out takes the CompileRun default).",
     )
 

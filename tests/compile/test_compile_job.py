@@ -140,3 +140,39 @@ def test_a_compile_run_without_the_fields_keeps_the_command_lines_defaults(tmp_p
         job_request(JobRequest(), _run(traffic={"prometheus": {}}), "ns/run-1", _deployment(), CompilePodEnv())
     with pytest.raises(ValueError, match="no model"):
         job_request(JobRequest(), _run(), "ns/run-1", None, CompilePodEnv())
+
+
+def test_a_compile_runs_slo_reaches_the_job_and_flags_still_win(tmp_path):
+    from shapeshift.engine.replay.slo import DEFAULT_PER_USER_TOKENS_PER_S_P90, DEFAULT_TTFT_P90_S, SLO
+    from shapeshift.operator.api import compile_run as api
+
+    # the CRD's descriptions name the engine's defaults
+    assert (api.SLO_DEFAULT_TTFT_P90_SECONDS, api.SLO_DEFAULT_PER_USER_TOKENS_PER_SECOND_P90) == (
+        DEFAULT_TTFT_P90_S, DEFAULT_PER_USER_TOKENS_PER_S_P90)
+    spec = _run(slo={"ttftP90Seconds": 0.25, "perUserTokensPerSecondP90": 0})
+    job = CompileJob.from_request(job_request(JobRequest(), spec, "ns/run-1", _deployment(), CompilePodEnv()))
+    assert job.slo == SLO(ttft_p90_s=0.25, per_user_tokens_per_s_p90=0.0)
+    # one field given: the other keeps the engine's default
+    half = CompileJob.from_request(job_request(JobRequest(), _run(slo={"ttftP90Seconds": 2.5}), "ns/run-1",
+                                               _deployment(), CompilePodEnv()))
+    assert half.slo == SLO(ttft_p90_s=2.5)
+    # no spec.slo: the engine's defaults
+    plain = CompileJob.from_request(job_request(JobRequest(), _run(), "ns/run-1", _deployment(), CompilePodEnv()))
+    assert plain.slo == SLO()
+    flags = request_from_flags(build_parser().parse_args(["--slo-ttft-p90", "3", "--out", str(tmp_path / "o")]), [])
+    mine = CompileJob.from_request(job_request(flags, spec, "ns/run-1", _deployment(), CompilePodEnv()))
+    assert mine.slo == SLO(ttft_p90_s=3.0, per_user_tokens_per_s_p90=0.0)
+    with pytest.raises(ValueError, match="slo.ttftP90Seconds"):
+        _run(slo={"ttftP90Seconds": 0})
+
+
+def test_an_empty_agent_list_is_refused_never_read_as_the_defaults():
+    """`agents: []` is refused by the model the worker parses the run with (the API server's CEL twin
+    refuses it at creation); agents carry no name field: the board names them by kind."""
+    with pytest.raises(ValueError, match="spec.agents must name at least one agent"):
+        _run(agents=[])
+    with pytest.raises(ValueError, match="name"):
+        _run(agents=[{"kind": "evolutionary", "name": "evo"}])
+    job = CompileJob.from_request(job_request(JobRequest(), _run(agents=[{"kind": "evolutionary", "replicas": 2}]),
+                                              "ns/run-1", _deployment(), CompilePodEnv()))
+    assert job.agents == ("evolve", "evolve")

@@ -143,6 +143,11 @@ def test_bad_compile_runs_are_rejected(crds, namespace):
         (lambda s: s.update(agents=[{"kind": "llm", "llm": {"endpoint": "https://me:pw@api.example.com/v1",
                                                             "model": "m"}}]),
          "spec.agents[].llm.endpoint must be an http(s):// URL with no user:password@"),
+        (lambda s: s.update(agents=[]), "spec.agents must name at least one agent"),
+        (lambda s: s.update(slo={"ttftP90Seconds": 0}), "spec.slo.ttftP90Seconds"),
+        (lambda s: s.update(slo={"ttftP90Seconds": -1.5}), "spec.slo.ttftP90Seconds"),
+        (lambda s: s.update(slo={"perUserTokensPerSecondP90": -3}), "spec.slo.perUserTokensPerSecondP90"),
+        (lambda s: s.update(slo={"ttftP90Seconds": "fast"}), "spec.slo.ttftP90Seconds"),
     ]:
         body = copy.deepcopy(base)
         mutate(body["spec"])
@@ -150,6 +155,25 @@ def test_bad_compile_runs_are_rejected(crds, namespace):
     long_name = copy.deepcopy(base)
     long_name["metadata"]["name"] = "r" * 60
     assert "at most 52 characters" in rejected(crds, namespace, "compileruns", long_name)
+
+
+def test_an_agent_name_is_not_a_field_and_an_slo_is_stored_as_given(crds, namespace):
+    """spec.agents[].name was never read, so it is not in the schema: a strict client is refused; the
+    SLO is optional and stored as written (absent fields: the compile engine's defaults)."""
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-named"},
+            "spec": {"deploymentRef": {"name": "llama"}, "agents": [{"kind": "evolutionary", "name": "evo"}]}}
+    with pytest.raises(kubernetes.client.ApiException) as info:
+        crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", body,
+                                                    field_validation="Strict")
+    assert 'unknown field "spec.agents[0].name"' in json.loads(info.value.body)["message"]
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-slo"},
+            "spec": {"deploymentRef": {"name": "llama"}, "slo": {"ttftP90Seconds": 0.5}}}
+    stored = create(crds, namespace, "compileruns", body)["spec"]
+    assert stored["slo"] == {"ttftP90Seconds": 0.5}
+    assert stored["agents"] == [{"kind": "coordinate-sweep", "replicas": 1}, {"kind": "evolutionary", "replicas": 1}]
+    plain = copy.deepcopy(body)
+    plain["metadata"]["name"], plain["spec"] = "run-plain", {"deploymentRef": {"name": "llama"}}
+    assert "slo" not in create(crds, namespace, "compileruns", plain)["spec"]
 
 
 def test_compile_run_spec_is_immutable(crds, namespace):
@@ -188,13 +212,15 @@ def test_a_compile_run_template_is_stored_and_becomes_an_accepted_drift_compile_
     from shapeshift.operator.api import InferenceDeploymentSpec
 
     template = {"agents": [{"kind": "coordinate-sweep"}], "tiers": {"replayRequests": 24, "repeats": 2},
-                "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0}
+                "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0,
+                "slo": {"ttftP90Seconds": 0.4, "perUserTokensPerSecondP90": 25}}
     body = idep(compilation={"policy": "OnDrift", "drift": {}, "template": template})
     stored = create(crds, namespace, "inferencedeployments", body)
     kept = stored["spec"]["compilation"]["template"]
     assert kept == {"agents": [{"kind": "coordinate-sweep", "replicas": 1}],
                     "tiers": {"fast": True, "fastLayers": 2, "full": True, "replayRequests": 24, "repeats": 2},
-                    "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0}, kept
+                    "baseline": {"minSpeedup": 1.05}, "backoffLimit": 0,
+                    "slo": {"ttftP90Seconds": 0.4, "perUserTokensPerSecondP90": 25}}, kept
     spec = InferenceDeploymentSpec.model_validate(stored["spec"])
     assert spec.to_wire() == stored["spec"]
 
@@ -206,6 +232,7 @@ def test_a_compile_run_template_is_stored_and_becomes_an_accepted_drift_compile_
     created = create(crds, namespace, "compileruns", run)["spec"]
     assert created["agents"] == kept["agents"] and created["tiers"] == kept["tiers"]
     assert created["baseline"] == {"minSpeedup": 1.05} and created["backoffLimit"] == 0
+    assert created["slo"] == {"ttftP90Seconds": 0.4, "perUserTokensPerSecondP90": 25}
     # Not in the template: the API server's CompileRun defaults.
     assert created["verification"]["greedySteps"] == 64 and "hardware" not in created and "image" not in created
 
@@ -216,6 +243,8 @@ def test_a_bad_compile_run_template_is_rejected(crds, namespace):
         ({"agents": []}, "spec.compilation.template.agents"),
         ({"backoffLimit": 11}, "spec.compilation.template.backoffLimit"),
         ({"baseline": {"minSpeedup": 0.5}}, "spec.compilation.template.baseline.minSpeedup"),
+        ({"slo": {"ttftP90Seconds": 0}}, "spec.compilation.template.slo.ttftP90Seconds"),
+        ({"slo": {"perUserTokensPerSecondP90": -1}}, "spec.compilation.template.slo.perUserTokensPerSecondP90"),
     ]:
         message = rejected(crds, namespace, "inferencedeployments", idep(compilation={"template": template}))
         assert fragment in message, f"{template}: {fragment!r} not in {message}"
