@@ -248,7 +248,7 @@ class ForwardPassManager:
             self.history.append(prepared.record)
             self._trim_history()
             r, who = prepared.record, prepared.record.identity
-            logger.info("forward pass %s (%s) active; kv flushed=%s preempted=%d", who.name, who.digest[:12],
+            logger.debug("forward pass %s (%s) active; kv flushed=%s preempted=%d", who.name, who.digest[:12],
                         flushed, preempted)
             return ReloadResult(name=who.name, digest=who.digest, cache_format=who.cache_format,
                                 flushed_kv=flushed, preempted=preempted, timings_s=dict(r.timings_s),
