@@ -201,12 +201,36 @@ def _check_rebuilt(evaluator: Any, cand: Any) -> None:
                     "the rebuilt pass", cand.note, rebuilt[:12], expected[:12])
 
 
+def build_evaluator(job: CompileJob) -> tuple[Any, Any]:
+    """(EngineEvaluator, ServingDefault) for `job`: the evaluator measures on the job's device
+    with its tiers, and its baseline is the pass to beat by default, what serves: `shapeshift
+    serve`'s recipe and engine settings for this model and device, with the deployment's
+    engine.yaml (job.engine_base) over them."""
+    import torch
+
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+    from shapeshift.engine.forward_pass.recipes import serving_default
+
+    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = not device.startswith("cuda")
+    tiers = job.tiers.on(cpu)
+    serving = serving_default(job.model, device)
+    settings = EvaluatorSettings(
+        model=job.model, device=device, dtype=job.dtype, max_model_len=job.max_model_len_on(cpu),
+        fast_layers=tiers.fast_layers, screen_repeats=tiers.screen_repeats, confirm_repeats=tiers.confirm_repeats,
+        final_repeats=tiers.final_repeats, screen_requests=tiers.screen_requests,
+        confirm_requests=tiers.confirm_requests, length_scale=None, seed=job.seed, work_dir=str(job.out / "work"),
+        cpu_threads=tiers.cpu_threads, timer=tiers.timer, verify_prompts=job.verification.prompts,
+        verify_steps=job.verification.steps, engine_base={**serving.engine, **job.engine_base},
+        base_recipe=dict(serving.recipe), slo=job.slo)
+    return EngineEvaluator(job.profile, settings), serving
+
+
 def run(job: CompileJob, cluster: Any = None) -> int:
     """Run one compile job; `cluster` (worker.py CompileRunContext): the CompileRun it reports to
     and publishes through, besides the local registry."""
     from shapeshift.engine.compile.agents import make_agents
     from shapeshift.engine.compile.board import Board
-    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
     from shapeshift.engine.compile.loop import CompileLoop, LoopConfig
     from shapeshift.engine.compile.report import print_outcome, write_report
     from shapeshift.engine.compile.champions import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
@@ -226,25 +250,8 @@ def run(job: CompileJob, cluster: Any = None) -> int:
             cluster.fail(self_test.message())
         return 3
 
-    import torch
-
-    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cpu = not device.startswith("cuda")
-    tiers = job.tiers.on(cpu)
-    # The pass to beat is what serves: `shapeshift serve`'s recipe and engine settings for this
-    # model and device, with the deployment's engine.yaml (job.engine_base) over them.
-    from shapeshift.engine.forward_pass.recipes import serving_default
-
-    serving = serving_default(job.model, device)
-    settings = EvaluatorSettings(
-        model=job.model, device=device, dtype=job.dtype, max_model_len=job.max_model_len_on(cpu),
-        fast_layers=tiers.fast_layers, screen_repeats=tiers.screen_repeats, confirm_repeats=tiers.confirm_repeats,
-        final_repeats=tiers.final_repeats, screen_requests=tiers.screen_requests,
-        confirm_requests=tiers.confirm_requests, length_scale=None, seed=job.seed, work_dir=str(out / "work"),
-        cpu_threads=tiers.cpu_threads, timer=tiers.timer, verify_prompts=job.verification.prompts,
-        verify_steps=job.verification.steps, engine_base={**serving.engine, **job.engine_base},
-        base_recipe=dict(serving.recipe), slo=job.slo)
-    evaluator = EngineEvaluator(profile, settings)
+    evaluator, serving = build_evaluator(job)
+    settings, device = evaluator.settings, evaluator.settings.device
     space = evaluator.space()
     board = Board(out / "board.jsonl")
     llm = None

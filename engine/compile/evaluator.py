@@ -435,6 +435,19 @@ class EngineEvaluator:
                                           repeats or s.confirm_repeats)
         return cand_m, inc_m
 
+    def measure_together(self, cands: list[Candidate], repeats: int | None = None,
+                         requests: int | None = None) -> list[Measurement]:
+        """Full-tier replays of every candidate in alternation (ABBA), one Measurement each, their
+        samples paired repeat by repeat (the regime matrix, engine/compile/regime_matrix.py)."""
+        s = self.settings
+        return self._interleaved(FULL, list(cands), requests or s.confirm_requests, repeats or s.closing_pairs)
+
+    def retarget(self, profile: TrafficProfile) -> None:
+        """Replay `profile`'s traffic from now on; the engines, their weights and the loaded pass
+        stay (one model load measures every regime's traffic)."""
+        self.profile = profile
+        self.fitted = None
+
     def screen_paired(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
         """Fast-tier replays of candidate and incumbent in alternation (ABBA): (candidate, incumbent)."""
         s = self.settings
