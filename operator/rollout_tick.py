@@ -58,6 +58,7 @@ from shapeshift.operator.rollout import (
 )
 from shapeshift.operator.prometheus import TrafficQueryError
 from shapeshift.operator.rollout_metrics import PodReport
+from shapeshift.operator.provenance import remembered
 from shapeshift.operator.rollout_target import REJECTION_REASONS, Target
 from shapeshift.operator.settings import OperatorSettings
 from shapeshift.operator.status import Relation, StatusUpdate
@@ -337,6 +338,11 @@ def plan_rollout_tick(
         # so idle deployments without Prometheus are not rewritten on every tick.
         update = StatusUpdate(fields={"rollout": update.fields["rollout"]},
                               conditions=[c for c in update.conditions if c[2] in REJECTION_REASONS])
+
+    records = remembered(status.verified_forward_passes or [], target.vouched,
+                         keep=[x.name if x else None for x in (active, next_state.desired, next_state.previous)])
+    if records is not None:
+        update.fields["verifiedForwardPasses"] = [r.to_wire() for r in records]
 
     warning: tuple[str, str] | None = None
     if target.problem is not None:

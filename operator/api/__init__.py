@@ -37,7 +37,8 @@ from shapeshift.operator.api.inference_deployment import (ARTIFACT_MOUNT, DEFAUL
                                                           DriftThresholds, EngineSettings, ForwardPassRef,
                                                           InferenceDeploymentSpec, InferenceDeploymentStatus,
                                                           ModelSource, PodForwardPass, PVCModelSource, RolloutSpec,
-                                                          RolloutStatus)
+                                                          RolloutStatus, VERIFIED_FORWARD_PASSES_KEPT,
+                                                          VerifiedForwardPass)
 
 KINDS: tuple[Kind, ...] = (INFERENCE_DEPLOYMENT, COMPILE_RUN, FORWARD_PASS)
 
@@ -55,7 +56,7 @@ __all__ = [
     "DEFAULT_ENGINE_IMAGE", "KV_BLOCK_SIZES", "ARTIFACT_MOUNT", "PVCModelSource", "ModelSource", "AdminTokenSecret",
     "EngineSettings", "DriftThresholds", "CompileRunTemplate", "CompilationPolicy", "RolloutSpec", "ArtifactPVC",
     "ArtifactStore", "InferenceDeploymentSpec", "ForwardPassRef", "DriftStatus", "PodForwardPass", "RolloutStatus",
-    "InferenceDeploymentStatus",
+    "VerifiedForwardPass", "VERIFIED_FORWARD_PASSES_KEPT", "InferenceDeploymentStatus",
     # CompileRun
     "SecretKeyRef", "LLMAgentSpec", "AgentSpec", "TierSpec", "VerificationSpec", "BaselineSpec", "CompileBudget",
     "DeploymentRef", "PrometheusWindow", "TrafficSource", "CompileTrigger", "CompileSLO", "CompileRunSpec", "LeaderboardEntry",

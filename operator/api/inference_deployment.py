@@ -357,6 +357,23 @@ class RolloutStatus(StatusModel):
     message: str | None = Field(default=None, max_length=4096, description="Why the rollout is where it is.")
 
 
+VERIFIED_FORWARD_PASSES_KEPT = 8
+
+
+class VerifiedForwardPass(StatusModel):
+    """A ForwardPass the operator accepted as verified because its CompileRun vouched for it
+    (operator/provenance.py), recorded when accepted: the pass stays trusted, with this exact spec,
+    after that CompileRun is deleted. Only the operator writes it (the status subresource)."""
+
+    name: str = Field(max_length=253, description="The ForwardPass.")
+    spec_sha256: str = Field(max_length=64, pattern=r"^[a-f0-9]{64}$",
+                             description="Digest of its spec when accepted (ForwardPassSpec.digest).")
+    compile_run: str = Field(max_length=253, description="The CompileRun that vouched for it.")
+    compile_run_uid: str = Field(max_length=64, description="That CompileRun's uid (the pass's annotation).")
+    completion_time: datetime | None = Field(default=None, description="When that CompileRun finished.")
+    accepted_at: datetime | None = Field(default=None, description="When the operator accepted it.")
+
+
 class InferenceDeploymentStatus(StatusModel):
     """What is running, observed by the operator."""
 
@@ -375,6 +392,10 @@ class InferenceDeploymentStatus(StatusModel):
     last_compile_run: str | None = Field(default=None, max_length=253, description="Name of the most recent CompileRun.")
     last_compile_time: datetime | None = Field(default=None, description="When the most recent CompileRun was created.")
     rollout: RolloutStatus | None = Field(default=None, description="Rollout of a new forward pass.")
+    verified_forward_passes: list[VerifiedForwardPass] | None = Field(
+        default=None, max_length=VERIFIED_FORWARD_PASSES_KEPT,
+        description="ForwardPasses the operator accepted because their CompileRun vouched for them (newest "
+                    "last); they stay trusted, unchanged, after that CompileRun is deleted.")
     pods: list[PodForwardPass] | None = Field(default=None, max_length=1000, description="What each pod runs.")
     conditions: list[Condition] | None = Field(default=None, max_length=32, description="Ready, Progressing, TrafficObserved, Drifted ...")
     message: str | None = Field(default=None, max_length=4096, description="Human-readable summary.")

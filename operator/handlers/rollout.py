@@ -2,7 +2,8 @@
 
     the deployment (read fresh), its CompileRuns, the target ForwardPass and the CompileRun that
     published it, its engine pods (API)
-        --rollout_target.resolve_target--> Target
+        --rollout_target.resolve_target--> Target (trusted when its CompileRun vouches for it, or the
+          operator recorded that it did in status.verifiedForwardPasses: operator/provenance.py)
     Prometheus (rollout_metrics.RolloutQueries): what each pod reports running
         --rollout_tick.plan_rollout_tick--> RolloutTick
         --apply--> HotReload: merge-patch each pod's forward-pass annotations;
@@ -55,11 +56,12 @@ from shapeshift.operator.status import Relation, forward_pass_usage
 TIMER_SECONDS = registered_timers().rollout_timer_seconds
 
 
-def _target_name(kube: Kube, namespace: str, name: str, spec: InferenceDeploymentSpec) -> str | None:
+def _target_name(kube: Kube, namespace: str, name: str, spec: InferenceDeploymentSpec,
+                 status: InferenceDeploymentStatus) -> str | None:
     if spec.forward_pass:
         return spec.forward_pass
     runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
-    return champion_of(runs, name)
+    return champion_of(runs, name, status.verified_forward_passes or [])
 
 
 def _reports(url: str | None, settings: OperatorSettings, namespace: str, name: str,
@@ -93,7 +95,7 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
     now = datetime.now(timezone.utc).replace(microsecond=0)
     settings = OperatorSettings.from_environ()
     try:
-        target_name = _target_name(kube, namespace, name, spec)
+        target_name = _target_name(kube, namespace, name, spec, status)
         forward_pass = kube.get_custom(FORWARD_PASS, namespace, target_name) if target_name else None
         publisher = publishing_run(forward_pass, namespace)
         compile_run = kube.get_custom(COMPILE_RUN, namespace, publisher) if publisher else None
@@ -103,8 +105,9 @@ def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Log
     queries, reports, problem = _reports(spec.prometheus_url or settings.prometheus_url, settings, namespace,
                                          name, spec)
     try:
-        tick = plan_rollout_tick(spec=spec, status=status, target=resolve_target(target_name, forward_pass, spec,
-                                                                                 compile_run),
+        target = resolve_target(target_name, forward_pass, spec, compile_run, status.verified_forward_passes or [],
+                                now=now)
+        tick = plan_rollout_tick(spec=spec, status=status, target=target,
                                  pods=pods, reports=reports, prometheus_problem=problem,
                                  analyze=queries.analysis if queries is not None else None,
                                  settings=settings, now=now)

@@ -15,7 +15,8 @@ artifact's: the canary engine refuses it and the operator rolls back, saying why
 back a candidate that makes latency worse, on the analysis; the fourth checks the Restart strategy;
 the last gives the deployment an artifact store (a claim the local kubelet maps to one folder for
 every engine pod), refuses a ForwardPass whose archive stayed in its compile pod, and rolls out one
-stored there. Each ForwardPass's status follows: Active with the deployments that run it, or
+stored there, which stays trusted and rolled out after its CompileRun is deleted (the operator
+recorded its acceptance in status.verifiedForwardPasses). Each ForwardPass's status follows: Active with the deployments that run it, or
 Refused with the reason.
 """
 
@@ -439,3 +440,23 @@ def test_artifact_store_rolls_out_stored_passes_and_refuses_one_left_in_its_comp
         forward_pass_status(crds, namespace, "tiny-stored")), 15, "tiny-stored to be Active")
     assert fp_status["deployments"] == [NAME]
     assert forward_pass_status(crds, namespace, "tiny-lost")["phase"] == "Refused"
+    assert "tiny-stored" in [r["name"] for r in status(crds, namespace)["verifiedForwardPasses"]]
+    assert not {"tiny-forged", "tiny-copied", "tiny-lost"} & {r["name"] for r in
+                                                               status(crds, namespace)["verifiedForwardPasses"]}
+
+    # Its CompileRun is cleaned up: the operator recorded that it vouched, so the rolled-out pass
+    # stays trusted and rolled out; a hand-written pass is still refused.
+    crds.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", "tiny-stored-run")
+    time.sleep(6)  # three rollout ticks
+    st = status(crds, namespace)
+    condition = {c["type"]: c for c in st["conditions"]}["ForwardPassRolledOut"]
+    assert (condition["status"], condition["reason"]) == ("True", "RolledOut"), condition
+    assert st["rollout"]["phase"] == "Complete" and st["activeForwardPass"]["name"] == "tiny-stored"
+    assert forward_pass_status(crds, namespace, "tiny-stored")["phase"] == "Active"
+    for name, url in urls.items():
+        assert forward_pass_info(url)["name"] == "tiny-stored", name
+    patch_spec(crds, namespace, {"forwardPass": "tiny-forged"})
+    condition = wait_until(lambda: (lambda c: c if c and c["reason"] == "NotVerifiedByCompileRun" else None)(
+        {c["type"]: c for c in status(crds, namespace).get("conditions") or []}.get("ForwardPassRolledOut")),
+        30, "the hand-written pass refused after the run's deletion", interval_s=0.5)
+    assert "tiny-forged" in condition["message"] and status(crds, namespace)["rollout"]["phase"] == "Complete"
