@@ -45,9 +45,10 @@ from typing import Any, Callable
 
 from shapeshift.engine.compile import closing
 from shapeshift.engine.compile.agents.base import Agent, AgentWorker, submit
-from shapeshift.engine.compile.board import Board, format_leaderboard
+from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.job import Budget
+from shapeshift.engine.compile.progress import ProgressCallback, default_progress
 from shapeshift.engine.compile.measure import (Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
                                                paired_gain, per_user_not_worse)
 from shapeshift.engine.compile.search_space import SearchSpace
@@ -128,10 +129,12 @@ class CompileLoop:
     def __init__(self, evaluator: Evaluator, space: SearchSpace, board: Board, agents: list[Agent],
                  budget: Budget, config: LoopConfig | None = None, on_status: StatusCallback | None = None,
                  seed_candidates: list[Candidate] | None = None, pass_to_beat: Candidate | None = None,
-                 plain_pass: Candidate | None = None):
+                 plain_pass: Candidate | None = None, on_progress: ProgressCallback | None = None):
         """`pass_to_beat`: a forward pass already serving (e.g. the deployment's active one) that a
         champion must beat besides the baseline; it is measured first, as a seed. `plain_pass`:
-        the plain-PyTorch pass, the champion's second figure when the baseline is another pass."""
+        the plain-PyTorch pass, the champion's second figure when the baseline is another pass.
+        `on_progress(event, loop, **detail)`: where the run is, at each phase and trial (progress.py;
+        default: lines on a terminal, log records elsewhere)."""
         self.evaluator = evaluator
         self.space = space
         self.board = board
@@ -139,6 +142,7 @@ class CompileLoop:
         self.budget = budget
         self.config = config or LoopConfig()
         self.on_status = on_status
+        self.on_progress = on_progress if on_progress is not None else default_progress()
         self.seed_candidates = list(seed_candidates or [])
         # completed as submit() completes every candidate, so its digest is the one on the board
         self.pass_to_beat = None if pass_to_beat is None else dataclasses.replace(
@@ -277,6 +281,7 @@ class CompileLoop:
 
     def _measure_stock(self, base: Candidate, tier: str, trial_id: str) -> Measurement:
         """The stock pass on one tier (screen or confirm), recorded as the baseline; it must run."""
+        self.on_progress("baseline", self, tier=tier)
         self.board.append("trial", trial_id=trial_id, digest=base.digest, tier=tier, role="baseline")
         m = self.evaluator.screen(base) if tier == FAST else self.evaluator.confirm(base)
         self._record(base, trial_id, tier, m, m, role="baseline")
@@ -356,6 +361,7 @@ class CompileLoop:
         confirm-more: a resumed loop counts confirmations from the board)."""
         inc = self.incumbent
         compare = getattr(self.evaluator, "compare", None)
+        self.on_progress("confirm", self, candidate=cand, round=round_)
         tid = self._trial_id(cand) + ("-full" if round_ == 0 else f"-full-more{round_}")
         self.board.append("trial", trial_id=tid, digest=cand.digest, tier=FULL, agent=cand.agent)
         inc_full = inc.full
@@ -433,6 +439,7 @@ class CompileLoop:
             self.board.note("loop", f"{cand.short} is faster overall but slower per user at p90 "
                             f"({kind}: {mine:.2f} vs {theirs:.2f} tok/s)", digest=cand.digest)
             return
+        self.on_progress("verify", self, candidate=cand)
         try:
             verdict = self.evaluator.verify(cand)
         except Exception as exc:  # noqa: BLE001
@@ -526,10 +533,8 @@ class CompileLoop:
         return run_status(self, phase)
 
     def _progress(self, force: bool = False) -> None:
-        from shapeshift.engine.compile.report import progress_line
-
         st = self.status()
-        log.info("%s", progress_line(st))
+        self.on_progress("trial", self, status=st)
         now = time.monotonic()
         if force or now - self._last_status >= self.config.status_every_s:
             self._last_status = now
@@ -594,6 +599,7 @@ class CompileLoop:
             stop_reason = (stop_reason + "; " if stop_reason else "") + "the pass to beat is still the best"
             champion = None
         if champion is not None:
+            self.on_progress("closing", self, candidate=champion)
             speedup = closing.final_comparison(self, champion)
             if self.final is not None and not beats_paired(*self.final):
                 # Each step beat its incumbent, but against the stock pass, measured side by side
@@ -616,8 +622,7 @@ class CompileLoop:
                                self.trials, self.confirms, self.verifications, self.elapsed,
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason,
                                self.config.baseline_name, bounds, self.vs_plain, drift_summary(self.drift))
-        log.info("compile finished (%s): %s\n%s", stop_reason, json.dumps(result.summary()),
-                 format_leaderboard(self.board.leaderboard(FAST, k=10)))
+        self.on_progress("done", self, stop_reason=stop_reason, summary=json.dumps(result.summary()))
         if self.on_status:
             self._send_status({**self.status("Succeeded"), "stop_reason": stop_reason})
         return result

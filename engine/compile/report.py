@@ -1,7 +1,7 @@
 """What a compile run tells: its status while it runs, its closing report, its last words.
 
     CompileLoop --run_status--> the status callback (worker.py: CompileRun status), every trial
-                --progress_line--> the progress log line
+                --on_progress--> progress.py: lines on a terminal; elsewhere progress_line, the log line
     CompileResult + board --write_report--> OUT/report.json, OUT/report.md
                           --print_outcome--> the leaderboard and the outcome on stdout
 """
