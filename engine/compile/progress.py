@@ -3,9 +3,11 @@
     CompileLoop --on_progress(event, loop, **detail)--> Progress
         event: "baseline" (tier), "trial" (after each screen), "confirm" (candidate, round),
                "verify" (candidate), "closing" (candidate), "done" (stop_reason, summary)
-      on a terminal (stdout is a TTY): one short line per event on stdout,
-            [  1m12s] trial 5/12 | best 1.138x the shipped serving default, verified (fast tier 1.20x) | ETA ~40s
-            [  1m15s] confirming 5e4a4818f390 (evolve) on the full tier: 8 paired replays with the incumbent
+      on a terminal (stdout is a TTY): one short line per event on stdout, and under it the loop's
+      verdicts noted on the board since the last event,
+            [    47s] confirming 749dfcbf133d (sweep) on the full tier: 8 paired replays with the incumbent
+            [    58s]   749dfcbf133d not confirmed on the full tier: paired speed ratio 0.980 (...) does not clear 1.010
+            [    58s] trial 7/12 | no verified gain over the shipped serving default yet (fast tier 1.14x) | ETA ~41s
       elsewhere (a pod's log, a file, a pipe): logging at INFO, one line per trial (report.progress_line)
         and one per confirmation, verification and closing comparison; nothing redraws, nothing ticks
 
@@ -92,9 +94,8 @@ def phase_text(event: str, loop: Any, detail: dict[str, Any]) -> str | None:
         return f"verifying {who}: outputs, KV-cache isolation, anti-cheat gates"
     if event == "closing":
         n = _repeats(loop, "final_repeats")
-        pairs = f"{n} pairs" if n else "paired replays"
         return (f"closing comparison: champion {who} against {short_baseline(loop.config.baseline_name)}, "
-                f"side by side ({pairs})")
+                f"side by side" + (f" ({n} pairs)" if n else ""))
     return None
 
 
@@ -117,6 +118,7 @@ class Progress:
             isatty = getattr(self.stream, "isatty", None)
             tty = bool(isatty and isatty())
         self.tty = tty
+        self._seen_notes: int | None = None  # loop notes on the board already shown
 
     def __call__(self, event: str, loop: Any, **detail: Any) -> None:
         try:
@@ -125,6 +127,9 @@ class Progress:
             log.debug("progress display failed", exc_info=True)
 
     def _emit(self, event: str, loop: Any, detail: dict[str, Any]) -> None:
+        if self.tty:
+            for text in self._verdicts(loop):
+                self._line(loop, f"  {text}")
         if event == "done":
             # the leaderboard and the outcome line follow on stdout (report.print_outcome); a log keeps the summary
             log.log(logging.DEBUG if self.tty else logging.INFO, "compile finished (%s): %s",
@@ -145,6 +150,15 @@ class Progress:
             self._line(loop, text)
         else:
             log.info("%s", text)
+
+    def _verdicts(self, loop: Any) -> list[str]:
+        """The loop's notes on the board since the last event (a candidate not confirmed, rejected by
+        verification, withdrawn at the closing comparison), so a phase line is followed by its outcome."""
+        notes = loop.board.entries("note")
+        seen, self._seen_notes = self._seen_notes, len(notes)
+        if seen is None:
+            return []
+        return [n["text"] for n in notes[seen:] if n.get("agent") == "loop" and not n.get("checkpoint")]
 
     def _line(self, loop: Any, text: str) -> None:
         self.stream.write(f"[{duration(loop.elapsed):>7}] {text}\n")

@@ -26,10 +26,10 @@ class Terminal(io.StringIO):
         return True
 
 
-def run(tmp_path: Path, progress, budget: Budget, items=("fast", "same")):
+def run(tmp_path: Path, progress, budget: Budget, items=("fast", "same"), fails=frozenset()):
     board = Board(tmp_path / "board.jsonl")
     sp = space()
-    ev = FakeEvaluatorForOrchestrationTests({"stock": 100, "fast": 130, "same": 100})
+    ev = FakeEvaluatorForOrchestrationTests({"stock": 100, "fast": 130, "same": 100}, fails_verification=fails)
     loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, list(items))], budget,
                        LoopConfig(deterministic=True, baseline_name=BASELINE), on_progress=progress)
     return loop.run()
@@ -43,7 +43,7 @@ def test_on_a_terminal_one_line_per_phase_and_trial(tmp_path: Path, caplog) -> N
     lines = term.getvalue().splitlines()
     bodies = [line.split("] ", 1)[1] for line in lines]
     assert all(line.startswith("[") for line in lines)
-    kinds = [b.split(" ", 1)[0] for b in bodies]
+    kinds = [b.split(" ", 1)[0] for b in bodies if not b.startswith("  ")]
     # baseline on both tiers, the start line, trial 1 (fast: confirmed, verified), trial 2, the closing comparison
     assert kinds == ["measuring", "measuring", "trial", "confirming", "verifying", "trial", "trial", "closing"], bodies
     assert bodies[0] == "measuring the baseline, the shipped serving default, on the fast tier"
@@ -52,6 +52,8 @@ def test_on_a_terminal_one_line_per_phase_and_trial(tmp_path: Path, caplog) -> N
                     r"\| 1 confirmation \| ETA ~\d+s$", bodies[5]), bodies[5]
     assert bodies[6].startswith("trial 2/2 | best 1.") and bodies[6].endswith("ETA ~0s")
     assert bodies[7].startswith("closing comparison: champion ") and "(list)" in bodies[7]
+    assert bodies[8].startswith("  final: champion ") and "paired speed ratio 1.2" in bodies[8]  # its verdict
+    assert len(bodies) == 9
     # the terminal gets these instead of the per-trial log records; no leaderboard in the log
     logged = [r.getMessage() for r in caplog.records]
     assert not any(m.startswith("trials ") for m in logged), logged
@@ -91,3 +93,14 @@ def test_helpers() -> None:
     assert [duration(s) for s in (None, 9, 72, 3725)] == ["?", "9s", "1m12s", "1h02m"]
     assert short_baseline(BASELINE) == "the shipped serving default"
     assert short_baseline("ForwardPass fp-1") == "ForwardPass fp-1"
+
+
+def test_a_phase_line_is_followed_by_its_verdict(tmp_path: Path) -> None:
+    term = Terminal()
+    result = run(tmp_path, Progress(term), Budget(max_trials=1), items=("fast",), fails={"fast"})
+    assert result.champion is None
+    bodies = [line.split("] ", 1)[1] for line in term.getvalue().splitlines()]
+    at = next(i for i, b in enumerate(bodies) if b.startswith("verifying "))
+    assert bodies[at + 1].startswith("  ") and "rejected by verification" in bodies[at + 1], bodies
+    assert bodies[at + 2].startswith("trial 1/1 | no verified gain")
+    assert not any("checkpoint" in b for b in bodies)
