@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Run the Shapeshift operator from this checkout, in the foreground, against the cluster of
+# the current kubeconfig (kind, minikube, hack/cluster.sh's local control plane), before or
+# instead of installing the Helm chart. docs/local-operator.md walks through it.
+#   hack/run-operator-local.sh                            # the kubeconfig's namespace (or default)
+#   hack/run-operator-local.sh -n team-a -n team-b        # or -A: every namespace
+#   hack/run-operator-local.sh --kubeconfig ~/.kube/kind.yaml --prometheus-url http://127.0.0.1:9090
+# Steps: set up the Python environment (hack/setup.sh), check that the API server answers,
+# apply the CRDs in crds/ (kubectl apply --server-side) and wait until they are Established,
+# then exec `shapeshift operator --standalone` with the remaining flags. Ctrl-C stops it.
+#   --kubeconfig PATH      use this kubeconfig (default: $KUBECONFIG, then ~/.kube/config)
+#   --prometheus-url URL   where the drift detector reads traffic (SHAPESHIFT_PROMETHEUS_URL;
+#                          spec.prometheusUrl of an InferenceDeployment overrides it)
+#   --no-crds              do not apply crds/ (they are installed already, e.g. by the chart)
+# Every other flag goes to `shapeshift operator` (`shapeshift operator --help`); without
+# --liveness, the health endpoint is http://127.0.0.1:${SHAPESHIFT_OPERATOR_HEALTH_PORT:-18080}/healthz.
+# kubectl: $KUBECTL, else the one on PATH, else $SHAPESHIFT_BIN/kubectl.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+apply_crds=1
+operator_args=()
+scoped=0
+liveness=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --kubeconfig) [[ $# -ge 2 ]] || { echo "error: --kubeconfig needs a path" >&2; exit 2; }
+                  export KUBECONFIG="$2"; shift 2 ;;
+    --kubeconfig=*) export KUBECONFIG="${1#*=}"; shift ;;
+    --prometheus-url) [[ $# -ge 2 ]] || { echo "error: --prometheus-url needs a URL" >&2; exit 2; }
+                      export SHAPESHIFT_PROMETHEUS_URL="$2"; shift 2 ;;
+    --prometheus-url=*) export SHAPESHIFT_PROMETHEUS_URL="${1#*=}"; shift ;;
+    --no-crds) apply_crds=0; shift ;;
+    -n|--namespace|-A|--all-namespaces|--namespace=*) scoped=1; operator_args+=("$1"); shift ;;
+    --liveness|--liveness=*) liveness=1; operator_args+=("$1"); shift ;;
+    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) operator_args+=("$1"); shift ;;
+  esac
+done
+if [[ -n "${KUBECONFIG:-}" ]]; then
+  first="${KUBECONFIG%%:*}"
+  [[ -f "$first" ]] || { echo "error: kubeconfig $first does not exist" >&2; exit 2; }
+  export KUBECONFIG="$(realpath "$first")${KUBECONFIG#"$first"}"
+elif [[ ! -f "$HOME/.kube/config" ]]; then
+  echo "error: no kubeconfig: set KUBECONFIG, pass --kubeconfig, or start a cluster (kind create cluster," \
+       "minikube start, or hack/cluster.sh up and eval \"\$(hack/cluster.sh env)\")" >&2
+  exit 2
+fi
+
+"$REPO_ROOT/hack/setup.sh"
+
+kubectl="${KUBECTL:-$(command -v kubectl || true)}"
+[[ -n "$kubectl" ]] || kubectl="$SHAPESHIFT_BIN/kubectl"
+[[ -x "$kubectl" ]] || { echo "error: kubectl not found (\$KUBECTL, PATH, $SHAPESHIFT_BIN);" \
+                               "install it, or run hack/controlplane-deps.sh" >&2; exit 2; }
+
+context="$("$kubectl" config current-context 2>/dev/null || echo '?')"
+if ! "$kubectl" version --request-timeout=10s >/dev/null 2>&1; then
+  echo "error: the API server of context '$context' does not answer (kubectl version failed);" \
+       "is the cluster running?" >&2
+  exit 1
+fi
+
+if [[ "$scoped" == 0 ]]; then
+  ns="$("$kubectl" config view --minify -o jsonpath='{..namespace}' 2>/dev/null || true)"
+  operator_args=(--namespace "${ns:-default}" "${operator_args[@]}")
+fi
+if [[ "$liveness" == 0 ]]; then
+  operator_args+=(--liveness "http://127.0.0.1:${SHAPESHIFT_OPERATOR_HEALTH_PORT:-18080}/healthz")
+fi
+
+if [[ "$apply_crds" == 1 ]]; then
+  log "applying the CRDs in crds/ to context '$context'"
+  "$kubectl" apply --server-side --force-conflicts -f "$REPO_ROOT/crds/" >/dev/null
+  "$kubectl" wait --for=condition=Established --timeout=60s \
+    crd/inferencedeployments.shapeshift.dev crd/compileruns.shapeshift.dev crd/forwardpasses.shapeshift.dev >/dev/null
+fi
+
+log "running the operator from $REPO_ROOT against context '$context': shapeshift operator --standalone ${operator_args[*]}"
+exec "$VENV/bin/shapeshift" operator --standalone "${operator_args[@]}"
