@@ -13,12 +13,14 @@ and completions request schemas is accepted. What the engine can honour, it does
 (n, penalties, logit_bias, logprobs and top logprobs up to MAX_TOP_LOGPROBS, echo
 with prompt logprobs, list prompts, stream_options.continuous_usage_stats,
 response_format json through xgrammar when installed, ...).
-Fields that change nothing about the output at any value (`store`, `metadata`,
-`user`, `service_tier`, `reasoning_effort`, `parallel_tool_calls`, ...) are
-accepted and logged at debug level (`INERT_FIELDS`). What it cannot honour is
-refused only when set to a non-neutral value, with a 400 that names the field
-and says what to do instead (tools, audio, image parts, suffix, best_of other
-than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
+Tools are called through the same constrained decoding, with tool_choice
+"required" or a named function (engine/serving/tools.py). Fields that change
+nothing about the output at any value (`store`, `metadata`, `user`,
+`service_tier`, `reasoning_effort`, ...) are accepted and logged at debug level
+(`INERT_FIELDS`). What it cannot honour is refused only when set to a
+non-neutral value, with a 400 that names the field and says what to do instead
+(tool_choice "auto" with tools, the deprecated functions, audio, image parts,
+suffix, best_of other than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
 typo is not silently dropped. Extensions (as in vLLM): `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids` (adds `token_ids` to each choice).
@@ -116,8 +118,7 @@ MAX_PROMPTS = 64
 MAX_TOP_LOGPROBS = 20
 
 # OpenAI fields that change nothing about the output at any value: accepted, logged at debug.
-INERT_FIELDS = ("user", "store", "metadata", "service_tier", "reasoning_effort", "parallel_tool_calls",
-                "prediction", "prompt_cache_key", "safety_identifier", "verbosity")
+INERT_FIELDS = ("user", "store", "metadata", "service_tier", "reasoning_effort", "prediction", "prompt_cache_key", "safety_identifier", "verbosity")
 
 
 class _Strict(BaseModel):
@@ -361,6 +362,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back: given to the template
+    tool_call_id: str | None = None  # a tool result's call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -430,8 +433,8 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
+    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice "required")
     # Inert (INERT_FIELDS).
-    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
@@ -459,17 +462,25 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"must be in 0..{MAX_TOP_LOGPROBS}, got {v}")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        _refuse_unless(not v, "tool calling is not supported by this engine (no tool-call parser); "
-                              "omit it, or describe the tools in a message and parse the reply yourself")
-        return v
+    def _tools_shape(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        from shapeshift.engine.serving.tools import check_tools  # tools.py builds on this module's models
 
-    @field_validator("tool_choice", "function_call")
+        return check_tools(v)
+
+    @field_validator("tool_choice")
     @classmethod
-    def _tool_choice_none(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        _refuse_unless(v in (None, "none", "auto"), "this engine calls no tools; omit it or send \"none\"")
+    def _tool_choice_shape(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        from shapeshift.engine.serving.tools import check_tool_choice
+
+        return check_tool_choice(v)
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_functions(cls, v: Any) -> Any:
+        _refuse_unless(not v or v in ("none", "auto"), "the deprecated functions API is not supported; send "
+                                                       "'tools' with tool_choice \"required\" or a named function")
         return v
 
     @field_validator("modalities")
@@ -595,13 +606,14 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
@@ -618,12 +630,13 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 

@@ -28,8 +28,8 @@ engine loop and stop before it.
 
 Beside this module: `params.py` (request fields -> SamplingParams per choice),
 `outputs.py` (engine outputs -> API shapes; several choices' streams merged),
-`access.py` (--api-key, CORS), `structured.py` (response_format JSON), `preflight.py`
-(the CLI's checks before loading, the listening socket).
+`access.py` (--api-key, CORS), `structured.py` (response_format JSON), `tools.py` (tool
+calls through it), `preflight.py` (the CLI's checks before loading, the listening socket).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from shapeshift.engine.serving.async_engine import (
 from shapeshift.engine.serving.access import OPEN_PATHS, add_access_control
 from shapeshift.engine.serving.metrics import EngineMetrics
 from shapeshift.engine.serving.params import choice_params, sampling_params
+from shapeshift.engine.serving.tools import ToolPlan
 from shapeshift.engine.serving.outputs import finish_reason, finite, logprob_at, merge, prepend, sse, top_at
 from shapeshift.engine.serving.protocol import (
     APIError,
@@ -135,13 +136,15 @@ class _Handlers:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return fn(*args, **kwargs)
 
-    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    async def chat_prompt_ids(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+        messages = [{"role": m.role, "content": m.text(), **m.model_dump(include={"tool_calls", "tool_call_id"},
+                                                                         exclude_none=True)} for m in req.messages]
         size = sum(len(m["content"]) for m in messages)
         tok = self.engine.tokenizer
         try:
             text = await self._off_loop_if_long(
-                size, tok.apply_chat_template, messages, add_generation_prompt=bool(req.add_generation_prompt))
+                size, tok.apply_chat_template, messages, add_generation_prompt=bool(req.add_generation_prompt),
+                **({"tools": plan.tools} if plan is not None else {}))
         except Exception as exc:  # template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"Invalid value for 'messages': the chat template rejected them: {exc}",
                            param="messages", code="invalid_value") from None
@@ -156,25 +159,28 @@ class _Handlers:
     def choice_params(self, params: Any, n: int) -> list[Any]:
         return choice_params(params, n)
 
-    async def compile_response_format(self, rf: Any) -> Any:
-        """The compiled grammar of a json response_format (compiled off the event loop)."""
+    async def compile_response_format(self, rf: Any, tools: bool = False) -> Any:
+        """The compiled grammar of a json response_format, or of a ToolPlan's calls with ``tools``
+        (compiled off the event loop)."""
         from shapeshift.engine.serving import structured
 
         if not structured.available():
-            raise APIError(400, f"response_format type {rf.type!r} needs constrained decoding, and xgrammar is not "
-                                "installed on this server; install it (pip install xgrammar) and restart, or send "
-                                "{\"type\": \"text\"} and ask for JSON in the prompt.",
-                           param="response_format.type", code="unsupported_value")
+            raise APIError(400, ("tool calls need" if tools else f"response_format type {rf.type!r} needs") +
+                           " constrained decoding, and xgrammar is not installed on this server; install it (pip "
+                           "install xgrammar) and restart" + ("." if tools else ", or send {\"type\": \"text\"} and "
+                                                                             "ask for JSON in the prompt."),
+                           param="tool_choice" if tools else "response_format.type", code="unsupported_value")
         if self._structured is None:
             eos = sorted(self.engine.scheduler.eos_token_ids)
             self._structured = await asyncio.to_thread(structured.StructuredOutput, self.engine.tokenizer,
                                                        self.vocab_size, eos)
         schema = rf.json_schema.schema_ if rf.json_schema is not None else None
         try:
-            return await asyncio.to_thread(self._structured.compile, rf.type, schema)
+            return await asyncio.to_thread(self._structured.compile, rf.type, schema, tools)
         except Exception as exc:  # xgrammar's schema errors are the client's to fix
-            raise APIError(400, f"Invalid value for 'response_format.json_schema.schema': {exc}",
-                           param="response_format.json_schema", code="invalid_value") from None
+            where = "tools' function.parameters" if tools else "response_format.json_schema.schema"
+            raise APIError(400, f"Invalid value for '{where}': {exc}",
+                           param="tools" if tools else "response_format.json_schema", code="invalid_value") from None
 
     def log_inert(self, req: Any) -> None:
         fields = req.inert_fields_set()
@@ -435,14 +441,16 @@ class _Handlers:
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, await request.body())
         req.check_together()
         self.log_inert(req)
-        prompt_ids = await self.chat_prompt_ids(req)
+        plan = ToolPlan.of(req)
+        prompt_ids = await self.chat_prompt_ids(req, plan)
         want_logprobs = bool(req.logprobs)
         top_n = req.top_logprobs or 0
         params = self.sampling_params(req, len(prompt_ids), req.requested_max_tokens(),
                                       req.max_tokens_param(), want_logprobs, top_n)
         per_choice = self.choice_params(params, req.n or 1)
-        if req.response_format is not None and req.response_format.constrained():
-            compiled = await self.compile_response_format(req.response_format)
+        rf = req.response_format if plan is None else plan.response_format
+        if rf is not None and rf.constrained():
+            compiled = await self.compile_response_format(rf, tools=plan is not None)
             for p in per_choice:
                 p.constraint = self._structured.constraint(compiled)  # one grammar state per choice
         request_id = new_id("chatcmpl")
@@ -468,17 +476,19 @@ class _Handlers:
             for (index, _, _), outs in zip(started, await self.collect_all(started, request)):
                 token_ids = [t for o in outs for t in o.new_token_ids]
                 completion_tokens += len(outs[-1].output_token_ids)
+                text, finish = "".join(o.text_delta for o in outs), finish_reason(outs[-1])
+                message, finish = (ChatResponseMessage(content=text), finish) if plan is None else plan.reply(text, finish)
                 choices.append(ChatChoice(
-                    index=index, message=ChatResponseMessage(content="".join(o.text_delta for o in outs)),
-                    finish_reason=finish_reason(outs[-1]), logprobs=logprobs_of(outs),
+                    index=index, message=message, finish_reason=finish, logprobs=logprobs_of(outs),
                     token_ids=token_ids if req.return_token_ids else None))
             body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                           choices=choices, usage=UsageInfo.of(len(prompt_ids), completion_tokens))
             return JSONResponse(body.model_dump(exclude_none=True))
 
         def choice(index: int, out: Any) -> ChatChunkChoice:
-            return ChatChunkChoice(index=index, delta=ChatDelta(content=out.text_delta),
-                                   finish_reason=finish_reason(out), logprobs=logprobs_of([out]),
+            delta, finish = (ChatDelta(content=out.text_delta), finish_reason(out)) if plan is None else \
+                plan.stream_delta(index, out.text_delta, finish_reason(out))
+            return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs_of([out]),
                                    token_ids=list(out.new_token_ids) if req.return_token_ids else None)
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:

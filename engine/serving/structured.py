@@ -53,12 +53,14 @@ class StructuredOutput:
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, schema: Any = None) -> Any:
-        """A compiled grammar for `json_object` (any JSON object) or `json_schema` (``schema``)."""
+    def compile(self, kind: str, schema: Any = None, compact: bool = False) -> Any:
+        """A compiled grammar for `json_object` (any JSON object) or `json_schema` (``schema``);
+        ``compact``: no whitespace but one space after ',' and ':' (tool-call arguments, where a
+        model would otherwise be free to pad the JSON until max_tokens)."""
         with self._lock:
             if kind == "json_object":
                 return self._compiler.compile_builtin_json_grammar()
-            return self._compiler.compile_json_schema(json.dumps(schema))
+            return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=not compact)
 
     def constraint(self, compiled: Any) -> "JsonConstraint":
         return JsonConstraint(compiled, self.vocab_size)

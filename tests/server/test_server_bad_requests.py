@@ -73,8 +73,16 @@ CASES = [
     ("repetition-penalty-zero", CHAT, _with(OK_CHAT, repetition_penalty=0), 400, "repetition_penalty"),
     ("empty-prompt-in-list", COMPLETIONS, _with(OK_COMPLETION, prompt=["a", ""]), 400, "prompt"),
     # Fields the engine cannot honour: refused only at non-neutral values, saying what to do.
-    ("tools", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("tool-choice-required", CHAT, _with(OK_CHAT, tool_choice="required"), 400, "tool_choice"),
+    ("tools-with-auto-choice", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tool_choice"),
+    ("tool-without-function", CHAT, _with(OK_CHAT, tools=[{"type": "function"}], tool_choice="required"), 400,
+     "tools"),
+    ("tool-choice-required-without-tools", CHAT, _with(OK_CHAT, tool_choice="required"), 400, "tool_choice"),
+    ("tool-choice-names-no-tool", CHAT, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+                                              tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "tool_choice"),
+    ("tool-choice-unknown-string", CHAT, _with(OK_CHAT, tool_choice="any"), 400, "tool_choice"),
+    ("deprecated-functions", CHAT, _with(OK_CHAT, functions=[{"name": "f"}]), 400, "functions"),
     ("response-format-unknown", CHAT, _with(OK_CHAT, response_format={"type": "yaml"}), 400,
      "response_format.type"),
     ("json-schema-without-schema", CHAT, _with(OK_CHAT, response_format={"type": "json_schema"}), 400,
@@ -108,9 +116,12 @@ def test_refusals_say_what_to_do(server):
     error = httpx.post(f"{server.base_url}{CHAT}", json=image, timeout=30).json()["error"]
     assert "text only" in error["message"] and "image_url" in error["message"]
     assert "Input should be" not in error["message"]  # not pydantic's union wording
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    error = httpx.post(f"{server.base_url}{CHAT}", json=_with(OK_CHAT, tools=tools), timeout=30).json()["error"]
+    assert '"auto"' in error["message"] and '"required"' in error["message"] and "parser" in error["message"]
     error = httpx.post(f"{server.base_url}{CHAT}", json=_with(OK_CHAT, tools=[{"type": "function"}]),
                        timeout=30).json()["error"]
-    assert "tool calling is not supported" in error["message"] and "omit" in error["message"]
+    assert "tool 0" in error["message"] and "function" in error["message"]
 
 
 def test_limits_are_exact(server):

@@ -88,3 +88,26 @@ def test_langchain_structured_output_through_json_schema(smollm2_server):
     answer = chat.with_structured_output(Capital, method="json_schema").invoke(QUESTION)
     assert isinstance(answer, Capital)
     assert "Paris" in answer.city, answer
+
+
+def test_langchain_structured_output_through_a_tool_call(smollm2_server):
+    """with_structured_output(method="function_calling") sends the schema as a tool and names it in
+    tool_choice; the reply comes back as a tool call (constrained to the schema) that LangChain
+    parses, and a real model fills it sensibly."""
+    pytest.importorskip("xgrammar")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        """The capital city asked about."""
+
+        city: str = Field(max_length=20)
+
+    chat = langchain_openai.ChatOpenAI(model="smollm2-135m", base_url=f"{smollm2_server.base_url}/v1",
+                                       api_key="unused", temperature=0, max_tokens=40, max_retries=0, timeout=120)
+    raw = chat.with_structured_output(Capital, method="function_calling", include_raw=True).invoke(QUESTION)
+    assert raw["parsing_error"] is None, raw
+    assert raw["raw"].tool_calls and raw["raw"].tool_calls[0]["name"] == "Capital"
+    answer = raw["parsed"]
+    assert isinstance(answer, Capital)
+    assert "Paris" in answer.city, answer
