@@ -62,6 +62,14 @@ def check_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
                      "{\"name\": ...}}")
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _EMPTY_PARAMETERS
 
@@ -137,7 +145,9 @@ class ToolPlan:
         calls = self.calls(text)
         if calls is None:  # a call array cut off by max_tokens: the text as it is
             return ChatResponseMessage(content=text), finish
-        return ChatResponseMessage(content=None, tool_calls=calls), "tool_calls" if finish == "stop" else finish
+        complete = all(_parses(c["function"]["arguments"]) for c in calls)  # not cut off by a stop string
+        return ChatResponseMessage(content=None, tool_calls=calls), \
+            "tool_calls" if finish == "stop" and complete else finish
 
     def stream_delta(self, index: int, text_delta: str, finish: str | None) -> tuple[ChatDelta, str | None]:
         """A streamed choice's delta: nothing until it finishes, then its calls (with their index)."""

@@ -96,3 +96,25 @@ def test_a_tool_result_in_the_history_is_accepted(openai_client):
         messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "done"}])
     assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_reply_cut_short_is_not_reported_as_a_finished_call():
+    """max_tokens or a stop string can end the constrained JSON early: the finish reason says so."""
+    from shapeshift.engine.serving.protocol import ChatCompletionRequest
+    from shapeshift.engine.serving.tools import ToolPlan
+
+    def plan(choice):
+        return ToolPlan.of(ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": ASK, "tools": [DECIDE, LIGHT], "tool_choice": choice}))
+
+    named = plan({"type": "function", "function": {"name": "decide"}})
+    message, finish = named.reply('{"answer": "yes"}', "stop")
+    assert finish == "tool_calls" and message.tool_calls[0]["function"]["arguments"] == '{"answer": "yes"}'
+    message, finish = named.reply('{"answer": "ye', "stop")  # a stop string inside the JSON
+    assert finish == "stop" and message.tool_calls[0]["function"]["arguments"] == '{"answer": "ye'
+    required = plan("required")
+    message, finish = required.reply('[{"name": "set_light", "arguments": {"on": tr', "length")
+    assert finish == "length" and message.tool_calls is None and message.content.startswith("[")
+    message, finish = required.reply('[{"name": "set_light", "arguments": {"on": true}}]', "stop")
+    assert finish == "tool_calls" and message.tool_calls[0]["function"] == {"name": "set_light",
+                                                                            "arguments": '{"on": true}'}
