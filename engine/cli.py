@@ -76,11 +76,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
     p.add_argument("--decode-steps", type=_positive_int, default=None,
-                   help="greedy decode steps per host round trip on CUDA graphs (multi-step decode; default 1)")
-    p.add_argument("--overlap-decode", action="store_true",
+                   help="decode steps per host round trip on CUDA graphs (multi-step decode; default 8 on CUDA, "
+                        "1 on the CPU)")
+    p.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="with --decode-steps > 1: launch the next chunk of decode steps before the host reads "
                         "the current one (host work overlaps the GPU; a request that stops mid-chunk discards one "
-                        "more chunk)")
+                        "more chunk; default: on where decode steps > 1 on CUDA)")
     p.add_argument("--chunk-graph-max-batch", type=_nonnegative_int, default=None,
                    help="with --decode-steps > 1: batches up to this size replay one CUDA graph per chunk of "
                         "decode steps instead of one per step (0: none; default 16)")
@@ -180,8 +181,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enable_prefix_caching"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
-    if getattr(args, "overlap_decode", False):
-        kwargs["overlap_decode"] = True
+    if getattr(args, "overlap_decode", None) is not None:
+        kwargs["overlap_decode"] = args.overlap_decode
     return kwargs
 
 

@@ -70,6 +70,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mixed-graphs-overlap8-host-sampling": {"mixed_cuda_graphs": True, "decode_steps": 8, "overlap_decode": True,
                                             "multi_step_sampling": False},
 }
+# What `shapeshift serve` runs with no flags: EngineConfig's own defaults, nothing named.
+CONFIGS["serve-default"] = {}
 DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}

@@ -2,7 +2,7 @@
 # One whole GPU measurement session on a CUDA machine that already has torch,
 # triton and transformers (no network): make the `shapeshift` namespace
 # importable without installing, run the CUDA tests, then the benchmarks.
-#   hack/gpu_run.sh [tests] [kernels] [tune] [layer-tail] [agreement] [decode] [curve] [profile] [reload] [pdl] [compile] [regimes] [parallel-tests] [parallel]
+#   hack/gpu_run.sh [tests] [kernels] [tune] [layer-tail] [agreement] [decode] [curve] [profile] [reload] [pdl] [compile] [regimes] [serving] [parallel-tests] [parallel]
 #   (default: tests kernels decode reload; the parallel ones need 2 or more GPUs)
 # Results land in bench/results/; logs and a tarball of the results go to
 # $OUT when it is set. Every step runs even when an earlier one fails; the exit
@@ -79,6 +79,7 @@ for step in "${steps[@]}"; do
                 --model llama-3.2-1b-shape --profile chat --agents "${COMPILE_AGENTS:-sweep,evolve}" ${COMPILE_ARGS:-} \
                 --budget-seconds "${COMPILE_BUDGET_S:-300}" --out "$REPO_ROOT/bench/results/${COMPILE_OUT:-compile-h200-chat}" \
                 2>&1 | tee "$OUT/compile.log" | tail -60 ;;
+    serving)  timeout "${SERVING_TIMEOUT_S:-300}" python3 hack/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving.log" | tail -30 ;;
     regimes)  # The regime matrix (hack/bench_regimes.py). The compile runs' reports and champions stay in
               # .regimes-work (tarred to $OUT as regimes-work.tgz), so that a later call given that folder
               # (carry) re-measures or completes the matrix with REGIMES_ARGS="--reuse ...".
@@ -87,7 +88,7 @@ for step in "${steps[@]}"; do
               rc=$?
               tar czf "$OUT/regimes-work.tgz" -C "$REPO_ROOT" --exclude='.regimes-work/*/work' .regimes-work
               (( rc == 0 )) ;;
-    *)        echo "unknown step $step (tests kernels tune layer-tail decode curve profile reload pdl compile regimes parallel-tests parallel)" >&2; false ;;
+    *)        echo "unknown step $step (tests kernels tune layer-tail decode curve profile reload pdl compile regimes serving parallel-tests parallel)" >&2; false ;;
   esac
   # pipefail: the status of the step's command, not of tee or tail.
   (( $? == 0 )) || failed+=("$step")

@@ -138,6 +138,27 @@ class SearchSpace:
         return not self.validate(recipe)
 
     # ------------------------------------------------------------------ walking
+    def walk(self, rng: random.Random, sweeps: int = 2) -> Recipe | None:
+        """A valid point reached from the default by setting each knob, in random order, to a value
+        drawn among those that keep the point valid (`sweeps` passes); None when the default
+        itself is invalid. Not uniform over the valid points, but every knob moves and no draw is
+        wasted on a point the rules refuse."""
+        recipe = self.default()
+        if not self.is_valid(recipe):
+            return None
+        for _ in range(sweeps):
+            for knob in rng.sample(self.knobs, len(self.knobs)):
+                values = list(knob.values)
+                rng.shuffle(values)
+                for value in values:
+                    if _same(value, recipe[knob.name]):
+                        break
+                    trial = {**recipe, knob.name: value}
+                    if self.is_valid(trial):
+                        recipe = trial
+                        break
+        return recipe
+
     def enumerate(self, limit: int | None = None) -> Iterator[Recipe]:
         """Valid points in lexicographic knob order (lazy; the default first)."""
         yielded = 0
@@ -155,11 +176,17 @@ class SearchSpace:
             yielded += 1
 
     def sample(self, rng: random.Random, max_tries: int = 200) -> Recipe:
-        """A uniformly drawn valid point (rejection sampling; the default if nothing valid is hit)."""
+        """A random valid point: uniformly drawn (rejection sampling) where `max_tries` draws hit
+        one; else a random walk that stays valid (`walk`). On CUDA, with the kernel, fusion, row-limit
+        and graph-bucket rules, 7 of 5,000 uniform draws were valid: rejection alone left the agents
+        proposing the default."""
         for _ in range(max_tries):
             recipe = {k.name: k.values[rng.randrange(len(k.values))] for k in self.knobs}
             if self.is_valid(recipe):
                 return recipe
+        walked = self.walk(rng)
+        if walked is not None:
+            return walked
         log.warning("search space: no valid random point in %d tries, using the default", max_tries)
         return self.default()
 
@@ -401,10 +428,13 @@ def build_search_space(
         knobs.append(Knob("engine.cuda_graph_max_batch", tuple(sorted({0, 8, 16, 32, 64, 128, 256, graph_default})),
                           graph_default,
                           "largest decode batch captured as a CUDA graph (0 = eager); buckets are powers of two up to it"))
-        default_steps = int(given.get("decode_steps") or 1)
+        from shapeshift.engine.core.config import CUDA_DECODE_STEPS  # torch-free
+
+        default_steps = int(given.get("decode_steps") or CUDA_DECODE_STEPS)
         knobs.append(Knob("engine.decode_steps", tuple(sorted({1, 2, 4, 8, default_steps})), default_steps,
                           "greedy decode steps per host round trip (multi-step decode on graph replays)"))
-        default_overlap = bool(given.get("overlap_decode", False))
+        overlap_given = given.get("overlap_decode")
+        default_overlap = default_steps > 1 if overlap_given is None else bool(overlap_given)
         knobs.append(Knob("engine.overlap_decode", (default_overlap, not default_overlap), default_overlap,
                           "launch the next chunk of decode steps before the host reads the current one "
                           "(with decode_steps > 1)"))

@@ -10,6 +10,8 @@ tile config that never reaches a launcher, shows up.
 
 from __future__ import annotations
 
+import json
+
 import functools
 import random
 
@@ -135,8 +137,12 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
         assert seed.agent == "recipes" and seed.recipe != cuda_space.default()
         recipe, fp = _build(evaluator, tiny_engine, seed)
         assert fp.recipe == recipe
-    assert "engine.decode_steps" in cuda_space.names and cuda_space.default()["engine.decode_steps"] == 1
-    assert cuda_space.default()["engine.overlap_decode"] is False
+    # Multi-step decode, overlapped: serve's measured default on CUDA (EngineConfig.decode_steps).
+    from shapeshift.engine.core.config import CUDA_DECODE_STEPS
+
+    assert "engine.decode_steps" in cuda_space.names
+    assert cuda_space.default()["engine.decode_steps"] == CUDA_DECODE_STEPS
+    assert cuda_space.default()["engine.overlap_decode"] is True
     # The rotary fusion is searched, constrained to the Triton attention and rotary backends,
     # and absent for models with q/k norm.
     assert "fuse_rotary_into_attention" in cuda_space.names
@@ -198,3 +204,18 @@ def test_named_recipes_seed_the_search_and_build(evaluator, cuda_space, tiny_eng
     moe_space = build_search_space(device="cuda", model_family="moe", stock_recipe=load_recipe(evaluator.stock_dir),
                                    concurrency=32, max_model_len=2048)
     assert "gemv_max_rows" in moe_space.names and "fuse_norm_max_rows" not in moe_space.names
+
+
+def test_random_points_of_the_cuda_space_are_valid_and_move(cuda_space) -> None:
+    """The agents' random draws: on CUDA few uniform draws pass the kernel, fusion, row-limit and
+    graph-bucket rules, so `sample` walks from the default instead of giving up; every point it
+    returns is valid, and the points differ from the default and from each other."""
+    import random
+
+    rng = random.Random(7)
+    default = cuda_space.default()
+    points = [cuda_space.sample(rng, max_tries=20) for _ in range(4)]
+    for point in points:
+        assert cuda_space.validate(point) == [], point
+        assert point != default
+    assert len({json.dumps(p, sort_keys=True, default=str) for p in points}) == len(points)

@@ -29,9 +29,17 @@ def test_the_serving_default_is_the_auto_recipe_and_the_engine_config_defaults(d
 
 
 def test_the_serving_default_reads_engine_config_rather_than_copying_it():
-    # Every field it reports has an EngineConfig default of the same value (one home).
+    # Every field it reports has an EngineConfig default of the same value (one home); the
+    # device-dependent ones (None there) are what EngineConfig resolves for the device.
+    from shapeshift.engine.core.config import CUDA_DECODE_STEPS
+
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    assert serving_default("tiny-llama", "cpu").engine == {f: defaults[f] for f in SERVING_ENGINE_FIELDS}
+    resolved = {"cpu": {"decode_steps": 1, "overlap_decode": False},
+                "cuda": {"decode_steps": CUDA_DECODE_STEPS, "overlap_decode": True}}
+    for device in ("cpu", "cuda"):
+        expected = {f: resolved[device].get(f, defaults[f]) for f in SERVING_ENGINE_FIELDS}
+        assert None not in expected.values()
+        assert serving_default("tiny-llama", device).engine == expected
     assert serving_default("tiny-llama", "cuda").recipe == NAMED_RECIPES["triton"]
 
 
