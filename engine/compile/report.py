@@ -135,6 +135,8 @@ def _versus(result: CompileResult) -> str:
 def print_outcome(result: CompileResult, board: Board, exported: dict[str, Any] | None, md_path: Path) -> None:
     """The leaderboard and one line on the outcome, on stdout, when the run ends."""
     print()
+    print("Leaderboard: the fast tier's screens (speedups chained through paired comparisons); the champion "
+          "is decided on the full tier and verified")
     print(format_leaderboard(board.leaderboard(FAST, k=10)))
     print()
     if result.champion is None:

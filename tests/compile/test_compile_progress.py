@@ -104,3 +104,20 @@ def test_a_phase_line_is_followed_by_its_verdict(tmp_path: Path) -> None:
     assert bodies[at + 1].startswith("  ") and "rejected by verification" in bodies[at + 1], bodies
     assert bodies[at + 2].startswith("trial 1/1 | no verified gain")
     assert not any("checkpoint" in b for b in bodies)
+
+
+def test_the_end_of_a_run_prints_one_leaderboard_and_the_outcome_last(tmp_path: Path, capsys, caplog) -> None:
+    from shapeshift.engine.compile.report import print_outcome, write_report
+
+    with caplog.at_level(logging.INFO):
+        result = run(tmp_path, Progress(io.StringIO()), Budget(max_trials=2))
+        board = Board(tmp_path / "board.jsonl")
+        _, md_path = write_report(result, board, tmp_path / "out", {"model": "m", "profile": "p"})
+        print_outcome(result, board, {"path": str(tmp_path / "out" / "champion")}, md_path)
+    printed = capsys.readouterr().out
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert printed.count("# digest") == 1 and "# digest" not in logged
+    assert "Leaderboard: the fast tier's screens" in printed
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith(f"champion {result.champion.short} by list: ") and BASELINE in last
+    assert last.endswith(f"-> {tmp_path / 'out' / 'champion'}; report: {md_path}")
