@@ -11,7 +11,8 @@
     N InferenceDeployments (cpu pool, 1 replica, policy Manual, drift checkIntervalSeconds =
       --interval, windowSeconds 60, spec.prometheusUrl = that Prometheus)
     `shapeshift operator` as its own process (the chart's settings: --resync-seconds 10, the drift
-      timer's 10 s), started once every deployment exists; the engine Deployments it creates get
+      timer's 10 s; SHAPESHIFT_HANDLER_WORKERS threads run its handlers), started once every
+      deployment exists; the engine Deployments it creates get
       their pods Running on the kwok nodes
         --> warm-up (--warmup-intervals), then a measured window of --intervals drift intervals:
             each drift check of a deployment is the instant query
@@ -156,20 +157,21 @@ def query_log_counts(query_log: Path, start: float, end: float) -> tuple[int, in
 
 
 class Exporter:
-    """One engine's metric series per deployment on /metrics/<deployment>, fed one request a second."""
+    """One engine's metric series per deployment on /metrics/<deployment>, fed one request a second
+    on average: every `period` seconds each deployment records `period` requests and its page is
+    rendered once, so a scrape costs a dictionary look-up (500 scrape targets on two shared cores)."""
 
-    def __init__(self, deployments: list[str], seed: int = 0):
-        from prometheus_client import generate_latest
-
+    def __init__(self, deployments: list[str], seed: int = 0, period: float = 5.0):
         from shapeshift.engine.serving.metrics import EngineMetrics
 
+        self.period = period
+        self.pages: dict[str, bytes] = {}
         self.metrics = {}
         for name in deployments:
             m = EngineMetrics(MODEL)
             m.set_forward_pass("stock", "0" * 64)
             self.metrics[name] = (m, m.registry.restricted_registry(
                 {n + suffix for n in EXPORTED for suffix in ("", "_bucket", "_count", "_sum")}))
-        self.lock = threading.Lock()
         self.rng = random.Random(seed)
         self.queried = dict.fromkeys(deployments, 0)
         self.stop = threading.Event()
@@ -180,18 +182,20 @@ class Exporter:
                 pass
 
             def do_GET(self) -> None:
-                entry = exporter.metrics.get(self.path.rpartition("/")[2])
-                if entry is None:
+                body = exporter.pages.get(self.path.rpartition("/")[2])
+                if body is None:
                     self.send_error(404)
                     return
-                with exporter.lock:
-                    body = generate_latest(entry[1])
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except OSError:  # a scrape that timed out meanwhile
+                    pass
 
+        self._record(0)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
@@ -201,23 +205,30 @@ class Exporter:
             thread.start()
 
     def _traffic(self) -> None:
-        """A stable chat-like shape: prompts of 100-300 tokens, 20-60 generated, a third cached."""
+        requests = max(1, round(self.period))
+        while not self.stop.wait(self.period):
+            self._record(requests)
+
+    def _record(self, requests: int) -> None:
+        """`requests` finished requests of a stable chat-like shape per deployment (prompts of 100-300
+        tokens, 20-60 generated, a third of the prompt cached), then every page rendered."""
+        from prometheus_client import generate_latest
 
         class Stats:
             num_running, num_waiting, batch_size_last_step = 2, 0, 2
 
-        while not self.stop.wait(1.0):
-            with self.lock:
-                for name, (m, _) in self.metrics.items():
-                    prompt = self.rng.randint(100, 300)
-                    m.prompt_tokens.observe(prompt)
-                    m.generation_tokens.observe(self.rng.randint(20, 60))
-                    m.count_request("stop")
-                    self.queried[name] += prompt
-                    stats = Stats()
-                    stats.prefix_cache_queried_tokens = self.queried[name]
-                    stats.prefix_cache_hit_tokens = self.queried[name] // 3
-                    m.update_from_stats(stats)
+        for name, (m, restricted) in self.metrics.items():
+            for _ in range(requests):
+                prompt = self.rng.randint(100, 300)
+                m.prompt_tokens.observe(prompt)
+                m.generation_tokens.observe(self.rng.randint(20, 60))
+                m.count_request("stop")
+                self.queried[name] += prompt
+            stats = Stats()
+            stats.prefix_cache_queried_tokens = self.queried[name]
+            stats.prefix_cache_hit_tokens = self.queried[name] // 3
+            m.update_from_stats(stats)
+            self.pages[name] = generate_latest(restricted)
 
     def close(self) -> None:
         self.stop.set()
@@ -296,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-intervals", type=float, default=2.0,
                         help="drift intervals after every engine pod runs, before the measured window")
     parser.add_argument("--resync-seconds", type=float, default=10.0, help="the operator's (the chart's default)")
-    parser.add_argument("--scrape-interval", default="5s")
+    parser.add_argument("--scrape-interval", type=int, default=10, help="seconds")
+    parser.add_argument("--handler-workers", type=int, default=None,
+                        help="the operator's SHAPESHIFT_HANDLER_WORKERS (default: operator/settings.py's)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the control plane's files here")
     args = parser.parse_args(argv)
@@ -309,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.operator_process import VENV_BIN, operator_healthy, stop_operator
     from harness.controlplane import free_port
     from harness.prometheus import Prometheus
+    from shapeshift.operator.settings import OperatorSettings
 
     started = dt.datetime.now(dt.timezone.utc)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-operator-scale-"))
@@ -327,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster.apply(path)
         cluster.create_namespace(namespace)
 
-        exporter = Exporter(names)
+        exporter = Exporter(names, period=args.scrape_interval / 2)
         prometheus = Prometheus(workdir / "prometheus", [scrape_config(exporter, namespace, names,
-                                                                       args.scrape_interval)])
+                                                                       f"{args.scrape_interval}s")])
         query_log = workdir / "prometheus" / "queries.jsonl"
         prometheus.config["global"]["query_log_file"] = str(query_log)
         prometheus.start()
@@ -345,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "PYTHONSAFEPATH": "1",
                "SHAPESHIFT_DRIFT_TIMER_SECONDS": "10"}
+        if args.handler_workers is not None:
+            env["SHAPESHIFT_HANDLER_WORKERS"] = str(args.handler_workers)
         cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone", "--quiet",
                "--resync-seconds", str(args.resync_seconds), "--liveness", f"http://127.0.0.1:{port}/healthz"]
         log = open(workdir / "operator.log", "ab")
@@ -375,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_after = cpu_seconds(operator.pid)
         alive = operator.poll() is None
         observed = traffic_observed(cluster, namespace)
+        load = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min at the window's end
         time.sleep(2)  # the query log is written as queries finish
         lags = check_lags(drift_checks(query_log), names, args.interval, start, end)
         queries, drift_queries = query_log_counts(query_log, start, end)
@@ -401,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         "interval_s": args.interval,
         "drift_timer_s": 10,
         "resync_s": args.resync_seconds,
+        "scrape_interval_s": args.scrape_interval,
+        "handler_workers": (args.handler_workers if args.handler_workers is not None
+                            else OperatorSettings.from_environ({}).handler_workers),
         "window_s": round(span, 1),
         "intervals_measured": round(span / args.interval, 2),
         "checks": lags.checks,
@@ -412,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "within_1_5x": None if lags.max is None else lags.max <= 1.5,
         "operator_rss_mb": _round(max(rss) if rss else None, 1),
         "operator_rss_mb_end": _round(rss[-1] if rss else None, 1),
+        "load_average": load,
         "operator_alive": alive,
         "operator_cpu_cores": (None if cpu_before is None or cpu_after is None
                                else round((cpu_after - cpu_before) / span, 2)),

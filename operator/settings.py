@@ -45,6 +45,11 @@ class OperatorSettings:
     # SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS: comma-separated CIDRs the operator may connect to although they
     # are link-local or cloud metadata addresses (operator/outbound.py); empty: none.
     outbound_allowed_cidrs: tuple[str, ...] = ()
+    # SHAPESHIFT_HANDLER_WORKERS: threads that run the (synchronous) handlers and timers. Each drift
+    # check, rollout tick and resync holds one while it waits on the API server or Prometheus; kopf's
+    # default (cores + 4) leaves hundreds of deployments' timers queued behind a few (see
+    # hack/bench_operator_scale.py).
+    handler_workers: int = 32
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -67,6 +72,7 @@ class OperatorSettings:
             rollout_latency_resolution_seconds=float(
                 env.get("SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS") or 0.002),
             outbound_allowed_cidrs=_cidrs(env.get("SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS") or ""),
+            handler_workers=max(1, int(env.get("SHAPESHIFT_HANDLER_WORKERS") or 32)),
         )
 
 

@@ -9,11 +9,13 @@ from typing import Any
 import kopf
 
 from shapeshift.operator.api import GROUP
+from shapeshift.operator.settings import OperatorSettings
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Keep kopf's bookkeeping in annotations (status is schema-checked and ours), post INFO+ events."""
+    """Keep kopf's bookkeeping in annotations (status is schema-checked and ours), post INFO+ events,
+    run handlers on SHAPESHIFT_HANDLER_WORKERS threads."""
     del memo  # the API client is created lazily by kube_of()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -21,6 +23,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
+    settings.execution.max_workers = OperatorSettings.from_environ().handler_workers
 
 
 @kopf.on.login()
