@@ -82,7 +82,10 @@ def gate_poisoned_outputs(ctx: GateContext) -> dict[str, Any]:
     return {"steps": s.steps // 2, "poisoned_previous_outputs": True}
 
 
-def gate_inputs_unchanged(ctx: GateContext, weights_before: dict[str, tuple]) -> dict[str, Any]:
+def gate_inputs_unchanged(ctx: GateContext, weights_before: dict[str, tuple], by_content: bool = False
+                          ) -> dict[str, Any]:
+    """``by_content``: compare the weights' contents only (the candidate's process maps a copy at
+    other addresses); the weights its process replaced in its dict are what it reports."""
     d = ctx.driver()
     seqs = [Seq(ctx.prompt()) for _ in range(3)]
     changed = []
@@ -102,21 +105,37 @@ def gate_inputs_unchanged(ctx: GateContext, weights_before: dict[str, tuple]) ->
         changed += [f"{'decode' if decode else 'prefill'}:{k}" for k in before if not torch.equal(before[k], after[k])]
         for q, n in zip(seqs, num_new):
             q.num_computed += n
-    weights_changed = fingerprint_diff(weights_before, weights_fingerprint(ctx.weights))
+    after = weights_fingerprint(ctx.weights)
+    if by_content:
+        weights_changed = fingerprint_diff({k: v[1:] for k, v in weights_before.items()},
+                                           {k: v[1:] for k, v in after.items()})
+    else:
+        weights_changed = fingerprint_diff(weights_before, after)
+    observe = getattr(ctx.candidate, "observe", None)
+    replaced = observe().get("replaced_weights", []) if callable(observe) else []
+    weights_changed = sorted(set(weights_changed) | {f"replaced:{n}" for n in replaced})
     if changed or weights_changed:
         raise GateFailure("the candidate modified its inputs or the shared weights", inputs=changed,
                           weights=weights_changed[:8])
     return {"checked": ["input_ids", "positions", "attention context", f"{len(weights_before)} weight tensors"]}
 
 
-def gate_no_patching(threads_before: set[int]) -> dict[str, Any]:
+def gate_no_patching(threads_before: set[int], candidate_process: Any = None) -> dict[str, Any]:
+    """This process's references and threads, and (``candidate_process``) what the candidate left
+    in its own process: a pass that patches clocks or starts threads there would do so where it
+    is measured and served."""
     patched = anticheat.patched_functions()
     threads = anticheat.foreign_threads(threads_before)
+    restored = anticheat.restore_patched() if patched else []
+    if candidate_process is not None:
+        seen = candidate_process.observe()
+        patched += seen.get("patched", [])
+        threads += seen.get("threads", [])
     if patched or threads:
-        restored = anticheat.restore_patched()
         raise GateFailure("the candidate replaced functions the harness relies on or started threads",
                           patched=patched, restored=restored, threads=threads)
-    return {"references_checked": len(anticheat._REFERENCE)}
+    return {"references_checked": len(anticheat._REFERENCE),
+            "candidate_process_checked": candidate_process is not None}
 
 
 def gate_speed_of_light(ctx: GateContext) -> dict[str, Any]:
@@ -133,8 +152,17 @@ def gate_speed_of_light(ctx: GateContext) -> dict[str, Any]:
         return ctx.candidate.forward(input_ids, positions, actx, d.kv)
 
     seconds, _ = anticheat.timed(one_step, ctx.device)
+    ev: dict[str, Any] = {}
+    inside = getattr(ctx.candidate, "seconds", None)
+    if isinstance(inside, list) and len(inside) >= 5:
+        # Timed here, the step includes the trip to the candidate's process; timed there, it is the
+        # step alone. The faster one is held to the bound: a clock the candidate slowed there only
+        # makes it look faster, never slower.
+        process_s = sorted(inside[-5:])[2]
+        ev = {"round_trip_s": seconds, "candidate_process_s": process_s}
+        seconds = min(seconds, process_s)
     bound = anticheat.decode_step_lower_bound_s(ctx.model_config, ctx.weights, ctx.dtype, batch, 25, hw)
-    ev = {"hardware": hw.name, "measured_s": seconds, **bound}
+    ev = {"hardware": hw.name, "measured_s": seconds, **ev, **bound}
     if seconds < bound["bound_s"]:
         raise GateFailure("measured faster than physically possible", **ev)
     return ev

@@ -97,6 +97,8 @@ class GateContext:
     seed: int
     # (logprob atol, logit rtol, near-tie margin) from calibrate_tolerance
     calibrated: tuple[float, float, float] | None = None
+    # (num_blocks, block_size, seed) -> a driver whose KV cache the candidate's process maps too
+    driver_factory: Callable[[int, int, int], PagedDriver] | None = None
 
     @property
     def tol(self) -> tuple[float, float, float]:
@@ -108,8 +110,11 @@ class GateContext:
         return (s.logprob_atol or atol, s.logit_rtol or rtol, s.tie_margin or tie)
 
     def driver(self, num_blocks: int | None = None) -> PagedDriver:
-        return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=num_blocks or self.settings.num_blocks,
-                           block_size=self.settings.block_size, seed=self.rng.getrandbits(31))
+        blocks, seed = num_blocks or self.settings.num_blocks, self.rng.getrandbits(31)
+        if self.driver_factory is not None:
+            return self.driver_factory(blocks, self.settings.block_size, seed)
+        return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=blocks,
+                           block_size=self.settings.block_size, seed=seed)
 
     def prompt(self, length: int | None = None) -> list[int]:
         s = self.settings

@@ -4,10 +4,12 @@ anti_cheat_gates.py, their common ground in context.py, the report types in repo
 
 Data flow:
 
-    candidate bundle --import in isolation--> module --build(model_config, weights, recipe)
-      --> candidate pass;  reference pass (stock) built over the same weights
-    each gate: fresh random prompts (a new seed every run) -> PagedDriver runs both passes
-      -> evidence (numbers) -> GateReport(name, passed, evidence)
+    candidate bundle --open_bundle (private copy, digest)--> IsolatedCandidate: a process of its
+      own (isolated.py) imports and builds it over the weights it maps; reference pass (stock)
+      built here over the same weights
+    each gate: fresh random prompts (a new seed every run) -> PagedDriver (KV in shared memory)
+      runs the reference here and the candidate there (forward() crosses as JSON + raw bytes)
+      -> evidence (numbers, computed here) -> GateReport(name, passed, evidence)
     -> GateSuiteReport(passed = every gate passed, gates=[...])
 
 Gates (names are stable; reports and tests refer to them):
@@ -54,12 +56,13 @@ import torch
 
 from shapeshift.engine.verify import anticheat  # noqa: F401  (first: captures clocks and function identities before any candidate)
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
-from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError
-from shapeshift.engine.forward_pass.importer import load_bundle as load_bundle_isolated
-from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
+from shapeshift.engine.forward_pass.bundle import Bundle, open_bundle
+from shapeshift.engine.forward_pass.importer import LoadedBundle
+from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline, fingerprint_diff, weights_fingerprint
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
                                                      gate_poisoned_outputs, gate_speed_of_light)
 from shapeshift.engine.verify.context import GateContext, GateFailure, GateSettings
+from shapeshift.engine.verify.isolated import CandidateDied, IsolatedCandidate
 from shapeshift.engine.verify.kv_isolation import gate_batched_alone, gate_canary, gate_prefix_hit, gate_swap
 from shapeshift.engine.verify.outputs import (calibrate, gate_agreement, gate_coverage, gate_finite, gate_long_context,
                                              gate_mixed_steps, gate_smoke)
@@ -78,6 +81,8 @@ def _run_gate(name: str, fn: Callable[[], dict[str, Any]], timeout_s: float) -> 
         return GateReport(name, False, {"reason": str(exc), **exc.evidence})
     except DeadlineExceeded as exc:
         return GateReport(name, False, {"reason": str(exc), "timeout": True})
+    except CandidateDied as exc:
+        return GateReport(name, False, {"reason": str(exc), "died": True})
     except BaseException as exc:
         return GateReport(name, False, {"reason": f"{type(exc).__name__}: {exc}"})
 
@@ -88,6 +93,11 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
                      settings: GateSettings | None = None, only: tuple[str, ...] | None = None,
                      weights_baseline: WeightsBaseline | None = None) -> GateSuiteReport:
     """Run every gate (or ``only`` these) on a candidate bundle against the reference pass.
+
+    The candidate runs in a process of its own (engine/verify/isolated.py): this process holds
+    the reference, the tolerances, the comparisons and the verdict, and never imports the
+    candidate's code. A LoadedBundle (already imported by the caller) is verified from its
+    private folder in such a process too.
 
     ``reference`` defaults to the stock pass built over ``weights``. A candidate that
     fails ``smoke`` (import, build, crash, hang) gets every other gate marked failed
@@ -105,6 +115,10 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     threads_before = {t.ident for t in threading.enumerate()}
     baseline = weights_baseline or WeightsBaseline(weights, keep_copy=True)
     weights_before = baseline.fingerprint
+    # Damage done before verification (while the candidate was measured in this process): put
+    # back first, so the reference and the candidate run over the pristine weights.
+    early = baseline.changed(weights)
+    early_restored = baseline.restore(weights) if early else []
     reports: list[GateReport] = []
     want = set(only or GATE_NAMES)
 
@@ -117,27 +131,32 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         reference_cache_format = stock.cache_format
     reference_cache_format = reference_cache_format or "kv-format-1"
 
-    loaded: LoadedBundle | None = None
-    label = str(candidate)
+    opened: Bundle | None = None
+    label, digest = str(candidate), None
+    session: IsolatedCandidate | None = None
     fp = None
     try:
+        # The files verified are the files hashed: the candidate's process imports this private copy.
         if isinstance(candidate, LoadedBundle):
-            loaded = candidate
+            folder = candidate.bundle.folder
+            label, digest = candidate.manifest.name, candidate.manifest.digest
         else:
-            loaded = load_bundle_isolated(candidate, allow_unmanifested=True)
-        label = loaded.manifest.name
-        fp = run_with_deadline(lambda: loaded.module.build(model_config, weights, dict(loaded.recipe)),
-                               settings.build_timeout_s, "build")
-        if not callable(getattr(fp, "forward", None)):
-            raise ReloadError("build", f"build() returned {type(fp).__name__} without forward()")
+            opened = open_bundle(candidate, allow_unmanifested=True)
+            folder = opened.folder
+            label, digest = opened.manifest.name, opened.manifest.digest
+        session = IsolatedCandidate(folder, model_config, weights, dtype, device, settings.gate_timeout_s)
+        session.start(settings.build_timeout_s)
+        fp = session
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         reports.append(GateReport("smoke", False, {"reason": reason, "stage": getattr(exc, "stage", "build"),
                                                    "timeout": isinstance(exc, DeadlineExceeded)}))
-    ctx = GateContext(model_config=model_config, weights=weights, dtype=dtype, device=device, reference=reference,
+    shared = session.weights if session is not None else weights  # what the candidate's process maps
+    ctx = GateContext(model_config=model_config, weights=shared, dtype=dtype, device=device, reference=reference,
                       candidate=fp, reference_cache_format=reference_cache_format,
-                      candidate_cache_format=loaded.cache_format if loaded is not None else "",
-                      settings=settings, rng=random.Random(seed), seed=seed)
+                      candidate_cache_format=session.cache_format if session is not None else "",
+                      settings=settings, rng=random.Random(seed), seed=seed,
+                      driver_factory=session.driver if fp is not None else None)
     tolerance = calibrate(ctx, model_config, weights, stock, weights_before) if fp is not None else {}
     plan: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("smoke", lambda: gate_smoke(ctx)),
@@ -152,9 +171,9 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         ("coverage.mixed_steps", lambda: gate_mixed_steps(ctx)),
         ("anti_cheat.fresh_inputs", lambda: gate_fresh_inputs(ctx)),
         ("anti_cheat.poisoned_outputs", lambda: gate_poisoned_outputs(ctx)),
-        ("anti_cheat.inputs_unchanged", lambda: gate_inputs_unchanged(ctx, weights_before)),
+        ("anti_cheat.inputs_unchanged", lambda: gate_inputs_unchanged(ctx, weights_before, by_content=True)),
         ("anti_cheat.speed_of_light", lambda: gate_speed_of_light(ctx)),
-        ("anti_cheat.no_patching", lambda: gate_no_patching(threads_before)),
+        ("anti_cheat.no_patching", lambda: gate_no_patching(threads_before, session)),
     ]
     smoke_failed = bool(reports)
     for name, fn in plan:
@@ -165,29 +184,47 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         if smoke_failed and name != "anti_cheat.no_patching":
             reports.append(GateReport(name, False, {"reason": "not run: the candidate failed smoke"}, skipped=True))
             continue
-        report = _run_gate(name, fn, settings.gate_timeout_s)
+        report = _run_gate(name, fn, settings.gate_timeout_s + 1.0)
         reports.append(report)
         if name == "smoke" and not report.passed:
             smoke_failed = True
-        if report.evidence.get("timeout"):
-            smoke_failed = True  # a hung candidate's thread is still blocked; stop using it
-    late = baseline.changed(weights)  # written after anti_cheat.inputs_unchanged ran, or before it ran at all
+        if report.evidence.get("timeout") or (session is not None and session.dead):
+            smoke_failed = True  # a hung or dead candidate: its process is gone, nothing more to learn
+            if session is not None:
+                session._kill(session.dead or f"{name} timed out")
+    # Written after anti_cheat.inputs_unchanged ran, or before it ran at all: the caller's weights
+    # (this process's, and on CUDA the candidate's process maps the same tensors) and the copy the
+    # candidate's process mapped on the host.
+    late = sorted(set(early) | set(baseline.changed(weights)))
+    if session is not None and shared is not weights:
+        late = sorted(set(late) | set(fingerprint_diff(_contents(weights_before), _contents(weights_fingerprint(shared)))))
     if late:
-        restored = baseline.restore(weights)
+        restored = sorted(set(early_restored) | set(baseline.restore(weights)))
         i = next((k for k, r in enumerate(reports) if r.name == "anti_cheat.inputs_unchanged"), None)
         failed = GateReport("anti_cheat.inputs_unchanged", False,
                             {"reason": "the shared weights differ from their contents before the candidate ran",
                              "weights": late[:8], "restored": restored[:8],
-                             **({"discard_engine": True} if not restored else {})})
+                             **({"before_verification": early[:8]} if early else {}),
+                             **({"discard_engine": True} if early and not early_restored else {})})
         if i is None:
             reports.append(failed)
         elif reports[i].passed or reports[i].skipped:
             reports[i] = failed
         else:
             reports[i].evidence["restored"] = restored[:8]
-    if loaded is not None and not isinstance(candidate, LoadedBundle):
-        loaded.unload()
+    isolation: dict[str, Any] = {}
+    if session is not None:
+        isolation = {"process": "the candidate's own (forked from a clean zygote)", "start_s": round(session.start_s, 3),
+                     "share_weights_s": round(session.share_s, 3), "forward_calls": session.calls}
+        session.close()
+    if opened is not None:
+        opened.close()
     if stock is not None:
         stock.unload()
-    return GateSuiteReport(candidate=label, digest=loaded.manifest.digest if loaded else None, seed=seed,
-                              gates=reports, tolerance=tolerance)
+    return GateSuiteReport(candidate=label, digest=digest, seed=seed, gates=reports, tolerance=tolerance,
+                           isolation=isolation)
+
+
+def _contents(fingerprint: dict[str, tuple]) -> dict[str, tuple]:
+    """A fingerprint without data pointers: the same contents in another mapping compare equal."""
+    return {name: entry[1:] for name, entry in fingerprint.items()}

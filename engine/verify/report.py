@@ -40,6 +40,7 @@ class GateSuiteReport:
     seed: int
     gates: list[GateReport]
     tolerance: dict[str, Any] = field(default_factory=dict)  # the bounds used and where they came from
+    isolation: dict[str, Any] = field(default_factory=dict)  # the candidate's process: start, calls
 
     @property
     def passed(self) -> bool:
@@ -54,4 +55,5 @@ class GateSuiteReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"candidate": self.candidate, "digest": self.digest, "seed": self.seed, "passed": self.passed,
-                "failed": self.failed, "tolerance": self.tolerance, "gates": [asdict(g) for g in self.gates]}
+                "failed": self.failed, "tolerance": self.tolerance, "isolation": self.isolation,
+                "gates": [asdict(g) for g in self.gates]}

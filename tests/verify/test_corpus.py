@@ -1,8 +1,9 @@
 """The adversarial corpus grown against the verifier's known holes (issue 31), one entry per
 class of hole: each known-bad candidate must be rejected by the gate named here, with a reason.
 
-Entries in HOLES are still open: they pass verification today, and the test says so
-(strict xfail), so closing a hole without moving its entry out of HOLES fails too.
+Class 1 (tampering with the verifier from inside its process) is closed by running every
+candidate in a process of its own (engine/verify/isolated.py): what the candidate edits there
+is not what judges it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ CORPUS = {
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
-# Still passing verification (the holes not closed yet).
-HOLES = {"tamper_tolerances", "tamper_reference"}
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 
@@ -51,12 +50,11 @@ def model():
 
 @pytest.fixture
 def verifier_state():
-    """Candidates of class 1 edit the verifier's module state in this process: put it back."""
+    """Candidates of class 1 edit the verifier's module state where they run: never here."""
     tolerances = dict(verify_context.TOLERANCES)
     yield
-    verify_context.TOLERANCES.clear()
-    verify_context.TOLERANCES.update(tolerances)
-    anticheat.restore_patched()
+    assert verify_context.TOLERANCES == tolerances, "a candidate changed this process's tolerance table"
+    assert not anticheat.patched_functions()
 
 
 def test_every_corpus_candidate_has_a_readme_naming_its_gate():
@@ -73,14 +71,12 @@ def _verify(name: str, cfg, weights):
         loaded = load_bundle(path, allow_unmanifested=True)
         loaded.module.build(cfg, weights, dict(loaded.recipe))
         loaded.unload()
-    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=8.0, build_timeout_s=8.0),
+    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0),
                             weights_baseline=baseline)
 
 
 @pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED)))
-def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, request, name):
-    if name in HOLES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="hole still open: passes verification"))
+def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     cfg, weights = model
     weights = {k: w.clone() for k, w in weights.items()}  # weights tampering stays in this copy
     report = _verify(name, cfg, weights)
@@ -94,14 +90,35 @@ def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, request, n
     print(f"{name}: {gate}: {target.evidence['reason']}")
 
 
-def test_tampered_weights_are_restored(model):
+def test_tampered_weights_are_seen_and_never_reach_the_caller(model):
+    """On the host the candidate's process maps a copy of the weights: its write is seen there
+    (by content), and the caller's tensors are never written."""
     cfg, weights = model
     weights = {k: w.clone() for k, w in weights.items()}
     pristine = {k: w.clone() for k, w in weights.items()}
     report = _verify("weights_swap_keeps_sum", cfg, weights)
     gate = report.gate("anti_cheat.inputs_unchanged")
     assert not gate.passed and "model.embed_tokens.weight" in gate.evidence["weights"]
-    assert gate.evidence["restored"] == ["model.embed_tokens.weight"]
+    assert gate.evidence["restored"] == []  # nothing of the caller's to restore
+    assert all(torch.equal(weights[k], pristine[k]) for k in weights)
+
+
+def test_damage_done_before_verification_is_restored(model):
+    """Weights written before verification (while measured in this process) are found against the
+    baseline, put back before the candidate's process maps them, and fail inputs_unchanged."""
+    cfg, weights = model
+    weights = {k: w.clone() for k, w in weights.items()}
+    pristine = {k: w.clone() for k, w in weights.items()}
+    baseline = WeightsBaseline(weights, keep_copy=True)
+    with torch.no_grad():
+        weights["model.norm.weight"].mul_(1.01)
+    report = verify_candidate(CANDIDATES / "good_refactored", cfg, weights, weights_baseline=baseline,
+                              settings=GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0),
+                              only=("outputs.agreement", "anti_cheat.inputs_unchanged"))
+    gate = report.gate("anti_cheat.inputs_unchanged")
+    assert not gate.passed and gate.evidence["before_verification"] == ["model.norm.weight"]
+    assert gate.evidence["restored"] == ["model.norm.weight"] and "discard_engine" not in gate.evidence
+    assert report.gate("outputs.agreement").passed  # verified over the pristine weights
     assert all(torch.equal(weights[k], pristine[k]) for k in weights)
 
 
@@ -135,7 +152,13 @@ def test_measured_outputs_checked_against_the_incumbent(evaluator, name):
     print(f"{name}: measured.outputs: {cand_m.error}")
     cfg = evaluator.model_config()
     weights = evaluator._engine("full", {}).weights
-    assert verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=8.0)).passed
+    report = verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=30.0))
+    if name == "lazy_off_gate_thread":
+        # The candidate's process calls forward on its main thread, as measurement does: the
+        # thread no longer tells verification apart, so verification refuses it too.
+        assert not report.gate("outputs.agreement").passed
+    else:
+        assert report.passed  # its tell is the call stack, still there (the child's serve loop)
 
 
 def test_weights_touched_while_measured_discard_the_engine(evaluator):

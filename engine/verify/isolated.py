@@ -1,0 +1,644 @@
+"""The candidate's side of verification, in a process of its own.
+
+A candidate's code can reach anything in the process it runs in: the tolerance table, the
+comparison functions, the reference pass, the clocks. So the verifier never runs it in its
+own process. Each candidate gets a fresh child, forked from a clean "zygote" (a process
+started with spawn, which has imported torch and the engine and never runs candidate code),
+so it sees neither the verifier's state nor a previous candidate's. The child imports the
+bundle, builds it over the weights, and answers forward() calls; the reference, the
+tolerances, the comparisons and the verdict stay in the verifier.
+
+Data flow:
+
+    verifier (gates.py)                                   child (one per candidate)
+    IsolatedCandidate.start --fork request--> zygote --fork--> child_main
+      weights: CPU a memfd copy mapped by both; CUDA the engine's tensors through CUDA IPC
+      init(bundle path, model config) ----------------------> load_bundle, build
+      driver(): PagedDriver whose KVCache lives in shared memory (memfd / CUDA IPC)
+      forward(input_ids, positions, ctx, kv) --JSON + raw bytes--> fp.forward on the same KV
+        <-- logits, inputs it changed, the previous output if it changed, seconds
+      observe() <-- patched functions, threads it started, weights it replaced
+
+Nothing crosses back but JSON and raw tensor bytes of an allowed dtype (no pickle): the
+verifier decodes numbers, never objects. What the candidate writes into shared memory (its
+KV blocks, the mapped weights) the verifier reads itself; the weights are checked against
+their contents from before the candidate ran. A child that hangs is killed at the deadline, one
+that dies (a crash, a signal) ends the verification with its last words from stderr.
+
+Mirroring keeps the gates' checks meaningful across the boundary: input tensors are kept in
+one child buffer per verifier buffer (a cache keyed by address sees what it would in-process),
+inputs the candidate mutated are written back into the verifier's tensors, and the last output
+is mirrored both ways (an aliased buffer the candidate rewrites later, the verifier's poison).
+The child's own observations (patched functions, threads, aliasing) come from harness code in
+the candidate's process; a candidate that rewrote that code could hide them, but it cannot
+change a logit the verifier compares or a byte of the weights it hashes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shapeshift.engine.core.kv_cache import KVCache
+from shapeshift.engine.forward_pass.deadline import DeadlineExceeded
+from shapeshift.engine.forward_pass.importer import ReloadError
+from shapeshift.engine.forward_pass.paged_driver import PagedDriver
+from shapeshift.engine.verify.wire import (ALIGN, DTYPES, cuda_handle, from_cuda_handle, layout, map_fd, memfd, pack, recv,
+                                           send, unpack, view)
+
+_CTX_TENSORS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "last_token_indices")
+_STDERR_TAIL = 2000
+
+
+class CandidateDied(RuntimeError):
+    """The candidate's process ended (crash, signal, exit) before it answered."""
+
+
+class CandidateError(RuntimeError):
+    """The candidate raised; the message is its exception as the child saw it."""
+
+
+class SharedKVDriver(PagedDriver):
+    """A PagedDriver whose KV cache both processes map: the verifier poisons, frees and reads it,
+    the candidate writes it."""
+
+    def __init__(self, session: "IsolatedCandidate", model_config: Any, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int, block_size: int, seed: int) -> None:
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv = session.shared_kv(num_blocks, block_size)
+        self.free = list(range(num_blocks))
+        self.gen = torch.Generator(device="cpu")
+        self.gen.manual_seed(seed)
+        for block in range(num_blocks + 1):
+            self._poison(block)
+
+
+# ------------------------------------------------------------------ the zygote
+
+
+class _Zygote:
+    """A clean process that forks one child per candidate (started with spawn: it inherits
+    nothing of the verifier; it never runs candidate code, so every fork starts clean)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        # The verifier and the candidate take turns on the same cores: idle OpenMP workers that
+        # spin would take the core the other side needs (measured 1.6 s vs 2.6 s a verification
+        # of tiny-llama on 2 shared cores).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from shapeshift.engine.verify.isolated import zygote_main; "
+             "zygote_main(int(sys.argv[1]))", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, threads: int, timeout_s: float) -> tuple[int, socket.socket, Path]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        err = tempfile.NamedTemporaryFile(prefix="shapeshift-candidate-", suffix=".log", delete=False)
+        try:
+            with self.lock:
+                self.sock.settimeout(timeout_s)
+                send(self.sock, {"op": "fork", "threads": threads}, fds=[theirs.fileno(), err.fileno()])
+                reply, _, _ = recv(self.sock)
+        finally:
+            theirs.close()
+            err.close()
+        return int(reply["pid"]), ours, Path(err.name)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+            self.proc.kill()
+            self.proc.wait(5)
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None or not _ZYGOTE.alive():
+            _ZYGOTE = _Zygote()
+            import atexit
+
+            atexit.register(_ZYGOTE.close)
+        return _ZYGOTE
+
+
+def prewarm() -> None:
+    """Start the zygote now (it imports torch and the engine: seconds), not at the first verification."""
+    _zygote()
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:  # noqa: BLE001 - not Linux: the EOF on the socket still ends it
+        pass
+
+
+def _warm_up() -> None:
+    """Pay the first-call costs of the host's kernels once, here, instead of in every child: the
+    stock pass on a tiny random model, one prefill and one decode, in float32 and bfloat16, on one
+    thread (no thread pool exists to be broken by the forks)."""
+    try:
+        from shapeshift.engine.core.config import ModelConfig
+        from shapeshift.engine.forward_pass.importer import load_stock
+        from shapeshift.engine.forward_pass.paged_driver import Seq
+        from shapeshift.engine.models.loader import random_weights
+        from shapeshift.engine.models.presets import PRESETS
+
+        torch.set_num_threads(1)
+        cfg = ModelConfig.from_hf(PRESETS["tiny-llama"].hf_config)
+        stock = load_stock()
+        with torch.inference_mode():
+            for dtype in (torch.float32, torch.bfloat16):
+                weights = random_weights(cfg, seed=0, dtype=dtype, device="cpu")
+                fp = stock.module.build(cfg, weights, dict(stock.recipe))
+                PagedDriver(cfg, dtype, "cpu", num_blocks=8).greedy(fp, [Seq(list(range(1, 20)))], 2)
+        stock.unload()
+    except Exception:  # noqa: BLE001 - a warm-up only: the children pay the cost instead
+        pass
+
+
+def zygote_main(fd: int) -> None:
+    import signal
+
+    _die_with_parent()
+    sock = socket.socket(fileno=fd)
+    # What every candidate's process needs, imported once here (never any candidate code).
+    from shapeshift.engine.forward_pass import patch_guard  # noqa: F401,I001  (captures the references first)
+    from shapeshift.engine.core import attention, config  # noqa: F401
+    from shapeshift.engine.forward_pass import importer  # noqa: F401
+
+    _warm_up()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    while True:
+        try:
+            header, _, fds = recv(sock)
+        except (EOFError, OSError):
+            os._exit(0)
+        if header.get("op") != "fork" or len(fds) != 2:
+            for f in fds:
+                os.close(f)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.dup2(fds[1], 1)
+                os.dup2(fds[1], 2)
+                os.close(fds[1])
+                child_main(fds[0], int(header.get("threads") or 1))
+            finally:
+                os._exit(0)
+        for f in fds:
+            os.close(f)
+        send(sock, {"pid": pid})
+
+
+# ------------------------------------------------------------------ the child
+
+
+class _Child:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fp: Any = None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.mapped: dict[str, int] = {}  # weight name -> data pointer as mapped
+        self.kvs: dict[int, KVCache] = {}
+        self.buffers: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.last: torch.Tensor | None = None
+        self.last_sent: torch.Tensor | None = None
+        self.device = torch.device("cpu")
+        self.threads_before = {t.ident for t in threading.enumerate()}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            from shapeshift.engine.forward_pass.patch_guard import _cuda_synchronize
+
+            _cuda_synchronize(self.device)
+
+    def init(self, h: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        from shapeshift.engine.core.config import ModelConfig
+        from shapeshift.engine.forward_pass.importer import load_bundle
+
+        self.device = torch.device(h["device"])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        w = h["weights"]
+        if w["kind"] == "memfd":
+            base = map_fd(fds[0], w["nbytes"])
+            os.close(fds[0])
+            for name, (offset, shape, dtype) in w["tensors"].items():
+                self.weights[name] = view(base, offset, shape, DTYPES[dtype])
+        else:
+            for name, d in w["tensors"].items():
+                self.weights[name] = from_cuda_handle(d)
+        self.mapped = {n: t.data_ptr() for n, t in self.weights.items()}
+        model_config = ModelConfig(**h["model_config"])
+        stage = "open"
+        try:
+            loaded = load_bundle(h["bundle"], allow_unmanifested=True)
+            stage = "build"
+            self.fp = loaded.module.build(model_config, self.weights, dict(loaded.recipe))
+            if not callable(getattr(self.fp, "forward", None)):
+                raise ReloadError("build", f"build() returned {type(self.fp).__name__} without forward()")
+        except BaseException as exc:  # noqa: BLE001 - reported to the verifier
+            return {"ok": False, "stage": getattr(exc, "stage", stage), "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": True, "cache_format": loaded.cache_format, "name": loaded.name}
+
+    def attach_kv(self, h: dict[str, Any], fds: list[int]) -> None:
+        layers = h["layers"]
+        dtype = DTYPES[h["dtype"]]
+        if h["kind"] == "memfd":
+            base = map_fd(fds[0], h["nbytes"])
+            os.close(fds[0])
+            views = [view(base, off, h["shape"], dtype) for off in h["offsets"]]
+        else:
+            views = [from_cuda_handle(d) for d in h["tensors"]]
+        self.kvs[h["id"]] = KVCache(k=views[:layers], v=views[layers:], block_size=h["block_size"],
+                                    num_blocks=h["num_blocks"])
+
+    def buffer(self, key: tuple, value: torch.Tensor) -> torch.Tensor:
+        """One buffer per verifier buffer (address, shape, dtype): reuse is seen as it would be in-process."""
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = value.to(self.device, copy=True)
+            self.buffers[key] = buf
+            while len(self.buffers) > 512:
+                self.buffers.popitem(last=False)
+        else:
+            buf.copy_(value)
+            self.buffers.move_to_end(key)
+        return buf
+
+    def forward(self, h: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        from shapeshift.engine.core.attention import AttentionContext
+        from shapeshift.engine.forward_pass.patch_guard import perf_counter
+
+        kv = self.kvs[h["kv"]]
+        received = {name: unpack(d, blobs) for name, d in h["tensors"].items()}
+        bufs = {name: self.buffer((name, d["key"], tuple(d["shape"]), d["dtype"]), received[name])
+                for name, d in h["tensors"].items()}
+        if "prev_out" in h and self.last is not None:  # the verifier changed (poisoned) the last output
+            new = unpack(h["prev_out"], blobs)
+            if tuple(new.shape) == tuple(self.last.shape):
+                self.last.copy_(new.to(self.last.device))
+                self.last_sent = self.last.detach().clone()
+        s = h["scalars"]
+        actx = AttentionContext(is_prefill=bool(s["is_prefill"]), max_query_len=int(s["max_query_len"]),
+                                max_context_len=int(s["max_context_len"]),
+                                query_start_loc_cpu=s["query_start_loc_cpu"], context_lens_cpu=s["context_lens_cpu"],
+                                **{f: bufs[f] for f in _CTX_TENSORS})
+        self.sync()
+        t0 = perf_counter()
+        out = self.fp.forward(bufs["input_ids"], bufs["positions"], actx, kv)
+        self.sync()
+        seconds = perf_counter() - t0
+        reply: dict[str, Any] = {"ok": True, "seconds": seconds, "changed": {}}
+        back: list[bytes] = []
+        now = {"input_ids": bufs["input_ids"], "positions": bufs["positions"],
+               **{f: getattr(actx, f) for f in _CTX_TENSORS}}
+        for name, value in now.items():
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(received[name].shape) \
+                    or not torch.equal(value.detach().cpu(), received[name]):
+                if isinstance(value, torch.Tensor):
+                    reply["changed"][name] = pack(value, back)
+                else:
+                    reply["changed"][name] = {"not_tensor": type(value).__name__}
+        if self.last is not None and self.last_sent is not None and not torch.equal(self.last, self.last_sent):
+            reply["prev_changed"] = pack(self.last, back)
+        if isinstance(out, torch.Tensor):
+            reply["logits"] = pack(out, back)
+            self.last, self.last_sent = out, out.detach().clone()
+        else:
+            reply["not_tensor"] = type(out).__name__
+            self.last = self.last_sent = None
+        return reply, back
+
+    def observe(self) -> dict[str, Any]:
+        from shapeshift.engine.forward_pass.patch_guard import patched_functions
+
+        threads = sorted(t.name for t in threading.enumerate() if t.ident not in self.threads_before)
+        replaced = sorted(n for n, t in self.weights.items() if t.data_ptr() != self.mapped.get(n))
+        return {"patched": patched_functions(), "threads": threads, "replaced_weights": replaced}
+
+
+def child_main(fd: int, threads: int) -> None:
+    import faulthandler
+
+    faulthandler.enable()
+    _die_with_parent()
+    torch.set_num_threads(max(1, threads))
+    sock = socket.socket(fileno=fd)
+    child = _Child(sock)
+    with torch.inference_mode():  # as the runner calls passes
+        while True:
+            try:
+                h, blobs, fds = recv(sock)
+            except (EOFError, OSError):
+                return
+            op = h.get("op")
+            back: list[bytes] = []
+            try:
+                if op == "init":
+                    reply = child.init(h, fds)
+                elif op == "kv":
+                    child.attach_kv(h, fds)
+                    continue
+                elif op == "drop_kv":
+                    for i in h["ids"]:
+                        child.kvs.pop(i, None)
+                    continue
+                elif op == "forward":
+                    for i in h.get("drop_kv", []):
+                        child.kvs.pop(i, None)
+                    reply, back = child.forward(h, blobs)
+                elif op == "observe":
+                    reply = child.observe()
+                else:
+                    return
+            except BaseException as exc:  # noqa: BLE001 - the candidate's error, reported as text
+                reply, back = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
+            try:
+                send(sock, reply, back)
+            except (OSError, TypeError, ValueError):
+                return
+
+
+# ------------------------------------------------------------------ the verifier's side
+
+
+class _NotATensor:
+    """What forward() returned when it was not a tensor (the smoke gate names the type)."""
+
+    def __init__(self, type_name: str) -> None:
+        self.dtype = type_name
+
+
+class IsolatedCandidate:
+    """The candidate pass, as the gates see it: ``forward`` runs in the candidate's own process.
+
+    ``weights``: the engine's weights (never handed to the child on the host: it maps a copy,
+    ``self.weights``, whose contents the verifier checks; on CUDA the child maps the engine's
+    own tensors through IPC, and the verifier checks those).
+    """
+
+    def __init__(self, bundle: str | Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, timeout_s: float) -> None:
+        self.bundle = Path(bundle)
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.pid: int | None = None
+        self.sock: socket.socket | None = None
+        self.stderr: Path | None = None
+        self.dead: str | None = None
+        self.cache_format = ""
+        self.name = self.bundle.name
+        self.seconds: list[float] = []  # forward() as timed inside the candidate's process
+        self.calls = 0
+        self._kv_ids: dict[int, int] = {}
+        self._kv_pending: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self._kv_dropped: list[int] = []
+        self._kv_count = 0
+        self._prev: torch.Tensor | None = None
+        self._prev_copy: torch.Tensor | None = None
+        self.start_s = 0.0
+        t0 = time.perf_counter()
+        self.weights, self._weights_msg, self._weights_fds = self._share_weights(weights)
+        self.share_s = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- shared memory
+    def _share_weights(self, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                                                         list[int]]:
+        if self.device.type == "cuda":
+            return weights, {"kind": "cuda", "tensors": {n: cuda_handle(t) for n, t in weights.items()}}, []
+        names = list(weights)
+        offsets, total = layout([(list(weights[n].shape), weights[n].dtype) for n in names])
+        fd, base = memfd(total, "shapeshift-weights")
+        mapped: dict[str, torch.Tensor] = {}
+        places = {}
+        with torch.no_grad():
+            for n, off in zip(names, offsets):
+                t = weights[n]
+                mapped[n] = view(base, off, list(t.shape), t.dtype)
+                mapped[n].copy_(t)
+                places[n] = (off, list(t.shape), str(t.dtype).replace("torch.", ""))
+        return mapped, {"kind": "memfd", "nbytes": max(total, ALIGN), "tensors": places}, [fd]
+
+    def shared_kv(self, num_blocks: int, block_size: int) -> KVCache:
+        cfg = self.model_config
+        shape = [num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim]
+        layers = cfg.num_hidden_layers
+        self._kv_count += 1
+        kv_id = self._kv_count
+        msg: dict[str, Any] = {"op": "kv", "id": kv_id, "layers": layers, "block_size": block_size,
+                               "num_blocks": num_blocks, "dtype": str(self.dtype).replace("torch.", ""),
+                               "shape": shape}
+        fds: list[int] = []
+        if self.device.type == "cuda":
+            tensors = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * layers)]
+            msg.update(kind="cuda", tensors=[cuda_handle(t) for t in tensors])
+        else:
+            offsets, total = layout([(shape, self.dtype)] * (2 * layers))
+            fd, base = memfd(total, "shapeshift-kv")
+            tensors = [view(base, off, shape, self.dtype) for off in offsets]
+            msg.update(kind="memfd", nbytes=max(total, ALIGN), offsets=offsets)
+            fds = [fd]
+        kv = KVCache(k=tensors[:layers], v=tensors[layers:], block_size=block_size, num_blocks=num_blocks)
+        key = id(kv)
+        self._kv_ids[key] = kv_id
+        self._kv_pending[kv_id] = (msg, fds)
+        weakref.finalize(kv, self._forget_kv, key, kv_id)
+        return kv
+
+    def _forget_kv(self, key: int, kv_id: int) -> None:
+        self._kv_ids.pop(key, None)
+        pending = self._kv_pending.pop(kv_id, None)
+        if pending is not None:
+            for fd in pending[1]:
+                os.close(fd)
+        else:
+            self._kv_dropped.append(kv_id)
+
+    def driver(self, num_blocks: int, block_size: int, seed: int) -> SharedKVDriver:
+        return SharedKVDriver(self, self.model_config, self.dtype, self.device, num_blocks, block_size, seed)
+
+    # ---------------------------------------------------------------- the process
+    def start(self, build_timeout_s: float) -> None:
+        """Fork the candidate's process, import and build the bundle there. Raises ReloadError
+        (stage open/import/build), DeadlineExceeded or CandidateDied."""
+        t0 = time.perf_counter()
+        zygote = _zygote()
+        self.pid, self.sock, self.stderr = zygote.fork(torch.get_num_threads(), max(60.0, build_timeout_s))
+        fds = self._weights_fds
+        self._weights_fds = []
+        try:
+            reply = self._call({"op": "init", "bundle": str(self.bundle), "device": str(self.device),
+                                "model_config": asdict(self.model_config), "weights": self._weights_msg},
+                               fds=fds, timeout_s=build_timeout_s, what="build")[0]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.start_s = time.perf_counter() - t0
+        if not reply.get("ok"):
+            raise ReloadError(reply.get("stage", "build"), reply.get("error", "build failed"))
+        self.cache_format = str(reply.get("cache_format", ""))
+        self.name = str(reply.get("name") or self.name)
+
+    def _call(self, header: dict[str, Any], blobs: list[bytes] = (), fds: list[int] = (), timeout_s: float = 0.0,
+              what: str = "forward") -> tuple[dict[str, Any], list[bytes]]:
+        with self.lock:
+            if self.dead:
+                raise CandidateDied(self.dead)
+            assert self.sock is not None
+            timeout = timeout_s or self.timeout_s
+            self.sock.settimeout(timeout)
+            try:
+                send(self.sock, header, list(blobs), list(fds))
+                return recv(self.sock)[:2]
+            except (socket.timeout, TimeoutError):
+                self._kill(f"{what} did not finish within {timeout:.1f} s (hung?)")
+                raise DeadlineExceeded(f"{what} did not finish within {timeout:.1f} s (hung?): the candidate's "
+                                       "process was killed") from None
+            except (EOFError, ConnectionError, OSError) as exc:
+                self._kill(f"the candidate's process died during {what}")
+                raise CandidateDied(f"the candidate's process died during {what} ({type(exc).__name__}){self._tail()}"
+                                    ) from None
+
+    def _tail(self) -> str:
+        try:
+            text = self.stderr.read_text(errors="replace") if self.stderr else ""
+        except OSError:
+            text = ""
+        text = text.strip()
+        return f"; its last output: {text[-_STDERR_TAIL:]}" if text else ""
+
+    def _kill(self, why: str) -> None:
+        self.dead = self.dead or why
+        if self.pid:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._kill("closed")
+        for msg, fds in self._kv_pending.values():
+            for fd in fds:
+                os.close(fd)
+        self._kv_pending.clear()
+        for fd in self._weights_fds:
+            os.close(fd)
+        self._weights_fds = []
+        if self.stderr is not None:
+            self.stderr.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- what the gates call
+    def _attach(self, kv: Any) -> int:
+        kv_id = self._kv_ids.get(id(kv))
+        if kv_id is None:
+            raise TypeError("the candidate runs in its own process: its KV cache must come from ctx.driver()")
+        pending = self._kv_pending.pop(kv_id, None)
+        if pending is not None:
+            msg, fds = pending
+            try:
+                with self.lock:
+                    assert self.sock is not None
+                    self.sock.settimeout(self.timeout_s)
+                    send(self.sock, msg, fds=fds)
+            except OSError as exc:
+                self._kill("the candidate's process died")
+                raise CandidateDied(f"the candidate's process died ({type(exc).__name__}){self._tail()}") from None
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        return kv_id
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any, kv_cache: Any) -> Any:
+        if self.dead:
+            raise CandidateDied(self.dead)
+        kv_id = self._attach(kv_cache)
+        blobs: list[bytes] = []
+        tensors = {"input_ids": input_ids, "positions": positions, **{f: getattr(ctx, f) for f in _CTX_TENSORS}}
+        header: dict[str, Any] = {
+            "op": "forward", "kv": kv_id,
+            "tensors": {n: {**pack(t, blobs), "key": t.data_ptr()} for n, t in tensors.items()},
+            "scalars": {"is_prefill": bool(ctx.is_prefill), "max_query_len": int(ctx.max_query_len),
+                        "max_context_len": int(ctx.max_context_len),
+                        "query_start_loc_cpu": ctx.query_start_loc_cpu, "context_lens_cpu": ctx.context_lens_cpu}}
+        if self._kv_dropped:
+            header["drop_kv"], self._kv_dropped = self._kv_dropped, []
+        prev = self._prev
+        if prev is not None and self._prev_copy is not None and not torch.equal(prev, self._prev_copy):
+            header["prev_out"] = pack(prev, blobs)
+        reply, back = self._call(header, blobs)
+        self.calls += 1
+        if not reply.get("ok"):
+            raise CandidateError(reply.get("error", "forward failed"))
+        self.seconds.append(float(reply.get("seconds", 0.0)))
+        with torch.no_grad():
+            for name, d in reply.get("changed", {}).items():
+                target = tensors[name]
+                if "not_tensor" in d:
+                    if name in _CTX_TENSORS:
+                        setattr(ctx, name, None)
+                    continue
+                value = unpack(d, back).to(target.device)
+                if tuple(value.shape) == tuple(target.shape) and value.dtype == target.dtype:
+                    target.copy_(value)
+                elif name in _CTX_TENSORS:
+                    setattr(ctx, name, value)
+            if "prev_changed" in reply and prev is not None:
+                value = unpack(reply["prev_changed"], back)
+                if tuple(value.shape) == tuple(prev.shape):
+                    prev.copy_(value.to(prev.device, prev.dtype))
+        if "logits" not in reply:
+            self._prev = self._prev_copy = None
+            return _NotATensor(str(reply.get("not_tensor")))
+        logits = unpack(reply["logits"], back).to(self.device)
+        self._prev, self._prev_copy = logits, logits.clone()
+        return logits
+
+    def observe(self) -> dict[str, Any]:
+        """What the candidate left in its process: patched functions, threads it started, weights
+        it replaced in its dict (observed by the harness's code there)."""
+        reply, _ = self._call({"op": "observe"}, what="observe")
+        return reply
