@@ -57,12 +57,12 @@ import torch
 from shapeshift.engine.verify import anticheat  # noqa: F401  (first: captures clocks and function identities before any candidate)
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
 from shapeshift.engine.forward_pass.bundle import Bundle, open_bundle
-from shapeshift.engine.forward_pass.importer import LoadedBundle
+from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError, load_bundle
 from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline, fingerprint_diff, weights_fingerprint
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
                                                      gate_poisoned_outputs, gate_speed_of_light)
 from shapeshift.engine.verify.context import GateContext, GateFailure, GateSettings
-from shapeshift.engine.verify.isolated import CandidateDied, IsolatedCandidate
+from shapeshift.engine.verify.isolated import CandidateDied, IsolatedCandidate, cuda_ipc_problem
 from shapeshift.engine.verify.kv_isolation import gate_batched_alone, gate_canary, gate_prefix_hit, gate_swap
 from shapeshift.engine.verify.outputs import (calibrate, gate_agreement, gate_coverage, gate_finite, gate_long_context,
                                              gate_mixed_steps, gate_smoke)
@@ -132,6 +132,9 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     reference_cache_format = reference_cache_format or "kv-format-1"
 
     opened: Bundle | None = None
+    loaded: LoadedBundle | None = None
+    isolation: dict[str, Any] = {}
+    candidate_cache_format = ""
     label, digest = str(candidate), None
     session: IsolatedCandidate | None = None
     fp = None
@@ -144,9 +147,21 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
             opened = open_bundle(candidate, allow_unmanifested=True)
             folder = opened.folder
             label, digest = opened.manifest.name, opened.manifest.digest
-        session = IsolatedCandidate(folder, model_config, weights, dtype, device, settings.gate_timeout_s)
-        session.start(settings.build_timeout_s)
-        fp = session
+        problem = _isolation_problem(device)
+        if problem is None:
+            session = IsolatedCandidate(folder, model_config, weights, dtype, device, settings.gate_timeout_s)
+            session.start(settings.build_timeout_s)
+            fp = session
+        else:
+            # The one in-process path: a GPU whose tensors a child cannot map (CUDA IPC refused).
+            # The report says so; the candidate then shares this process, as before isolation.
+            isolation = {"process": "in-process", "reason": problem}
+            loaded = load_bundle(folder, allow_unmanifested=True)
+            fp = run_with_deadline(lambda: loaded.module.build(model_config, weights, dict(loaded.recipe)),
+                                   settings.build_timeout_s, "build")
+            if not callable(getattr(fp, "forward", None)):
+                raise ReloadError("build", f"build() returned {type(fp).__name__} without forward()")
+            candidate_cache_format = loaded.cache_format
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         reports.append(GateReport("smoke", False, {"reason": reason, "stage": getattr(exc, "stage", "build"),
@@ -154,9 +169,9 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     shared = session.weights if session is not None else weights  # what the candidate's process maps
     ctx = GateContext(model_config=model_config, weights=shared, dtype=dtype, device=device, reference=reference,
                       candidate=fp, reference_cache_format=reference_cache_format,
-                      candidate_cache_format=session.cache_format if session is not None else "",
+                      candidate_cache_format=session.cache_format if session is not None else candidate_cache_format,
                       settings=settings, rng=random.Random(seed), seed=seed,
-                      driver_factory=session.driver if fp is not None else None)
+                      driver_factory=session.driver if session is not None and fp is not None else None)
     tolerance = calibrate(ctx, model_config, weights, stock, weights_before) if fp is not None else {}
     plan: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("smoke", lambda: gate_smoke(ctx)),
@@ -212,17 +227,23 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
             reports[i] = failed
         else:
             reports[i].evidence["restored"] = restored[:8]
-    isolation: dict[str, Any] = {}
     if session is not None:
         isolation = {"process": "the candidate's own (forked from a clean zygote)", "start_s": round(session.start_s, 3),
                      "share_weights_s": round(session.share_s, 3), "forward_calls": session.calls}
         session.close()
+    if loaded is not None:
+        loaded.unload()
     if opened is not None:
         opened.close()
     if stock is not None:
         stock.unload()
     return GateSuiteReport(candidate=label, digest=digest, seed=seed, gates=reports, tolerance=tolerance,
                            isolation=isolation)
+
+
+def _isolation_problem(device: torch.device) -> str | None:
+    """Why the candidate cannot have a process of its own on ``device`` (None: it can)."""
+    return cuda_ipc_problem(device) if device.type == "cuda" else None
 
 
 def _contents(fingerprint: dict[str, tuple]) -> dict[str, tuple]:

@@ -385,6 +385,11 @@ def child_main(fd: int, threads: int) -> None:
                     reply, back = child.forward(h, blobs)
                 elif op == "observe":
                     reply = child.observe()
+                elif op == "probe":  # CUDA IPC works here: read the verifier's tensor, write it
+                    t = from_cuda_handle(h["tensor"])
+                    reply = {"ok": True, "sum": float(t.sum())}
+                    t.add_(1)
+                    torch.cuda.synchronize(t.device)
                 else:
                     return
             except BaseException as exc:  # noqa: BLE001 - the candidate's error, reported as text
@@ -609,6 +614,8 @@ class IsolatedCandidate:
         prev = self._prev
         if prev is not None and self._prev_copy is not None and not torch.equal(prev, self._prev_copy):
             header["prev_out"] = pack(prev, blobs)
+        if self.device.type == "cuda":  # this process's writes (poison, freed blocks) land before the child reads
+            torch.cuda.synchronize(self.device)
         reply, back = self._call(header, blobs)
         self.calls += 1
         if not reply.get("ok"):
@@ -642,3 +649,36 @@ class IsolatedCandidate:
         it replaced in its dict (observed by the harness's code there)."""
         reply, _ = self._call({"op": "observe"}, what="observe")
         return reply
+
+
+_IPC: dict[str, str | None] = {}  # device -> None when CUDA IPC works, else why not
+
+
+def cuda_ipc_problem(device: torch.device) -> str | None:
+    """None when a child can map and write this process's CUDA tensors (checked once per device,
+    with no candidate code anywhere), else why it cannot: the caller then verifies in-process."""
+    key = str(device)
+    if key not in _IPC:
+        sock = None
+        pid = 0
+        try:
+            probe = torch.arange(16, dtype=torch.float32, device=device)
+            pid, sock, err = _zygote().fork(1, 60.0)
+            err.unlink(missing_ok=True)
+            sock.settimeout(60.0)
+            send(sock, {"op": "probe", "tensor": cuda_handle(probe)})
+            reply, _, _ = recv(sock)
+            torch.cuda.synchronize(device)
+            ok = reply.get("ok") and reply.get("sum") == 120.0 and float(probe.sum()) == 136.0
+            _IPC[key] = None if ok else f"CUDA IPC unavailable: the probe read {reply}"
+        except Exception as exc:  # noqa: BLE001 - recorded, and the reason reported with every verification
+            _IPC[key] = f"CUDA IPC unavailable: {type(exc).__name__}: {exc}"
+        finally:
+            if sock is not None:
+                sock.close()
+            if pid:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+    return _IPC[key]

@@ -225,3 +225,20 @@ def test_compare_tells_flips_from_forgiven_near_ties():
     bad[2, 3] = float("nan")
     ev = compare([ref, ref], [bad, ref], (1.0, 1.0, 0.1))
     assert not ev["finite"] and not ev["ok"] and ev["tokens"] == 0  # stops at the first non-finite step
+
+
+def test_in_process_only_where_the_candidate_cannot_have_a_process(model, monkeypatch):
+    """Every candidate gets a process of its own; the one exception (a GPU that refuses CUDA IPC)
+    verifies in-process and says so in the report. Test double: the refusal, on the host."""
+    from shapeshift.engine.verify import gates
+
+    cfg, weights = model
+    report = verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=settings(),
+                              only=("outputs.agreement",))
+    assert report.passed and report.isolation["process"].startswith("the candidate's own")
+    assert report.isolation["forward_calls"] > 0
+    monkeypatch.setattr(gates, "_isolation_problem", lambda device: "CUDA IPC unavailable: test double")
+    report = verify_candidate(CANDIDATES / "wrong_math", cfg, weights, settings=settings(),
+                              only=("outputs.agreement",))
+    assert report.isolation == {"process": "in-process", "reason": "CUDA IPC unavailable: test double"}
+    assert not report.gate("outputs.agreement").passed
