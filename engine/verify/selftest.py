@@ -1,8 +1,9 @@
 """A gate that tests itself: a short form of the adversarial corpus, run when a compile worker starts.
 
-Data flow: four small candidates written here (three known-bad, each aimed at one gate, and the
-stock pass with a comment added) --verify_candidate on the tiny-llama preset, float32 on the
-host, only the gate each targets--> SelfTestReport(passed, results, seconds). A worker whose
+Data flow: five small candidates written here (four known-bad, each aimed at one gate, one of
+them widening the verifier's tolerance table from inside, which only a candidate in a process of
+its own cannot do; and the stock pass with a comment added) --verify_candidate on the tiny-llama
+preset, float32 on the host, only the gate each targets--> SelfTestReport(passed, results, seconds). A worker whose
 gates let a known-bad candidate through, or reject the good one, must not publish anything:
 engine/compile/cli.py asks this before the search and reports why through the CompileRun's
 status. The full corpus (tests/fixtures/candidates, tests/verify) runs in CI.
@@ -25,6 +26,19 @@ CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
 # name -> (forward.py, the gate that must reject it; None: must pass)
 SHORT_CORPUS: dict[str, tuple[str, str | None]] = {
     "reversed_logits": (_HEAD + '''
+
+class Reversed(stock.StockForwardPass):
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        return super().forward(input_ids, positions, ctx, kv_cache).flip(-1).contiguous()
+
+
+def build(model_config, weights, recipe):
+    return Reversed(model_config, weights, recipe)
+''', "outputs.agreement"),
+    "tamper_tolerances": ('import torch\nfrom shapeshift.engine.verify import context\n' + _HEAD + '''
+for dtype in list(context.TOLERANCES) + [torch.float64]:
+    context.TOLERANCES[dtype] = (1e30, 1e30, 1e30)
+
 
 class Reversed(stock.StockForwardPass):
     def forward(self, input_ids, positions, ctx, kv_cache):
