@@ -384,6 +384,26 @@ class CompileLoop:
                      role=None if round_ == 0 else "confirm-more")
         return full, inc_full, paired
 
+    def _overruns_budget(self, cand: Candidate, rounds: int) -> str | None:
+        """Why `rounds` paired full-tier rounds for `cand`, then the closing comparison, would not
+        fit the wall-clock budget (None when they fit, or the budget counts trials only). The cost
+        of a round is estimated from the baseline's own full-tier measurement (its seconds, warm-up
+        included, for its repeats): a round replays two passes. On the H200 a 75 s budget ran 253 s
+        when a confirmation, a second round and the closing comparison started near its end."""
+        if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
+            return None
+        repeats = max(1, len(self.baseline_full.samples))
+        round_s = 2 * self.baseline_full.seconds
+        closing_pairs = getattr(getattr(self.evaluator, "settings", None), "closing_pairs", repeats)
+        closing_s = round_s * max(1.0, closing_pairs / repeats)
+        need = rounds * round_s + closing_s
+        left = self.budget.max_seconds - self.elapsed
+        if need <= left:
+            return None
+        return (f"{cand.short} beat the incumbent on the fast tier, but confirming it (about {rounds * round_s:.0f} s) "
+                f"and the closing comparison (about {closing_s:.0f} s) would overrun the time budget "
+                f"({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
+
     def _undecided(self, full: Measurement, inc_full: Measurement | None) -> bool:
         """Paired confirmation whose mean gain clears the bar but whose lower bound does not."""
         if inc_full is None or not (full.ok and inc_full.ok) or len(full.samples) != len(inc_full.samples):
@@ -412,11 +432,20 @@ class CompileLoop:
         if self.config.max_confirms is not None and self.confirms >= self.config.max_confirms:
             self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier but the confirm cap is reached")
             return
+        overrun = self._overruns_budget(cand, rounds=1)
+        if overrun:
+            self.board.note("loop", overrun, digest=cand.digest, over_budget=True)
+            return
         full, inc_full, paired = self._confirm(cand)
         if paired:
             accepted = inc_full is not None and beats_paired(full, inc_full, self.config.min_speedup - 1)
             for round_ in range(self.config.extend_undecided):
                 if accepted or not self._undecided(full, inc_full):
+                    break
+                overrun = self._overruns_budget(cand, rounds=1)
+                if overrun:
+                    self.board.note("loop", overrun + " (another round of an undecided confirmation)",
+                                    digest=cand.digest, over_budget=True)
                     break
                 full, inc_full = self._confirm_more(cand, full, inc_full, round_ + 1)
                 accepted = beats_paired(full, inc_full, self.config.min_speedup - 1, looks=round_ + 2)

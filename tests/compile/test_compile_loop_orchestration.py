@@ -295,3 +295,37 @@ def test_undecided_twice_is_not_confirmed_and_clear_losers_are_not_remeasured(tm
 
     result, board, ev = _run_scripted(tmp_path / "c", [wild], extend_undecided=0)
     assert result.champion is None and len([c for c in ev.calls if c[0] == "compare"]) == 1
+
+
+class SlowFullTierEvaluator(FakeEvaluatorForOrchestrationTests):
+    """Full-tier measurements that say they took `full_s` seconds (the fake does not sleep)."""
+
+    def __init__(self, *args, full_s: float, **kw):
+        super().__init__(*args, **kw)
+        self.full_s = full_s
+
+    def confirm(self, c):
+        m = super().confirm(c)
+        m.seconds = self.full_s
+        return m
+
+
+def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Path) -> None:
+    """A wall-clock budget bounds the run: a faster candidate whose confirmation and closing
+    comparison, estimated from the baseline's own full-tier seconds, would not fit in what is
+    left is not confirmed, and the board says why; with room for them it is confirmed."""
+    def run(budget_s: float, full_s: float):
+        board = Board(tmp_path / f"board-{budget_s}.jsonl")
+        sp = space()
+        ev = SlowFullTierEvaluator({"stock": 100, "fast": 130}, full_s=full_s)
+        loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, ["fast"])],
+                           Budget(max_trials=None, max_seconds=budget_s), LoopConfig(deterministic=True))
+        return loop.run(), board, ev
+
+    result, board, ev = run(budget_s=60, full_s=40)  # a round (80 s) and the closing (80 s) > 60 s
+    assert result.champion is None and ("compare", "fast") not in ev.calls
+    notes = [n["text"] for n in board.entries("note") if n.get("over_budget")]
+    assert len(notes) == 1 and "would overrun the time budget" in notes[0], notes
+    result, board, ev = run(budget_s=600, full_s=40)
+    assert result.champion is not None and ("compare", "fast") in ev.calls
+    assert not [n for n in board.entries("note") if n.get("over_budget")]
