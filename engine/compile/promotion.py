@@ -3,8 +3,9 @@
 Data flow: the full-tier engine (weights, model config, dtype, device, block size) + the
 candidate bundle --shapeshift.engine.verify.verify_candidate--> the engine's gate suite
 (smoke, outputs.finite, outputs.agreement, KV contamination, coverage, anti-cheat), each on
-fresh random prompts against the stock pass built over the same weights
---> Verification(passed, gates={name: passed}, report={the suite's report}).
+fresh random prompts against the stock pass built over the same weights; the candidate runs in
+a process of its own (engine/verify/isolated.py), the reference and the verdict in this one
+--> Verification(passed, gates={name: passed}, report={the suite's report, its isolation}).
 
 The compile loop owns no checks of its own: one suite decides, for the loop, the admin API
 and the tests alike.
