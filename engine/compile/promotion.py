@@ -32,8 +32,26 @@ def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, st
     most = max((min(cfg.max_num_seqs, 16),) + buckets)
     settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size,
                             max_batch_size=min(cfg.max_num_seqs, 16), graph_buckets=buckets,
-                            max_model_len=cfg.max_model_len, num_blocks=max(96, 3 * most + 8))
+                            max_model_len=cfg.max_model_len, num_blocks=max(96, 3 * most + 8),
+                            prompt_tokens=_replay_text(engine))
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,
                               device=engine.device, settings=settings, weights_baseline=weights_baseline)
     gates = {g.name: bool(g.passed) for g in report.gates}
     return Verification(passed=bool(report.passed) and bool(gates), gates=gates, report=report.to_dict())
+
+
+def _replay_text(engine: Any) -> tuple[int, ...] | None:
+    """The text the replays draw their prompts from (the engine's tokenizer over the replay
+    corpus, EOS ids left out): the gates take fresh spans of it. None without a tokenizer."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    from shapeshift.engine.replay.corpus import corpus_tokens
+
+    eos = set(getattr(engine.model_config, "eos_token_ids", []) or [])
+    eos |= set(getattr(tokenizer, "eos_token_ids", []) or [])
+    try:
+        tokens = corpus_tokens(tokenizer, eos, engine.model_config.vocab_size)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the corpus: random ids, as before
+        return None
+    return tuple(tokens) if len(tokens) >= 64 else None

@@ -65,6 +65,10 @@ class GateSettings:
     # the logprob and logit bounds to precision_factor times it (see TOLERANCES).
     calibrate: bool = True
     precision_factor: float = PRECISION_FACTOR
+    # Real text the replays draw their prompts from (engine/replay/corpus.py, the model's
+    # tokenizer): each gate prompt is then a span of it from a fresh random offset, as served
+    # traffic is text; None: random token ids. The canary stays random (a secret, not a phrase).
+    prompt_tokens: tuple[int, ...] | None = None
 
     def decode_batch_sizes(self) -> list[int]:
         if self.batch_sizes is not None:
@@ -116,9 +120,16 @@ class GateContext:
         return PagedDriver(self.model_config, self.dtype, self.device, num_blocks=blocks,
                            block_size=self.settings.block_size, seed=seed)
 
-    def prompt(self, length: int | None = None) -> list[int]:
+    def prompt(self, length: int | None = None, text: bool = True) -> list[int]:
         s = self.settings
         n = length if length is not None else self.rng.randint(s.min_prompt_len, s.max_prompt_len)
+        corpus = s.prompt_tokens
+        if text and corpus:
+            out: list[int] = []
+            while len(out) < n:  # a span from a fresh offset, wrapping into another at the end
+                start = self.rng.randrange(len(corpus))
+                out += corpus[start:start + n - len(out)]
+            return out
         return [self.rng.randrange(self.model_config.vocab_size) for _ in range(n)]
 
 

@@ -53,7 +53,7 @@ def gate_batched_alone(ctx: GateContext) -> dict[str, Any]:
 
 def gate_canary(ctx: GateContext) -> dict[str, Any]:
     s = ctx.settings
-    canary = ctx.prompt(12)  # the secret: a random 12-token string
+    canary = ctx.prompt(12, text=False)  # the secret: a random 12-token string
     victim = ctx.prompt()
     steps = s.steps // 2
     # 1. victim next to a canary-carrying neighbour vs next to a plain neighbour

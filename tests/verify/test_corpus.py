@@ -176,3 +176,17 @@ def test_weights_touched_while_measured_discard_the_engine(evaluator):
     assert "model.norm.weight" in cand_m.error
     after = {k: v[1:] for k, v in weights_fingerprint(evaluator._engine("full", {}).weights).items()}
     assert after == {k: v[1:] for k, v in before.items()}  # same contents (a new engine: new addresses)
+
+
+def test_promotion_draws_gate_prompts_from_the_replay_text(evaluator):
+    """The compile loop's verification (EngineEvaluator.verify -> verify_for_promotion) gives the
+    gates the replays' text, through the engine's tokenizer."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.promotion import _replay_text
+
+    eng = evaluator._engine("full", {})
+    text = _replay_text(eng)
+    assert text and len(text) > 1000 and all(0 <= t < eng.model_config.vocab_size for t in text[:1000])
+    verdict = evaluator.verify(Candidate(evaluator.space().default(), evaluator.stock_source, "test", "stock"))
+    assert verdict.passed, verdict.report["failed"]
+    assert verdict.report["isolation"]["process"].startswith("the candidate's own")

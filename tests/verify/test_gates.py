@@ -242,3 +242,28 @@ def test_in_process_only_where_the_candidate_cannot_have_a_process(model, monkey
                               only=("outputs.agreement",))
     assert report.isolation == {"process": "in-process", "reason": "CUDA IPC unavailable: test double"}
     assert not report.gate("outputs.agreement").passed
+
+
+def test_gate_prompts_are_fresh_spans_of_the_replay_text(model):
+    """With the replays' text, every gate prompt is a span of it from a fresh offset (the canary
+    stays random ids); a good pass still passes and a wrong one is still refused."""
+    import random
+
+    from shapeshift.engine.verify.context import GateContext
+
+    cfg, weights = model
+    text = tuple((7 * i) % 500 + 3 for i in range(997))  # a stand-in text: any token string will do
+    s = GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0, prompt_tokens=text)
+    ctx = GateContext(model_config=cfg, weights=weights, dtype=torch.float32, device=torch.device("cpu"),
+                      reference=None, candidate=None, reference_cache_format="", candidate_cache_format="",
+                      settings=s, rng=random.Random(1), seed=1)
+    joined = ",".join(map(str, text + text))
+    spans = [ctx.prompt(n) for n in (5, 40, 300)]
+    assert all(len(p) == n for p, n in zip(spans, (5, 40, 300)))
+    assert all(",".join(map(str, p)) in joined for p in spans[:2])  # contiguous text (the 300 may wrap twice)
+    assert len({tuple(ctx.prompt(20)) for _ in range(5)}) == 5  # fresh offsets
+    assert ",".join(map(str, ctx.prompt(12, text=False))) not in joined
+    only = ("outputs.agreement", "kv.canary_isolation", "coverage.mixed_steps")
+    assert verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=s, only=only).passed
+    assert not verify_candidate(CANDIDATES / "wrong_math", cfg, weights, settings=s,
+                                only=("outputs.agreement",)).gate("outputs.agreement").passed
