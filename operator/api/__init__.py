@@ -33,7 +33,9 @@ from shapeshift.operator.api.hardware import (ACCELERATORS, Accelerator, Acceler
                                               accelerator_of_device)
 from shapeshift.operator.api.inference_deployment import (ARTIFACT_MOUNT, DEFAULT_ENGINE_IMAGE, INFERENCE_DEPLOYMENT,
                                                           KV_BLOCK_SIZES, AdminTokenSecret, ArtifactPVC, ArtifactStore,
-                                                          CompilationPolicy, CompileRunTemplate, DriftStatus,
+                                                          CompilationPolicy, CompileRunTemplate, CurrentRegime,
+                                                          DriftStatus, REGIMES_KEPT, RegimeChampion,
+                                                          RegimeChampionPin, RegimePolicy, RegimeStatus,
                                                           DriftThresholds, EngineSettings, ForwardPassRef,
                                                           InferenceDeploymentSpec, InferenceDeploymentStatus,
                                                           ModelSource, PodForwardPass, PVCModelSource, RolloutSpec,
@@ -56,7 +58,8 @@ __all__ = [
     "DEFAULT_ENGINE_IMAGE", "KV_BLOCK_SIZES", "ARTIFACT_MOUNT", "PVCModelSource", "ModelSource", "AdminTokenSecret",
     "EngineSettings", "DriftThresholds", "CompileRunTemplate", "CompilationPolicy", "RolloutSpec", "ArtifactPVC",
     "ArtifactStore", "InferenceDeploymentSpec", "ForwardPassRef", "DriftStatus", "PodForwardPass", "RolloutStatus",
-    "VerifiedForwardPass", "VERIFIED_FORWARD_PASSES_KEPT", "InferenceDeploymentStatus",
+    "VerifiedForwardPass", "VERIFIED_FORWARD_PASSES_KEPT", "InferenceDeploymentStatus", "RegimeChampionPin",
+    "RegimePolicy", "RegimeChampion", "RegimeStatus", "CurrentRegime", "REGIMES_KEPT",
     # CompileRun
     "SecretKeyRef", "LLMAgentSpec", "AgentSpec", "TierSpec", "VerificationSpec", "BaselineSpec", "CompileBudget",
     "DeploymentRef", "PrometheusWindow", "TrafficSource", "CompileTrigger", "CompileSLO", "CompileRunSpec", "LeaderboardEntry",

@@ -221,6 +221,56 @@ class RolloutSpec(WireModel):
     )
 
 
+REGIME_NAME = r"^p[0-9]+-h[0-9]+-c[0-9]+$"  # shapeshift.operator.regimes.regime_key: prompt, hit-rate, concurrency buckets
+REGIMES_KEPT = 16
+
+
+class RegimeChampionPin(WireModel):
+    """The ForwardPass to serve in one regime, whatever the library says."""
+
+    regime: str = Field(max_length=32, pattern=REGIME_NAME, description="Regime name, e.g. p1-h0-c2.")
+    forward_pass: str = Field(max_length=253, description="ForwardPass to roll out while traffic is in that regime.")
+
+
+class RegimePolicy(WireModel):
+    """How the operator moves between the verified champions of the traffic regimes it has seen."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!has(self.champions) || self.champions.all(a, self.champions.exists_one(b, b.regime == a.regime))",
+                    "spec.regimes.champions names each regime at most once"),
+            ]
+        }
+    )
+    pin: str | None = Field(
+        default=None, max_length=32, pattern=REGIME_NAME,
+        description="Serve this regime's champion whatever the traffic does (no switches, no compiles for "
+                    "other regimes' sake).")
+    champions: list[RegimeChampionPin] | None = Field(
+        default=None, max_length=REGIMES_KEPT,
+        description="Pinned champions per regime; they win over the champions the library recorded.")
+    switch_checks: int = Field(
+        default=2, ge=1, le=100,
+        description="Drift checks in a row that must observe a regime before the operator switches to it.")
+    min_dwell_seconds: int = Field(
+        default=0, ge=0, le=86400,
+        description="Least time observed traffic must stay in a regime before the operator switches to it.")
+    switch_cooldown_seconds: int = Field(
+        default=300, ge=0, le=7 * 86400, description="Least time between two switches between regime champions.")
+    champion_max_age_seconds: int | None = Field(
+        default=None, ge=60, le=365 * 86400,
+        description="A champion verified longer ago than this is stale: its regime is compiled again (default: "
+                    "champions do not age).")
+
+    @model_validator(mode="after")
+    def _each_regime_once(self) -> "RegimePolicy":
+        names = [c.regime for c in self.champions or []]
+        if len(names) != len(set(names)):
+            raise ValueError("spec.regimes.champions names each regime at most once")
+        return self
+
+
 ARTIFACT_MOUNT = "/var/lib/shapeshift-artifacts"
 _SUB_PATH = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
 
@@ -272,6 +322,8 @@ class InferenceDeploymentSpec(WireModel):
                 cel("self.replicas == 0 || self.rollout.canaryReplicas <= self.replicas",
                     "spec.rollout.canaryReplicas must not exceed spec.replicas"),
                 outbound_url_rule("prometheusUrl", "spec.prometheusUrl"),
+                cel("!has(self.forwardPass) || !has(self.regimes) || !has(self.regimes.pin)",
+                    "spec.forwardPass and spec.regimes.pin pin two different things: set one of them"),
             ]
         }
     )
@@ -296,6 +348,10 @@ class InferenceDeploymentSpec(WireModel):
                     "no user:password@, query or fragment. The operator refuses link-local and cloud metadata "
                     "addresses unless the operator setting SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS allows them.",
     )
+    regimes: RegimePolicy | None = Field(
+        default=None,
+        description="Switching between the verified champions of the traffic regimes seen before, without "
+                    "compiling again; pins (default: switch after 2 checks, 300 s between switches).")
     artifacts: ArtifactStore | None = Field(
         default=None,
         description="Shared store for compiled forward passes, mounted read-write by compile Jobs and read-only "
@@ -308,6 +364,8 @@ class InferenceDeploymentSpec(WireModel):
         if self.replicas and self.rollout.canary_replicas > self.replicas:
             raise ValueError("spec.rollout.canaryReplicas must not exceed spec.replicas")
         check_outbound_url(self.prometheus_url, "spec.prometheusUrl")
+        if self.forward_pass and self.regimes is not None and self.regimes.pin:
+            raise ValueError("spec.forwardPass and spec.regimes.pin pin two different things: set one of them")
         return self
 
 
@@ -374,6 +432,53 @@ class VerifiedForwardPass(StatusModel):
     accepted_at: datetime | None = Field(default=None, description="When the operator accepted it.")
 
 
+class RegimeChampion(StatusModel):
+    """A regime's verified champion, and what it was verified for."""
+
+    forward_pass: str = Field(max_length=253, description="The ForwardPass.")
+    sha256: str | None = Field(default=None, max_length=64, description="Its bundle digest.")
+    speedup: float | None = Field(default=None, ge=0,
+                                  description="Measured speedup over the shipped default on the regime's replay.")
+    accelerator: str | None = Field(default=None, max_length=64, description="Accelerator it was verified on.")
+    model: str | None = Field(default=None, max_length=253, description="Model it was verified for.")
+    dtype: str | None = Field(default=None, max_length=32, description="Dtype it was verified in.")
+    engine_env_sha256: str | None = Field(default=None, max_length=64,
+                                          description="Digest of the engine performance switches it was measured under.")
+    compile_run: str | None = Field(default=None, max_length=253, description="The CompileRun that published it.")
+    verified_at: datetime | None = Field(default=None, description="When that CompileRun finished.")
+
+
+class RegimeStatus(StatusModel):
+    """One traffic regime the deployment has seen."""
+
+    name: str = Field(max_length=32, description="Regime name: prompt-length, hit-rate and concurrency buckets.")
+    prompt_length_p50: float | None = Field(default=None, ge=0, description="Median prompt tokens last seen in it.")
+    prefix_cache_hit_rate: float | None = Field(default=None, ge=0, le=1, description="Hit rate last seen in it.")
+    concurrency: float | None = Field(default=None, ge=0, description="Concurrency last seen in it.")
+    first_seen: datetime | None = Field(default=None, description="First drift check that observed it.")
+    last_seen: datetime | None = Field(default=None, description="Last drift check that observed it.")
+    dwell_seconds: int = Field(default=0, ge=0, description="How long traffic sat in it, over all visits.")
+    checks: int = Field(default=0, ge=0, description="Drift checks that observed it.")
+    compile_run: str | None = Field(default=None, max_length=253, description="The last CompileRun started for it.")
+    champion: RegimeChampion | None = Field(default=None, description="Its verified champion.")
+
+
+class CurrentRegime(StatusModel):
+    """Where traffic is, and which champion the library chose for it."""
+
+    name: str | None = Field(default=None, max_length=32, description="The regime traffic settled in.")
+    since: datetime | None = Field(default=None, description="When it settled there.")
+    observed: str | None = Field(default=None, max_length=32, description="The regime the last check observed.")
+    observed_checks: int = Field(default=0, ge=0, description="Checks in a row that observed it.")
+    observed_since: datetime | None = Field(default=None, description="First of those checks.")
+    forward_pass: str | None = Field(default=None, max_length=253,
+                                     description="Champion the last switch chose (the rollout's target until a "
+                                                 "CompileRun finishes later).")
+    sha256: str | None = Field(default=None, max_length=64, description="Its bundle digest.")
+    last_switch_time: datetime | None = Field(default=None, description="When the last switch happened.")
+    reason: str | None = Field(default=None, max_length=1024, description="Why the library did what it did last.")
+
+
 class InferenceDeploymentStatus(StatusModel):
     """What is running, observed by the operator."""
 
@@ -396,6 +501,10 @@ class InferenceDeploymentStatus(StatusModel):
         default=None, max_length=VERIFIED_FORWARD_PASSES_KEPT,
         description="ForwardPasses the operator accepted because their CompileRun vouched for them (newest "
                     "last); they stay trusted, unchanged, after that CompileRun is deleted.")
+    regimes: list[RegimeStatus] | None = Field(
+        default=None, max_length=REGIMES_KEPT,
+        description="Traffic regimes seen, with their verified champions (the regime library).")
+    current_regime: CurrentRegime | None = Field(default=None, description="The regime traffic is in now.")
     pods: list[PodForwardPass] | None = Field(default=None, max_length=1000, description="What each pod runs.")
     conditions: list[Condition] | None = Field(default=None, max_length=32, description="Ready, Progressing, TrafficObserved, Drifted ...")
     message: str | None = Field(default=None, max_length=4096, description="Human-readable summary.")
@@ -415,6 +524,8 @@ INFERENCE_DEPLOYMENT = Kind(
         printer_column("Forward-Pass", ".status.activeForwardPass.name", description="Forward pass the pods run."),
         printer_column("Speedup", ".status.activeForwardPass.speedup", "number", description="Over the stock forward pass."),
         printer_column("Drift", ".status.drift.score", "number", description="Last drift score."),
+        printer_column("Regime", ".status.currentRegime.name", priority=1,
+                       description="Traffic regime the deployment serves."),
         printer_column("Rollout", ".status.rollout.phase", description="Idle, Canary, Analyzing, Promoting, Complete, RolledBack."),
         printer_column("Policy", ".spec.compilation.policy", priority=1),
         printer_column("Last-Compile", ".status.lastCompileRun", priority=1),
