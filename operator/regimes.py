@@ -1,0 +1,348 @@
+"""The regime library: which verified champion serves which traffic regime, and when to switch.
+
+    observed TrafficProfile --regime_key--> a regime (buckets of median prompt length, prefix-cache
+        hit rate and concurrency; the same buckets as the champion registry's TrafficRegime)
+    status.regimes + status.currentRegime (RegimeLibrary), spec.regimes (RegimePolicy), the
+        deployment's model, dtype, accelerator and engine env (ServingTarget), the clock
+        --decide--> RegimeDecision: Stay | Settling | Switch (to a known regime's verified champion,
+        no CompileRun) | Compile (a new regime, or its champion missing, stale or verified for
+        something else) | CoolingDown | Pinned, with the reason for the condition and the event,
+        and the library to write back
+    a finished CompileRun started for a regime --record_champion--> that regime's champion
+    spec, status, the CompileRuns --target_forward_pass--> what the rollout should run
+
+Hysteresis: the observed traffic must sit in a new regime for spec.regimes.switchChecks checks in
+a row (and spec.regimes.minDwellSeconds) before the library moves there; a cooldown
+(spec.regimes.switchCooldownSeconds) separates two switches. Pins win over the library: a
+pinned regime is served whatever the traffic does, a pinned champion wins over the one
+recorded for its regime, and spec.forwardPass wins over everything (GitOps: the spec wins).
+
+Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any, Literal, Mapping, Sequence
+
+from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
+from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.operator.api import (REGIMES_KEPT, CurrentRegime, InferenceDeploymentSpec, InferenceDeploymentStatus,
+                                     RegimeChampion, RegimePolicy, RegimeStatus)
+
+__all__ = [
+    "CONCURRENCY_BUCKETS", "HIT_BUCKETS", "PROMPT_BUCKETS", "RegimeDecision", "RegimeLibrary", "ServingTarget",
+    "champion_problem", "decide", "engine_env_sha256", "record_champion", "record_compile_run", "regime_distance",
+    "regime_key", "target_forward_pass",
+]
+
+# The champion registry's buckets (engine/compile/champions.py TrafficRegime; a test keeps them equal).
+PROMPT_BUCKETS = (256, 1024, 4096, 16384, 65536)
+HIT_BUCKETS = (0.2, 0.6)
+CONCURRENCY_BUCKETS = (1, 8, 32, 128)
+
+Kind = Literal["Stay", "Settling", "Switch", "Compile", "CoolingDown", "Pinned", "NoData"]
+
+
+def _bucket(value: float, edges: tuple[float, ...]) -> int:
+    for i, edge in enumerate(edges):
+        if value <= edge:
+            return i
+    return len(edges)
+
+
+def _hit_rate(profile: TrafficProfile) -> float:
+    if profile.prefix_cache_hit_rate is not None:
+        return profile.prefix_cache_hit_rate
+    return profile.shared_prefix_ratio * min(1.0, profile.shared_prefix_len / max(profile.prompt_length.p50, 1))
+
+
+def regime_key(profile: TrafficProfile) -> str:
+    """``p<prompt bucket>-h<hit-rate bucket>-c<concurrency bucket>``, as TrafficRegime.key."""
+    return (f"p{_bucket(profile.prompt_length.p50, PROMPT_BUCKETS)}-h{_bucket(_hit_rate(profile), HIT_BUCKETS)}"
+            f"-c{_bucket(profile.concurrency, CONCURRENCY_BUCKETS)}")
+
+
+def _indices(key: str) -> tuple[int, int, int]:
+    p, h, c = key.split("-")
+    return int(p[1:]), int(h[1:]), int(c[1:])
+
+
+def regime_distance(a: str, b: str) -> int:
+    """Buckets apart, summed over the three dimensions (TrafficRegime.distance)."""
+    return sum(abs(x - y) for x, y in zip(_indices(a), _indices(b)))
+
+
+def engine_env_sha256(env: Sequence[Mapping[str, Any]] | None) -> str:
+    """Digest of the engine performance switches (PERFORMANCE_ENV) among ``env`` ({name, value} items)."""
+    chosen = sorted((e["name"], e.get("value") or "") for e in env or [] if e.get("name") in PERFORMANCE_ENV)
+    return hashlib.sha256(json.dumps(chosen).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ServingTarget:
+    """What a champion must have been verified for to serve this deployment now."""
+
+    models: frozenset[str]  # names the deployment's model goes by (preset, served name, folder)
+    dtype: str
+    accelerator: str
+    engine_env_sha256: str
+
+    @classmethod
+    def of(cls, spec: InferenceDeploymentSpec) -> "ServingTarget":
+        names = {spec.model.display_name}
+        if spec.model.preset:
+            names.add(spec.model.preset)
+        env = [{"name": e.name, "value": getattr(e, "value", None)} for e in spec.engine.env or []]
+        return cls(frozenset(names), spec.engine.dtype, spec.hardware.accelerator, engine_env_sha256(env))
+
+
+def champion_problem(champion: RegimeChampion | None, target: ServingTarget, now: datetime,
+                     max_age: timedelta | None) -> str | None:
+    """Why ``champion`` cannot serve ``target`` now (None: it can)."""
+    if champion is None:
+        return "it has no verified champion"
+    name = champion.forward_pass
+    if champion.accelerator != target.accelerator:
+        return f"its champion {name} was verified on {champion.accelerator}, the deployment runs on {target.accelerator}"
+    if champion.model not in target.models:
+        return f"its champion {name} was verified for model {champion.model}, the deployment serves {sorted(target.models)[0]}"
+    if champion.dtype != target.dtype:
+        return f"its champion {name} was verified in {champion.dtype}, the deployment runs {target.dtype}"
+    if champion.engine_env_sha256 != target.engine_env_sha256:
+        return f"its champion {name} was measured under another spec.engine.env"
+    if max_age is not None and champion.verified_at is not None and now - champion.verified_at > max_age:
+        return (f"its champion {name} is stale (verified {champion.verified_at.isoformat()}, more than "
+                f"{int(max_age.total_seconds())}s ago)")
+    return None
+
+
+@dataclass(frozen=True)
+class RegimeLibrary:
+    """status.regimes and status.currentRegime."""
+
+    regimes: tuple[RegimeStatus, ...] = ()
+    current: CurrentRegime = field(default_factory=CurrentRegime)
+
+    @classmethod
+    def of(cls, status: InferenceDeploymentStatus) -> "RegimeLibrary":
+        return cls(tuple(status.regimes or ()), status.current_regime or CurrentRegime())
+
+    def get(self, name: str | None) -> RegimeStatus | None:
+        return next((r for r in self.regimes if r.name == name), None)
+
+    def put(self, regime: RegimeStatus) -> "RegimeLibrary":
+        """With ``regime`` in place of the one of its name; past REGIMES_KEPT, the least recently seen
+        regime without a champion goes first, then the least recently seen one."""
+        rest = [r for r in self.regimes if r.name != regime.name]
+        kept = [*rest, regime]
+        while len(kept) > REGIMES_KEPT:
+            never = datetime.min.replace(tzinfo=regime.last_seen.tzinfo if regime.last_seen else None)
+            victims = [r for r in kept[:-1] if r.champion is None] or kept[:-1]
+            oldest = min(victims, key=lambda r: r.last_seen or never)
+            kept.remove(oldest)
+        return replace(self, regimes=tuple(kept))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"regimes": [r.to_wire() for r in self.regimes], "currentRegime": self.current.to_wire()}
+
+
+@dataclass(frozen=True)
+class RegimeDecision:
+    kind: Kind
+    regime: str | None  # the regime the decision is about (the observed one, or the pinned one)
+    reason: str  # the condition's message and the event's
+    library: RegimeLibrary  # what to write back
+    champion: RegimeChampion | None = None  # Switch: what to roll out; else the regime's usable champion
+    # A drift-triggered CompileRun must not start: the library switches (or will, once the traffic
+    # settled or the cooldown passed) to a verified champion, or spec.regimes.pin holds the deployment.
+    blocks_compile: bool = False
+
+
+def _policy(spec: InferenceDeploymentSpec) -> RegimePolicy:
+    return spec.regimes or RegimePolicy()
+
+
+def _champion_for(policy: RegimePolicy, regime: RegimeStatus | None, name: str | None) -> RegimeChampion | None:
+    """The pinned champion of regime ``name`` (spec.regimes.champions) or the library's."""
+    pinned = next((p for p in policy.champions or [] if p.regime == name), None)
+    if pinned is not None:
+        recorded = regime.champion if regime is not None else None
+        if recorded is not None and recorded.forward_pass == pinned.forward_pass:
+            return recorded
+        return None  # a pinned champion is judged by the rollout (provenance), not by the library
+    return regime.champion if regime is not None else None
+
+
+def _pinned_name(policy: RegimePolicy, name: str | None) -> str | None:
+    return next((p.forward_pass for p in policy.champions or [] if p.regime == name), None)
+
+
+def observe(library: RegimeLibrary, profile: TrafficProfile, now: datetime,
+            interval: timedelta) -> tuple[RegimeLibrary, str]:
+    """The library after one check observed ``profile``: the regime's entry (first/last seen,
+    dwell, checks, summary) and the observed-regime counter of status.currentRegime."""
+    key = regime_key(profile)
+    current = library.current
+    entry = library.get(key) or RegimeStatus(name=key, first_seen=now)
+    dwell = entry.dwell_seconds
+    if current.observed == key and entry.last_seen is not None:
+        # traffic stayed: count the time since the previous check (at most two check intervals)
+        dwell += int(min(now - entry.last_seen, 2 * interval).total_seconds())
+    entry = entry.model_copy(update={
+        "prompt_length_p50": round(profile.prompt_length.p50, 3), "prefix_cache_hit_rate": round(_hit_rate(profile), 6),
+        "concurrency": profile.concurrency, "last_seen": now, "dwell_seconds": max(dwell, 0), "checks": entry.checks + 1,
+    })
+    if current.observed == key:
+        current = current.model_copy(update={"observed_checks": current.observed_checks + 1})
+    else:
+        current = current.model_copy(update={"observed": key, "observed_checks": 1, "observed_since": now})
+    if current.name is None:  # the first regime ever observed is where the deployment is
+        current = current.model_copy(update={"name": key, "since": now})
+    return replace(library.put(entry), current=current), key
+
+
+def _switch(library: RegimeLibrary, name: str, champion: RegimeChampion, now: datetime, reason: str) -> RegimeDecision:
+    current = library.current.model_copy(update={
+        "name": name, "since": now if library.current.name != name else library.current.since,
+        "forward_pass": champion.forward_pass, "sha256": champion.sha256, "last_switch_time": now, "reason": reason})
+    return RegimeDecision("Switch", name, reason, replace(library, current=current), champion, blocks_compile=True)
+
+
+def _with_reason(kind: Kind, regime: str | None, library: RegimeLibrary, reason: str,
+                 champion: RegimeChampion | None = None, blocks: bool = False, **current: Any) -> RegimeDecision:
+    updated = library.current.model_copy(update={**current, "reason": reason})
+    return RegimeDecision(kind, regime, reason, replace(library, current=updated), champion, blocks_compile=blocks)
+
+
+def _serving(library: RegimeLibrary, champion: RegimeChampion, active: str | None) -> bool:
+    """Whether ``champion`` is what the deployment runs or was last switched to."""
+    return champion.forward_pass in (active, library.current.forward_pass)
+
+
+def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: InferenceDeploymentSpec,
+           now: datetime, interval: timedelta, active_forward_pass: str | None = None) -> RegimeDecision:
+    """One check's regime decision (``profile`` None: the check observed no traffic)."""
+    policy = _policy(spec)
+    target = ServingTarget.of(spec)
+    max_age = timedelta(seconds=policy.champion_max_age_seconds) if policy.champion_max_age_seconds else None
+    if profile is None:
+        return RegimeDecision("NoData", library.current.observed, "no traffic observed", library)
+    library, key = observe(library, profile, now, interval)
+    if spec.forward_pass:
+        return _with_reason("Pinned", key, library, f"spec.forwardPass pins {spec.forward_pass}; traffic in "
+                                                    f"regime {key}, the library switches nothing")
+    if policy.pin:
+        pinned = library.get(policy.pin)
+        champion = _champion_for(policy, pinned, policy.pin)
+        problem = champion_problem(champion, target, now, None) if pinned is not None else "it is not in the library"
+        if champion is not None and problem is None:
+            if not _serving(library, champion, active_forward_pass):
+                return _switch(library, policy.pin, champion, now,
+                               f"spec.regimes.pin holds regime {policy.pin}: switching to its champion "
+                               f"{champion.forward_pass} (traffic in {key})")
+            return _with_reason("Pinned", policy.pin, library, f"spec.regimes.pin holds regime {policy.pin} "
+                                                                f"(champion {champion.forward_pass}; traffic in {key})",
+                                champion, blocks=True)
+        return _with_reason("Pinned", policy.pin, library,
+                            f"spec.regimes.pin holds regime {policy.pin}, but {problem}; "
+                            f"nothing is switched or compiled for traffic in {key}", blocks=True)
+
+    current = library.current
+    entry = library.get(key)
+    pinned_champion = _pinned_name(policy, key)
+    champion = _champion_for(policy, entry, key)
+    problem = champion_problem(champion, target, now, max_age)
+    if pinned_champion is not None and champion is None:
+        problem = f"its pinned champion {pinned_champion} has not been verified by a CompileRun of this deployment"
+    usable = champion if problem is None else None
+    if key == current.name:
+        if usable is not None and not _serving(library, usable, active_forward_pass) and current.forward_pass:
+            # the library chose another champion for this regime before: come back to this one
+            return _switch(library, key, usable, now, f"traffic in regime {key}; its champion "
+                                                      f"{usable.forward_pass} is not the one served")
+        if usable is None and problem is not None:
+            return _with_reason("Compile", key, library, f"traffic in regime {key}, but {problem}")
+        return _with_reason("Stay", key, library, f"traffic in regime {key}", usable)
+    settled_checks = current.observed_checks >= policy.switch_checks
+    dwell = now - (current.observed_since or now)
+    if not settled_checks or dwell < timedelta(seconds=policy.min_dwell_seconds):
+        return _with_reason("Settling", key, library, (
+            f"traffic in regime {key} for {current.observed_checks} of {policy.switch_checks} checks "
+            f"({int(dwell.total_seconds())}s of at least {policy.min_dwell_seconds}s); serving regime "
+            f"{current.name}"), usable, blocks=usable is not None)
+    if usable is None:
+        reason = f"traffic settled in regime {key} (from {current.name}), but {problem}"
+        if entry is None or (entry.champion is None and entry.compile_run is None):
+            reason = f"traffic settled in a new regime {key} (from {current.name})"
+        return _with_reason("Compile", key, library, reason, name=key, since=now)
+    cooldown = timedelta(seconds=policy.switch_cooldown_seconds)
+    if current.last_switch_time is not None and now - current.last_switch_time < cooldown:
+        until = current.last_switch_time + cooldown
+        return _with_reason("CoolingDown", key, library, (
+            f"traffic settled in regime {key} (champion {usable.forward_pass}); next switch allowed after "
+            f"{until.isoformat()}"), usable, blocks=True)
+    if _serving(library, usable, active_forward_pass) and current.forward_pass == usable.forward_pass:
+        return _with_reason("Stay", key, library, f"traffic back in regime {key}, its champion "
+                                                  f"{usable.forward_pass} is served", usable, blocks=True, name=key,
+                                                  since=now)
+    speed = f" (x{usable.speedup:.2f} over the shipped default)" if usable.speedup else ""
+    return _switch(library, key, usable, now, f"traffic settled in regime {key} (from {current.name}) for "
+                                              f"{current.observed_checks} checks: switching to its verified "
+                                              f"champion {usable.forward_pass}{speed}, no CompileRun")
+
+
+def record_compile_run(library: RegimeLibrary, regime: str, compile_run: str, now: datetime) -> RegimeLibrary:
+    """The library after a CompileRun was started for ``regime``."""
+    entry = library.get(regime) or RegimeStatus(name=regime, first_seen=now, last_seen=now)
+    return library.put(entry.model_copy(update={"compile_run": compile_run}))
+
+
+def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[str, Any], compile_run: str,
+                    completed: datetime | None) -> RegimeLibrary:
+    """The library after ``forward_pass`` (a ForwardPass object the rollout's trust rules accepted)
+    was published by ``compile_run`` for ``regime``."""
+    spec = forward_pass.get("spec") or {}
+    engine = spec.get("engine")
+    champion = RegimeChampion(
+        forward_pass=forward_pass["metadata"]["name"],
+        sha256=(spec.get("artifact") or {}).get("sha256"),
+        speedup=(spec.get("metrics") or {}).get("speedup"),
+        accelerator=(spec.get("hardware") or {}).get("accelerator"),
+        model=(spec.get("model") or {}).get("name"),
+        dtype=(spec.get("model") or {}).get("dtype"),
+        # a pass that recorded no engine env was measured with none set
+        engine_env_sha256=engine_env_sha256((engine or {}).get("env")),
+        compile_run=compile_run,
+        verified_at=completed,
+    )
+    entry = library.get(regime) or RegimeStatus(name=regime, first_seen=completed, last_seen=completed)
+    return library.put(entry.model_copy(update={"champion": champion}))
+
+
+def target_forward_pass(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus,
+                        newest_champion: tuple[str, str] | None) -> str | None:
+    """What the rollout should run: spec.forwardPass; else the champion the library last switched to,
+    unless a CompileRun finished after that switch (``newest_champion``: (completion time as the API
+    server writes it, champion) of the deployment's newest successful CompileRun), whose champion
+    wins as before the library existed."""
+    if spec.forward_pass:
+        return spec.forward_pass
+    current = status.current_regime
+    policy = _policy(spec)
+    if policy.pin:
+        pinned = _pinned_name(policy, policy.pin)
+        if pinned is not None:
+            return pinned
+    if current is not None and current.name is not None:
+        pinned = _pinned_name(policy, current.name)
+        if pinned is not None:
+            return pinned
+    if current is not None and current.forward_pass and current.last_switch_time is not None:
+        switched = current.last_switch_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+        if newest_champion is None or newest_champion[0] <= switched:
+            return current.forward_pass
+    return newest_champion[1] if newest_champion else None

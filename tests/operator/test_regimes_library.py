@@ -1,0 +1,215 @@
+"""The regime library's decisions (operator/regimes.py), without a cluster.
+
+Traffic A (short prompts, no prefix hits) and B (long prompts, many hits) on a cpu deployment
+of tiny-llama: a new regime is compiled, a known one with a verified champion is switched to
+after the switch checks, flapping between them inside the hysteresis switches nothing, a
+cooldown separates switches, stale or foreign champions are compiled again, pins win.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from shapeshift.engine.compile.champions import TrafficRegime
+from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
+from shapeshift.operator.api import (REGIMES_KEPT, InferenceDeploymentSpec, InferenceDeploymentStatus,
+                                     RegimeStatus)
+from shapeshift.operator.regimes import (RegimeLibrary, decide, engine_env_sha256, record_champion,
+                                         record_compile_run, regime_distance, regime_key, target_forward_pass)
+
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+CHECK = timedelta(seconds=60)
+SHA_A, SHA_B = "a" * 64, "b" * 64
+
+
+def profile(p50: int, hit: float, concurrency: int = 4) -> TrafficProfile:
+    return TrafficProfile(prompt_length=LengthDistribution(p50=p50, p90=p50 + 10, p99=p50 + 20),
+                          output_length=LengthDistribution(p50=16, p90=16, p99=16),
+                          prefix_cache_hit_rate=hit, concurrency=concurrency)
+
+
+A, B = profile(100, 0.0), profile(2000, 0.8)
+KEY_A, KEY_B = regime_key(A), regime_key(B)
+
+
+def spec(**extra) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({
+        "model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "engine": {"dtype": "float32"},
+        **extra})
+
+
+def forward_pass(name: str, sha: str, accelerator: str = "cpu", dtype: str = "float32", env=None) -> dict:
+    body = {"metadata": {"name": name}, "spec": {
+        "model": {"name": "tiny-llama", "dtype": dtype}, "hardware": {"accelerator": accelerator},
+        "artifact": {"uri": f"/store/{sha}.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.4}}}
+    if env is not None:
+        body["spec"]["engine"] = {"env": env}
+    return body
+
+
+def run(library: RegimeLibrary, traffic: TrafficProfile, at: datetime, s=None, active=None):
+    return decide(library, traffic, spec=s or spec(), now=at, interval=CHECK, active_forward_pass=active)
+
+
+def library_with_champions(**fp_over) -> RegimeLibrary:
+    """A and B seen, each compiled (champions fp-a, fp-b), traffic served in B by fp-b."""
+    lib = RegimeLibrary()
+    lib = run(lib, A, T0).library
+    lib = record_champion(record_compile_run(lib, KEY_A, "run-a", T0), KEY_A, forward_pass("fp-a", SHA_A, **fp_over),
+                          "run-a", T0 + CHECK)
+    at = T0 + 2 * CHECK
+    for i in range(2):
+        lib = run(lib, B, at + i * CHECK).library
+    lib = record_champion(lib, KEY_B, forward_pass("fp-b", SHA_B), "run-b", at + 2 * CHECK)
+    return lib
+
+
+def test_regime_keys_are_the_champion_registrys():
+    for traffic in (A, B, profile(5000, 0.3, 64), profile(70000, 1.0, 500), profile(1, 0.2, 1)):
+        assert regime_key(traffic) == TrafficRegime.of(traffic).key
+    assert KEY_A != KEY_B
+    assert regime_distance(KEY_A, KEY_B) == TrafficRegime.of(A).distance(TrafficRegime.of(B)) == 4
+
+
+def test_a_new_regime_is_compiled_and_its_first_check_only_settles():
+    lib = run(RegimeLibrary(), A, T0).library  # the first regime is where the deployment is
+    assert lib.current.name == KEY_A
+    first = run(lib, B, T0 + CHECK)
+    assert first.kind == "Settling" and not first.blocks_compile
+    assert "1 of 2 checks" in first.reason
+    second = run(first.library, B, T0 + 2 * CHECK)
+    assert second.kind == "Compile" and not second.blocks_compile
+    assert f"new regime {KEY_B}" in second.reason
+    assert second.library.current.name == KEY_B
+    entry = second.library.get(KEY_B)
+    assert entry.checks == 2 and entry.first_seen == T0 + CHECK and entry.dwell_seconds == 60
+    assert entry.prompt_length_p50 == 2000 and entry.prefix_cache_hit_rate == 0.8
+
+
+def test_back_to_a_known_regime_switches_to_its_champion_after_the_switch_checks():
+    lib = library_with_champions()
+    at = T0 + 10 * CHECK
+    first = run(lib, A, at, active="fp-b")
+    assert first.kind == "Settling" and first.blocks_compile  # a champion waits: no compile meanwhile
+    second = run(first.library, A, at + CHECK, active="fp-b")
+    assert second.kind == "Switch" and second.blocks_compile
+    assert second.champion.forward_pass == "fp-a" and second.champion.sha256 == SHA_A
+    assert "no CompileRun" in second.reason and "x1.40" in second.reason
+    current = second.library.current
+    assert (current.name, current.forward_pass, current.sha256, current.last_switch_time) == (
+        KEY_A, "fp-a", SHA_A, at + CHECK)
+    # the switch is what the rollout runs, until a CompileRun finishes later
+    status = InferenceDeploymentStatus.model_validate(second.library.to_wire())
+    assert target_forward_pass(spec(), status, ("2026-12-01T12:05:00Z", "fp-b")) == "fp-a"
+    assert target_forward_pass(spec(), status, ("2026-12-01T13:00:00Z", "fp-new")) == "fp-new"
+    assert target_forward_pass(spec(forwardPass="mine"), status, None) == "mine"
+    # the next check in A stays
+    third = run(second.library, A, at + 2 * CHECK, active="fp-a")
+    assert third.kind == "Stay" and third.library.current.forward_pass == "fp-a"
+
+
+def test_flapping_inside_the_hysteresis_window_switches_nothing():
+    lib = library_with_champions()
+    at = T0 + 10 * CHECK
+    kinds = []
+    for i in range(8):
+        decision = run(lib, A if i % 2 == 0 else B, at + i * CHECK, active="fp-b")
+        lib = decision.library
+        kinds.append(decision.kind)
+    assert "Switch" not in kinds and lib.current.forward_pass is None
+    assert set(kinds) <= {"Settling", "Stay"}
+
+
+def test_min_dwell_holds_a_switch_until_the_traffic_sat_there_long_enough():
+    lib = library_with_champions()
+    s = spec(regimes={"switchChecks": 1, "minDwellSeconds": 150})
+    at = T0 + 10 * CHECK
+    decisions = []
+    for i in range(4):
+        d = run(lib, A, at + i * CHECK, s=s, active="fp-b")
+        lib, _ = d.library, decisions.append(d.kind)
+    assert decisions[:3] == ["Settling", "Settling", "Settling"] and decisions[3] == "Switch"
+
+
+def test_a_cooldown_separates_two_switches():
+    lib = library_with_champions()
+    s = spec(regimes={"switchCooldownSeconds": 600})
+    at = T0 + 10 * CHECK
+    for i in range(2):
+        d = run(lib, A, at + i * CHECK, s=s, active="fp-b")
+        lib = d.library
+    assert d.kind == "Switch"
+    kinds = []
+    for i in range(2, 12):
+        d = run(lib, B, at + i * CHECK, s=s, active="fp-a")
+        lib = d.library
+        kinds.append(d.kind)
+    # B settled on its second check (i=3), cooled down until 600 s after the switch (i=1 -> i=11)
+    assert kinds[:1] == ["Settling"] and set(kinds[1:9]) == {"CoolingDown"} and kinds[9] == "Switch", kinds
+    assert lib.current.forward_pass == "fp-b"
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"accelerator": "nvidia-h100"}, "verified on nvidia-h100"),
+    ({"dtype": "bfloat16"}, "verified in bfloat16"),
+    ({"env": [{"name": "SHAPESHIFT_PDL", "value": "0"}]}, "another spec.engine.env"),
+])
+def test_a_champion_verified_for_something_else_is_compiled_again(over, fragment):
+    lib = library_with_champions(**over)
+    at = T0 + 10 * CHECK
+    for i in range(2):
+        d = run(lib, A, at + i * CHECK, active="fp-b")
+        lib = d.library
+    assert d.kind == "Compile" and fragment in d.reason and not d.blocks_compile
+
+
+def test_a_stale_champion_is_compiled_again():
+    lib = library_with_champions()
+    s = spec(regimes={"championMaxAgeSeconds": 3600})
+    at = T0 + timedelta(hours=3)
+    for i in range(2):
+        d = run(lib, A, at + i * CHECK, s=s, active="fp-b")
+        lib = d.library
+    assert d.kind == "Compile" and "stale" in d.reason
+
+
+def test_pins_win_over_the_library():
+    lib = library_with_champions()
+    at = T0 + 10 * CHECK
+    # spec.regimes.pin: the pinned regime's champion, whatever the traffic (no hysteresis)
+    d = run(lib, A, at, s=spec(regimes={"pin": KEY_B}), active="fp-b")
+    assert d.kind == "Pinned" and d.blocks_compile and d.library.current.forward_pass is None
+    d = run(lib, B, at, s=spec(regimes={"pin": KEY_A}), active="fp-b")
+    assert d.kind == "Switch" and d.champion.forward_pass == "fp-a" and "spec.regimes.pin" in d.reason
+    # a pinned regime without a champion holds everything, saying so
+    d = run(lib, A, at, s=spec(regimes={"pin": "p4-h2-c4"}), active="fp-b")
+    assert d.kind == "Pinned" and d.blocks_compile and "not in the library" in d.reason
+    # spec.forwardPass: nothing is switched; the drift path compiles as it did
+    d = run(lib, A, at, s=spec(forwardPass="mine"), active="mine")
+    assert d.kind == "Pinned" and not d.blocks_compile
+    # a pinned champion is the rollout's target in its regime
+    pinned = spec(regimes={"champions": [{"regime": KEY_B, "forwardPass": "fp-hand"}]})
+    status = InferenceDeploymentStatus.model_validate(lib.to_wire())
+    assert target_forward_pass(pinned, status, ("2026-12-01T13:00:00Z", "fp-new")) == "fp-hand"
+    with pytest.raises(ValueError, match="at most once"):
+        spec(regimes={"champions": [{"regime": KEY_B, "forwardPass": "x"}, {"regime": KEY_B, "forwardPass": "y"}]})
+    with pytest.raises(ValueError, match="set one of them"):
+        spec(forwardPass="mine", regimes={"pin": KEY_A})
+
+
+def test_no_data_changes_nothing_and_the_library_keeps_its_size():
+    lib = library_with_champions()
+    d = decide(lib, None, spec=spec(), now=T0 + 10 * CHECK, interval=CHECK)
+    assert d.kind == "NoData" and d.library == lib
+    for i in range(REGIMES_KEPT + 4):
+        lib = lib.put(RegimeStatus(name=f"p{i}-h0-c9", last_seen=T0 + i * CHECK))
+    names = {r.name for r in lib.regimes}
+    assert len(lib.regimes) == REGIMES_KEPT and {KEY_A, KEY_B} <= names  # champions are kept longest
+    assert "p0-h0-c9" not in names
+
+
+def test_engine_env_digest_counts_only_performance_switches():
+    assert engine_env_sha256(None) == engine_env_sha256([{"name": "MY_APP_FLAG", "value": "1"}])
+    assert engine_env_sha256([{"name": "SHAPESHIFT_PDL", "value": "0"}]) != engine_env_sha256([])
