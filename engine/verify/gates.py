@@ -210,11 +210,15 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
     # Written after anti_cheat.inputs_unchanged ran, or before it ran at all: the caller's weights
     # (this process's, and on CUDA the candidate's process maps the same tensors) and the copy the
     # candidate's process mapped on the host.
-    late = sorted(set(early) | set(baseline.changed(weights)))
     if session is not None and shared is not weights:
-        late = sorted(set(late) | set(fingerprint_diff(_contents(weights_before), _contents(weights_fingerprint(shared)))))
+        # The caller's tensors were out of the candidate's reach (its process mapped a copy): the
+        # copy is what it could write.
+        written = fingerprint_diff(_contents(weights_before), _contents(weights_fingerprint(shared)))
+        late = sorted(set(early) | set(written))
+    else:
+        late = sorted(set(early) | set(baseline.changed(weights)))
     if late:
-        restored = sorted(set(early_restored) | set(baseline.restore(weights)))
+        restored = sorted(set(early_restored) | (set(baseline.restore(weights)) if shared is weights else set()))
         i = next((k for k, r in enumerate(reports) if r.name == "anti_cheat.inputs_unchanged"), None)
         failed = GateReport("anti_cheat.inputs_unchanged", False,
                             {"reason": "the shared weights differ from their contents before the candidate ran",
@@ -228,8 +232,9 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         else:
             reports[i].evidence["restored"] = restored[:8]
     if session is not None:
-        isolation = {"process": "the candidate's own (forked from a clean zygote)", "start_s": round(session.start_s, 3),
-                     "share_weights_s": round(session.share_s, 3), "forward_calls": session.calls}
+        isolation = {"process": "the candidate's own (forked from a clean zygote)",
+                     "start_s": round(session.start_s, 3), "share_weights_s": round(session.share_s, 3),
+                     "forward_calls": session.calls}
         session.close()
     if loaded is not None:
         loaded.unload()

@@ -55,8 +55,8 @@ from shapeshift.engine.core.kv_cache import KVCache
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded
 from shapeshift.engine.forward_pass.importer import ReloadError
 from shapeshift.engine.forward_pass.paged_driver import PagedDriver
-from shapeshift.engine.verify.wire import (ALIGN, DTYPES, cuda_handle, from_cuda_handle, layout, map_fd, memfd, pack, recv,
-                                           send, unpack, view)
+from shapeshift.engine.verify.wire import (ALIGN, DTYPES, cuda_handle, from_cuda_handle, layout, map_fd, memfd, pack,
+                                           recv, send, unpack, view)
 
 _CTX_TENSORS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "last_token_indices")
 _STDERR_TAIL = 2000
