@@ -191,7 +191,8 @@ def _warm_up() -> None:
 def zygote_main(fd: int) -> None:
     import signal
 
-    _die_with_parent()
+    # No parent-death signal here: it would follow the thread that started the zygote, not the
+    # verifier's process. When the verifier exits its end of the socket closes and this loop ends.
     sock = socket.socket(fileno=fd)
     # What every candidate's process needs, imported once here (never any candidate code).
     from shapeshift.engine.forward_pass import patch_guard  # noqa: F401,I001  (captures the references first)
@@ -507,7 +508,9 @@ class IsolatedCandidate:
         (stage open/import/build), DeadlineExceeded or CandidateDied."""
         t0 = time.perf_counter()
         zygote = _zygote()
-        self.pid, self.sock, self.stderr = zygote.fork(torch.get_num_threads(), max(60.0, build_timeout_s))
+        # The zygote's own start-up (importing torch, seconds; a minute on a loaded host) is not the
+        # candidate's time: the fork waits for it apart from the build's deadline.
+        self.pid, self.sock, self.stderr = zygote.fork(torch.get_num_threads(), max(300.0, build_timeout_s))
         fds = self._weights_fds
         self._weights_fds = []
         try:
@@ -663,7 +666,7 @@ def cuda_ipc_problem(device: torch.device) -> str | None:
         pid = 0
         try:
             probe = torch.arange(16, dtype=torch.float32, device=device)
-            pid, sock, err = _zygote().fork(1, 60.0)
+            pid, sock, err = _zygote().fork(1, 300.0)
             err.unlink(missing_ok=True)
             sock.settimeout(60.0)
             send(sock, {"op": "probe", "tensor": cuda_handle(probe)})
