@@ -94,6 +94,13 @@ class EvaluatorSettings:
     base_recipe: dict[str, Any] = field(default_factory=dict)
     # The objective: goodput under this SLO (engine/replay/slo.py); None: output tokens/s.
     slo: SLO | None = None
+    # Open-loop profiles (an arrival rate) replay at this share of the engine's capacity where
+    # the profile's own rate offers less: goodput of traffic the engine serves within the SLO is
+    # bound by the arrivals, so no pass could beat another there (burst on the CPU: every
+    # candidate 1.000x). The capacity is a closed-loop replay of the tier's first pass at the
+    # profile's concurrency, once per tier and profile; the arrival pattern (Poisson gaps) is kept,
+    # compressed. None: the profile's rate as given.
+    open_loop_load: float | None = 0.9
 
     @property
     def closing_pairs(self) -> int:
@@ -179,6 +186,7 @@ class EngineEvaluator:
         self.fitted = None
         self._draws = 0  # prompt draws so far: each repeat replays fresh prompts
         self._weights: dict[str, Any] = {}  # tier -> WeightsBaseline taken before any candidate loaded
+        self._arrival_scale: dict[str, float] = {}  # tier -> open-loop arrival-rate factor (calibrated once)
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
@@ -388,8 +396,14 @@ class EngineEvaluator:
                     spent[i] += time.perf_counter() - t0
                     continue
                 if prompts is None:
+                    if profile.arrival_rate and self.settings.open_loop_load and tier not in self._arrival_scale:
+                        self._calibrate_arrivals(tier, eng, profile, requests, clock)
+                    drawn_from = profile
+                    if profile.arrival_rate and self._arrival_scale.get(tier, 1.0) != 1.0:
+                        drawn_from = profile.model_copy(
+                            update={"arrival_rate": profile.arrival_rate * self._arrival_scale[tier]})
                     self._draws += 1
-                    prompts = requests_from_profile(profile, eng, requests, self.settings.seed,
+                    prompts = requests_from_profile(drawn_from, eng, requests, self.settings.seed,
                                                     token_seed=self.settings.seed * 1_000_003 + self._draws)
                     # On CUDA the warm-up replays every prompt: the first H200 run showed a
                     # quarter-length warm-up leaves the first measured repeat 12x slower
@@ -427,6 +441,24 @@ class EngineEvaluator:
             m.seconds = sec
         return out
 
+    def _calibrate_arrivals(self, tier: str, eng: Any, profile: TrafficProfile, requests: int, clock: Any) -> None:
+        """The open-loop arrival-rate factor of `tier`: the engine's capacity (a closed-loop replay
+        of fresh prompts at the profile's concurrency, with the pass now active) times
+        open_loop_load, over the output tokens/s the profile's own rate offers; never below 1."""
+        self._draws += 1
+        probe = requests_from_profile(profile, eng, requests, self.settings.seed,
+                                      token_seed=self.settings.seed * 1_000_003 + self._draws)
+        self._fresh_cache(eng)
+        capacity = replay(eng, probe, max(1, profile.concurrency), clock).output_tokens_per_s
+        offered = profile.arrival_rate * sum(r.max_tokens for r in probe) / max(1, len(probe))
+        scale = 1.0
+        if offered > 0 and capacity > 0:
+            scale = max(1.0, self.settings.open_loop_load * capacity / offered)
+        self._arrival_scale[tier] = scale
+        log.info("open-loop %s on the %s tier: capacity %.1f output tok/s against %.1f offered at %.3g req/s; "
+                 "arrivals compressed %.2fx (load %.2f)", profile.name, tier, capacity, offered,
+                 profile.arrival_rate, scale, self.settings.open_loop_load)
+
     def compare(self, candidate: Candidate, incumbent: Candidate,
                 repeats: int | None = None) -> tuple[Measurement, Measurement]:
         """Full-tier replay of candidate and incumbent in alternation: (candidate, incumbent)."""
@@ -447,6 +479,7 @@ class EngineEvaluator:
         stay (one model load measures every regime's traffic)."""
         self.profile = profile
         self.fitted = None
+        self._arrival_scale.clear()
 
     def screen_paired(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
         """Fast-tier replays of candidate and incumbent in alternation (ABBA): (candidate, incumbent)."""
@@ -516,6 +549,7 @@ class EngineEvaluator:
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
                 "confirm": {"requests": s.confirm_requests, "repeats": s.confirm_repeats},
                 "final_repeats": s.closing_pairs,
+                "open_loop": {"load": s.open_loop_load, "arrival_scale": dict(self._arrival_scale)},
                 "objective": "output tokens/s" if s.slo is None else f"goodput at {s.slo.describe()}",
                 "slo": None if s.slo is None else s.slo.to_dict()}
 
