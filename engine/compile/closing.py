@@ -42,6 +42,33 @@ def final_comparison(loop: CompileLoop, champion: Candidate) -> float | None:
     return gain
 
 
+def final_comparison_more(loop: CompileLoop, champion: Candidate) -> float | None:
+    """Another round of the closing comparison, pooled with the first (an undecided one: mean
+    above the bar, lower bound below it). The pooled pairs are judged as a second look (the
+    stricter bound, measure.paired_gain looks=2). Returns the pooled speed ratio."""
+    assert loop.final is not None
+    first_champ, first_stock = loop.final
+    gain, low, high = paired_gain(first_champ, first_stock)
+    loop.board.note("loop", f"final: champion {champion.short} undecided against {loop.config.baseline_name} "
+                    f"(paired ratio {gain:.3f}, 95% bounds {low:.3f}..{high:.3f} over {len(first_champ.samples)} "
+                    "pairs); measuring one more round", digest=champion.digest)
+    compare = getattr(loop.evaluator, "compare_final", loop.evaluator.compare)
+    base = loop._baseline_candidate()
+    tid = loop._trial_id(champion) + "-final-more"
+    loop.board.append("trial", trial_id=tid, digest=champion.digest, tier=FULL, role="final-more")
+    champ_m, stock_m = compare(champion, base)
+    loop._record(base, tid + "-stock", FULL, stock_m, None, role="final-more-stock")
+    loop._record(champion, tid, FULL, champ_m, stock_m, role="final-more")
+    if not (champ_m.ok and stock_m.ok):
+        return gain  # the first round's verdict stands
+    loop.final = (first_champ.extended(champ_m), first_stock.extended(stock_m))
+    gain, low, high = paired_gain(*loop.final, looks=2)
+    loop.board.note("loop", f"final: champion {champion.short} vs {loop.config.baseline_name}, pooled paired speed "
+                    f"ratio {gain:.3f} (97.5% bounds {low:.3f}..{high:.3f}, a second look) over "
+                    f"{len(loop.final[0].samples)} pairs", final=True, gain=gain, low=low, high=high, looks=2)
+    return gain
+
+
 def compare_with_plain(loop: CompileLoop, champion: Candidate) -> None:
     """Champion against the plain-PyTorch pass (the second figure, labelled), when that is not the baseline."""
     plain = loop.plain_pass

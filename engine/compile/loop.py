@@ -404,6 +404,16 @@ class CompileLoop:
                 f"and the closing comparison (about {closing_s:.0f} s) would overrun the time budget "
                 f"({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
 
+    def _overruns_closing(self) -> bool:
+        """True when another round of the closing comparison (estimated as in _overruns_budget)
+        would end past the wall-clock budget."""
+        if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
+            return False
+        repeats = max(1, len(self.baseline_full.samples))
+        closing_pairs = getattr(getattr(self.evaluator, "settings", None), "closing_pairs", repeats)
+        closing_s = 2 * self.baseline_full.seconds * max(1.0, closing_pairs / repeats)
+        return self.elapsed + closing_s > self.budget.max_seconds
+
     def _undecided(self, full: Measurement, inc_full: Measurement | None) -> bool:
         """Paired confirmation whose mean gain clears the bar but whose lower bound does not."""
         if inc_full is None or not (full.ok and inc_full.ok) or len(full.samples) != len(inc_full.samples):
@@ -622,6 +632,7 @@ class CompileLoop:
         assert self.incumbent is not None and self.baseline_fast is not None
         champion = None if self.incumbent.candidate.agent == "baseline" else self.incumbent.candidate
         speedup = None
+        looks = 1  # looks at the closing pairs: 2 after an undecided first round was extended
         if champion is not None and self.pass_to_beat is not None and champion.digest == self.pass_to_beat.digest:
             self.board.note("loop", f"the pass to beat ({self.pass_to_beat.note}) is still the best: nothing new "
                             "to publish", withdrawn=True)
@@ -630,10 +641,14 @@ class CompileLoop:
         if champion is not None:
             self.on_progress("closing", self, candidate=champion)
             speedup = closing.final_comparison(self, champion)
-            if self.final is not None and not beats_paired(*self.final):
+            if self.final is not None and not beats_paired(*self.final) and self.config.extend_undecided and \
+                    self._undecided(*self.final) and not self._overruns_closing():
+                speedup = closing.final_comparison_more(self, champion)
+                looks = 2
+            if self.final is not None and not beats_paired(*self.final, looks=looks):
                 # Each step beat its incumbent, but against the stock pass, measured side by side
                 # at the end, the gain does not clear the noise: publish nothing.
-                gain, low, high = paired_gain(*self.final)
+                gain, low, high = paired_gain(*self.final, looks=looks)
                 self.board.note("loop", f"champion {champion.short} withdrawn: against {self.config.baseline_name} its "
                                 f"paired speed ratio is {gain:.3f} ({low:.3f}..{high:.3f}), within the noise", withdrawn=True)
                 stop_reason = (stop_reason + "; " if stop_reason else "") + \
@@ -646,7 +661,8 @@ class CompileLoop:
                 champion, speedup = None, None
         if champion is not None and callable(getattr(self.evaluator, "compare", None)):
             closing.compare_with_plain(self, champion)
-        bounds = tuple(paired_gain(*self.final)[1:]) if champion is not None and self.final is not None else None
+        bounds = tuple(paired_gain(*self.final, looks=looks)[1:]) if champion is not None and self.final is not None \
+            else None
         result = CompileResult(self.baseline_fast, self.baseline_full, self.incumbent, champion, speedup,
                                self.trials, self.confirms, self.verifications, self.elapsed,
                                [r.to_dict() for r in self.board.leaderboard(FAST, k=10)], stop_reason,

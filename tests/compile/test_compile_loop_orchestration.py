@@ -329,3 +329,26 @@ def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Pat
     result, board, ev = run(budget_s=600, full_s=40)
     assert result.champion is not None and ("compare", "fast") in ev.calls
     assert not [n for n in board.entries("note") if n.get("over_budget")]
+
+
+def test_an_undecided_closing_comparison_gets_one_more_round_judged_as_a_second_look(tmp_path: Path) -> None:
+    """The closing comparison (champion against the shipped default) with its mean above the bar
+    and its lower bound below: one more round, pooled, held to the second look's 97.5% bound.
+    A clear second round keeps the champion; a second wild round withdraws it; no third round."""
+    confirmed = ([190.0] * 5, [100.0] * 5)
+    undecided = ([300.0, 100.0, 180.0, 95.0, 260.0], [100.0] * 5)  # mean 1.6x, bounds include 1
+    clear = ([150.0] * 5, [100.0] * 5)
+    result, board, ev = _run_scripted(tmp_path, [confirmed, undecided, clear])
+    assert len([c for c in ev.calls if c[0] == "compare"]) == 3
+    assert result.champion is not None and result.speedup is not None and result.speedup > 1.2
+    notes = [n for n in board.entries("note") if n.get("looks") == 2]
+    assert len(notes) == 1 and "pooled paired speed ratio" in notes[0]["text"]
+    assert [r for r in board.results("full") if r.get("role") == "final-more"]
+
+    wild = ([90.0, 400.0, 80.0, 300.0, 95.0], [100.0] * 5)
+    result, board, ev = _run_scripted(tmp_path / "b", [confirmed, undecided, wild])
+    assert len([c for c in ev.calls if c[0] == "compare"]) == 3
+    assert result.champion is None and "final comparison with the baseline within noise" in result.stop_reason
+
+    result, board, ev = _run_scripted(tmp_path / "c", [confirmed, undecided], extend_undecided=0)
+    assert result.champion is None and len([c for c in ev.calls if c[0] == "compare"]) == 2
