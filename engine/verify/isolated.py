@@ -150,9 +150,14 @@ def _zygote() -> _Zygote:
         return _ZYGOTE
 
 
-def prewarm() -> None:
-    """Start the zygote now (it imports torch and the engine: seconds), not at the first verification."""
-    _zygote()
+def prewarm(wait_s: float = 300.0) -> None:
+    """Start the zygote now (it imports torch and the engine: seconds) and wait until it answers,
+    instead of at the first verification."""
+    zygote = _zygote()
+    with zygote.lock:
+        zygote.sock.settimeout(wait_s)
+        send(zygote.sock, {"op": "ping"})
+        recv(zygote.sock)
 
 
 def _die_with_parent() -> None:
@@ -206,6 +211,9 @@ def zygote_main(fd: int) -> None:
             header, _, fds = recv(sock)
         except (EOFError, OSError):
             os._exit(0)
+        if header.get("op") == "ping":
+            send(sock, {"ok": True})
+            continue
         if header.get("op") != "fork" or len(fds) != 2:
             for f in fds:
                 os.close(f)
