@@ -9,6 +9,11 @@ the status to write and the CompileRun to create out.
         --decision Compile and policy OnDrift--> build_drift_compile_run --> CompileRun owned by the
           deployment, spec.traffic.inline = the snapshot, spec.trigger = Drift + score,
           spec.budget = spec.compilation.budget, plus the fields set in spec.compilation.template
+    the regime library (status.regimes, status.currentRegime; operator/regimes.py), when given:
+        --regimes.decide--> a RegimeDecision: a switch to a known regime's verified champion
+          instead of a CompileRun, no CompileRun before the traffic settled in a regime or while
+          its champion is served, a CompileRun for a new regime (recorded as the regime's); the
+          condition Regime and the library in status
     check_drift(...) composes these into a DriftCheck, which operator/handlers/drift.py applies.
 
 A check that changes nothing but the check time (the usual case of a deployment whose
@@ -48,6 +53,7 @@ from shapeshift.operator.drift import (
     decide,
 )
 from shapeshift.operator.prometheus import ObservedTraffic, SeriesSelector, TrafficQueryError
+from shapeshift.operator.regimes import RegimeDecision, RegimeLibrary, decide as decide_regime, record_compile_run
 from shapeshift.operator.settings import OperatorSettings
 from shapeshift.operator.status import StatusUpdate
 
@@ -71,6 +77,10 @@ __all__ = [
 
 CONDITION_TRAFFIC = "TrafficObserved"
 CONDITION_DRIFT = "Drifted"
+CONDITION_REGIME = "Regime"
+REGIME_REASONS = {"Stay": "InRegime", "Settling": "Settling", "Switch": "SwitchedToChampion",
+                  "Compile": "CompileNeeded", "CoolingDown": "SwitchCoolingDown", "Pinned": "Pinned"}
+REGIME_ANNOTATION = f"{GROUP}/regime"
 FINISHED_PHASES = ("Succeeded", "Failed")
 # NoData reasons about the traffic (the TrafficQueryError reasons, and too little of it)
 TRAFFIC_REASONS = ("PrometheusUnreachable", "PrometheusAnswerMalformed", "OutboundRefused", "TrafficQueryFailed",
@@ -232,7 +242,7 @@ def drift_compile_run_name(deployment: str, now: datetime) -> str:
 
 
 def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decision: Compile,
-                            now: datetime) -> dict[str, Any]:
+                            now: datetime, regime: str | None = None) -> dict[str, Any]:
     """A CompileRun owned by the deployment, carrying the traffic that triggered it.
 
     Its budget is ``spec.compilation.budget``; the fields set in ``spec.compilation.template``
@@ -248,7 +258,8 @@ def build_drift_compile_run(parent: Parent, spec: InferenceDeploymentSpec, decis
             "name": drift_compile_run_name(parent.name, now),
             "namespace": parent.namespace,
             "labels": {**MANAGED_BY, LABEL_DEPLOYMENT: parent.name, f"{GROUP}/trigger": "drift"},
-            "annotations": {f"{GROUP}/drift-reason": decision.reason[:1024]},
+            "annotations": {f"{GROUP}/drift-reason": decision.reason[:1024],
+                            **({REGIME_ANNOTATION: regime} if regime else {})},
             "ownerReferences": [parent.owner_reference()],
         },
         "spec": {
@@ -319,6 +330,7 @@ class DriftCheck:
     warning: tuple[str, str] | None  # (reason, message) of a Warning event: the traffic newly unobservable
     update: StatusUpdate
     write: bool  # False: the update would change nothing but drift.lastCheckTime
+    regime: RegimeDecision | None = None  # the regime library's decision (None: no library given)
 
 
 def check_drift(
@@ -330,18 +342,33 @@ def check_drift(
     active_compile_run: str | None,
     settings: OperatorSettings,
     now: datetime,
+    library: RegimeLibrary | None = None,
 ) -> DriftCheck:
     """One check: observe, decide, and what to create and write. The CompileRun's name is
-    deterministic per check, so the status can name it before it is created."""
+    deterministic per check, so the status can name it before it is created. ``library``: the
+    regime library (with the champions of finished CompileRuns recorded); None leaves it out."""
     policy = policy_from_spec(spec, settings)
     result = run_check(observe=observe, baseline=baseline_for(spec, status), policy=policy,
                        state=state_from_status(status), active_compile_run=active_compile_run, now=now)
     decision = result.decision
+    regime: RegimeDecision | None = None
+    if library is not None:
+        active = status.active_forward_pass.name if status.active_forward_pass else None
+        regime = decide_regime(library, result.observed.profile if result.observed is not None else None, spec=spec,
+                               now=now, interval=timedelta(seconds=thresholds_of(spec).check_interval_seconds),
+                               active_forward_pass=active)
     compile_run: dict[str, Any] | None = None
     blocked: str | None = None
     if isinstance(decision, Compile):
-        if spec.compilation.policy == "OnDrift":
-            compile_run = build_drift_compile_run(parent, spec, decision, now)
+        if regime is not None and regime.blocks_compile:
+            blocked = f"no CompileRun: {regime.reason}"
+            # As under Manual, nothing starts a cooldown: the counter stays at its ceiling.
+            result = CheckResult(decision, DriftState(consecutive=policy.consecutive_checks,
+                                                      last_compile_at=status.last_compile_time),
+                                 result.observed)
+        elif spec.compilation.policy == "OnDrift":
+            compile_run = build_drift_compile_run(parent, spec, decision, now,
+                                                  regime=regime.regime if regime is not None else None)
         else:
             blocked = MANUAL_POLICY_NOTE
             # Under Manual nothing starts a cooldown: keep the counter at its ceiling instead.
@@ -355,4 +382,25 @@ def check_drift(
         warning = (decision.reason, decision.message[:1000])
     created = compile_run["metadata"]["name"] if compile_run is not None else None
     update = drift_status_update(result, status, now=now, compile_run=created, compile_blocked=blocked)
-    return DriftCheck(result, compile_run, warning, update, write=not only_check_time_changed(update, status))
+    if regime is not None:
+        _regime_status(update, regime, status, created, now)
+    return DriftCheck(result, compile_run, warning, update, write=not only_check_time_changed(update, status),
+                      regime=regime)
+
+
+def _regime_status(update: StatusUpdate, regime: RegimeDecision, status: InferenceDeploymentStatus,
+                   compile_run: str | None, now: datetime) -> None:
+    """The library's fields (when they changed) and the Regime condition (when the check observed traffic)."""
+    library = regime.library
+    if compile_run is not None and regime.regime is not None:
+        library = record_compile_run(library, regime.regime, compile_run, now)
+    if library != RegimeLibrary.of(status):
+        update.fields.update(library.to_wire())
+    if regime.kind == "NoData":
+        return
+    serving = regime.kind in ("Stay", "Switch", "Pinned") and regime.champion is not None
+    message = regime.reason
+    if compile_run is not None:
+        message = f"{message}: created CompileRun {compile_run}"
+    update.conditions.append((CONDITION_REGIME, "True" if serving else "False", REGIME_REASONS[regime.kind],
+                              message[:1024]))

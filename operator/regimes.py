@@ -8,8 +8,9 @@
         no CompileRun) | Compile (a new regime, or its champion missing, stale or verified for
         something else) | CoolingDown | Pinned, with the reason for the condition and the event,
         and the library to write back
-    a finished CompileRun started for a regime --record_champion--> that regime's champion
-    spec, status, the CompileRuns --target_forward_pass--> what the rollout should run
+    a finished CompileRun started for a regime (pending_champions) --record_champion--> that
+        regime's champion, once the rollout's trust rules (operator/rollout_target.resolve_target) accept it
+    spec, status, the CompileRuns (newest_champion) --target_forward_pass--> what the rollout should run
 
 Hysteresis: the observed traffic must sit in a new regime for spec.regimes.switchChecks checks in
 a row (and spec.regimes.minDwellSeconds) before the library moves there; a cooldown
@@ -31,12 +32,13 @@ from typing import Any, Literal, Mapping, Sequence
 from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api import (REGIMES_KEPT, CurrentRegime, InferenceDeploymentSpec, InferenceDeploymentStatus,
-                                     RegimeChampion, RegimePolicy, RegimeStatus)
+                                     RegimeChampion, RegimePolicy, RegimeStatus, VerifiedForwardPass)
+from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
     "CONCURRENCY_BUCKETS", "HIT_BUCKETS", "PROMPT_BUCKETS", "RegimeDecision", "RegimeLibrary", "ServingTarget",
-    "champion_problem", "decide", "engine_env_sha256", "record_champion", "record_compile_run", "regime_distance",
-    "regime_key", "target_forward_pass",
+    "champion_problem", "decide", "engine_env_sha256", "newest_champion", "pending_champions", "record_champion",
+    "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
 
 # The champion registry's buckets (engine/compile/champions.py TrafficRegime; a test keeps them equal).
@@ -157,9 +159,10 @@ class RegimeDecision:
     reason: str  # the condition's message and the event's
     library: RegimeLibrary  # what to write back
     champion: RegimeChampion | None = None  # Switch: what to roll out; else the regime's usable champion
-    # A drift-triggered CompileRun must not start: the library switches (or will, once the traffic
-    # settled or the cooldown passed) to a verified champion, or spec.regimes.pin holds the deployment.
-    blocks_compile: bool = False
+    # A drift-triggered CompileRun must not start: the traffic has not settled in a regime yet, the
+    # regime has a verified champion (served, switched to, or after the cooldown), or spec.regimes.pin
+    # holds the deployment. Only Compile, NoData and a spec.forwardPass pin leave the drift path as it was.
+    blocks_compile: bool = True
 
 
 def _policy(spec: InferenceDeploymentSpec) -> RegimePolicy:
@@ -215,7 +218,8 @@ def _switch(library: RegimeLibrary, name: str, champion: RegimeChampion, now: da
 def _with_reason(kind: Kind, regime: str | None, library: RegimeLibrary, reason: str,
                  champion: RegimeChampion | None = None, blocks: bool = False, **current: Any) -> RegimeDecision:
     updated = library.current.model_copy(update={**current, "reason": reason})
-    return RegimeDecision(kind, regime, reason, replace(library, current=updated), champion, blocks_compile=blocks)
+    return RegimeDecision(kind, regime, reason, replace(library, current=updated), champion,
+                          blocks_compile=blocks or kind != "Compile")
 
 
 def _serving(library: RegimeLibrary, champion: RegimeChampion, active: str | None) -> bool:
@@ -230,11 +234,13 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
     target = ServingTarget.of(spec)
     max_age = timedelta(seconds=policy.champion_max_age_seconds) if policy.champion_max_age_seconds else None
     if profile is None:
-        return RegimeDecision("NoData", library.current.observed, "no traffic observed", library)
+        return RegimeDecision("NoData", library.current.observed, "no traffic observed", library, blocks_compile=False)
     library, key = observe(library, profile, now, interval)
     if spec.forward_pass:
-        return _with_reason("Pinned", key, library, f"spec.forwardPass pins {spec.forward_pass}; traffic in "
-                                                    f"regime {key}, the library switches nothing")
+        return RegimeDecision("Pinned", key, f"spec.forwardPass pins {spec.forward_pass}; traffic in regime {key}, "
+                                             "the library switches nothing",
+                              replace(library, current=library.current.model_copy(update={
+                                  "reason": f"spec.forwardPass pins {spec.forward_pass}"})), blocks_compile=False)
     if policy.pin:
         pinned = library.get(policy.pin)
         champion = _champion_for(policy, pinned, policy.pin)
@@ -273,7 +279,7 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
         return _with_reason("Settling", key, library, (
             f"traffic in regime {key} for {current.observed_checks} of {policy.switch_checks} checks "
             f"({int(dwell.total_seconds())}s of at least {policy.min_dwell_seconds}s); serving regime "
-            f"{current.name}"), usable, blocks=usable is not None)
+            f"{current.name}"), usable)
     if usable is None:
         reason = f"traffic settled in regime {key} (from {current.name}), but {problem}"
         if entry is None or (entry.champion is None and entry.compile_run is None):
@@ -346,3 +352,33 @@ def target_forward_pass(spec: InferenceDeploymentSpec, status: InferenceDeployme
         if newest_champion is None or newest_champion[0] <= switched:
             return current.forward_pass
     return newest_champion[1] if newest_champion else None
+
+
+def pending_champions(library: RegimeLibrary, compile_runs: Sequence[Mapping[str, Any]]
+                      ) -> list[tuple[str, Mapping[str, Any]]]:
+    """(regime, CompileRun) for each regime whose last CompileRun succeeded with a champion the
+    library has not recorded yet."""
+    by_name = {run["metadata"]["name"]: run for run in compile_runs}
+    pending = []
+    for regime in library.regimes:
+        run = by_name.get(regime.compile_run or "")
+        if run is None or (regime.champion is not None and regime.champion.compile_run == regime.compile_run):
+            continue
+        status = run.get("status") or {}
+        if status.get("phase") == "Succeeded" and status.get("champion"):
+            pending.append((regime.name, run))
+    return pending
+
+
+def newest_champion(compile_runs: Sequence[Mapping[str, Any]], deployment: str,
+                    verified: Sequence[VerifiedForwardPass] = ()) -> tuple[str, str] | None:
+    """(completion time, champion) of what operator/rollout_target.champion_of picks."""
+    name = champion_of(list(compile_runs), deployment, verified)
+    if name is None:
+        return None
+    times = [(run.get("status") or {}).get("completionTime") or "" for run in compile_runs
+             if (run.get("spec") or {}).get("deploymentRef", {}).get("name") == deployment
+             and (run.get("status") or {}).get("champion") == name]
+    times += [r.completion_time.strftime("%Y-%m-%dT%H:%M:%SZ") for r in verified
+              if r.name == name and r.completion_time is not None]
+    return (max(times) if times else "", name)

@@ -4,6 +4,10 @@
         --drift_check.check_drift--> DriftCheck
         --apply--> create the CompileRun (OnDrift), a Warning event when the traffic becomes
                    unobservable, the status (unless only the check time changed)
+    the regime library (operator/regimes.py): before the check, the champion of each regime's
+        finished CompileRun is recorded once the rollout's trust rules accept it (resolve_target);
+        a switch to a known regime's champion is an event RegimeSwitched, and the rollout timer
+        takes it as its target (regimes.target_forward_pass)
 
 The timer ticks every SHAPESHIFT_DRIFT_TIMER_SECONDS (default 10) and skips deployments
 whose spec.compilation.drift.checkIntervalSeconds has not passed since
@@ -24,6 +28,7 @@ from pydantic import ValidationError
 
 from shapeshift.operator.api import (
     COMPILE_RUN,
+    FORWARD_PASS,
     GROUP,
     INFERENCE_DEPLOYMENT,
     VERSION,
@@ -36,6 +41,8 @@ from shapeshift.operator.drift_check import active_compile_run, check_drift, is_
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.prometheus import (ObservedTraffic, PrometheusAnswerMalformed, PrometheusTraffic,
                                             TrafficQueryError)
+from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion
+from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
 TIMER_SECONDS = registered_timers().drift_timer_seconds
@@ -82,14 +89,19 @@ def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
                 raise PrometheusAnswerMalformed(f"Prometheus at {prom.host} answered with figures that make no "
                                                 f"traffic profile ({short_error(err)[:300]})") from err
 
+    library = _record_champions(kube, body, typed_spec, typed_status, runs, logger)
     check = check_drift(spec=typed_spec, status=typed_status, parent=Parent.from_body(body), observe=observe,
-                        active_compile_run=active_compile_run(runs, name), settings=settings, now=now)
+                        active_compile_run=active_compile_run(runs, name), settings=settings, now=now,
+                        library=library)
     decision = check.result.decision
     created: str | None = None
     if check.compile_run is not None:
         created = _create_compile_run(kube, check.compile_run)
+        regime = f" (regime library: {check.regime.reason})" if check.regime is not None else ""
         kopf.info(body, reason="CompileRunCreated",
-                  message=f"drift persisted, created CompileRun {created}: {decision.reason}"[:1000])
+                  message=f"drift persisted, created CompileRun {created}: {decision.reason}{regime}"[:1000])
+    if check.regime is not None and check.regime.kind == "Switch":
+        kopf.info(body, reason="RegimeSwitched", message=check.regime.reason[:1000])
     if check.warning is not None:
         kopf.warn(body, reason=check.warning[0], message=check.warning[1])
     if not check.write:
@@ -100,7 +112,34 @@ def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
                           generation=body["metadata"].get("generation"))
     except ApiException as err:
         raise kopf.TemporaryError(f"writing drift status failed ({err.status} {err.reason})", delay=15) from err
-    logger.info("drift check: %s%s", decision.kind, f" -> CompileRun {created}" if created else "")
+    logger.info("drift check: %s%s%s", decision.kind, f" -> CompileRun {created}" if created else "",
+                f" (regime {check.regime.kind} {check.regime.regime})" if check.regime is not None else "")
+
+
+def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus,
+                      runs: list[dict[str, Any]], logger: logging.Logger) -> RegimeLibrary:
+    """The library with the champion of each regime's finished CompileRun, where the rollout's trust
+    rules accept it (a ForwardPass its CompileRun vouches for, for this accelerator and engine env)."""
+    library = RegimeLibrary.of(status)
+    for regime, run in pending_champions(library, runs):
+        champion = run["status"]["champion"]
+        try:
+            forward_pass = kube.get_custom(FORWARD_PASS, body["metadata"]["namespace"], champion)
+        except ApiException as err:
+            raise kopf.TemporaryError(f"reading ForwardPass {champion} failed ({err.status} {err.reason})",
+                                      delay=15) from err
+        target = resolve_target(champion, forward_pass, spec, run, status.verified_forward_passes or [])
+        if target.identity is None or forward_pass is None:
+            logger.info("regime %s: champion %s of CompileRun %s not recorded: %s", regime, champion,
+                        run["metadata"]["name"], target.problem)
+            continue
+        completed = run["status"].get("completionTime")
+        library = record_champion(library, regime, forward_pass, run["metadata"]["name"],
+                                  datetime.fromisoformat(completed.replace("Z", "+00:00")) if completed else None)
+        kopf.info(body, reason="RegimeChampionRecorded",
+                  message=f"regime {regime}: champion {champion} of CompileRun {run['metadata']['name']} "
+                          f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')})"[:1000])
+    return library
 
 
 def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:

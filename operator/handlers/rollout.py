@@ -48,7 +48,8 @@ from shapeshift.operator.provenance import publishing_run
 from shapeshift.operator.prometheus import PrometheusTraffic, TrafficQueryError
 from shapeshift.operator.rollout import template_forward_pass
 from shapeshift.operator.rollout_metrics import PodReport, RolloutQueries
-from shapeshift.operator.rollout_target import champion_of, resolve_target
+from shapeshift.operator.regimes import newest_champion, target_forward_pass
+from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.rollout_tick import RolloutTick, plan_rollout_tick, serving_pods
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 from shapeshift.operator.status import Relation, forward_pass_usage
@@ -61,7 +62,8 @@ def _target_name(kube: Kube, namespace: str, name: str, spec: InferenceDeploymen
     if spec.forward_pass:
         return spec.forward_pass
     runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
-    return champion_of(runs, name, status.verified_forward_passes or [])
+    # the regime library's switch, unless a CompileRun finished after it (operator/regimes.py)
+    return target_forward_pass(spec, status, newest_champion(runs, name, status.verified_forward_passes or []))
 
 
 def _reports(url: str | None, settings: OperatorSettings, namespace: str, name: str,

@@ -77,7 +77,7 @@ def test_a_new_regime_is_compiled_and_its_first_check_only_settles():
     lib = run(RegimeLibrary(), A, T0).library  # the first regime is where the deployment is
     assert lib.current.name == KEY_A
     first = run(lib, B, T0 + CHECK)
-    assert first.kind == "Settling" and not first.blocks_compile
+    assert first.kind == "Settling" and first.blocks_compile  # no compile before the traffic settled
     assert "1 of 2 checks" in first.reason
     second = run(first.library, B, T0 + 2 * CHECK)
     assert second.kind == "Compile" and not second.blocks_compile
@@ -107,7 +107,7 @@ def test_back_to_a_known_regime_switches_to_its_champion_after_the_switch_checks
     assert target_forward_pass(spec(forwardPass="mine"), status, None) == "mine"
     # the next check in A stays
     third = run(second.library, A, at + 2 * CHECK, active="fp-a")
-    assert third.kind == "Stay" and third.library.current.forward_pass == "fp-a"
+    assert third.kind == "Stay" and third.blocks_compile and third.library.current.forward_pass == "fp-a"
 
 
 def test_flapping_inside_the_hysteresis_window_switches_nothing():
