@@ -117,7 +117,7 @@ def heatmap(summary: dict[str, Any], regimes: list[str], path: Path, title: str)
                   [("shipped default" if k == "default" else f"{k} champion") +
                    (" (best static)" if k == summary["best_static"] else "") for k in labels])
     ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label="goodput / shipped default (paired, 95% bounds)")
+    fig.colorbar(im, ax=ax, label="goodput / shipped default")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
