@@ -56,8 +56,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the control-plane harness (tests/harness)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmeta
 
+from shapeshift.operator.api import GROUP, VERSION  # noqa: E402
+from shapeshift.operator.builders import LABEL_DEPLOYMENT  # noqa: E402
+
 MODEL = "tiny-llama"
-GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 PODS_PER_NODE = 100  # the kwok nodes take 110
 # The series the operator reads (drift: operator/prometheus.py observe; rollout: rollout_metrics.py)
 EXPORTED = ("shapeshift_prompt_tokens", "shapeshift_generation_tokens", "shapeshift_prefix_cache_queries_tokens_total",
@@ -249,14 +251,14 @@ def scrape_config(exporter: Exporter, namespace: str, deployments: list[str], in
 
 
 def apiserver_requests(cluster) -> tuple[float, float]:
-    """(all requests, shapeshift.dev requests) the API server has counted (apiserver_request_total)."""
+    """(all requests, Shapeshift's API group's) the API server has counted (apiserver_request_total)."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
     total = ours = 0.0
     for line in text.splitlines():
         if line.startswith("apiserver_request_total{"):
             value = float(line.rsplit(" ", 1)[1])
             total += value
-            ours += value if 'group="shapeshift.dev"' in line else 0.0
+            ours += value if f'group="{GROUP}"' in line else 0.0
     return total, ours
 
 
@@ -369,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: operator_healthy(port), 120, "the operator's liveness endpoint", 1)
 
         def running_pods() -> int:
-            pods = cluster.core.list_namespaced_pod(namespace, label_selector="shapeshift.dev/inference-deployment")
+            pods = cluster.core.list_namespaced_pod(namespace, label_selector=LABEL_DEPLOYMENT)
             return sum(p.status.phase == "Running" for p in pods.items)
 
         wait_until(lambda: running_pods() >= len(names), 900, f"{len(names)} engine pods Running", 5)
