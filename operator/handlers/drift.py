@@ -41,6 +41,7 @@ from shapeshift.operator.drift_check import active_compile_run, check_drift, is_
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.prometheus import (ObservedTraffic, PrometheusAnswerMalformed, PrometheusTraffic,
                                             TrafficQueryError)
+from shapeshift.operator.provenance import publishing_run
 from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion
 from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
@@ -128,7 +129,9 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
         except ApiException as err:
             raise kopf.TemporaryError(f"reading ForwardPass {champion} failed ({err.status} {err.reason})",
                                       delay=15) from err
-        target = resolve_target(champion, forward_pass, spec, run, status.verified_forward_passes or [])
+        publisher = publishing_run(forward_pass, body["metadata"]["namespace"])
+        vouching = next((r for r in runs if r["metadata"]["name"] == publisher), None)
+        target = resolve_target(champion, forward_pass, spec, vouching, status.verified_forward_passes or [])
         if target.identity is None or forward_pass is None:
             logger.info("regime %s: champion %s of CompileRun %s not recorded: %s", regime, champion,
                         run["metadata"]["name"], target.problem)
