@@ -553,6 +553,10 @@ class IsolatedCandidate:
                 self._kill(f"the candidate's process died during {what}")
                 raise CandidateDied(f"the candidate's process died during {what} ({type(exc).__name__}){self._tail()}"
                                     ) from None
+            except (ValueError, KeyError, TypeError) as exc:  # not a message the harness there sends
+                self._kill(f"the candidate's process sent a malformed message during {what}")
+                raise CandidateDied(f"the candidate's process sent a malformed message during {what} "
+                                    f"({type(exc).__name__}: {exc}); it was killed") from None
 
     def _tail(self) -> str:
         try:

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import torch
@@ -61,11 +62,20 @@ def send(sock: socket.socket, header: dict[str, Any], blobs: list[bytes] = (), f
             sock.sendall(b)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+MAX_HEADER_BYTES = 16 << 20  # a message's JSON; its tensors at most MAX_BLOB_BYTES together
+MAX_BLOB_BYTES = 8 << 30
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:  # the whole message within the call's deadline, not each chunk
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("message not complete within the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise EOFError("connection closed")
@@ -74,18 +84,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv(sock: socket.socket) -> tuple[dict[str, Any], list[bytes], list[int]]:
+    """One message. The socket's timeout (when set) bounds the whole message: a sender that
+    trickles bytes cannot hold the receiver past it. Sizes past the limits are refused."""
+    timeout = sock.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout
     data, fds, _, _ = socket.recv_fds(sock, _PREFIX.size, 16)
     if not data:
         raise EOFError("connection closed")
     if len(data) < _PREFIX.size:
-        data += _recv_exact(sock, _PREFIX.size - len(data))
+        data += _recv_exact(sock, _PREFIX.size - len(data), deadline)
     n_json, n_blobs = _PREFIX.unpack(data)
-    header = json.loads(_recv_exact(sock, n_json))
-    raw = _recv_exact(sock, n_blobs) if n_blobs else b""
+    if n_json > MAX_HEADER_BYTES or n_blobs > MAX_BLOB_BYTES:
+        raise ValueError(f"message of {n_json} + {n_blobs} bytes refused (limits {MAX_HEADER_BYTES}, {MAX_BLOB_BYTES})")
+    header = json.loads(_recv_exact(sock, n_json, deadline))
+    if not isinstance(header, dict):
+        raise ValueError("a message header must be a JSON object")
+    raw = _recv_exact(sock, n_blobs, deadline) if n_blobs else b""
     blobs, at = [], 0
     for size in header.get("blobs", []):
-        blobs.append(raw[at:at + size])
-        at += size
+        blobs.append(raw[at:at + int(size)])
+        at += int(size)
+    if timeout is not None:
+        sock.settimeout(timeout)
     return header, blobs, list(fds)
 
 

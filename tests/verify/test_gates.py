@@ -267,3 +267,33 @@ def test_gate_prompts_are_fresh_spans_of_the_replay_text(model):
     assert verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=s, only=only).passed
     assert not verify_candidate(CANDIDATES / "wrong_math", cfg, weights, settings=s,
                                 only=("outputs.agreement",)).gate("outputs.agreement").passed
+
+
+def test_a_candidate_that_forges_the_wire_is_killed(model, tmp_path):
+    """The candidate's process can write to its own socket; a message the harness there would
+    never send (here: a prefix announcing more bytes than the limits allow) ends the verification
+    with that reason, and the candidate's process is killed."""
+    cfg, weights = model
+    folder = tmp_path / "forges_the_wire"
+    folder.mkdir()
+    (folder / "forward.py").write_text(
+        "import os, socket, struct\n"
+        "from shapeshift.engine.forward_pass.importer import import_stock_module\n"
+        "stock = import_stock_module()\n"
+        "CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION\n"
+        "class Forge(stock.StockForwardPass):\n"
+        "    def forward(self, input_ids, positions, ctx, kv_cache):\n"
+        "        for fd in range(3, 64):\n"
+        "            try:\n"
+        "                s = socket.socket(fileno=os.dup(fd))\n"
+        "                if s.family == socket.AF_UNIX:\n"
+        "                    s.sendall(struct.pack('<IQ', 2, 1 << 40) + b'{}')\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "        return super().forward(input_ids, positions, ctx, kv_cache)\n"
+        "def build(model_config, weights, recipe):\n"
+        "    return Forge(model_config, weights, recipe)\n")
+    report = verify_candidate(folder, cfg, weights, settings=settings(), only=("outputs.agreement",))
+    smoke = report.gate("smoke")
+    assert not smoke.passed and "malformed message" in smoke.evidence["reason"], smoke
+    assert report.gate("outputs.agreement").skipped
