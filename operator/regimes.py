@@ -11,6 +11,8 @@
     a finished CompileRun started for a regime (pending_champions) --record_champion--> that
         regime's champion, once the rollout's trust rules (operator/rollout_target.resolve_target) accept it
     spec, status, the CompileRuns (newest_champion) --target_forward_pass--> what the rollout should run
+    a CompileRun's Job times, its accelerators, the champion's speedup, the serving accelerators
+        --economics--> accelerator-seconds spent, saved per hour, payback time
 
 Hysteresis: the observed traffic must sit in a new regime for spec.regimes.switchChecks checks in
 a row (and spec.regimes.minDwellSeconds) before the library moves there; a cooldown
@@ -37,7 +39,7 @@ from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
     "CONCURRENCY_BUCKETS", "HIT_BUCKETS", "PROMPT_BUCKETS", "RegimeDecision", "RegimeLibrary", "ServingTarget",
-    "champion_problem", "decide", "engine_env_sha256", "newest_champion", "pending_champions", "record_champion",
+    "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "newest_champion", "pending_champions", "record_champion",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
 
@@ -307,10 +309,35 @@ def record_compile_run(library: RegimeLibrary, regime: str, compile_run: str, no
     return library.put(entry.model_copy(update={"compile_run": compile_run}))
 
 
+@dataclass(frozen=True)
+class Economics:
+    """What a compile cost and when it pays for itself."""
+
+    compile_accelerator_seconds: float | None
+    saved_accelerator_seconds_per_hour: float | None
+    payback_seconds: float | None
+
+
+def economics(*, started: datetime | None, completed: datetime | None, compile_accelerators: int,
+              speedup: float | None, serving_accelerators: int) -> Economics:
+    """Spent = compile accelerators x the Job's wall time; saved per second = the serving
+    accelerators x (1 - 1/speedup) (the same load served 1/speedup of the time); payback =
+    spent / saved per second. Unknown where a time or the speedup is missing; no payback where the
+    speedup saves nothing."""
+    spent = None
+    if started is not None and completed is not None:
+        spent = round(compile_accelerators * max((completed - started).total_seconds(), 0.0), 3)
+    saved = None
+    if speedup is not None and speedup > 0:
+        saved = serving_accelerators * max(0.0, 1.0 - 1.0 / speedup)
+    payback = round(spent / saved, 3) if spent is not None and saved else None
+    return Economics(spent, round(saved * 3600, 3) if saved is not None else None, payback)
+
+
 def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[str, Any], compile_run: str,
-                    completed: datetime | None) -> RegimeLibrary:
+                    completed: datetime | None, cost: Economics | None = None) -> RegimeLibrary:
     """The library after ``forward_pass`` (a ForwardPass object the rollout's trust rules accepted)
-    was published by ``compile_run`` for ``regime``."""
+    was published by ``compile_run`` for ``regime``; ``cost``: what that compile cost and saves."""
     spec = forward_pass.get("spec") or {}
     engine = spec.get("engine")
     champion = RegimeChampion(
@@ -324,6 +351,9 @@ def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[s
         engine_env_sha256=engine_env_sha256((engine or {}).get("env")),
         compile_run=compile_run,
         verified_at=completed,
+        compile_accelerator_seconds=cost.compile_accelerator_seconds if cost else None,
+        saved_accelerator_seconds_per_hour=cost.saved_accelerator_seconds_per_hour if cost else None,
+        payback_seconds=cost.payback_seconds if cost else None,
     )
     entry = library.get(regime) or RegimeStatus(name=regime, first_seen=completed, last_seen=completed)
     return library.put(entry.model_copy(update={"champion": champion}))

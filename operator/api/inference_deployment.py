@@ -446,6 +446,14 @@ class RegimeChampion(StatusModel):
                                           description="Digest of the engine performance switches it was measured under.")
     compile_run: str | None = Field(default=None, max_length=253, description="The CompileRun that published it.")
     verified_at: datetime | None = Field(default=None, description="When that CompileRun finished.")
+    compile_accelerator_seconds: float | None = Field(
+        default=None, ge=0, description="What the CompileRun spent: accelerators x its Job's wall time (start to end).")
+    saved_accelerator_seconds_per_hour: float | None = Field(
+        default=None, ge=0,
+        description="Serving accelerator-seconds it saves per hour in its regime: the deployment's accelerators "
+                    "(replicas x per pod) x (1 - 1/speedup), at the load it was measured at.")
+    payback_seconds: float | None = Field(
+        default=None, ge=0, description="Serving time in its regime after which the compile paid for itself.")
 
 
 class RegimeStatus(StatusModel):

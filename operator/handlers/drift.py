@@ -32,6 +32,7 @@ from shapeshift.operator.api import (
     GROUP,
     INFERENCE_DEPLOYMENT,
     VERSION,
+    HardwareSpec,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     short_error,
@@ -42,7 +43,7 @@ from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.prometheus import (ObservedTraffic, PrometheusAnswerMalformed, PrometheusTraffic,
                                             TrafficQueryError)
 from shapeshift.operator.provenance import publishing_run
-from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion
+from shapeshift.operator.regimes import RegimeLibrary, economics, pending_champions, record_champion
 from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
@@ -136,13 +137,23 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
             logger.info("regime %s: champion %s of CompileRun %s not recorded: %s", regime, champion,
                         run["metadata"]["name"], target.problem)
             continue
-        completed = run["status"].get("completionTime")
-        library = record_champion(library, regime, forward_pass, run["metadata"]["name"],
-                                  datetime.fromisoformat(completed.replace("Z", "+00:00")) if completed else None)
+        completed, started = _time(run["status"].get("completionTime")), _time(run["status"].get("startTime"))
+        compile_hardware = HardwareSpec.model_validate((run.get("spec") or {}).get("hardware") or {}) \
+            if (run.get("spec") or {}).get("hardware") else spec.hardware
+        cost = economics(started=started, completed=completed, compile_accelerators=compile_hardware.count,
+                         speedup=((forward_pass.get("spec") or {}).get("metrics") or {}).get("speedup"),
+                         serving_accelerators=spec.replicas * spec.hardware.count)
+        library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost)
         kopf.info(body, reason="RegimeChampionRecorded",
                   message=f"regime {regime}: champion {champion} of CompileRun {run['metadata']['name']} "
-                          f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')})"[:1000])
+                          f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')}; compile "
+                          f"spent {cost.compile_accelerator_seconds} accelerator-seconds, pays back after "
+                          f"{cost.payback_seconds} s of serving in the regime)"[:1000])
     return library
+
+
+def _time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
 def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:

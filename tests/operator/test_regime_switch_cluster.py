@@ -6,7 +6,8 @@ tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations) 
 
     traffic A (prompts ~100 tokens)  -> a CompileRun for regime A; its champion fp-a is published as
                                         a compile worker publishes it (the run vouches for it) and
-                                        recorded in status.regimes
+                                        recorded in status.regimes, with what the compile spent
+                                        (accelerators x the Job's wall time) and its payback
     traffic B (prompts ~600 tokens)  -> a CompileRun for regime B, champion fp-b recorded
     traffic A again                  -> a switch to fp-a within two checks, no CompileRun, an event
                                         RegimeSwitched and the condition Regime saying why; the
@@ -101,8 +102,9 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         def stored_status() -> dict:
             return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name).get("status") or {}
 
-        # the operator has started the run (its Job) before the worker finishes
-        wait_until(lambda: stored_status().get("jobName"), timeout_s=30, what="the CompileRun's Job")
+        # the worker finishes after the operator saw its pod run (the Job's start time in the run's status)
+        wait_until(lambda: stored_status().get("phase") == "Running" and stored_status().get("startTime"),
+                   timeout_s=60, what="the CompileRun's pod running")
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
                 "metadata": {"name": champion, "annotations": {COMPILE_RUN_UID_ANNOTATION: run["metadata"]["uid"]}},
                 "spec": {"model": {"name": "tiny-llama", "dtype": "float32"}, "hardware": {"accelerator": "cpu"},
@@ -113,11 +115,12 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
                                           "artifactSha256": sha256},
                          "compileRun": f"{namespace}/{run['metadata']['name']}"}}
         stored = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", body)
+        time.sleep(2)  # an observation of the run already under way writes before the worker's status
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "compileruns", name, {
             "status": {"phase": "Succeeded", "champion": champion, "completionTime": now,
                        "championSpecSha256": ForwardPassSpec.model_validate(stored["spec"]).digest()}})
-        time.sleep(1)
+        time.sleep(3)
         assert stored_status()["phase"] == "Succeeded", stored_status()
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
@@ -137,6 +140,15 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         assert recorded["forwardPass"] == "fp-a" and recorded["sha256"] == "a" * 64
         assert recorded["speedup"] == 1.3 and recorded["accelerator"] == "cpu"
         assert recorded["compileRun"] == run_a[0]["metadata"]["name"]
+        # economics by hand: the run's Job times (copied from the real Job), one accelerator; one serving
+        # pod at x1.3 saves 1 - 1/1.3 accelerator-seconds per second
+        stored = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns",
+                                                     run_a[0]["metadata"]["name"])["status"]
+        wall = (datetime.fromisoformat(stored["completionTime"].replace("Z", "+00:00"))
+                - datetime.fromisoformat(stored["startTime"].replace("Z", "+00:00"))).total_seconds()
+        assert recorded["compileAcceleratorSeconds"] == pytest.approx(wall)
+        assert recorded["savedAcceleratorSecondsPerHour"] == pytest.approx(3600 * (1 - 1 / 1.3), rel=1e-4)
+        assert recorded["paybackSeconds"] == pytest.approx(wall / (1 - 1 / 1.3), rel=1e-3, abs=1e-3)
 
         # B: compiled, its champion recorded
         send(engine_metrics, 100, 550, 700)

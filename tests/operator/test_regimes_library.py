@@ -213,3 +213,22 @@ def test_no_data_changes_nothing_and_the_library_keeps_its_size():
 def test_engine_env_digest_counts_only_performance_switches():
     assert engine_env_sha256(None) == engine_env_sha256([{"name": "MY_APP_FLAG", "value": "1"}])
     assert engine_env_sha256([{"name": "SHAPESHIFT_PDL", "value": "0"}]) != engine_env_sha256([])
+
+
+def test_compile_economics_by_hand():
+    from shapeshift.operator.regimes import economics
+
+    # 2 accelerators for 30 min; 4 serving pods of 2 accelerators at x1.25: 8 x (1 - 0.8) = 1.6 saved per second
+    cost = economics(started=T0, completed=T0 + timedelta(minutes=30), compile_accelerators=2, speedup=1.25,
+                     serving_accelerators=8)
+    assert cost.compile_accelerator_seconds == 3600.0
+    assert cost.saved_accelerator_seconds_per_hour == pytest.approx(1.6 * 3600)
+    assert cost.payback_seconds == pytest.approx(3600 / 1.6)  # 2250 s of serving in the regime
+    lib = record_champion(RegimeLibrary(), KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
+    champion = lib.get(KEY_A).champion
+    assert (champion.compile_accelerator_seconds, champion.payback_seconds) == (3600.0, 2250.0)
+    # a champion no faster than the default never pays back; unknown times leave the cost unknown
+    assert economics(started=T0, completed=T0 + CHECK, compile_accelerators=1, speedup=1.0,
+                     serving_accelerators=8).payback_seconds is None
+    assert economics(started=None, completed=T0, compile_accelerators=1, speedup=2.0,
+                     serving_accelerators=1).compile_accelerator_seconds is None
