@@ -297,3 +297,33 @@ def test_a_candidate_that_forges_the_wire_is_killed(model, tmp_path):
     smoke = report.gate("smoke")
     assert not smoke.passed and "malformed message" in smoke.evidence["reason"], smoke
     assert report.gate("outputs.agreement").skipped
+
+
+@pytest.mark.parametrize("death", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGSEGV)"])
+def test_a_candidate_whose_process_dies_fails_with_a_clear_message(model, tmp_path, death):
+    """A candidate that ends its process (an exit, a crash by signal) mid-verification fails smoke
+    with the reason and its last words; this process carries on."""
+    cfg, weights = model
+    folder = tmp_path / "dies"
+    folder.mkdir()
+    (folder / "forward.py").write_text(
+        "import os, signal, sys\n"
+        "from shapeshift.engine.forward_pass.importer import import_stock_module\n"
+        "stock = import_stock_module()\n"
+        "CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION\n"
+        "class Dies(stock.StockForwardPass):\n"
+        "    def forward(self, input_ids, positions, ctx, kv_cache):\n"
+        "        if not ctx.is_prefill:\n"
+        "            print('about to go', file=sys.stderr, flush=True)\n"
+        f"            {death}\n"
+        "        return super().forward(input_ids, positions, ctx, kv_cache)\n"
+        "def build(model_config, weights, recipe):\n"
+        "    return Dies(model_config, weights, recipe)\n")
+    report = verify_candidate(folder, cfg, weights, settings=settings())
+    smoke = report.gate("smoke")
+    assert not smoke.passed and smoke.evidence.get("died"), smoke
+    assert "the candidate's process died during forward" in smoke.evidence["reason"]
+    assert "about to go" in smoke.evidence["reason"]
+    assert all(g.skipped for g in report.gates if g.name not in ("smoke", "anti_cheat.no_patching"))
+    assert verify_candidate(CANDIDATES / "good_refactored", cfg, weights, settings=settings(),
+                            only=("outputs.agreement",)).passed  # the verifier is unharmed
