@@ -1,0 +1,82 @@
+"""hack/run-pods-local.py, the local kubelet of docs/local-operator.md, as a user runs it:
+
+    docs/examples/inferencedeployment-cpu.yaml --operator (in-process)--> engine Deployment
+      --scheduler, kwok--> a pod Running on a CPU node
+      --hack/run-pods-local.py -n NS (its own process)--> the pod's `shapeshift serve` on 127.0.0.1
+      --> /health and a completion answer; SIGTERM to the runner stops the engine and reports
+          the container's exit in the pod's status, as a kubelet would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from harness.cluster import wait_until
+from harness.controlplane import free_port
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION = "shapeshift.dev", "v1alpha1"
+EXAMPLE = REPO / "docs" / "examples" / "inferencedeployment-cpu.yaml"
+
+
+def test_runner_serves_an_engine_pod_and_reports_its_stop(crds, namespace, operator, tmp_path):
+    body = yaml.safe_load(EXAMPLE.read_text())
+    assert body["spec"]["hardware"]["accelerator"] == "cpu"
+    crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", body)
+    name = body["metadata"]["name"]
+    selector = f"shapeshift.dev/inference-deployment={name}"
+
+    port_base = free_port()
+    log = tmp_path / "runner.log"
+    env = {**os.environ, "SHAPESHIFT_CACHE": str(tmp_path / "cache"), "PYTHONSAFEPATH": "1"}
+    with open(log, "wb") as out:
+        runner = subprocess.Popen(
+            [sys.executable, str(REPO / "hack" / "run-pods-local.py"), "--kubeconfig", str(crds.kubeconfig),
+             "-n", namespace, "--port-base", str(port_base), "--workdir", str(tmp_path / "pods"),
+             "--interval", "0.5"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        pod = wait_until(lambda: next(iter(crds.core.list_namespaced_pod(namespace, label_selector=selector).items),
+                                      None), 60, "the operator's engine pod")
+        url = f"http://127.0.0.1:{port_base}"
+        wait_until(lambda: f"pod {namespace}/{pod.metadata.name}: started shapeshift serve" in log.read_text()
+                   or runner.poll() is not None, 60, "the runner to start the engine", interval_s=0.2)
+        assert runner.poll() is None, log.read_text()[-3000:]
+        assert f"serving on {url}" in log.read_text()
+
+        def healthy():
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(healthy, 60, f"the engine at {url} to answer /health", interval_s=0.3)
+        assert json.loads((tmp_path / "pods" / "endpoints.json").read_text()) == {
+            f"{namespace}/{pod.metadata.name}": url}
+        answer = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": body["spec"]["model"]["preset"], "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGTERM)
+        code = runner.wait(timeout=30)
+    output = log.read_text()
+    assert code == 0, output[-3000:]
+    assert f"pod {namespace}/{pod.metadata.name}: stopped (runner stopping)" in output, output[-3000:]
+    status = crds.core.read_namespaced_pod_status(pod.metadata.name, namespace).status
+    (engine,) = status.container_statuses
+    assert engine.name == "engine" and engine.state.terminated is not None, status
+    assert status.phase in ("Succeeded", "Failed")
+    assert not healthy()
