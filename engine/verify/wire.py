@@ -21,6 +21,7 @@ import torch
 DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
+CTX_TENSORS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "last_token_indices")
 _PREFIX = struct.Struct("<IQ")  # JSON length, bytes of the blobs after it
 ALIGN = 64
 
