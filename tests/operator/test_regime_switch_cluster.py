@@ -8,7 +8,8 @@ tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations) 
                                         a compile worker publishes it (the run vouches for it) and
                                         recorded in status.regimes, with what the compile spent
                                         (accelerators x the Job's wall time) and its payback
-    traffic B (prompts ~600 tokens)  -> a CompileRun for regime B, champion fp-b recorded
+    traffic B (prompts ~600 tokens)  -> a CompileRun for regime B; fp-b written by hand (no run vouches
+                                        for it) is not recorded; published by the run, it is
     traffic A again                  -> a switch to fp-a within two checks, no CompileRun, an event
                                         RegimeSwitched and the condition Regime saying why; the
                                         rollout's target is fp-a (status.rollout.desired)
@@ -94,7 +95,7 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
     def current() -> dict:
         return (idep().get("status") or {}).get("currentRegime") or {}
 
-    def publish(run: dict, champion: str, sha256: str) -> None:
+    def publish(run: dict, champion: str, sha256: str, vouched: bool = True) -> None:
         """fp-X as a compile worker publishes it: the run's uid on the pass, the pass's name and spec
         digest in the run's status (phase Succeeded)."""
         name = run["metadata"]["name"]
@@ -103,10 +104,11 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
             return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", name).get("status") or {}
 
         # the worker finishes after the operator saw its pod run (the Job's start time in the run's status)
-        wait_until(lambda: stored_status().get("phase") == "Running" and stored_status().get("startTime"),
+        wait_until(lambda: stored_status().get("phase") in ("Running", "Succeeded") and stored_status().get("startTime"),
                    timeout_s=60, what="the CompileRun's pod running")
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass",
-                "metadata": {"name": champion, "annotations": {COMPILE_RUN_UID_ANNOTATION: run["metadata"]["uid"]}},
+                "metadata": {"name": champion,
+                             "annotations": {COMPILE_RUN_UID_ANNOTATION: run["metadata"]["uid"]} if vouched else {}},
                 "spec": {"model": {"name": "tiny-llama", "dtype": "float32"}, "hardware": {"accelerator": "cpu"},
                          "traffic": run["spec"]["traffic"]["inline"],
                          "artifact": {"uri": f"/var/lib/shapeshift-artifacts/{sha256}.tar.gz", "sha256": sha256},
@@ -157,6 +159,17 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         assert len(run_b) == 1 and run_b[0]["metadata"]["annotations"]["shapeshift.dev/regime"] == KEY_B
         assert 512 < run_b[0]["spec"]["traffic"]["inline"]["promptLength"]["p50"] <= 1024
         assert len(runs()) == 2  # no second run for A while its champion waited to be rolled out
+        # first as anyone allowed to create ForwardPasses writes it: without the run's uid on it, the
+        # run's word is not the pass's, and the library records nothing
+        publish(run_b[0], "fp-b", "b" * 64, vouched=False)
+        checked = (idep()["status"].get("drift") or {}).get("lastCheckTime")
+        wait_until(lambda: (idep()["status"].get("drift") or {}).get("lastCheckTime") != checked,
+                   timeout_s=20 + 2 * tick, what="a drift check after the hand-written fp-b")
+        assert not regime(KEY_B).get("champion")
+        # then as the run's worker publishes it
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "fp-b")
+        wait_until(lambda: not any(fp["metadata"]["name"] == "fp-b" for fp in custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, "forwardpasses")["items"]), timeout_s=20, what="fp-b deleted")
         publish(run_b[0], "fp-b", "b" * 64)
         wait_until(lambda: regime(KEY_B).get("champion"), timeout_s=30 + 2 * tick, what="fp-b recorded for B")
         assert current()["name"] == KEY_B
@@ -195,3 +208,24 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
     assert reasons.count("RegimeChampionRecorded") == 2, reasons
     message = next(e.message for e in events if e.reason == "RegimeSwitched")
     assert "fp-a" in message and KEY_A in message
+
+
+def test_the_api_server_holds_the_regime_pins_to_their_rules(crds, namespace):
+    """spec.regimes' CEL rules: each regime pinned once; spec.forwardPass and spec.regimes.pin not both."""
+    from kubernetes.client import ApiException
+
+    def create(name: str, **spec) -> None:
+        crds.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": name},
+            "spec": {"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, **spec}})
+
+    create("pinned", regimes={"pin": KEY_A, "champions": [{"regime": KEY_A, "forwardPass": "fp-a"},
+                                                         {"regime": KEY_B, "forwardPass": "fp-b"}]})
+    for name, spec, message in [
+            ("twice", {"regimes": {"champions": [{"regime": KEY_A, "forwardPass": "x"},
+                                                 {"regime": KEY_A, "forwardPass": "y"}]}}, "at most once"),
+            ("both", {"forwardPass": "fp-a", "regimes": {"pin": KEY_A}}, "set one of them"),
+            ("badname", {"regimes": {"pin": "regime-a"}}, "spec.regimes.pin")]:
+        with pytest.raises(ApiException) as refused:
+            create(name, **spec)
+        assert refused.value.status == 422 and message in refused.value.body, refused.value.body
