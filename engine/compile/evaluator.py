@@ -187,6 +187,7 @@ class EngineEvaluator:
         self._draws = 0  # prompt draws so far: each repeat replays fresh prompts
         self._weights: dict[str, Any] = {}  # tier -> WeightsBaseline taken before any candidate loaded
         self._arrival_scale: dict[str, float] = {}  # tier -> open-loop arrival-rate factor (calibrated once)
+        self._bandwidth: float | None = None  # bytes/s of a device copy, measured before any candidate ran
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
@@ -235,6 +236,11 @@ class EngineEvaluator:
             from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
 
             self._weights[tier] = WeightsBaseline(eng.weights)
+            # The device's copy bandwidth, measured before any candidate runs in this process
+            # (engine/verify/measured.py: the speed-of-light check of every measured replay).
+            from shapeshift.engine.verify.measured import measure_bandwidth
+
+            self._bandwidth = measure_bandwidth(eng.device)
             self._managers[tier] = ForwardPassManager(eng, build_timeout_s=self.settings.reload_timeout_s,
                                                       smoke_timeout_s=self.settings.reload_timeout_s)
             self._engine_knobs[tier] = dict(overrides)
@@ -416,6 +422,9 @@ class EngineEvaluator:
                     else:
                         run = replay(eng, prompts, concurrency, clock, self.settings.slo)
                         tokens[i] = run.output_token_ids
+                        faster_than_light = self._faster_than_light(eng, run, concurrency or len(prompts))
+                        if faster_than_light:
+                            m.error = f"speed of light: {faster_than_light}"
                         m.throughput.append(run.output_tokens_per_s)
                         if self.settings.slo is not None:
                             m.slo_attainment.append(run.slo_attainment)
@@ -440,6 +449,20 @@ class EngineEvaluator:
         for m, sec in zip(out, spent):
             m.seconds = sec
         return out
+
+    def _faster_than_light(self, eng: Any, run: ReplayRun, in_flight: int) -> str | None:
+        """Why the replay's output tokens/s is more than the device allows (None when it is not):
+        decode steps at the widest batch the replay could form, the shortest context, against the
+        bandwidth measured before any candidate ran (engine/verify/measured.py). A result faster
+        than that is a measurement fault (a clock slowed, work skipped), never a speedup."""
+        if self._bandwidth is None or not run.output_tokens_per_s > 0:
+            return None
+        from shapeshift.engine.verify.measured import measured_speed_possible
+
+        batch = max(1, min(int(eng.config.max_num_seqs), int(in_flight)))
+        ev = measured_speed_possible(run.output_tokens_per_s, eng.model_config, eng.weights, eng.dtype, batch, 1,
+                                     self._bandwidth, device=eng.device)
+        return None if ev["ok"] else ev["reason"]
 
     def _calibrate_arrivals(self, tier: str, eng: Any, profile: TrafficProfile, requests: int, clock: Any) -> None:
         """The open-loop arrival-rate factor of `tier`: the engine's capacity (a closed-loop replay

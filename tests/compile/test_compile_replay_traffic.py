@@ -81,3 +81,20 @@ def test_open_loop_arrivals_are_compressed_to_load_the_engine(burst, tmp_path):
     assert as_given.describe()["open_loop"]["arrival_scale"] == {}
     # Compressed arrivals deliver the same tokens in less (CPU) time.
     assert loaded.ok and plain.ok and loaded.mean > 1.5 * plain.mean, (loaded.samples, plain.samples)
+
+
+def test_a_replay_faster_than_the_device_allows_is_a_measurement_fault(tmp_path):
+    """Every measured replay is held to the speed of light (engine/verify/measured.py): a clock
+    that runs a million times slow makes tokens/s that no device can produce, and the measurement
+    fails saying so rather than counting as a speedup; the honest clock passes. (tiny-llama's
+    weights fit in the cache, so its bound here is the host's generous FLOPs figure alone.)"""
+    chat = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+        model="tiny-llama", device="cpu", work_dir=str(tmp_path / "work"), screen_requests=8, screen_repeats=1,
+        cpu_threads=1))
+    base = Candidate(chat.space().default(), None, "baseline", "")
+    honest = chat.screen(base)
+    assert honest.ok, honest.error
+    chat._clock = lambda: (lambda: time.thread_time() / 1_000_000)
+    slowed = chat.screen(base)
+    assert not slowed.ok and slowed.error.startswith("speed of light: measured "), slowed.error
+    assert "a measurement fault" in slowed.error
