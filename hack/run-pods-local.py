@@ -114,13 +114,17 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log(f"running the pods of {', '.join(namespaces) if namespaces else 'every namespace'} on the "
         f"{', '.join(runner.pools)} pool(s); engines from 127.0.0.1:{args.port_base}; Ctrl-C stops them")
-    written = None
+    written, failure = None, None
     try:
         while not stop.is_set():
             try:
                 runner.sync()
+                failure = None
             except Exception as error:  # noqa: BLE001  the API server restarting ends nothing
-                log(f"looking at the API failed ({error.__class__.__name__}: {str(error)[:200]}); retrying")
+                said = f"{error.__class__.__name__}: {str(error)[:200]}"
+                if said != failure:  # once, not every pass
+                    log(f"looking at the API failed ({said}); retrying")
+                failure = said
             urls = runner.urls()
             if urls != written:
                 endpoints.write_text(json.dumps(urls, indent=2, sort_keys=True) + "\n")

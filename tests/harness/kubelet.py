@@ -36,6 +36,14 @@ persistentVolumeClaim volumes are mapped to local folders the caller names:
     `local_claim` creates a PersistentVolume (hostPath: the folder) and a claim bound to it, so
     the scheduler places pods that mount the claim.
 
+emptyDir and configMap volumes, only when the caller names a `volumes_root` (LocalPod(...,
+volumes_root=folder); off by default):
+
+    pod volume {emptyDir} + container volumeMount  -> <volumes_root>/<ns>_<pod>_<volume> (created empty)
+    pod volume {configMap: name, items?}          -> the same folder, holding the ConfigMap's keys as
+                                                     files (items: only those, at their paths)
+    and argv parts and env values naming a path under mountPath are rewritten, as above.
+
 `flag_overrides` ({"--port": "18001"}) replaces the value after a flag in the command line, or
 appends the flag: several pods of one Deployment, each given its own loopback port.
 
@@ -300,6 +308,44 @@ class DownwardAPIVolumes:
                 watcher.stop()
 
 
+# ---- emptyDir and configMap volumes ------------------------------------------------------
+
+
+def local_volume_mounts(core: CoreV1Api, pod: V1Pod, container, root: Path) -> dict[str, Path]:
+    """{mountPath: local folder} of the container's emptyDir and configMap mounts under `root`."""
+    volumes = {v.name: v for v in pod.spec.volumes or [] if v.empty_dir is not None or v.config_map is not None}
+    mounts: dict[str, Path] = {}
+    for mount in container.volume_mounts or []:
+        volume = volumes.get(mount.name)
+        if volume is None:
+            continue
+        folder = root / f"{pod.metadata.namespace}_{pod.metadata.name}_{volume.name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if volume.config_map is not None:
+            source = volume.config_map
+            try:
+                data = core.read_namespaced_config_map(source.name, pod.metadata.namespace).data or {}
+            except ApiException as error:
+                if error.status == 404 and source.optional:
+                    data = {}
+                else:
+                    raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: configMap volume "
+                                       f"{volume.name!r}: ConfigMap {source.name!r}: {error.reason}") from error
+            items = {i.key: i.path for i in source.items} if source.items else {key: key for key in data}
+            files = {path: data[key] for key, path in items.items() if key in data}
+            if any(p.startswith("/") or ".." in p.split("/") for p in files):
+                raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: configMap volume "
+                                   f"{volume.name!r} names a path outside the volume")
+            write_files_atomically(folder, files)
+        if mount.sub_path:
+            if mount.sub_path.startswith("/") or ".." in mount.sub_path.split("/"):
+                raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: volumeMount {mount.name!r} "
+                                   f"subPath {mount.sub_path!r} leaves the volume")
+            folder = folder / mount.sub_path
+        mounts[mount.mount_path] = folder
+    return mounts
+
+
 # ---- persistentVolumeClaim volumes --------------------------------------------------------
 
 
@@ -383,6 +429,7 @@ class LocalPod:
         extra_env: dict[str, str] | None = None,
         flag_overrides: dict[str, str] | None = None,
         pvc_dirs: dict[str, Path] | None = None,
+        volumes_root: Path | None = None,
     ):
         self.core = CoreV1Api(api_client)
         self.namespace, self.name = namespace, name
@@ -390,6 +437,7 @@ class LocalPod:
         self.extra_env = dict(extra_env or {})
         self.flag_overrides = dict(flag_overrides or {})
         self.pvc_dirs = {claim: Path(folder) for claim, folder in (pvc_dirs or {}).items()}
+        self.volumes_root = Path(volumes_root) if volumes_root is not None else None
         self.containers: list[ContainerRun] = []
         self.reported = False
         self.downward_api: DownwardAPIVolumes | None = None
@@ -409,6 +457,8 @@ class LocalPod:
                     "without an image there is no entrypoint to run locally, so set command (and args)"
                 )
             mounts = {**self.downward_api.mounts_of(container), **pvc_mounts(pod, container, self.pvc_dirs)}
+            if self.volumes_root is not None:
+                mounts.update(local_volume_mounts(self.core, pod, container, self.volumes_root))
             env = {**base, **resolve_env(self.core, pod, container), **self.extra_env}
             env = {key: rewrite_paths(value, mounts) for key, value in env.items()}
             argv = [rewrite_paths(expand(part, env), mounts) for part in [*container.command, *(container.args or [])]]

@@ -10,8 +10,12 @@ compile Jobs do something on a laptop (hack/run-pods-local.py; docs/local-operat
               `shapeshift serve ...` (an engine): --host/--port replaced by 127.0.0.1 and a free
                  loopback port from `port_base` up (pods of one Deployment share a containerPort)
               anything else (the compile Job's `shapeshift compile --compile-run ns/run`): as written
+              emptyDir and configMap volumes: folders under <workdir>/volumes (harness.kubelet)
               persistentVolumeClaim volumes: <workdir>/claims/<namespace>/<claim>, shared by the pods
                  of a namespace that mount the claim, as pods share a ReadWriteMany claim
+              the pod's ServiceAccount: a token from the TokenRequest API (bound to the pod, as the
+                 kubelet's projected token is) in a kubeconfig that KUBECONFIG names, so a process
+                 that talks to the API (the compile worker) has the pod's rights, not the runner's
       -> every container of a started pod exited  -> LocalPod.wait(): phase Succeeded/Failed and
            containerStatuses reported to the API (the Job controller and the operator read them)
       -> a started pod deleted or terminating     -> LocalPod.stop(): SIGTERM, SIGKILL after the grace
@@ -22,6 +26,7 @@ An exit is final, as in harness.kubelet: no restarts, no probes (kwok reports th
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import sys
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 import kubernetes
+import yaml
 from kubernetes.client import ApiException, CoreV1Api, V1Pod
 
 from harness.controlplane import POOL_LABEL
@@ -79,6 +85,7 @@ class LocalPodRunner:
         self.log = log
         self.running: dict[tuple[str, str], RunningPod] = {}
         self.refused: set[str] = set()  # uids of pods that cannot run locally (said once)
+        self.waiting: set[str] = set()  # uids of pods waiting for their ServiceAccount (said once)
         self._lock = threading.Lock()
 
     # ---- one pass
@@ -154,8 +161,23 @@ class LocalPodRunner:
             url = f"http://{self.host}:{port}"
         claims = {v.persistent_volume_claim.claim_name for v in pod.spec.volumes or [] if v.persistent_volume_claim}
         pvc_dirs = {claim: self.workdir / "claims" / namespace / claim for claim in claims}
-        local = LocalPod(self.api_client, namespace, name, self.workdir / "pods", extra_env=self.extra_env,
-                         flag_overrides=flags, pvc_dirs=pvc_dirs)
+        env = dict(self.extra_env)
+        try:
+            kubeconfig = self._service_account_kubeconfig(pod)
+        except ApiException as error:  # e.g. the ServiceAccount is not there yet: try again next pass
+            if pod.metadata.uid not in self.waiting:
+                self.waiting.add(pod.metadata.uid)
+                self.log(f"pod {namespace}/{name}: no token for ServiceAccount {pod.spec.service_account_name!r} "
+                         f"yet ({error.status} {error.reason}); retrying")
+            return
+        except OSError as error:
+            self.refused.add(pod.metadata.uid)
+            self.log(f"pod {namespace}/{name}: not run locally: cannot write its kubeconfig: {error}")
+            return
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+        local = LocalPod(self.api_client, namespace, name, self.workdir / "pods", extra_env=env,
+                         flag_overrides=flags, pvc_dirs=pvc_dirs, volumes_root=self.workdir / "volumes")
         try:
             local.start(timeout_s=5)
         except (PodSpecError, TimeoutError, FileNotFoundError, PermissionError) as error:
@@ -167,6 +189,36 @@ class LocalPodRunner:
         logs = ", ".join(str(run.log_path) for run in local.containers)
         self.log(f"pod {namespace}/{name}: started {' '.join(local.containers[0].argv[:4])} ..."
                  + (f" serving on {url}" if url else "") + f" (log: {logs})")
+
+    def _service_account_kubeconfig(self, pod: V1Pod, expiration_s: int = 86400) -> Path | None:
+        """A kubeconfig holding a token of the pod's ServiceAccount bound to the pod (None when the
+        pod mounts no token); written next to the pod's logs, readable by this user only."""
+        if pod.spec.automount_service_account_token is False or not pod.spec.service_account_name:
+            return None
+        request = kubernetes.client.AuthenticationV1TokenRequest(spec=kubernetes.client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=expiration_s,
+            bound_object_ref=kubernetes.client.V1BoundObjectReference(
+                api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid)))
+        token = self.core.create_namespaced_service_account_token(
+            pod.spec.service_account_name, pod.metadata.namespace, request).status.token
+        conf = self.api_client.configuration
+        cluster: dict = {"server": conf.host}
+        if not conf.verify_ssl:
+            cluster["insecure-skip-tls-verify"] = True
+        elif conf.ssl_ca_cert:
+            cluster["certificate-authority-data"] = base64.b64encode(Path(conf.ssl_ca_cert).read_bytes()).decode()
+        user = f"system:serviceaccount:{pod.metadata.namespace}:{pod.spec.service_account_name}"
+        config = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
+                  "clusters": [{"name": "local", "cluster": cluster}],
+                  "users": [{"name": user, "user": {"token": token}}],
+                  "contexts": [{"name": "pod", "context": {"cluster": "local", "user": user,
+                                                           "namespace": pod.metadata.namespace}}]}
+        path = self.workdir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_kubeconfig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(yaml.safe_dump(config))
+        return path
 
     @staticmethod
     def _exited(entry: RunningPod) -> bool:

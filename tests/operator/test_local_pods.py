@@ -2,7 +2,8 @@
 
     docs/examples/inferencedeployment-cpu.yaml --operator (in-process)--> engine Deployment
       --scheduler, kwok--> a pod Running on a CPU node
-      --hack/run-pods-local.py -n NS (its own process)--> the pod's `shapeshift serve` on 127.0.0.1
+      --hack/run-pods-local.py -n NS (its own process)--> the pod's `shapeshift serve` on 127.0.0.1,
+        its configMap volume a local folder
       --> /health and a completion answer; SIGTERM to the runner stops the engine and reports
           the container's exit in the pod's status, as a kubelet would.
 """
@@ -64,6 +65,10 @@ def test_runner_serves_an_engine_pod_and_reports_its_stop(crds, namespace, opera
         wait_until(healthy, 60, f"the engine at {url} to answer /health", interval_s=0.3)
         assert json.loads((tmp_path / "pods" / "endpoints.json").read_text()) == {
             f"{namespace}/{pod.metadata.name}": url}
+        # the engine's configMap volume is a local folder holding the operator's ConfigMap
+        config_map = crds.core.read_namespaced_config_map(f"{name}-engine", namespace).data
+        volume = tmp_path / "pods" / "volumes" / f"{namespace}_{pod.metadata.name}_engine-config"
+        assert {p.name: p.read_text() for p in volume.iterdir()} == config_map
         answer = httpx.post(f"{url}/v1/completions", timeout=30, json={
             "model": body["spec"]["model"]["preset"], "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200, answer.text
