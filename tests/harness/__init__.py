@@ -2,5 +2,6 @@
 
 Modules: tools (binary paths), controlplane (etcd + kube-* + kwok on loopback),
 cluster (the handle the `cluster` fixture yields), kubelet (runs a pod's workload as
-a local process and reports its exit), prometheus (a Prometheus on loopback).
+a local process and reports its exit), local_pods (kubelet for every pod of kwok's CPU nodes;
+hack/run-pods-local.py), prometheus (a Prometheus on loopback).
 """
