@@ -79,7 +79,8 @@ CONDITION_TRAFFIC = "TrafficObserved"
 CONDITION_DRIFT = "Drifted"
 CONDITION_REGIME = "Regime"
 REGIME_REASONS = {"Stay": "InRegime", "Settling": "Settling", "Switch": "SwitchedToChampion",
-                  "Compile": "CompileNeeded", "CoolingDown": "SwitchCoolingDown", "Pinned": "Pinned"}
+                  "Compile": "CompileNeeded", "CoolingDown": "SwitchCoolingDown", "Pinned": "Pinned",
+                  "Uneconomic": "PaybackTooLong"}
 REGIME_ANNOTATION = f"{GROUP}/regime"
 FINISHED_PHASES = ("Succeeded", "Failed")
 # NoData reasons about the traffic (the TrafficQueryError reasons, and too little of it)

@@ -6,7 +6,9 @@
         deployment's model, dtype, accelerator and engine env (ServingTarget), the clock
         --decide--> RegimeDecision: Stay | Settling | Switch (to a known regime's verified champion,
         no CompileRun) | Compile (a new regime, or its champion missing, stale or verified for
-        something else) | CoolingDown | Pinned, with the reason for the condition and the event,
+        something else) | CoolingDown | Pinned | Uneconomic (spec.compilation.maxPaybackHours: a
+        compile would not pay for itself, judged from past compiles and how long regimes lasted),
+        with the reason for the condition and the event,
         and the library to write back
     a finished CompileRun started for a regime (pending_champions) --record_champion--> that
         regime's champion, once the rollout's trust rules (operator/rollout_target.resolve_target) accept it
@@ -39,7 +41,7 @@ from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
     "CONCURRENCY_BUCKETS", "HIT_BUCKETS", "PROMPT_BUCKETS", "RegimeDecision", "RegimeLibrary", "ServingTarget",
-    "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "newest_champion", "pending_champions", "record_champion",
+    "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
 
@@ -48,7 +50,7 @@ PROMPT_BUCKETS = (256, 1024, 4096, 16384, 65536)
 HIT_BUCKETS = (0.2, 0.6)
 CONCURRENCY_BUCKETS = (1, 8, 32, 128)
 
-Kind = Literal["Stay", "Settling", "Switch", "Compile", "CoolingDown", "Pinned", "NoData"]
+Kind = Literal["Stay", "Settling", "Switch", "Compile", "CoolingDown", "Pinned", "Uneconomic", "NoData"]
 
 
 def _bucket(value: float, edges: tuple[float, ...]) -> int:
@@ -197,9 +199,12 @@ def observe(library: RegimeLibrary, profile: TrafficProfile, now: datetime,
     if current.observed == key and entry.last_seen is not None:
         # traffic stayed: count the time since the previous check (at most two check intervals)
         dwell += int(min(now - entry.last_seen, 2 * interval).total_seconds())
+    else:  # a new visit: one check interval
+        dwell += int(interval.total_seconds())
     entry = entry.model_copy(update={
         "prompt_length_p50": round(profile.prompt_length.p50, 3), "prefix_cache_hit_rate": round(_hit_rate(profile), 6),
         "concurrency": profile.concurrency, "last_seen": now, "dwell_seconds": max(dwell, 0), "checks": entry.checks + 1,
+        "visits": entry.visits + (0 if current.observed == key else 1),
     })
     if current.observed == key:
         current = current.model_copy(update={"observed_checks": current.observed_checks + 1})
@@ -222,6 +227,48 @@ def _with_reason(kind: Kind, regime: str | None, library: RegimeLibrary, reason:
     updated = library.current.model_copy(update={**current, "reason": reason})
     return RegimeDecision(kind, regime, reason, replace(library, current=updated), champion,
                           blocks_compile=blocks or kind != "Compile")
+
+
+def expected_payback(library: RegimeLibrary) -> tuple[float, float | None] | None:
+    """(expected payback seconds of one more compile, expected seconds a regime lasts) from the
+    library: the mean spent over the mean saved per second of the champions recorded with their
+    economics, and the mean visit of the other regimes than the one traffic is in now (their visits
+    have ended; None before any has). None: no champion with economics yet."""
+    costs = [r.champion for r in library.regimes if r.champion is not None
+             and r.champion.compile_accelerator_seconds is not None and r.champion.saved_accelerator_seconds_per_hour]
+    if not costs:
+        return None
+    spent = sum(c.compile_accelerator_seconds or 0.0 for c in costs) / len(costs)
+    saved = sum(c.saved_accelerator_seconds_per_hour or 0.0 for c in costs) / len(costs) / 3600
+    ended = [r for r in library.regimes if r.name != library.current.observed]
+    visits = sum(r.visits for r in ended)
+    lasting = sum(r.dwell_seconds for r in ended) / visits if visits else None
+    return spent / saved, lasting
+
+
+def _uneconomic(library: RegimeLibrary, spec: InferenceDeploymentSpec) -> str | None:
+    """Why compiling is not worth it under spec.compilation.maxPaybackHours (None: it is, or unknown)."""
+    limit = spec.compilation.max_payback_hours
+    expected = expected_payback(library) if limit is not None else None
+    if limit is None or expected is None:
+        return None
+    payback, lasting = expected
+    if payback > limit * 3600:
+        return (f"the expected payback of a compile, {payback / 3600:.2f} h, is longer than "
+                f"spec.compilation.maxPaybackHours {limit:g} h")
+    if lasting is not None and payback > lasting:
+        return (f"the expected payback of a compile, {payback:.0f} s, is longer than regimes have lasted so far "
+                f"({lasting:.0f} s on average)")
+    return None
+
+
+def _compile(library: RegimeLibrary, spec: InferenceDeploymentSpec, key: str, reason: str,
+             **current: Any) -> RegimeDecision:
+    """Compile, unless spec.compilation.maxPaybackHours says it would not pay for itself."""
+    uneconomic = _uneconomic(library, spec)
+    if uneconomic is not None:
+        return _with_reason("Uneconomic", key, library, f"{reason}; not compiled: {uneconomic}", **current)
+    return _with_reason("Compile", key, library, reason, **current)
 
 
 def _serving(library: RegimeLibrary, champion: RegimeChampion, active: str | None) -> bool:
@@ -273,7 +320,7 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
             return _switch(library, key, usable, now, f"traffic in regime {key}; its champion "
                                                       f"{usable.forward_pass} is not the one served")
         if usable is None and problem is not None:
-            return _with_reason("Compile", key, library, f"traffic in regime {key}, but {problem}")
+            return _compile(library, spec, key, f"traffic in regime {key}, but {problem}")
         return _with_reason("Stay", key, library, f"traffic in regime {key}", usable)
     settled_checks = current.observed_checks >= policy.switch_checks
     dwell = now - (current.observed_since or now)
@@ -286,7 +333,7 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
         reason = f"traffic settled in regime {key} (from {current.name}), but {problem}"
         if entry is None or (entry.champion is None and entry.compile_run is None):
             reason = f"traffic settled in a new regime {key} (from {current.name})"
-        return _with_reason("Compile", key, library, reason, name=key, since=now)
+        return _compile(library, spec, key, reason, name=key, since=now)
     cooldown = timedelta(seconds=policy.switch_cooldown_seconds)
     if current.last_switch_time is not None and now - current.last_switch_time < cooldown:
         until = current.last_switch_time + cooldown

@@ -189,6 +189,11 @@ class CompilationPolicy(WireModel):
     policy: Literal["Manual", "OnDrift"] = Field(default="Manual", description="Manual: only CompileRuns you create. OnDrift: also when traffic drifts.")
     drift: DriftThresholds | None = Field(default=None, description="Drift thresholds (required for OnDrift).")
     cooldown_seconds: int = Field(default=3600, ge=0, le=30 * 86400, description="Least time between two automatic CompileRuns.")
+    max_payback_hours: float | None = Field(
+        default=None, gt=0, le=8760,
+        description="Skip an automatic CompileRun whose expected payback (the accelerator-seconds past compiles "
+                    "spent over what their champions save) is longer than this, or longer than regimes have "
+                    "lasted so far (status.regimes); default: compile regardless of cost.")
     budget: CompileBudget = Field(default_factory=CompileBudget, json_schema_extra=default_of(CompileBudget),
                                   description="Budget of automatic CompileRuns.")
     template: CompileRunTemplate | None = Field(
@@ -467,6 +472,7 @@ class RegimeStatus(StatusModel):
     last_seen: datetime | None = Field(default=None, description="Last drift check that observed it.")
     dwell_seconds: int = Field(default=0, ge=0, description="How long traffic sat in it, over all visits.")
     checks: int = Field(default=0, ge=0, description="Drift checks that observed it.")
+    visits: int = Field(default=0, ge=0, description="Times traffic came into it.")
     compile_run: str | None = Field(default=None, max_length=253, description="The last CompileRun started for it.")
     champion: RegimeChampion | None = Field(default=None, description="Its verified champion.")
 

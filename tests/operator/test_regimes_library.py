@@ -8,6 +8,7 @@ cooldown separates switches, stale or foreign champions are compiled again, pins
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -84,7 +85,7 @@ def test_a_new_regime_is_compiled_and_its_first_check_only_settles():
     assert f"new regime {KEY_B}" in second.reason
     assert second.library.current.name == KEY_B
     entry = second.library.get(KEY_B)
-    assert entry.checks == 2 and entry.first_seen == T0 + CHECK and entry.dwell_seconds == 60
+    assert entry.checks == 2 and entry.visits == 1 and entry.first_seen == T0 + CHECK and entry.dwell_seconds == 120
     assert entry.prompt_length_p50 == 2000 and entry.prefix_cache_hit_rate == 0.8
 
 
@@ -232,3 +233,34 @@ def test_compile_economics_by_hand():
                      serving_accelerators=8).payback_seconds is None
     assert economics(started=None, completed=T0, compile_accelerators=1, speedup=2.0,
                      serving_accelerators=1).compile_accelerator_seconds is None
+
+
+def test_max_payback_skips_a_compile_that_would_not_pay_for_itself():
+    from shapeshift.operator.regimes import economics, expected_payback
+
+    # A's compile: 1 accelerator for an hour; 8 serving accelerators at x1.25 save 1.6 a second: 2250 s payback
+    cost = economics(started=T0, completed=T0 + timedelta(hours=1), compile_accelerators=1, speedup=1.25,
+                     serving_accelerators=8)
+    lib = run(RegimeLibrary(), A, T0).library
+    lib = record_champion(lib, KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
+    new = profile(5000, 0.3)  # a third regime
+    at = T0 + CHECK
+
+    def settle(s):
+        d = run(lib, new, at, s=s, active="fp-a")
+        return run(d.library, new, at + CHECK, s=s, active="fp-a")
+
+    assert expected_payback(lib) == (pytest.approx(2250.0), None)  # one visit, not ended yet
+    assert settle(spec()).kind == "Compile"  # no policy: compile regardless of cost
+    # A lasted two hours
+    lib = lib.put(lib.get(KEY_A).model_copy(update={"visits": 1, "dwell_seconds": 7200}))
+    capped = settle(spec(compilation={"maxPaybackHours": 0.5}))
+    assert capped.kind == "Uneconomic" and capped.blocks_compile
+    assert "0.62 h, is longer than spec.compilation.maxPaybackHours 0.5 h" in capped.reason
+    assert settle(spec(compilation={"maxPaybackHours": 1})).kind == "Compile"
+    # regimes that lasted 20 minutes a visit: a 2250 s payback is longer than that
+    lib = lib.put(lib.get(KEY_A).model_copy(update={"visits": 3, "dwell_seconds": 3600}))
+    assert expected_payback(replace(lib, current=lib.current.model_copy(update={"observed": KEY_B}))) == (
+        pytest.approx(2250.0), pytest.approx(1200.0))
+    lasted = settle(spec(compilation={"maxPaybackHours": 1}))
+    assert lasted.kind == "Uneconomic" and "longer than regimes have lasted so far (1200 s on average)" in lasted.reason
