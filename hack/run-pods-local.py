@@ -80,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    import kubernetes
+    import kubernetes  # noqa: F811  (imported above only to find the venv)
     from kubernetes.config.config_exception import ConfigException
 
     from harness.local_pods import DEFAULT_POOLS, LocalPodRunner

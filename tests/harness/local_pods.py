@@ -94,10 +94,11 @@ class LocalPodRunner:
         with self._lock:
             nodes = self._pool_nodes()
             pods = self._pods()
-            seen = set()
+            seen = {(pod.metadata.namespace, pod.metadata.name) for pod in pods}
+            for key in [k for k in self.running if k not in seen]:  # first: frees CPU and ports
+                self._stop(key, "gone")
             for pod in pods:
                 key = (pod.metadata.namespace, pod.metadata.name)
-                seen.add(key)
                 entry = self.running.get(key)
                 if entry is not None and entry.uid != pod.metadata.uid:  # same name, a new pod
                     self._stop(key, "replaced")
@@ -112,8 +113,6 @@ class LocalPodRunner:
                         and pod.metadata.deletion_timestamp is None and pod.metadata.uid not in self.refused
                         and not self._reported(pod)):
                     self._start(pod)
-            for key in [k for k in self.running if k not in seen]:
-                self._stop(key, "gone")
 
     def stop_all(self) -> None:
         with self._lock:
@@ -226,10 +225,21 @@ class LocalPodRunner:
 
     def _reap(self, key: tuple[str, str]) -> None:
         entry = self.running.pop(key)
-        codes = entry.pod.wait(timeout_s=5)
+        try:
+            codes = entry.pod.wait(timeout_s=5)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            self.log(f"pod {key[0]}/{key[1]}: exited {entry.pod.exit_codes}; the pod is gone, nothing to report")
+            return
         self.log(f"pod {key[0]}/{key[1]}: exited {codes}; reported {'Succeeded' if not any(codes.values()) else 'Failed'}")
 
     def _stop(self, key: tuple[str, str], why: str) -> None:
         entry = self.running.pop(key)
-        codes = entry.pod.stop()
+        try:
+            codes = entry.pod.stop()
+        except ApiException as error:  # the processes are stopped; the pod was deleted meanwhile
+            if error.status != 404:
+                raise
+            codes = entry.pod.exit_codes
         self.log(f"pod {key[0]}/{key[1]}: stopped ({why}), exit codes {codes}")

@@ -4,14 +4,16 @@
       --scheduler, kwok--> a pod Running on a CPU node
       --hack/run-pods-local.py -n NS (its own process)--> the pod's `shapeshift serve` on 127.0.0.1,
         its configMap volume a local folder
-      --> /health and a completion answer; SIGTERM to the runner stops the engine and reports
-          the container's exit in the pod's status, as a kubelet would.
+      --> /health and a completion answer; the pod deleted: its engine stopped, the ReplicaSet's
+          new pod served; SIGTERM to the runner stops the engine and reports the container's exit
+          in the pod's status, as a kubelet would.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +75,22 @@ def test_runner_serves_an_engine_pod_and_reports_its_stop(crds, namespace, opera
             "model": body["spec"]["model"]["preset"], "prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] >= 1
+
+        # a deleted pod's engine is stopped; the ReplicaSet's new pod gets an engine of its own
+        crds.core.delete_namespaced_pod(pod.metadata.name, namespace)
+        first = pod.metadata.name
+
+        def replacement():
+            pods = crds.core.list_namespaced_pod(namespace, label_selector=selector).items
+            return next((p for p in pods if p.metadata.name != first and p.status.phase == "Running"), None)
+
+        pod = wait_until(replacement, 60, "the ReplicaSet's new engine pod")
+        wait_until(lambda: f"{namespace}/{pod.metadata.name}" in json.loads(
+            (tmp_path / "pods" / "endpoints.json").read_text()), 30, "the runner to start the new pod", interval_s=0.2)
+        url = json.loads((tmp_path / "pods" / "endpoints.json").read_text())[f"{namespace}/{pod.metadata.name}"]
+        assert re.search(rf"pod {namespace}/{first}: stopped \((deleted|gone)\)", log.read_text()), log.read_text()
+        assert len(json.loads((tmp_path / "pods" / "endpoints.json").read_text())) == 1
+        wait_until(healthy, 60, f"the new engine at {url} to answer /health", interval_s=0.3)
     finally:
         if runner.poll() is None:
             os.killpg(runner.pid, signal.SIGTERM)
