@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal, Mapping, Sequence
 
 from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
@@ -146,7 +146,7 @@ class RegimeLibrary:
         rest = [r for r in self.regimes if r.name != regime.name]
         kept = [*rest, regime]
         while len(kept) > REGIMES_KEPT:
-            never = datetime.min.replace(tzinfo=regime.last_seen.tzinfo if regime.last_seen else None)
+            never = datetime.min.replace(tzinfo=timezone.utc)
             victims = [r for r in kept[:-1] if r.champion is None] or kept[:-1]
             oldest = min(victims, key=lambda r: r.last_seen or never)
             kept.remove(oldest)
@@ -315,7 +315,10 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
         problem = f"its pinned champion {pinned_champion} has not been verified by a CompileRun of this deployment"
     usable = champion if problem is None else None
     if key == current.name:
-        if usable is not None and not _serving(library, usable, active_forward_pass) and current.forward_pass:
+        published_since = (usable is not None and usable.verified_at is not None
+                           and current.last_switch_time is not None and usable.verified_at > current.last_switch_time)
+        if (usable is not None and not _serving(library, usable, active_forward_pass) and current.forward_pass
+                and not published_since):  # a champion published after the last switch is the target already
             # the library chose another champion for this regime before: come back to this one
             return _switch(library, key, usable, now, f"traffic in regime {key}; its champion "
                                                       f"{usable.forward_pass} is not the one served")
@@ -408,7 +411,8 @@ def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[s
 
 def target_forward_pass(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus,
                         newest_champion: tuple[str, str] | None) -> str | None:
-    """What the rollout should run: spec.forwardPass; else the champion the library last switched to,
+    """What the rollout should run: spec.forwardPass; else the champion of spec.regimes.pin's regime;
+    else a pinned champion of the current regime; else the champion the library last switched to,
     unless a CompileRun finished after that switch (``newest_champion``: (completion time as the API
     server writes it, champion) of the deployment's newest successful CompileRun), whose champion
     wins as before the library existed."""
@@ -416,10 +420,11 @@ def target_forward_pass(spec: InferenceDeploymentSpec, status: InferenceDeployme
         return spec.forward_pass
     current = status.current_regime
     policy = _policy(spec)
-    if policy.pin:
+    if policy.pin:  # the pinned regime's champion, pinned or recorded, whatever finished since
         pinned = _pinned_name(policy, policy.pin)
-        if pinned is not None:
-            return pinned
+        recorded = next((r.champion for r in status.regimes or [] if r.name == policy.pin and r.champion), None)
+        if pinned is not None or recorded is not None:
+            return pinned or recorded.forward_pass  # type: ignore[union-attr]
     if current is not None and current.name is not None:
         pinned = _pinned_name(policy, current.name)
         if pinned is not None:

@@ -204,11 +204,12 @@ def test_no_data_changes_nothing_and_the_library_keeps_its_size():
     lib = library_with_champions()
     d = decide(lib, None, spec=spec(), now=T0 + 10 * CHECK, interval=CHECK)
     assert d.kind == "NoData" and d.library == lib
+    lib = lib.put(RegimeStatus(name="p9-h1-c9"))  # never seen (a run's record without times)
     for i in range(REGIMES_KEPT + 4):
         lib = lib.put(RegimeStatus(name=f"p{i}-h0-c9", last_seen=T0 + i * CHECK))
     names = {r.name for r in lib.regimes}
     assert len(lib.regimes) == REGIMES_KEPT and {KEY_A, KEY_B} <= names  # champions are kept longest
-    assert "p0-h0-c9" not in names
+    assert "p9-h1-c9" not in names and "p0-h0-c9" not in names
 
 
 def test_engine_env_digest_counts_only_performance_switches():
@@ -264,3 +265,24 @@ def test_max_payback_skips_a_compile_that_would_not_pay_for_itself():
         pytest.approx(2250.0), pytest.approx(1200.0))
     lasted = settle(spec(compilation={"maxPaybackHours": 1}))
     assert lasted.kind == "Uneconomic" and "longer than regimes have lasted so far (1200 s on average)" in lasted.reason
+
+
+def test_a_champion_published_after_the_last_switch_is_not_switched_to_again():
+    lib = library_with_champions()
+    at = T0 + 10 * CHECK
+    for i in range(2):  # back to A: a switch to fp-a
+        lib = run(lib, A, at + i * CHECK, active="fp-b").library
+    assert lib.current.forward_pass == "fp-a"
+    # a new regime C, compiled; its champion finishes after the switch and is the rollout's target already
+    c = profile(5000, 0.3)
+    key_c = regime_key(c)
+    for i in range(2, 4):
+        lib = run(lib, c, at + i * CHECK, active="fp-a").library
+    lib = record_champion(record_compile_run(lib, key_c, "run-c", at + 3 * CHECK), key_c,
+                          forward_pass("fp-c", "c" * 64), "run-c", at + 5 * CHECK)
+    d = run(lib, c, at + 6 * CHECK, active="fp-a")
+    assert d.kind == "Stay" and d.blocks_compile and d.library.current.last_switch_time == at + CHECK
+    status = InferenceDeploymentStatus.model_validate(d.library.to_wire())
+    assert target_forward_pass(spec(), status, ("2026-12-01T12:15:00Z", "fp-c")) == "fp-c"
+    # a pinned regime wins over a CompileRun that finished later
+    assert target_forward_pass(spec(regimes={"pin": KEY_B}), status, ("2026-12-01T12:15:00Z", "fp-c")) == "fp-b"
