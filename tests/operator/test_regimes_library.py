@@ -286,3 +286,53 @@ def test_a_champion_published_after_the_last_switch_is_not_switched_to_again():
     assert target_forward_pass(spec(), status, ("2026-12-01T12:15:00Z", "fp-c")) == "fp-c"
     # a pinned regime wins over a CompileRun that finished later
     assert target_forward_pass(spec(regimes={"pin": KEY_B}), status, ("2026-12-01T12:15:00Z", "fp-c")) == "fp-b"
+
+
+def test_the_drift_check_switches_instead_of_compiling_and_compiles_a_new_regime():
+    from shapeshift.operator.builders import Parent
+    from shapeshift.operator.drift import Compile
+    from shapeshift.operator.drift_check import check_drift
+    from shapeshift.operator.prometheus import DataQuality, ObservedTraffic
+    from shapeshift.operator.settings import OperatorSettings
+
+    now = T0 + 20 * CHECK
+    s = spec(compilation={"policy": "OnDrift", "cooldownSeconds": 0,
+                          "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": 60}})
+    lib = library_with_champions()  # current regime B, served by fp-b
+
+    def status(observed: str, checks: int) -> InferenceDeploymentStatus:
+        wire = lib.to_wire()
+        wire["currentRegime"].update({"observed": observed, "observedChecks": checks,
+                                      "observedSince": "2026-12-01T12:18:00Z"})
+        return InferenceDeploymentStatus.model_validate({
+            **wire, "compiledFor": B.to_dict(), "drift": {"consecutiveChecks": 1},
+            "activeForwardPass": {"name": "fp-b"}})
+
+    def check(traffic: TrafficProfile, st: InferenceDeploymentStatus):
+        quality = DataQuality(requests=100, targets=1, window_seconds=60, evaluated_at=now,
+                              prefix_cache_queried_tokens=1000.0)
+        return check_drift(spec=s, status=st, parent=Parent(kind="InferenceDeployment", name="llama",
+                                                              namespace="team-a", uid="u1"),
+                           observe=lambda: ObservedTraffic(traffic, quality), active_compile_run=None,
+                           settings=OperatorSettings(), now=now, library=RegimeLibrary.of(st))
+
+    # A on its first check: the drift detector would compile, the library waits for the traffic to settle
+    first = check(A, status(KEY_B, 2))
+    assert isinstance(first.result.decision, Compile) and first.compile_run is None
+    assert first.regime.kind == "Settling" and first.result.state.consecutive == 2
+    assert "no CompileRun: traffic in regime" in first.update.condition("Drifted")[3]
+    assert first.update.condition("Regime")[1:3] == ("False", "Settling")
+    # A on its second check: a switch to fp-a, no CompileRun
+    second = check(A, status(KEY_A, 1))
+    assert second.regime.kind == "Switch" and second.compile_run is None and second.write
+    assert second.update.fields["currentRegime"]["forwardPass"] == "fp-a"
+    assert second.update.condition("Regime")[1:3] == ("True", "SwitchedToChampion")
+    # a new regime, settled: the CompileRun the drift detector builds, recorded as the regime's
+    c = profile(5000, 0.3)
+    settled = check(c, status(regime_key(c), 1))
+    assert settled.regime.kind == "Compile" and settled.compile_run is not None
+    name = settled.compile_run["metadata"]["name"]
+    assert settled.compile_run["metadata"]["annotations"]["shapeshift.dev/regime"] == regime_key(c)
+    recorded = {r["name"]: r for r in settled.update.fields["regimes"]}[regime_key(c)]
+    assert recorded["compileRun"] == name and "champion" not in recorded
+    assert name in settled.update.condition("Regime")[3]
