@@ -25,11 +25,11 @@ import yaml
 
 from harness.cluster import wait_until
 from harness.controlplane import free_port
+from shapeshift.operator.api import GROUP, VERSION
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
-GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 EXAMPLE = REPO / "docs" / "examples" / "inferencedeployment-cpu.yaml"
 
 
