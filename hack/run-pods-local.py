@@ -13,7 +13,9 @@ pools (default: cpu) in the watched namespaces, the way the test suite does
 
   - engine pods (`shapeshift serve ...`): the pod's own command line, with --host and --port
     replaced by 127.0.0.1 and the first free port from --port-base (default 18000) up; the
-    URL is printed (and listed in <workdir>/endpoints.json): curl it, not the Service;
+    URL is printed (and listed in <workdir>/endpoints.json): curl it, not the Service; and
+    <workdir>/prometheus-targets.json lists the engines for a Prometheus file_sd_configs
+    (labels namespace, deployment, pod, as a ServiceMonitor writes them);
   - other pods (a compile Job's `shapeshift compile --compile-run NS/RUN`): as written;
   - env, ConfigMap/Secret/downward-API values and downwardAPI volumes as a kubelet gives them;
     a persistentVolumeClaim volume is the folder <workdir>/claims/<namespace>/<claim>;
@@ -78,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Readers (curl scripts, Prometheus's file_sd) never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import kubernetes  # noqa: F811  (imported above only to find the venv)
@@ -97,6 +106,7 @@ def main(argv: list[str]) -> int:
         args.namespaces or [context.get("context", {}).get("namespace") or "default"])
     args.workdir.mkdir(parents=True, exist_ok=True)
     endpoints = args.workdir / "endpoints.json"
+    targets = args.workdir / "prometheus-targets.json"
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -127,12 +137,14 @@ def main(argv: list[str]) -> int:
                 failure = said
             urls = runner.urls()
             if urls != written:
-                endpoints.write_text(json.dumps(urls, indent=2, sort_keys=True) + "\n")
+                write_atomically(endpoints, json.dumps(urls, indent=2, sort_keys=True) + "\n")
+                write_atomically(targets, json.dumps(runner.prometheus_targets(), indent=2) + "\n")
                 written = urls
             stop.wait(args.interval)
     finally:
         runner.stop_all()
-        endpoints.write_text("{}\n")
+        write_atomically(endpoints, "{}\n")
+        write_atomically(targets, "[]\n")
     return 0
 
 

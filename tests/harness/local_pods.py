@@ -20,6 +20,9 @@ compile Jobs do something on a laptop (hack/run-pods-local.py; docs/local-operat
            containerStatuses reported to the API (the Job controller and the operator read them)
       -> a started pod deleted or terminating     -> LocalPod.stop(): SIGTERM, SIGKILL after the grace
     stop_all(): every running pod stopped and reported, as a node going down.
+    prometheus_targets(): the engines as Prometheus file_sd target groups, labelled namespace,
+      deployment (the pod's InferenceDeployment) and pod as a ServiceMonitor labels them, so a
+      local Prometheus can feed the drift detector and the canary analysis.
 
 An exit is final, as in harness.kubelet: no restarts, no probes (kwok reports the pods Ready).
 """
@@ -41,6 +44,7 @@ from kubernetes.client import ApiException, CoreV1Api, V1Pod
 
 from harness.controlplane import POOL_LABEL
 from harness.kubelet import LocalPod, PodSpecError
+from shapeshift.operator.builders import LABEL_DEPLOYMENT
 
 VENV_BIN = Path(sys.executable).parent
 DEFAULT_POOLS = ("cpu",)
@@ -66,6 +70,7 @@ class RunningPod:
     pod: LocalPod
     uid: str
     url: str | None  # the engine's base URL on loopback; None for pods that serve nothing
+    deployment: str = ""  # the InferenceDeployment the pod serves (its label), "" for other pods
 
 
 class LocalPodRunner:
@@ -122,6 +127,12 @@ class LocalPodRunner:
     def urls(self) -> dict[str, str]:
         """{namespace/pod: engine base URL} of the engines running now."""
         return {f"{ns}/{name}": e.url for (ns, name), e in self.running.items() if e.url}
+
+    def prometheus_targets(self) -> list[dict]:
+        """Prometheus file_sd target groups, one per running engine."""
+        return [{"targets": [e.url.removeprefix("http://")],
+                 "labels": {"namespace": ns, "deployment": e.deployment, "pod": name}}
+                for (ns, name), e in sorted(self.running.items()) if e.url]
 
     # ---- pieces
 
@@ -184,7 +195,8 @@ class LocalPodRunner:
             local.stop(grace_s=1)
             self.log(f"pod {namespace}/{name}: not run locally: {error}")
             return
-        self.running[(namespace, name)] = RunningPod(local, pod.metadata.uid, url)
+        deployment = (pod.metadata.labels or {}).get(LABEL_DEPLOYMENT, "")
+        self.running[(namespace, name)] = RunningPod(local, pod.metadata.uid, url, deployment)
         logs = ", ".join(str(run.log_path) for run in local.containers)
         self.log(f"pod {namespace}/{name}: started {' '.join(local.containers[0].argv[:4])} ..."
                  + (f" serving on {url}" if url else "") + f" (log: {logs})")
