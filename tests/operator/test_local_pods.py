@@ -106,3 +106,26 @@ def test_runner_serves_an_engine_pod_and_reports_its_stop(crds, namespace, opera
     assert engine.name == "engine" and engine.state.terminated is not None, status
     assert status.phase in ("Succeeded", "Failed")
     assert not healthy()
+
+
+def test_the_pages_prometheus_config_reads_the_runners_targets(tmp_path):
+    """docs/local-operator.md's prometheus.yml, pointed at a targets file in the runner's format,
+    passes `promtool check config` (which also reads the file_sd file)."""
+    import shutil
+
+    from harness import tools
+
+    promtool = shutil.which("promtool", path=str(tools.prometheus().resolve().parent))
+    assert promtool, "promtool not found next to prometheus; it ships in Debian's prometheus package"
+    text = (REPO / "docs" / "local-operator.md").read_text()
+    (config,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "file_sd_configs" in b]
+    targets = tmp_path / "prometheus-targets.json"
+    targets.write_text(json.dumps([{"targets": ["127.0.0.1:18000"],
+                                    "labels": {"namespace": "default", "deployment": "tiny", "pod": "tiny-engine-0"}}]))
+    (job,) = config["scrape_configs"]
+    assert job["file_sd_configs"][0]["files"][0].endswith("/local-pods/prometheus-targets.json")
+    job["file_sd_configs"][0]["files"] = [str(targets)]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
