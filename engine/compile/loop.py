@@ -385,24 +385,22 @@ class CompileLoop:
         return full, inc_full, paired
 
     def _overruns_budget(self, cand: Candidate, rounds: int) -> str | None:
-        """Why `rounds` paired full-tier rounds for `cand`, then the closing comparison, would not
-        fit the wall-clock budget (None when they fit, or the budget counts trials only). The cost
-        of a round is estimated from the baseline's own full-tier measurement (its seconds, warm-up
-        included, for its repeats): a round replays two passes. On the H200 a 75 s budget ran 253 s
-        when a confirmation, a second round and the closing comparison started near its end."""
+        """Why `rounds` paired full-tier rounds for `cand` would not fit in what is left of the
+        wall-clock budget (None when they fit, or the budget counts trials only). The cost of a
+        round is estimated from the baseline's own full-tier measurement (its seconds, warm-up
+        included, for its repeats): a round replays two passes. The closing comparison is not
+        counted: it runs after the search, in the run's grace (a CompileRun's
+        deadlineGraceSeconds). On the H200 a 75 s budget ran 253 s when a confirmation and its
+        second round started near its end."""
         if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
             return None
-        repeats = max(1, len(self.baseline_full.samples))
         round_s = 2 * self.baseline_full.seconds
-        closing_pairs = getattr(getattr(self.evaluator, "settings", None), "closing_pairs", repeats)
-        closing_s = round_s * max(1.0, closing_pairs / repeats)
-        need = rounds * round_s + closing_s
+        need = rounds * round_s
         left = self.budget.max_seconds - self.elapsed
         if need <= left:
             return None
-        return (f"{cand.short} beat the incumbent on the fast tier, but confirming it (about {rounds * round_s:.0f} s) "
-                f"and the closing comparison (about {closing_s:.0f} s) would overrun the time budget "
-                f"({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
+        return (f"{cand.short} beat the incumbent on the fast tier, but confirming it (about {need:.0f} s) would "
+                f"overrun the time budget ({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
 
     def _overruns_closing(self) -> bool:
         """True when another round of the closing comparison (estimated as in _overruns_budget)

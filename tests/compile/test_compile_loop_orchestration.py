@@ -311,9 +311,9 @@ class SlowFullTierEvaluator(FakeEvaluatorForOrchestrationTests):
 
 
 def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Path) -> None:
-    """A wall-clock budget bounds the run: a faster candidate whose confirmation and closing
-    comparison, estimated from the baseline's own full-tier seconds, would not fit in what is
-    left is not confirmed, and the board says why; with room for them it is confirmed."""
+    """A wall-clock budget bounds the search: a faster candidate whose confirmation, estimated
+    from the baseline's own full-tier seconds, would not fit in what is left is not confirmed,
+    and the board says why; with room for it, it is confirmed."""
     def run(budget_s: float, full_s: float):
         board = Board(tmp_path / f"board-{budget_s}.jsonl")
         sp = space()
@@ -322,7 +322,7 @@ def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Pat
                            Budget(max_trials=None, max_seconds=budget_s), LoopConfig(deterministic=True))
         return loop.run(), board, ev
 
-    result, board, ev = run(budget_s=60, full_s=40)  # a round (80 s) and the closing (80 s) > 60 s
+    result, board, ev = run(budget_s=60, full_s=40)  # a paired round (80 s) > the 60 s budget
     assert result.champion is None and ("compare", "fast") not in ev.calls
     notes = [n["text"] for n in board.entries("note") if n.get("over_budget")]
     assert len(notes) == 1 and "would overrun the time budget" in notes[0], notes
