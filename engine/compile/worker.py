@@ -425,7 +425,7 @@ class CompileRunContext:
     def finish(self, result: Any, exported: dict[str, Any] | None) -> None:
         if result.champion is None:
             beaten = f" and ForwardPass {self.pass_to_beat_name}" if self.pass_to_beat_name else ""
-            message = f"no verified improvement over the stock forward pass{beaten} ({result.stop_reason})"
+            message = f"no verified improvement over the shipped serving default{beaten} ({result.stop_reason})"
         else:
             message = (f"champion {self.champion_name or result.champion.digest[:12]}: {result.speedup:.3f}x the "
                        f"shipped serving default, verified ({result.stop_reason})")

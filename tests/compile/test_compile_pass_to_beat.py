@@ -188,7 +188,7 @@ def test_a_compile_run_measures_the_active_pass_and_says_what_it_had_to_beat(crd
     if st.get("champion"):  # it beat fp-1 in a paired comparison at the end
         assert any(e.get("kind") == "note" and e.get("final_vs_pass") and e.get("won") for e in board)
     else:
-        assert st["message"].startswith("no verified improvement over the stock forward pass and ForwardPass fp-1")
+        assert st["message"].startswith("no verified improvement over the shipped serving default and ForwardPass fp-1")
 
 
 @pytest.mark.cluster

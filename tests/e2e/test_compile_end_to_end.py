@@ -152,7 +152,7 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert conds["Failed"]["status"] == "False" and conds["Scheduled"]["status"] == "True", conds
     assert status["completionTime"] and status["nodeName"] == pod["spec"]["nodeName"]
     # The worker's final word survives the Job's completion, and the condition quotes it.
-    final_word = "champion " if status.get("champion") else "no verified improvement over the stock forward pass ("
+    final_word = "champion " if status.get("champion") else "no verified improvement over the shipped serving default ("
     assert status["message"].startswith(final_word), status["message"]
     assert status["message"] in conds["Complete"]["message"], conds["Complete"]
 

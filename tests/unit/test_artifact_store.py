@@ -158,7 +158,7 @@ def job(condition, reason, message=""):
 
 
 def test_completion_keeps_the_workers_message_and_quotes_it_in_the_condition():
-    said = "no verified improvement over the stock forward pass (budget: 12 trials)"
+    said = "no verified improvement over the shipped serving default (budget: 12 trials)"
     current = CompileRunStatus(phase="Running", message=said, trials={"total": 12})
     update = compile_run_status(current=current, job=job("Complete", "CompletionsReached"), job_name="r-compile",
                                 pods=[])
