@@ -380,7 +380,7 @@ class ForwardPassRef(StatusModel):
     name: str = Field(default="stock", max_length=253, description="ForwardPass name ('stock' for the built-in one).")
     sha256: str | None = Field(default=None, max_length=64, description="Bundle digest (manifest digest) the engine checks.")
     artifact: str | None = Field(default=None, max_length=2048, description="Where the bundle lives (the ForwardPass's artifact URI).")
-    speedup: float | None = Field(default=None, ge=0, description="Measured speedup over the stock forward pass.")
+    speedup: float | None = Field(default=None, ge=0, description="Measured speedup over the shipped serving default (the compile run's baseline).")
 
 
 class DriftStatus(StatusModel):
