@@ -187,10 +187,10 @@ class EngineConfig:
     # per-step work behind the GPU; tokens then stream k at a time, and a request that
     # stops early (EOS, stop string) discards the extra steps it computed.
     # None: CUDA_DECODE_STEPS on CUDA, 1 on the CPU (no graphs there). Eight overlapped steps were
-    # the fastest serving configuration measured on every replayed profile on an H200 (through the
-    # HTTP server: chat 1.53x, agentic 1.31x, burst 1.43x the output tokens/s of single steps;
-    # docs/serving-performance.md, run A), so `shapeshift serve` and the compile loop's shipped
-    # default run them.
+    # the fastest serving configuration measured on every replayed profile on an H200, so they are
+    # the shipped serving default (`shapeshift serve` and the compile loop's baseline): through the
+    # HTTP server 1.50x (chat), 1.33x (agentic), 1.35x (burst) the output tokens/s of the previous
+    # default, single steps (docs/serving-performance.md, run D).
     decode_steps: int | None = None
     # With decode_steps > 1: launch the next chunk of decode steps before the host reads and
     # post-processes the one in flight, so detokenising and stop checks (~5-10 us per sequence
