@@ -47,6 +47,11 @@ def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
     return {"rule": rule, "message": message, **extra}
 
 
+def cel_rules(*rules: dict[str, str]) -> ConfigDict:
+    """A model's `x-kubernetes-validations` (each a `cel` entry), as its pydantic model_config."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
 class WireModel(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown keys rejected."""
 
@@ -193,7 +198,7 @@ def _pool_problem(hw: "HardwareSpec") -> str | None:
 class HardwareSpec(WireModel):
     """The accelerator pool pods run on."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _pool_rules()})
+    model_config = cel_rules(*_pool_rules())
 
     accelerator: AcceleratorKind = Field(
         description="Accelerator kind: " + ", ".join(f"{k} ({a.description})" for k, a in ACCELERATORS.items()) + "."
@@ -260,27 +265,23 @@ class EnvVar(WireModel):
     """An environment variable of the engine container: a literal value, or for a credential a
     Secret's key. Reserved names (contracts/engine_env.py) are refused."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(f"!(self.name in {_cel_list(OPERATOR_ENV_NAMES)}) && "
-                    f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
-                    "spec.engine.env: this name is set by the operator itself"),
-                cel(f"self.name in {_cel_list(engine_env.PERFORMANCE_ENV)} || "
-                    f"(!(self.name in {_cel_list(RESERVED_ENV_NAMES)}) && "
-                    + " && ".join(f"!self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")",
-                    "spec.engine.env[].name is reserved: the engine, the compile worker, the Kubernetes client, "
-                    "the loader (LD_*), Python (PYTHON*) or the device runtimes (CUDA_*, NVIDIA_*, NEURON_RT_*, "
-                    "NCCL plugins) read it; of the SHAPESHIFT_ names only the performance switches "
-                    + ", ".join(engine_env.PERFORMANCE_ENV) + " may be set"),
-                cel(f"!self.name.matches('{engine_env.SECRET_NAME_PATTERN}') || "
-                    "(has(self.valueFrom) && self.value == '')",
-                    "spec.engine.env[].valueFrom.secretKeyRef: a credential (a name with TOKEN, SECRET, PASSWORD, "
-                    "API_KEY, ACCESS_KEY ...) takes its value from a Secret, never from spec.engine.env[].value"),
-                cel("!has(self.valueFrom) || self.value == ''",
-                    "spec.engine.env[]: set value or valueFrom, not both"),
-            ]
-        }
+    model_config = cel_rules(
+        cel(f"!(self.name in {_cel_list(OPERATOR_ENV_NAMES)}) && "
+            f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
+            "spec.engine.env: this name is set by the operator itself"),
+        cel(f"self.name in {_cel_list(engine_env.PERFORMANCE_ENV)} || "
+            f"(!(self.name in {_cel_list(RESERVED_ENV_NAMES)}) && "
+            + " && ".join(f"!self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")",
+            "spec.engine.env[].name is reserved: the engine, the compile worker, the Kubernetes client, "
+            "the loader (LD_*), Python (PYTHON*) or the device runtimes (CUDA_*, NVIDIA_*, NEURON_RT_*, "
+            "NCCL plugins) read it; of the SHAPESHIFT_ names only the performance switches "
+            + ", ".join(engine_env.PERFORMANCE_ENV) + " may be set"),
+        cel(f"!self.name.matches('{engine_env.SECRET_NAME_PATTERN}') || "
+            "(has(self.valueFrom) && self.value == '')",
+            "spec.engine.env[].valueFrom.secretKeyRef: a credential (a name with TOKEN, SECRET, PASSWORD, "
+            "API_KEY, ACCESS_KEY ...) takes its value from a Secret, never from spec.engine.env[].value"),
+        cel("!has(self.valueFrom) || self.value == ''",
+            "spec.engine.env[]: set value or valueFrom, not both"),
     )
     name: str = Field(max_length=128, pattern=_ENV_NAME, description="Variable name (a C identifier).")
     value: str = Field(default="", max_length=4096, description="Its literal value (not for credentials).")

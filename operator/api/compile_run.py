@@ -12,12 +12,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (DNS_SUBDOMAIN, BuiltinTrafficProfile, Condition, HardwareSpec,
-                                            StatusModel, WireModel, cel, check_outbound_url, default_of,
-                                            outbound_url_rule)
+                                           StatusModel, WireModel, cel, check_outbound_url, default_of,
+                                           outbound_url_rule, cel_rules)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 from shapeshift.operator.api.hardware import AcceleratorKind
 
@@ -37,16 +37,12 @@ IN_CLUSTER_HTTP = r"^http://([a-z0-9]([-a-z0-9]*[a-z0-9])?|[^/:]+[.]svc([.]clust
 class LLMAgentSpec(WireModel):
     """An OpenAI-compatible endpoint for an LLM coding agent."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                outbound_url_rule("endpoint", "spec.agents[].llm.endpoint"),
-                cel(f"!has(self.apiKeySecretRef) || self.endpoint.startsWith('https://') || "
-                    f"self.endpoint.matches('{IN_CLUSTER_HTTP}')",
-                    "spec.agents[].llm.endpoint must be https:// when spec.agents[].llm.apiKeySecretRef is set "
-                    "(plain http only to a Service of the cluster)"),
-            ]
-        }
+    model_config = cel_rules(
+        outbound_url_rule("endpoint", "spec.agents[].llm.endpoint"),
+        cel(f"!has(self.apiKeySecretRef) || self.endpoint.startsWith('https://') || "
+            f"self.endpoint.matches('{IN_CLUSTER_HTTP}')",
+            "spec.agents[].llm.endpoint must be https:// when spec.agents[].llm.apiKeySecretRef is set "
+            "(plain http only to a Service of the cluster)"),
     )
     endpoint: str = Field(max_length=1024, pattern=r"^https?://",
                           description="Base URL of an OpenAI-compatible API: http(s)://host[:port][/path], no "
@@ -71,11 +67,7 @@ class LLMAgentSpec(WireModel):
 class AgentSpec(WireModel):
     """One search agent."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings")]
-        }
-    )
+    model_config = cel_rules(cel("self.kind != 'llm' || has(self.llm)", "an agent of kind llm needs llm settings"))
     kind: Literal["coordinate-sweep", "evolutionary", "model-based", "llm"] = Field(
         description="Agent strategy. On the run's message board an agent is named by its kind (sweep, evolve, "
                     "bayes, llm) and its later replicas <kind>-2, <kind>-3, ...")
@@ -147,13 +139,9 @@ class BaselineSpec(WireModel):
 class CompileBudget(WireModel):
     """How much one compile run may spend; at least one limit must be positive."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.wallClockSeconds > 0 || self.trials > 0",
-                    "a compile budget needs wallClockSeconds > 0 or trials > 0"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("self.wallClockSeconds > 0 || self.trials > 0",
+            "a compile budget needs wallClockSeconds > 0 or trials > 0"),
     )
     wall_clock_seconds: int = Field(default=3600, ge=0, le=7 * 86400, description="Wall-clock limit of the search in seconds (0: no limit).")
     trials: int = Field(default=0, ge=0, le=1_000_000, description="Candidate measurements allowed (0: no limit).")
@@ -193,13 +181,9 @@ class TrafficSource(WireModel):
     """The traffic to optimise for: at most one of builtin, inline, prometheus
     (none: the deployment's observed traffic, else its traffic profile)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("(has(self.builtin) ? 1 : 0) + (has(self.inline) ? 1 : 0) + (has(self.prometheus) ? 1 : 0) <= 1",
-                    "set at most one of spec.traffic.builtin, spec.traffic.inline, spec.traffic.prometheus"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("(has(self.builtin) ? 1 : 0) + (has(self.inline) ? 1 : 0) + (has(self.prometheus) ? 1 : 0) <= 1",
+            "set at most one of spec.traffic.builtin, spec.traffic.inline, spec.traffic.prometheus"),
     )
     builtin: BuiltinTrafficProfile | None = Field(default=None, description="A built-in profile.")
     inline: TrafficProfile | None = Field(default=None, description="A profile given in full (drift-triggered runs carry their snapshot here).")
@@ -226,13 +210,9 @@ _RUN_NAME_MAX = 52  # the Job is "<run>-compile"; Job names feed a 63-character 
 class CompileRunSpec(WireModel):
     """One search for a faster forward pass. Immutable once created."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self == oldSelf", "spec of a CompileRun is immutable; create a new CompileRun"),
-                cel("!has(self.agents) || self.agents.size() > 0", AGENTS_NOT_EMPTY),
-            ]
-        }
+    model_config = cel_rules(
+        cel("self == oldSelf", "spec of a CompileRun is immutable; create a new CompileRun"),
+        cel("!has(self.agents) || self.agents.size() > 0", AGENTS_NOT_EMPTY),
     )
     deployment_ref: DeploymentRef = Field(description="The InferenceDeployment to compile for.")
     hardware: HardwareSpec | None = Field(default=None, description="Pool to compile on (default: the deployment's).")

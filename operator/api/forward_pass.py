@@ -16,11 +16,11 @@ import re
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (ENV_LIST_SCHEMA, MAX_ENV_VARS, Condition, Dtype, EnvVar, StatusModel,
-                                            WireModel, cel, default_of)
+                                           WireModel, cel, default_of, cel_rules)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
 from shapeshift.operator.api.hardware import AcceleratorKind
 
@@ -50,19 +50,15 @@ _DOT_DOT = r"(^|/)[.][.](/|$)"
 class Artifact(WireModel):
     """Where the bundle lives."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(" || ".join(f"self.uri.startsWith('{p}')" for p in ARTIFACT_URI_PREFIXES),
-                    "spec.artifact.uri must be an absolute path, file:///path or an http(s):// URL: the engine "
-                    "fetches no other location"),
-                cel(f"!self.uri.matches('{_USERINFO}') && !self.uri.contains('?') && !self.uri.contains('#')",
-                    "spec.artifact.uri must carry no credentials: no user:password@, query string or fragment "
-                    "(the URI is copied into pod annotations that anyone who may get pods reads)"),
-                cel(f"!self.uri.matches('{_DOT_DOT}')",
-                    "spec.artifact.uri must not contain '..' segments: a path stays inside the folder it names"),
-            ]
-        }
+    model_config = cel_rules(
+        cel(" || ".join(f"self.uri.startsWith('{p}')" for p in ARTIFACT_URI_PREFIXES),
+            "spec.artifact.uri must be an absolute path, file:///path or an http(s):// URL: the engine "
+            "fetches no other location"),
+        cel(f"!self.uri.matches('{_USERINFO}') && !self.uri.contains('?') && !self.uri.contains('#')",
+            "spec.artifact.uri must carry no credentials: no user:password@, query string or fragment "
+            "(the URI is copied into pod annotations that anyone who may get pods reads)"),
+        cel(f"!self.uri.matches('{_DOT_DOT}')",
+            "spec.artifact.uri must not contain '..' segments: a path stays inside the folder it names"),
     )
     uri: str = Field(
         min_length=1, max_length=2048,
@@ -109,13 +105,9 @@ class GateResult(WireModel):
 
 
 class VerificationReport(WireModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!self.passed || self.gates.all(g, g.passed)",
-                    "spec.verification.passed is true but a gate in spec.verification.gates failed"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("!self.passed || self.gates.all(g, g.passed)",
+            "spec.verification.passed is true but a gate in spec.verification.gates failed"),
     )
     passed: bool = Field(description="Whether every gate passed.")
     gates: list[GateResult] = Field(default_factory=list, max_length=64, description="Per-gate results.")
@@ -168,15 +160,11 @@ def _canonical(value: Any) -> Any:
 class ForwardPassSpec(WireModel):
     """A verified champion: an entry of the registry. Immutable once created."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self == oldSelf", "spec of a ForwardPass is immutable; publish a new ForwardPass"),
-                cel("!has(self.verification.artifactSha256) || self.verification.artifactSha256 == self.artifact.sha256",
-                    "spec.verification.artifactSha256 differs from spec.artifact.sha256: the report is about another "
-                    "bundle"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("self == oldSelf", "spec of a ForwardPass is immutable; publish a new ForwardPass"),
+        cel("!has(self.verification.artifactSha256) || self.verification.artifactSha256 == self.artifact.sha256",
+            "spec.verification.artifactSha256 differs from spec.artifact.sha256: the report is about another "
+            "bundle"),
     )
     model: ModelSignature = Field(description="Model it is for.")
     hardware: ForwardPassHardware = Field(description="Hardware it is for.")

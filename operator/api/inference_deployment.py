@@ -12,13 +12,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.operator.api.common import (DNS_SUBDOMAIN, ENV_LIST_SCHEMA, MAX_ENV_VARS, BuiltinTrafficProfile,
-                                            Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel,
-                                            check_outbound_url, outbound_url_rule,
-                                            default_of)
+                                           Condition, Dtype, EnvVar, HardwareSpec, StatusModel, WireModel, cel,
+                                           check_outbound_url, outbound_url_rule, default_of, cel_rules)
 from shapeshift.operator.api.compile_run import (AgentSpec, BaselineSpec, CompileBudget, CompileSLO, TierSpec,
                                                  VerificationSpec)
 from shapeshift.operator.api.group import AGE_COLUMN, Kind, printer_column
@@ -36,13 +35,9 @@ class PVCModelSource(WireModel):
 class ModelSource(WireModel):
     """Where the weights come from: exactly one of `preset` or `pvc`."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.preset) != has(self.pvc)",
-                    "exactly one of spec.model.preset or spec.model.pvc must be set"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("has(self.preset) != has(self.pvc)",
+            "exactly one of spec.model.preset or spec.model.pvc must be set"),
     )
     preset: str | None = Field(
         default=None, max_length=128, pattern=r"^[a-z0-9][a-z0-9.-]*$",
@@ -84,14 +79,10 @@ class EngineSettings(WireModel):
     (dtype choices, power-of-two block size, batched tokens >= batch size,
     memory fraction in (0, 1]), so a spec the API server accepts is one the engine starts with."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxBatchSize",
-                    "spec.engine.maxNumBatchedTokens must be at least spec.engine.maxBatchSize, "
-                    "so every running sequence can decode each step"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxBatchSize",
+            "spec.engine.maxNumBatchedTokens must be at least spec.engine.maxBatchSize, "
+            "so every running sequence can decode each step"),
     )
     image: str = Field(default=DEFAULT_ENGINE_IMAGE, max_length=512, description="Engine container image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
@@ -178,13 +169,9 @@ class CompileRunTemplate(WireModel):
 class CompilationPolicy(WireModel):
     """When Shapeshift compiles: only on request, or also when traffic drifts."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.policy != 'OnDrift' || has(self.drift)",
-                    "spec.compilation.policy OnDrift requires spec.compilation.drift thresholds"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("self.policy != 'OnDrift' || has(self.drift)",
+            "spec.compilation.policy OnDrift requires spec.compilation.drift thresholds"),
     )
     policy: Literal["Manual", "OnDrift"] = Field(default="Manual", description="Manual: only CompileRuns you create. OnDrift: also when traffic drifts.")
     drift: DriftThresholds | None = Field(default=None, description="Drift thresholds (required for OnDrift).")
@@ -240,13 +227,9 @@ class RegimeChampionPin(WireModel):
 class RegimePolicy(WireModel):
     """How the operator moves between the verified champions of the traffic regimes it has seen."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!has(self.champions) || self.champions.all(a, self.champions.exists_one(b, b.regime == a.regime))",
-                    "spec.regimes.champions names each regime at most once"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("!has(self.champions) || self.champions.all(a, self.champions.exists_one(b, b.regime == a.regime))",
+            "spec.regimes.champions names each regime at most once"),
     )
     pin: str | None = Field(
         default=None, max_length=32, pattern=REGIME_NAME,
@@ -283,13 +266,9 @@ _SUB_PATH = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
 class ArtifactPVC(WireModel):
     """A PersistentVolumeClaim holding champion archives (<sha256>.tar.gz)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("!has(self.subPath) || !self.subPath.matches('(^|/)[.][.](/|$)')",
-                    "spec.artifacts.pvc.subPath must stay inside the claim (no '..' segments)"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("!has(self.subPath) || !self.subPath.matches('(^|/)[.][.](/|$)')",
+            "spec.artifacts.pvc.subPath must stay inside the claim (no '..' segments)"),
     )
     claim_name: str = Field(
         max_length=253, pattern=DNS_SUBDOMAIN,
@@ -321,16 +300,12 @@ class ArtifactStore(WireModel):
 class InferenceDeploymentSpec(WireModel):
     """What to serve and how to keep it fast."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.replicas == 0 || self.rollout.canaryReplicas <= self.replicas",
-                    "spec.rollout.canaryReplicas must not exceed spec.replicas"),
-                outbound_url_rule("prometheusUrl", "spec.prometheusUrl"),
-                cel("!has(self.forwardPass) || !has(self.regimes) || !has(self.regimes.pin)",
-                    "spec.forwardPass and spec.regimes.pin pin two different things: set one of them"),
-            ]
-        }
+    model_config = cel_rules(
+        cel("self.replicas == 0 || self.rollout.canaryReplicas <= self.replicas",
+            "spec.rollout.canaryReplicas must not exceed spec.replicas"),
+        outbound_url_rule("prometheusUrl", "spec.prometheusUrl"),
+        cel("!has(self.forwardPass) || !has(self.regimes) || !has(self.regimes.pin)",
+            "spec.forwardPass and spec.regimes.pin pin two different things: set one of them"),
     )
     model: ModelSource = Field(description="Model weights to serve.")
     engine: EngineSettings = Field(default_factory=EngineSettings, json_schema_extra=default_of(EngineSettings),
