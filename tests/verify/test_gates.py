@@ -269,30 +269,37 @@ def test_gate_prompts_are_fresh_spans_of_the_replay_text(model):
                                 only=("outputs.agreement",)).gate("outputs.agreement").passed
 
 
+def stock_subclass(folder, imports: str, before_forward: str):
+    """A candidate bundle folder whose forward.py subclasses the stock pass and runs
+    `before_forward` (source lines, indented for the method body) ahead of the stock forward."""
+    folder.mkdir()
+    (folder / "forward.py").write_text(
+        f"{imports}\n"
+        "from shapeshift.engine.forward_pass.importer import import_stock_module\n"
+        "stock = import_stock_module()\n"
+        "CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION\n"
+        "class Candidate(stock.StockForwardPass):\n"
+        "    def forward(self, input_ids, positions, ctx, kv_cache):\n"
+        f"{before_forward}"
+        "        return super().forward(input_ids, positions, ctx, kv_cache)\n"
+        "def build(model_config, weights, recipe):\n"
+        "    return Candidate(model_config, weights, recipe)\n")
+    return folder
+
+
 def test_a_candidate_that_forges_the_wire_is_killed(model, tmp_path):
     """The candidate's process can write to its own socket; a message the harness there would
     never send (here: a prefix announcing more bytes than the limits allow) ends the verification
     with that reason, and the candidate's process is killed."""
     cfg, weights = model
-    folder = tmp_path / "forges_the_wire"
-    folder.mkdir()
-    (folder / "forward.py").write_text(
-        "import os, socket, struct\n"
-        "from shapeshift.engine.forward_pass.importer import import_stock_module\n"
-        "stock = import_stock_module()\n"
-        "CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION\n"
-        "class Forge(stock.StockForwardPass):\n"
-        "    def forward(self, input_ids, positions, ctx, kv_cache):\n"
-        "        for fd in range(3, 64):\n"
-        "            try:\n"
-        "                s = socket.socket(fileno=os.dup(fd))\n"
-        "                if s.family == socket.AF_UNIX:\n"
-        "                    s.sendall(struct.pack('<IQ', 2, 1 << 40) + b'{}')\n"
-        "            except OSError:\n"
-        "                pass\n"
-        "        return super().forward(input_ids, positions, ctx, kv_cache)\n"
-        "def build(model_config, weights, recipe):\n"
-        "    return Forge(model_config, weights, recipe)\n")
+    folder = stock_subclass(tmp_path / "forges_the_wire", "import os, socket, struct",
+                            "        for fd in range(3, 64):\n"
+                            "            try:\n"
+                            "                s = socket.socket(fileno=os.dup(fd))\n"
+                            "                if s.family == socket.AF_UNIX:\n"
+                            "                    s.sendall(struct.pack('<IQ', 2, 1 << 40) + b'{}')\n"
+                            "            except OSError:\n"
+                            "                pass\n")
     report = verify_candidate(folder, cfg, weights, settings=settings(), only=("outputs.agreement",))
     smoke = report.gate("smoke")
     assert not smoke.passed and "malformed message" in smoke.evidence["reason"], smoke
@@ -304,21 +311,10 @@ def test_a_candidate_whose_process_dies_fails_with_a_clear_message(model, tmp_pa
     """A candidate that ends its process (an exit, a crash by signal) mid-verification fails smoke
     with the reason and its last words; this process carries on."""
     cfg, weights = model
-    folder = tmp_path / "dies"
-    folder.mkdir()
-    (folder / "forward.py").write_text(
-        "import os, signal, sys\n"
-        "from shapeshift.engine.forward_pass.importer import import_stock_module\n"
-        "stock = import_stock_module()\n"
-        "CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION\n"
-        "class Dies(stock.StockForwardPass):\n"
-        "    def forward(self, input_ids, positions, ctx, kv_cache):\n"
-        "        if not ctx.is_prefill:\n"
-        "            print('about to go', file=sys.stderr, flush=True)\n"
-        f"            {death}\n"
-        "        return super().forward(input_ids, positions, ctx, kv_cache)\n"
-        "def build(model_config, weights, recipe):\n"
-        "    return Dies(model_config, weights, recipe)\n")
+    folder = stock_subclass(tmp_path / "dies", "import os, signal, sys",
+                            "        if not ctx.is_prefill:\n"
+                            "            print('about to go', file=sys.stderr, flush=True)\n"
+                            f"            {death}\n")
     report = verify_candidate(folder, cfg, weights, settings=settings())
     smoke = report.gate("smoke")
     assert not smoke.passed and smoke.evidence.get("died"), smoke
