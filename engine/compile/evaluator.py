@@ -408,9 +408,7 @@ class EngineEvaluator:
                     if profile.arrival_rate and self._arrival_scale.get(tier, 1.0) != 1.0:
                         drawn_from = profile.model_copy(
                             update={"arrival_rate": profile.arrival_rate * self._arrival_scale[tier]})
-                    self._draws += 1
-                    prompts = requests_from_profile(drawn_from, eng, requests, self.settings.seed,
-                                                    token_seed=self.settings.seed * 1_000_003 + self._draws)
+                    prompts = self._fresh_prompts(drawn_from, eng, requests)
                     # On CUDA the warm-up replays every prompt: the first H200 run showed a
                     # quarter-length warm-up leaves the first measured repeat 12x slower
                     # (505 vs 6272 tok/s: graph buckets and Triton compiles still cold).
@@ -450,6 +448,13 @@ class EngineEvaluator:
             m.seconds = sec
         return out
 
+    def _fresh_prompts(self, profile: TrafficProfile, eng: Any, requests: int) -> list[ReplayRequest]:
+        """`requests` of the profile's shapes with prompts never drawn before in this evaluator
+        (one token seed per draw, so no memo of an earlier replay can pay)."""
+        self._draws += 1
+        return requests_from_profile(profile, eng, requests, self.settings.seed,
+                                     token_seed=self.settings.seed * 1_000_003 + self._draws)
+
     def _faster_than_light(self, eng: Any, run: ReplayRun, in_flight: int) -> str | None:
         """Why the replay's output tokens/s is more than the device allows (None when it is not):
         decode steps at the widest batch the replay could form, the shortest context, against the
@@ -468,9 +473,7 @@ class EngineEvaluator:
         """The open-loop arrival-rate factor of `tier`: the engine's capacity (a closed-loop replay
         of fresh prompts at the profile's concurrency, with the pass now active) times
         open_loop_load, over the output tokens/s the profile's own rate offers; never below 1."""
-        self._draws += 1
-        probe = requests_from_profile(profile, eng, requests, self.settings.seed,
-                                      token_seed=self.settings.seed * 1_000_003 + self._draws)
+        probe = self._fresh_prompts(profile, eng, requests)
         self._fresh_cache(eng)
         capacity = replay(eng, probe, max(1, profile.concurrency), clock).output_tokens_per_s
         offered = profile.arrival_rate * sum(r.max_tokens for r in probe) / max(1, len(probe))

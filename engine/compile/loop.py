@@ -384,17 +384,25 @@ class CompileLoop:
                      role=None if round_ == 0 else "confirm-more")
         return full, inc_full, paired
 
-    def _overruns_budget(self, cand: Candidate, rounds: int) -> str | None:
-        """Why `rounds` paired full-tier rounds for `cand` would not fit in what is left of the
-        wall-clock budget (None when they fit, or the budget counts trials only). The cost of a
-        round is estimated from the baseline's own full-tier measurement (its seconds, warm-up
-        included, for its repeats): a round replays two passes. The closing comparison is not
-        counted: it runs after the search, in the run's grace (a CompileRun's
-        deadlineGraceSeconds). On the H200 a 75 s budget ran 253 s when a confirmation and its
-        second round started near its end."""
+    def _paired_seconds(self, pairs: int | None = None) -> float | None:
+        """Seconds a paired full-tier round of `pairs` pairs (None: as many as the baseline's repeats)
+        is estimated to take, from the baseline's own full-tier measurement (its seconds, warm-up
+        included): a round replays two passes. None where no wall-clock budget applies or the
+        baseline has no seconds to go by."""
         if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
             return None
-        round_s = 2 * self.baseline_full.seconds
+        repeats = max(1, len(self.baseline_full.samples))
+        return 2 * self.baseline_full.seconds * max(1.0, (pairs or repeats) / repeats)
+
+    def _overruns_budget(self, cand: Candidate, rounds: int) -> str | None:
+        """Why `rounds` paired full-tier rounds for `cand` would not fit in what is left of the
+        wall-clock budget (None when they fit, or the budget counts trials only). The closing
+        comparison is not counted: it runs after the search, in the run's grace (a CompileRun's
+        deadlineGraceSeconds). On the H200 a 75 s budget ran 253 s when a confirmation and its
+        second round started near its end."""
+        round_s = self._paired_seconds()
+        if round_s is None:
+            return None
         need = rounds * round_s
         left = self.budget.max_seconds - self.elapsed
         if need <= left:
@@ -403,14 +411,9 @@ class CompileLoop:
                 f"overrun the time budget ({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
 
     def _overruns_closing(self) -> bool:
-        """True when another round of the closing comparison (estimated as in _overruns_budget)
-        would end past the wall-clock budget."""
-        if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
-            return False
-        repeats = max(1, len(self.baseline_full.samples))
-        closing_pairs = getattr(getattr(self.evaluator, "settings", None), "closing_pairs", repeats)
-        closing_s = 2 * self.baseline_full.seconds * max(1.0, closing_pairs / repeats)
-        return self.elapsed + closing_s > self.budget.max_seconds
+        """True when another round of the closing comparison would end past the wall-clock budget."""
+        closing_s = self._paired_seconds(getattr(getattr(self.evaluator, "settings", None), "closing_pairs", None))
+        return closing_s is not None and self.elapsed + closing_s > self.budget.max_seconds
 
     def _undecided(self, full: Measurement, inc_full: Measurement | None) -> bool:
         """Paired confirmation whose mean gain clears the bar but whose lower bound does not."""
