@@ -7,6 +7,7 @@ import datetime as dt
 import glob
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import get_args
 
@@ -23,6 +24,11 @@ NAMING_PLACES = ("README.md", "docs", "tests", "hack", "engine", "operator", "ke
 TEXT_SUFFIXES = {".md", ".py", ".sh", ".yaml", ".yml", ".json", ".txt", ".toml"}
 HARDWARE = re.compile(r"-(?P<kind>" + "|".join(re.escape(k) for k in get_args(AcceleratorKind)) + r")(?:-x\d+)?$")
 SCHEME = "<benchmark>-<model>-<hardware>-<UTC stamp YYYYMMDDTHHMMSSZ>.<ext> (a folder for a compile run)"
+
+
+def shallow_clone() -> bool:
+    out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() == "true"
 
 
 def results() -> list[Path]:
@@ -94,18 +100,50 @@ def test_the_index_and_its_readme_name_the_same_files_and_they_exist():
             assert figure.get(key), f"index.json figure {figure.get('figure')!r} has no {key!r}: fill it in"
 
 
+# A history doc (docs/history/) names the results of its time: they are in git at the commit its
+# text names ("in `bench/results/` at commit `<sha>`"), not necessarily in the tree today.
+HISTORY_COMMIT = re.compile(r"in `bench/results/` at commit `([0-9a-f]{7,40})`")
+
+
+def _results_at(commit: str) -> set[str] | None:
+    """The entries of bench/results at `commit` (files and folders); None where git cannot tell
+    (no git, or a shallow clone without that commit)."""
+    try:
+        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "bench/results/"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    names = set()
+    for line in out.splitlines():
+        parts = line.split("/")
+        names.add(parts[2])
+    return names
+
+
 def test_docs_name_only_results_that_exist():
     """A doc or comment naming a scheme-named result that is not there (a rename missed, a file
-    dropped). Tests are left out: they spell made-up names for their own temporary folders."""
+    dropped); a history doc's names must be in git at the commit it names. Tests are left out:
+    they spell made-up names for their own temporary folders."""
     name = re.compile(RESULT_NAME.pattern.replace("(?P<ext>\\.[a-z]+)?", "(?P<ext>\\.(?:json|png|jsonl|md))?"))
     dangling = []
     for path, text in naming_texts().items():
         if path.startswith("tests/"):
             continue
+        then = None
+        if path.startswith("docs/history/"):
+            commit = HISTORY_COMMIT.search(text)
+            assert commit, f"{path} names results of its time but no commit that holds them (say `in `bench/results/` at commit `<sha>``)"
+            then = _results_at(commit[1])
+            if then is None and shallow_clone():
+                then = set()  # nothing to check against here; a full clone checks it
+            assert then is not None, f"{path}: git does not know commit {commit[1]}"
         for match in name.finditer(text):
             target = match[0]
-            if not (RESULTS / target).exists() and not any(RESULTS.glob(f"{glob.escape(target)}.*")):
-                dangling.append(f"{path}: {target}")
+            if (RESULTS / target).exists() or any(RESULTS.glob(f"{glob.escape(target)}.*")):
+                continue
+            if then is not None and (not then or target in then or any(n.startswith(target + ".") for n in then)):
+                continue
+            dangling.append(f"{path}: {target}")
     assert not dangling, (
         "these name results that bench/results does not hold:\n  " + "\n  ".join(sorted(set(dangling))) + "\n"
         "Fix the name (ls bench/results), or restore the file (`git log --all -- bench/results/<name>`).")
