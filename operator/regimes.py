@@ -1,7 +1,7 @@
 """The regime library: which verified champion serves which traffic regime, and when to switch.
 
     observed TrafficProfile --regime_key--> a regime (buckets of median prompt length, prefix-cache
-        hit rate and concurrency; the same buckets as the champion registry's TrafficRegime)
+        hit rate and concurrency: engine/contracts/traffic_regime.py, the champion registry's too)
     status.regimes + status.currentRegime (RegimeLibrary), spec.regimes (RegimePolicy), the
         deployment's model, dtype, accelerator and engine env (ServingTarget), the clock
         --decide--> RegimeDecision: Stay | Settling | Switch (to a known regime's verified champion,
@@ -35,51 +35,28 @@ from typing import Any, Literal, Mapping, Sequence
 
 from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.engine.contracts.traffic_regime import TrafficRegime, hit_rate
 from shapeshift.operator.api import (REGIMES_KEPT, CurrentRegime, InferenceDeploymentSpec, InferenceDeploymentStatus,
                                      RegimeChampion, RegimePolicy, RegimeStatus, VerifiedForwardPass)
 from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
-    "CONCURRENCY_BUCKETS", "HIT_BUCKETS", "PROMPT_BUCKETS", "RegimeDecision", "RegimeLibrary", "ServingTarget",
+    "RegimeDecision", "RegimeLibrary", "ServingTarget",
     "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
 
-# The champion registry's buckets (engine/compile/champions.py TrafficRegime; a test keeps them equal).
-PROMPT_BUCKETS = (256, 1024, 4096, 16384, 65536)
-HIT_BUCKETS = (0.2, 0.6)
-CONCURRENCY_BUCKETS = (1, 8, 32, 128)
-
 Kind = Literal["Stay", "Settling", "Switch", "Compile", "CoolingDown", "Pinned", "Uneconomic", "NoData"]
 
 
-def _bucket(value: float, edges: tuple[float, ...]) -> int:
-    for i, edge in enumerate(edges):
-        if value <= edge:
-            return i
-    return len(edges)
-
-
-def _hit_rate(profile: TrafficProfile) -> float:
-    if profile.prefix_cache_hit_rate is not None:
-        return profile.prefix_cache_hit_rate
-    return profile.shared_prefix_ratio * min(1.0, profile.shared_prefix_len / max(profile.prompt_length.p50, 1))
-
-
 def regime_key(profile: TrafficProfile) -> str:
-    """``p<prompt bucket>-h<hit-rate bucket>-c<concurrency bucket>``, as TrafficRegime.key."""
-    return (f"p{_bucket(profile.prompt_length.p50, PROMPT_BUCKETS)}-h{_bucket(_hit_rate(profile), HIT_BUCKETS)}"
-            f"-c{_bucket(profile.concurrency, CONCURRENCY_BUCKETS)}")
-
-
-def _indices(key: str) -> tuple[int, int, int]:
-    p, h, c = key.split("-")
-    return int(p[1:]), int(h[1:]), int(c[1:])
+    """``p<prompt bucket>-h<hit-rate bucket>-c<concurrency bucket>``: the champion registry's key."""
+    return TrafficRegime.of(profile).key
 
 
 def regime_distance(a: str, b: str) -> int:
-    """Buckets apart, summed over the three dimensions (TrafficRegime.distance)."""
-    return sum(abs(x - y) for x, y in zip(_indices(a), _indices(b)))
+    """Buckets apart, summed over the three dimensions."""
+    return TrafficRegime.parse(a).distance(TrafficRegime.parse(b))
 
 
 def engine_env_sha256(env: Sequence[Mapping[str, Any]] | None) -> str:
@@ -202,7 +179,7 @@ def observe(library: RegimeLibrary, profile: TrafficProfile, now: datetime,
     else:  # a new visit: one check interval
         dwell += int(interval.total_seconds())
     entry = entry.model_copy(update={
-        "prompt_length_p50": round(profile.prompt_length.p50, 3), "prefix_cache_hit_rate": round(_hit_rate(profile), 6),
+        "prompt_length_p50": round(profile.prompt_length.p50, 3), "prefix_cache_hit_rate": round(hit_rate(profile), 6),
         "concurrency": profile.concurrency, "last_seen": now, "dwell_seconds": max(dwell, 0), "checks": entry.checks + 1,
         "visits": entry.visits + (0 if current.observed == key else 1),
     })

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
+from shapeshift.engine.contracts.traffic_regime import TrafficRegime
 from shapeshift.engine.compile.candidate import Candidate, canonical_json
 from shapeshift.operator.api import (API_VERSION, DTYPES, FORWARD_PASS, GROUP, VERSION, Artifact, EnvVar,
                                      ForwardPassEngine, ForwardPassHardware, ForwardPassMetrics, ForwardPassSpec,
@@ -44,48 +45,12 @@ SIGNATURE_FIELDS = ("family", "model_type", "vocab_size", "hidden_size", "interm
                     "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias",
                     "qk_norm", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "rope_scaling")
 
-PROMPT_BUCKETS = (256, 1024, 4096, 16384, 65536)  # median prompt tokens: <=256, <=1k, ... , >64k
-HIT_BUCKETS = (0.2, 0.6)  # low / mid / high prefix-cache hit rate
-CONCURRENCY_BUCKETS = (1, 8, 32, 128)
-
 
 def model_signature(model_config: Any) -> str:
     """sha256 (first 16 hex) over the architecture fields of a ModelConfig (or a dict of them)."""
     data = model_config if isinstance(model_config, Mapping) else dataclasses.asdict(model_config)
     arch = {k: data.get(k) for k in SIGNATURE_FIELDS}
     return hashlib.sha256(canonical_json(arch).encode()).hexdigest()[:16]
-
-
-def _bucket(value: float, edges: tuple[float, ...]) -> int:
-    for i, edge in enumerate(edges):
-        if value <= edge:
-            return i
-    return len(edges)
-
-
-@dataclass(frozen=True)
-class TrafficRegime:
-    prompt: int  # bucket index of the median prompt length
-    hit: int  # bucket index of the prefix-cache hit rate
-    concurrency: int  # bucket index of the concurrency
-
-    @classmethod
-    def of(cls, profile: TrafficProfile) -> "TrafficRegime":
-        hit = profile.prefix_cache_hit_rate
-        if hit is None:
-            hit = profile.shared_prefix_ratio * min(1.0, profile.shared_prefix_len / max(profile.prompt_length.p50, 1))
-        return cls(_bucket(profile.prompt_length.p50, PROMPT_BUCKETS), _bucket(hit, HIT_BUCKETS),
-                   _bucket(profile.concurrency, CONCURRENCY_BUCKETS))
-
-    def distance(self, other: "TrafficRegime") -> int:
-        return abs(self.prompt - other.prompt) + abs(self.hit - other.hit) + abs(self.concurrency - other.concurrency)
-
-    @property
-    def key(self) -> str:
-        return f"p{self.prompt}-h{self.hit}-c{self.concurrency}"
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
