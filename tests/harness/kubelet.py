@@ -337,13 +337,19 @@ def local_volume_mounts(core: CoreV1Api, pod: V1Pod, container, root: Path) -> d
                 raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: configMap volume "
                                    f"{volume.name!r} names a path outside the volume")
             write_files_atomically(folder, files)
-        if mount.sub_path:
-            if mount.sub_path.startswith("/") or ".." in mount.sub_path.split("/"):
-                raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: volumeMount {mount.name!r} "
-                                   f"subPath {mount.sub_path!r} leaves the volume")
-            folder = folder / mount.sub_path
+        folder = within_sub_path(pod, mount, folder)
         mounts[mount.mount_path] = folder
     return mounts
+
+
+def within_sub_path(pod: V1Pod, mount, folder: Path) -> Path:
+    """`folder`, or its mount's subPath inside it (refused where the subPath leaves the volume)."""
+    if not mount.sub_path:
+        return folder
+    if mount.sub_path.startswith("/") or ".." in mount.sub_path.split("/"):
+        raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: volumeMount {mount.name!r} "
+                           f"subPath {mount.sub_path!r} leaves the volume")
+    return folder / mount.sub_path
 
 
 # ---- persistentVolumeClaim volumes --------------------------------------------------------
@@ -359,11 +365,7 @@ def pvc_mounts(pod: V1Pod, container, pvc_dirs: dict[str, Path]) -> dict[str, Pa
         if claim is None or claim not in pvc_dirs:
             continue
         folder = Path(pvc_dirs[claim])
-        if mount.sub_path:
-            if mount.sub_path.startswith("/") or ".." in mount.sub_path.split("/"):
-                raise PodSpecError(f"pod {pod.metadata.namespace}/{pod.metadata.name}: volumeMount {mount.name!r} "
-                                   f"subPath {mount.sub_path!r} leaves the volume")
-            folder = folder / mount.sub_path
+        folder = within_sub_path(pod, mount, folder)
         folder.mkdir(parents=True, exist_ok=True)
         mounts[mount.mount_path] = folder
     return mounts
