@@ -135,8 +135,8 @@ def _checked(name: str, forward_pass: Mapping[str, Any]) -> tuple[ForwardPassSpe
 def _run_problem(name: str, forward_pass: Mapping[str, Any], spec: ForwardPassSpec,
                  compile_run: Mapping[str, Any] | None) -> str | None:
     """Why the CompileRun does not vouch for the pass (None: it does)."""
-    hand_written = (f"only forward passes published by the compile worker of a CompileRun are rolled out; "
-                    f"compile one with a CompileRun instead of writing a ForwardPass by hand")
+    hand_written = ("only forward passes published by the compile worker of a CompileRun are rolled out; "
+                    "compile one with a CompileRun instead of writing a ForwardPass by hand")
     if not spec.compile_run:
         return f"ForwardPass {name} names no CompileRun (spec.compileRun): {hand_written}"
     run_name = (compile_run or {}).get("metadata", {}).get("name")
