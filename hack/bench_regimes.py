@@ -204,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     base = claim_result_name(results, result_name("regimes", args.model, hardware, started))
     compile_runs = {}
     for name in names:
-        folder = results / result_name("compile", args.model, hardware, starts[name])
-        folder.mkdir(parents=True, exist_ok=True)
+        base_folder = result_name("compile", args.model, hardware, starts[name])
+        folder = results / base_folder
+        copy = 2
+        while folder.name in compile_runs.values() or folder.exists():  # runs started in the same second
+            folder, copy = results / f"{base_folder}-{copy}", copy + 1
+        folder.mkdir(parents=True)
         for f in KEPT_FILES:
             if (work / name / f).is_file():
                 shutil.copy2(work / name / f, folder / f)

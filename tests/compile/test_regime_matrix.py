@@ -117,3 +117,39 @@ def test_the_matrix_measures_every_configuration_on_every_regimes_traffic(evalua
             assert len(cell.samples) == 2 and all(math.isfinite(s) and s > 0 for s in cell.samples)
     out = rm.summarize(measured, [read], configs)
     assert set(out["matrix"]["chat"]) == {"chat", "agentic"} and out["best_static"] in configs
+
+
+def test_the_benchmark_writes_the_matrix_json_and_its_heatmap(tmp_path):
+    """hack/bench_regimes.py over finished compile runs (--reuse; here two regimes whose runs kept
+    no champion): the JSON has the fields the benchmark promises, named by the result scheme, with
+    each regime's compile run kept beside it, and a heatmap PNG."""
+    import importlib.util
+    from pathlib import Path
+
+    from shapeshift.engine.provenance import RESULT_NAME
+
+    script = Path(__file__).resolve().parents[2] / "hack" / "bench_regimes.py"
+    spec = importlib.util.spec_from_file_location("bench_regimes", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    work, results = tmp_path / "work", tmp_path / "results"
+    for regime in ("chat", "burst"):
+        (work / regime).mkdir(parents=True)
+        (work / regime / "report.json").write_text(json.dumps({"champion": None, "trials": 4, "elapsed_s": 20.0,
+                                                                "confirms": 1, "stop_reason": "trial budget spent"}))
+        (work / regime / "board.jsonl").write_text("")
+    assert bench.main(["--regimes", "chat,burst", "--reuse", "--work", str(work), "--results", str(results),
+                       "--device", "cpu", "--pairs", "5", "--matrix-requests", "6", "--confirm-requests", "6",
+                       "--log-level", "warning"]) == 0
+    (json_path,) = results.glob("regimes-*.json")
+    assert RESULT_NAME.fullmatch(json_path.name) and json_path.with_suffix(".png").is_file()
+    out = json.loads(json_path.read_text())
+    assert out["benchmark"] == "regime-matrix" and out["model"] == "tiny-llama" and out["hardware"] == "cpu"
+    assert out["regimes"] == ["chat", "burst"] and out["git_commit"] and out["command"].startswith("python hack/")
+    assert out["default"]["recipe_name"] == "torch" and set(out["default"]["engine"]) >= {"max_num_seqs", "decode_steps"}
+    assert out["champions"]["chat"]["digest"] is None and out["best_static"] == "default"
+    assert out["matrix"]["default"]["burst"]["pairs"] == 5 and set(out["vs_best_static"]) == {"chat", "burst"}
+    assert out["goodput"]["burst"]["default"]["mean"] > 0 and out["pairs"] == 5
+    assert len(set(out["compile_runs"].values())) == 2  # runs stamped in the same second get -2
+    for regime, folder in out["compile_runs"].items():
+        assert RESULT_NAME.fullmatch(folder) and (results / folder / "report.json").is_file(), regime
