@@ -28,7 +28,7 @@ import kubernetes
 from kubernetes.client import ApiException
 
 from shapeshift.operator.builders import SPEC_HASH
-from shapeshift.operator.api import GROUP, VERSION, Condition, Kind
+from shapeshift.operator.api import COMPILE_RUN, GROUP, TERMINAL_PHASES, VERSION, Condition, Kind
 from shapeshift.operator.status import StatusUpdate, merged_conditions
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -160,7 +160,12 @@ class Kube:
                 return False, {}
             current = obj.get("status") or {}
             patch: dict[str, Any] = {}
-            for key, value in update.fields.items():
+            fields = update.fields
+            if kind == COMPILE_RUN and current.get("phase") in TERMINAL_PHASES:
+                # A finished run's phase is final: a writer whose update was made from a copy read
+                # before the worker finished (the start handler, a resync) does not move it back.
+                fields = {k: v for k, v in fields.items() if k != "phase"}
+            for key, value in fields.items():
                 if value is None:
                     if key in current:
                         patch[key] = None

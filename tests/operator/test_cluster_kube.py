@@ -65,3 +65,27 @@ def test_write_status_uses_the_callers_read_and_rereads_only_on_a_conflict(crds,
     # Without a copy, it reads once itself.
     changed, _ = kube.write_status(INFERENCE_DEPLOYMENT, namespace, "llama", StatusUpdate({"phase": "Ready"}))
     assert not changed and kube.reads == 1
+
+
+def test_a_finished_compile_runs_phase_is_not_moved_back(crds, namespace):
+    """The worker sets Succeeded while a handler holds an update made from an older copy (phase
+    Running): the stale writer's other fields land, the phase stays Succeeded."""
+    from shapeshift.operator.api import COMPILE_RUN
+
+    kube = Kube(crds.api_client)
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-1"},
+        "spec": {"deploymentRef": {"name": "llama"}}})
+    stale = kube.get_custom(COMPILE_RUN, namespace, "run-1")
+    kube.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, COMPILE_RUN.plural, "run-1",
+                                                      {"status": {"phase": "Succeeded", "message": "champion fp-1"}})
+    changed, status = kube.write_status(COMPILE_RUN, namespace, "run-1",
+                                        StatusUpdate({"phase": "Running", "jobName": "run-1-compile"}), read=stale)
+    assert changed and status["phase"] == "Succeeded" and status["jobName"] == "run-1-compile"
+    assert status["message"] == "champion fp-1"
+    # Before it finishes, a phase moves as written.
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-2"},
+        "spec": {"deploymentRef": {"name": "llama"}}})
+    changed, status = kube.write_status(COMPILE_RUN, namespace, "run-2", StatusUpdate({"phase": "Running"}))
+    assert changed and status["phase"] == "Running"
