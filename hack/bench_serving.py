@@ -13,6 +13,8 @@ Data flow:
        process, closed loop at the profile's concurrency or open loop at its arrival times
        -> per request: TTFT (submission to the first token), per-user decode tokens/s (tokens
        after the first over the time from the first to the last); per run: output tokens/s
+       the engine's decode-chain counters (LLMEngine.decode_chains: chains started, chunks, why
+       chains ended, steps run one at a time) gained over the runs, read from the server
     -> pure decode at the chat profile's concurrency: that many requests with 16-token prompts
        and --decode-tokens outputs, together; per-user tokens/s (the goal's reference)
     -> batch 1: one request at a time, greedy and sampled (temperature 0.7, top-p 0.9), --repeats
@@ -72,6 +74,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # What `shapeshift serve` runs with no flags: EngineConfig's own defaults, nothing named.
 CONFIGS["serve-default"] = {}
+# serve's default as it was before chain_across_finishes: every finish ends an overlapped chain.
+CONFIGS["chains-end-at-finishes"] = {"chain_across_finishes": False}
 DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
@@ -110,6 +114,7 @@ def serve_main(settings: dict[str, Any], port: int) -> None:
                 "mixed_graphs": len(runner.mixed_graphs), "mixed_buckets": buckets.as_pairs() if buckets else None,
                 "num_graph_replays": runner.num_graph_replays, "num_chunk_replays": runner.num_chunk_replays,
                 "num_mixed_replays": runner.num_mixed_replays,
+                "decode_chains": dict(async_engine.engine.decode_chains),
                 "mixed_step_shapes": sorted([n, t, c] for (n, t), c in runner.mixed_step_shapes.items())}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
@@ -241,6 +246,13 @@ async def replay_run(url: str, model: str, requests: list[Any], concurrency: int
             "ttft_s_p50": percentile(ttft, 0.5), "ttft_s_p90": percentile(ttft, 0.9),
             "failed": len(results) - len(ok),
             "errors": sorted({r["error"] for r in results if r["error"]})[:3]}
+
+
+def counts_between(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, int] | None:
+    """The engine's decode-chain counters (LLMEngine.decode_chains) gained between two readings."""
+    if not before or not after or "decode_chains" not in after:
+        return None
+    return {k: v - before.get("decode_chains", {}).get(k, 0) for k, v in after["decode_chains"].items()}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -411,19 +423,26 @@ def main(argv: list[str] | None = None) -> int:
             model = server.model_name()
             for name, (reqs, conc) in profiles.items():
                 asyncio.run(replay_run(server.url, model, reqs, conc, {}))  # warm-up (discarded)
+                counters = server.runner_stats()
                 runs = [asyncio.run(replay_run(server.url, model, reqs, conc, {})) for _ in range(args.repeats)]
                 entry["profiles"][name] = {"requests": len(reqs), "concurrency": conc, "runs": runs,
-                                           "summary": summarize(runs)}
+                                           "summary": summarize(runs),
+                                           "decode_chains": counts_between(counters, server.runner_stats())}
                 save()
                 s = entry["profiles"][name]["summary"]
+                chains = entry["profiles"][name]["decode_chains"] or {}
+                ends = " ".join(f"{k[4:]} {v}" for k, v in chains.items() if k.startswith("end.") and v)
                 print(f"{cfg_name:>22} {name:>22}: {s['output_tokens_per_s']:8.0f} tok/s  per-user p90 "
-                      f"{s['per_user_tokens_per_s_p90']:7.1f}  TTFT p90 {s['ttft_s_p90']:.3f} s  failed {s['failed']}",
-                      flush=True)
+                      f"{s['per_user_tokens_per_s_p90']:7.1f}  TTFT p90 {s['ttft_s_p90']:.3f} s  failed {s['failed']}"
+                      + (f"  chains {chains['chains']} (ended: {ends or 'none'}), {chains['steps']} chained steps, "
+                         f"{chains['single.prefill']} prefill steps" if chains else ""), flush=True)
             # Pure decode at the chat batch: every request decoding at once (the goal's reference).
             asyncio.run(replay_run(server.url, model, decode_reqs, decode_batch, {}))
+            counters = server.runner_stats()
             runs = [asyncio.run(replay_run(server.url, model, decode_reqs, decode_batch, {}))
                     for _ in range(args.repeats)]
-            entry["pure_decode"] = {"batch": decode_batch, "runs": runs, "summary": summarize(runs)}
+            entry["pure_decode"] = {"batch": decode_batch, "runs": runs, "summary": summarize(runs),
+                                    "decode_chains": counts_between(counters, server.runner_stats())}
             entry["batch1"] = {}
             for mode, sampling in (("greedy", {}), ("sampled", SAMPLED)):
                 one = decode_reqs[:1]

@@ -198,6 +198,15 @@ class EngineConfig:
     # chunk also computed the chunk after it (discarded), and a new request waits up to two
     # chunks for admission. None: on wherever decode_steps > 1 on CUDA (the measured default).
     overlap_decode: bool | None = None
+    # With decode_steps > 1: a row near its max_tokens (or max_model_len) stops writing KV (the
+    # null slot) past its last token instead of shortening the chunk for every row, and with
+    # overlap_decode a chain of overlapped chunks runs on across finishes: a row that ends
+    # (max_tokens, max_model_len, a stop token or string, an abort) leaves the next chunk's
+    # batch, whose step 0 gathers the others' tokens from where the chunk in flight leaves them
+    # on the device. Tokens a row computed after its finish are dropped on the host, never
+    # streamed. False: chunks stop at the first row's max_tokens and every finish ends the chain
+    # (the host reads the chunk in flight, then schedules anew), as before this option.
+    chain_across_finishes: bool = True
     # With decode_steps > 1: decode batches of up to this many sequences also get one CUDA graph
     # for a whole chunk (decode_steps steps captured back to back; step j reads its positions,
     # slots and context lengths from staging the host fills once a chunk, and its token ids from

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ class EngineStats:
     forward_pass_name: str
     num_preemptions: int = 0
     num_kv_blocks: int = 0
+    # Overlapped decode chains (EngineConfig.overlap_decode), cumulative: see LLMEngine.decode_chains.
+    decode_chains: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +68,21 @@ class _InflightChunk:
     batch: ScheduledBatch
     k: int
     handle: DecodeChunk
+
+
+# LLMEngine.decode_chains' keys, all counted from zero (cumulative, like the prefix-cache counters):
+#   chains / chunks / steps: chains started, chunks launched in them, decode steps in those chunks;
+#   kept_past_finish: chunks chained onto one in flight with fewer rows than it (a row finished
+#     or was aborted; EngineConfig.chain_across_finishes);
+#   end.<why>: chains ended, by why the next chunk was not chained: finish (a row finished or has
+#     no token left to compute), admission (a request waits), kv (no room for the next chunk's
+#     slots), drain (the engine read the chunk early: runtime settings, a new forward pass,
+#     prompt logprobs), other;
+#   single.<why>: with decode_steps > 1, steps that ran one at a time: prefill (the batch holds a
+#     prefill chunk), admission (a decode batch while a request waits), other (no graph for the
+#     batch size, logprobs or seeded sampling, no KV room for two steps).
+DECODE_CHAIN_KEYS = ("chains", "chunks", "steps", "kept_past_finish", "end.finish", "end.admission", "end.kv",
+                     "end.drain", "end.other", "single.prefill", "single.admission", "single.other")
 
 
 class LLMEngine:
@@ -109,6 +127,8 @@ class LLMEngine:
         # A chunk of decode steps launched and not yet read (EngineConfig.overlap_decode).
         self._inflight: _InflightChunk | None = None
         self._drained_outputs: list[RequestOutput] = []
+        # How overlapped decode chains start, run and end (DECODE_CHAIN_KEYS).
+        self.decode_chains: Counter[str] = Counter({key: 0 for key in DECODE_CHAIN_KEYS})
 
     # ------------------------------------------------------------------ construction hooks
     # (ParallelLLMEngine shards the weights and sizes a per-rank KV cache through these.)
@@ -190,11 +210,16 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             k = self._decode_lookahead(batch)
             if k > 1 and self.config.overlap_decode:
-                self._inflight = _InflightChunk(batch, k, self.runner.launch_decode_steps(batch, k))
+                steps = self._row_steps(batch.seqs, ahead=0, k=k)
+                self._inflight = _InflightChunk(batch, k, self.runner.launch_decode_steps(batch, k, steps=steps))
+                self._count_chunk(k, start=True)
                 outputs = self._advance_inflight()
             elif k > 1:
                 outputs = self._decode_steps(batch, k)
             else:
+                if self.config.decode_steps > 1 and not batch.is_empty:
+                    why = ("prefill" if not batch.is_decode else "admission" if self.scheduler.waiting else "other")
+                    self.decode_chains["single." + why] += 1
                 out = self.runner.run(batch) if not batch.is_empty else None
                 outputs = self.scheduler.postprocess(batch, out)
             self._batch_size_last_step = len(batch.seqs)
@@ -232,8 +257,8 @@ class LLMEngine:
         graph, every sequence may decode on the device (runner.can_decode_steps: greedy, or
         unseeded sampled with multi_step_sampling; no logprobs), nobody waits for admission (a
         waiting request would otherwise wait k steps), and the KV cache has room for k new
-        tokens per sequence; k never passes a sequence's max_tokens or max_model_len, so only
-        a stop token or stop string can make a step's work go unused. Reserves the slots.
+        tokens per sequence (per sequence, as many as it may still produce: _reserve_steps).
+        No row's real tokens pass its max_tokens or max_model_len. Reserves the slots.
         """
         if self.config.decode_steps <= 1 or not batch.is_decode or batch.preempted or self.scheduler.waiting:
             return 1
@@ -243,59 +268,102 @@ class LLMEngine:
             return 1
         return self._reserve_steps(batch.seqs, ahead=0, least=2) or 1
 
+    def _tokens_left(self, seq: Sequence, ahead: int) -> int:
+        """Tokens ``seq`` may still produce after the ``ahead`` it has in flight (max_tokens, max_model_len)."""
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - ahead
+
+    def _row_steps(self, seqs: list[Sequence], ahead: int, k: int) -> list[int]:
+        """Per sequence, the steps of a k-step chunk that compute its real tokens (1..k)."""
+        return [max(1, min(k, self._tokens_left(seq, ahead))) for seq in seqs]
+
     def _reserve_steps(self, seqs: list[Sequence], ahead: int, least: int) -> int:
-        """Decode steps every one of ``seqs`` takes next, after the ``ahead`` it already has in
-        flight, with their KV slots reserved: at most config.decode_steps, never past a
-        sequence's max_tokens or max_model_len; 0 (nothing reserved) when fewer than
-        ``least`` fit or the KV cache lacks room for them."""
-        k = self.config.decode_steps
-        for seq in seqs:
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens - ahead,
-                    self.config.max_model_len - seq.num_tokens - ahead)
+        """The next chunk's length for ``seqs``, after the ``ahead`` steps each has in flight,
+        with their KV slots reserved: at most config.decode_steps. With
+        chain_across_finishes, as long as the longest-lived row needs (a row stops writing KV
+        past its last token, _row_steps); otherwise never past any row's max_tokens or
+        max_model_len. 0 (nothing reserved) when fewer than ``least`` steps fit or the KV cache
+        lacks room for them."""
+        left = [self._tokens_left(seq, ahead) for seq in seqs]
+        k = min(self.config.decode_steps, max(left) if self.config.chain_across_finishes else min(left))
         if k < least:
             return 0
         bm = self.block_manager
-        needed = sum(bm.blocks_needed(seq.num_computed_tokens + ahead + k) - len(seq.block_table) for seq in seqs)
+        steps = self._row_steps(seqs, ahead, k)
+        needed = sum(bm.blocks_needed(seq.num_computed_tokens + ahead + n) - len(seq.block_table)
+                     for seq, n in zip(seqs, steps))
         if needed > bm.num_free_blocks:
             return 0
-        for seq in seqs:
-            bm.append_slots(seq, ahead + k)
+        for seq, n in zip(seqs, steps):
+            bm.append_slots(seq, ahead + n)
         return k
 
     def _decode_steps(self, batch: ScheduledBatch, k: int) -> list[RequestOutput]:
         """Run k decode steps on the device, then postprocess them in order (stops apply per
         token); one RequestOutput per request carrying all its new tokens."""
-        return self._postprocess_rows(batch, self.runner.run_decode_steps(batch, k))
+        steps = self._row_steps(batch.seqs, ahead=0, k=k)
+        return self._postprocess_rows(batch, self.runner.run_decode_steps(batch, k, steps=steps))
 
     def _advance_inflight(self) -> list[RequestOutput]:
         """Chain the next chunk of decode steps onto the one in flight when the batch allows it
         (see _chain_lookahead), then read and post-process the one in flight: the host's work
         on chunk j overlaps the GPU's on chunk j+1."""
         chunk = self._inflight
-        k = self._chain_lookahead(chunk)
+        batch, src_rows, k = self._chain_lookahead(chunk)
         self._inflight = None
         if k:
-            self._inflight = _InflightChunk(chunk.batch, k,
-                                            self.runner.launch_decode_steps(chunk.batch, k, ahead=chunk.k))
+            steps = self._row_steps(batch.seqs, ahead=chunk.k, k=k)
+            self._inflight = _InflightChunk(batch, k, self.runner.launch_decode_steps(
+                batch, k, ahead=chunk.k, steps=steps, src_rows=src_rows))
+            self._count_chunk(k)
+            if src_rows is not None:
+                self.decode_chains["kept_past_finish"] += 1
         return self._postprocess_rows(chunk.batch, chunk.handle.tokens())
 
-    def _chain_lookahead(self, chunk: "_InflightChunk") -> int:
-        """Decode steps to chain onto ``chunk`` before reading it (0: none; read it and go back
-        to scheduling), their slots reserved. As _decode_lookahead, counted from where the
-        chunk leaves each sequence, and only while the batch stays as it is: every sequence
-        still running and nobody waiting for admission."""
-        if not self.config.overlap_decode or self.scheduler.waiting:
-            return 0
+    def _chain_lookahead(self, chunk: "_InflightChunk") -> tuple[ScheduledBatch, list[int] | None, int]:
+        """The chunk to chain onto ``chunk`` before reading it: (its batch, the rows of
+        ``chunk`` they are, or None for the same rows, its steps), the slots reserved; k = 0:
+        none (the chain ends; read the chunk and go back to scheduling; counted by why). As
+        _decode_lookahead, counted from where the chunk leaves each sequence, while nobody waits
+        for admission and no running sequence is outside the batch. With
+        chain_across_finishes, rows that finished (or will have, with the chunk in flight) leave
+        the batch and the others go on; otherwise the batch must stay as it is."""
         seqs = chunk.batch.seqs
-        if len(self.scheduler.running) != len(seqs) or any(s.status is not SequenceStatus.RUNNING for s in seqs):
-            return 0
-        return self._reserve_steps(seqs, ahead=chunk.k, least=1)
+        why = None
+        if not self.config.overlap_decode:
+            why = "other"
+        elif self.scheduler.waiting:
+            why = "admission"
+        running = [s.status is SequenceStatus.RUNNING for s in seqs]
+        if why is None and sum(running) != len(self.scheduler.running):
+            why = "other"  # a running sequence outside this batch (it would wait on the chain)
+        batch, src_rows = chunk.batch, None
+        if why is None and self.config.chain_across_finishes:
+            live = [i for i, (s, r) in enumerate(zip(seqs, running)) if r and self._tokens_left(s, chunk.k) > 0]
+            if not live:
+                why = "finish"
+            elif len(live) < len(seqs):
+                src_rows = live
+                batch = ScheduledBatch(seqs=[seqs[i] for i in live], num_new_tokens=[1] * len(live))
+        elif why is None and not all(running):
+            why = "finish"
+        k = self._reserve_steps(batch.seqs, ahead=chunk.k, least=1) if why is None else 0
+        if why is None and not k:
+            why = "finish" if min(self._tokens_left(s, chunk.k) for s in batch.seqs) <= 0 else "kv"
+        if why is not None:
+            self.decode_chains["end." + why] += 1
+        return batch, src_rows, k
+
+    def _count_chunk(self, k: int, start: bool = False) -> None:
+        self.decode_chains["chains"] += start
+        self.decode_chains["chunks"] += 1
+        self.decode_chains["steps"] += k
 
     def drain_inflight(self) -> None:
         """Read and post-process a chunk in flight now (before anything else uses the runner);
         its outputs go out with the next step."""
         if self._inflight is not None:
             chunk, self._inflight = self._inflight, None
+            self.decode_chains["end.drain"] += 1
             self._drained_outputs += self._postprocess_rows(chunk.batch, chunk.handle.tokens())
 
     def _postprocess_rows(self, batch: ScheduledBatch, rows: list[list[int]]) -> list[RequestOutput]:
@@ -336,7 +404,8 @@ class LLMEngine:
             prefix_cache_queried_tokens=self.block_manager.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
             num_free_blocks=self.block_manager.num_free_blocks, forward_pass_name=self.forward_pass_name,
-            num_preemptions=self.scheduler.num_preemptions, num_kv_blocks=self.block_manager.num_blocks)
+            num_preemptions=self.scheduler.num_preemptions, num_kv_blocks=self.block_manager.num_blocks,
+            decode_chains=dict(self.decode_chains))
 
     # ------------------------------------------------------------------ verification helpers
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:

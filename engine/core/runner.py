@@ -271,32 +271,40 @@ class ModelRunner(MixedStepGraphs):
                    for s in seqs)
 
     @torch.inference_mode()
-    def run_decode_steps(self, batch: ScheduledBatch, k: int) -> list[list[int]]:
+    def run_decode_steps(self, batch: ScheduledBatch, k: int, steps: list[int] | None = None) -> list[list[int]]:
         """k >= 2 decode steps of a decode batch that can_decode_steps, back to back on the device.
 
         The caller has reserved KV slots for k new tokens per sequence (block tables cover
         positions num_tokens-1 .. num_tokens+k-2). Returns the tokens, [k][n]: row j is what
         step j produced (greedy, or drawn on the device), fed to step j+1 as its input. One
-        host sync, at the end.
+        host sync, at the end. ``steps``: as launch_decode_steps'.
         """
         if k < 2:
             raise ValueError(f"run_decode_steps needs k >= 2 (k={k})")
-        return self.launch_decode_steps(batch, k).tokens()
+        return self.launch_decode_steps(batch, k, steps=steps).tokens()
 
     @torch.inference_mode()
-    def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int = 0) -> DecodeChunk:
+    def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int = 0, steps: list[int] | None = None,
+                            src_rows: list[int] | None = None) -> DecodeChunk:
         """Launch k >= 1 decode steps of a decode batch that can_decode_steps; returns before they run.
 
         ``ahead`` > 0 chains this chunk onto the previous one, still in flight: every sequence
         has ``ahead`` tokens on the device the host has not read, the last of which (the
         previous replay's argmax, still in the static token buffer) is step 0's input, and
         positions start ``ahead`` later. Nothing else may run on the runner between the two.
-        The caller has reserved KV slots through position num_tokens - 2 + ahead + k.
+        ``src_rows``: row i of this chunk was row src_rows[i] of the previous one (rows that
+        finished left the batch); None: the same rows in the same order.
+        ``steps``: per row, the steps (1..k) that compute its real tokens; a row's later steps
+        write the cache's null slot at a context of one token (their tokens are garbage the
+        host drops: the row ends with its last real one). None: k for every row.
+        The caller has reserved KV slots through position num_tokens - 2 + ahead + steps[i].
         """
         n = len(batch.seqs)
         if k < 1 or ahead < 0 or not self.can_replay(n):
             raise ValueError(f"launch_decode_steps needs k >= 1, ahead >= 0 and a captured graph for {n} rows "
                              f"(k={k}, ahead={ahead})")
+        if src_rows is not None and not ahead:
+            raise ValueError("launch_decode_steps: src_rows needs a chunk in flight (ahead > 0)")
         needed_width = max(len(s.block_table) for s in batch.seqs)
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
@@ -316,6 +324,10 @@ class ModelRunner(MixedStepGraphs):
         # are known now (the tokens are not; they stay on the device).
         pos0 = np.fromiter((seq.num_tokens - 1 + ahead for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
         pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
+        dead = None  # [k-1, n]: steps past a row's last real token
+        if steps is not None and min(steps) < k:
+            dead = np.arange(1, k, dtype=np.int64)[:, None] >= np.asarray(steps, dtype=np.int64)[None, :]
+            pos = np.where(dead, pos0[None, :], pos)  # a position the row's block table covers
         h64, h32 = self._stage_host64_np[:k - 1], self._stage_host32_np[:k - 1]
         h64[:, :n] = pos
         for i, seq in enumerate(batch.seqs):
@@ -323,19 +335,22 @@ class ModelRunner(MixedStepGraphs):
         h64[:, max_bs + n:max_bs + graph_bs] = self.kv_cache.null_slot  # padded rows
         h32[:, :n] = pos + 1
         h32[:, n:graph_bs] = 1
+        if dead is not None:  # as padded rows: the null slot, one token of context
+            h64[:, max_bs:max_bs + n][dead] = self.kv_cache.null_slot
+            h32[:, :n][dead] = 1
         if chunk is not None:
             # One graph for the chunk: the staging of steps 1..k-1 goes straight to the buffers it
             # reads, step 0's inputs as for any replay, then one launch.
             self._chunk_stage64.copy_(self._stage_host64[:k - 1], non_blocking=True)
             self._chunk_stage32.copy_(self._stage_host32[:k - 1], non_blocking=True)
-            self._copy_inputs(batch, chunk, ahead)
+            self._copy_inputs(batch, chunk, ahead, src_rows)
             self._record_inputs_consumed()
             chunk.replay()
             self.num_graph_replays += k
             self.num_chunk_replays += 1
             return self._read_back(self._chunk_tokens, k, n)
         # Step 0: the usual host -> device copies (ids from the device when chained), then the graph.
-        logits = self._replay(batch, g, ahead=ahead)
+        logits = self._replay(batch, g, ahead=ahead, src_rows=src_rows)
         if sampled:
             self._chunk_sampler.sample(logits[:n], 0, s["tokens"][:n])
         out = self._step_tokens
@@ -402,15 +417,18 @@ class ModelRunner(MixedStepGraphs):
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _replay(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0) -> torch.Tensor:
-        self._copy_inputs(batch, g, ahead)
+    def _replay(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0,
+                src_rows: list[int] | None = None) -> torch.Tensor:
+        self._copy_inputs(batch, g, ahead, src_rows)
         g.replay()
         self.num_graph_replays += 1
         return self._graph_logits[(g.batch_size, g.width)][:len(batch.seqs)]
 
-    def _copy_inputs(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0) -> None:
+    def _copy_inputs(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0,
+                     src_rows: list[int] | None = None) -> None:
         """A replay's inputs into the static buffers: host arrays through the pinned packs, and
-        when chained (``ahead``) the token ids from the device's last argmax."""
+        when chained (``ahead``) the token ids from the device's last argmax (its rows
+        ``src_rows`` when the batch lost rows; see launch_decode_steps)."""
         n = len(batch.seqs)
         input_ids, positions, slots, context_lens, tables = self._decode_host_arrays(batch, ahead)
         host = self._static_host
@@ -428,8 +446,11 @@ class ModelRunner(MixedStepGraphs):
         self._packed64.copy_(self._packed64_host, non_blocking=True)
         end = self._max_bs + n * self.max_blocks_per_seq
         self._packed32[:end].copy_(self._packed32_host[:end], non_blocking=True)
-        if ahead:
+        if ahead and src_rows is None:
             self._static["input_ids"][:n].copy_(self._static["tokens"][:n])  # the chained chunk's last tokens
+        elif ahead:  # a gather on the device: the rows still running, from where the last chunk left them
+            rows = self._to_device(src_rows, torch.int64)
+            self._static["input_ids"][:n].copy_(self._static["tokens"].index_select(0, rows))
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

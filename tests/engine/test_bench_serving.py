@@ -35,6 +35,8 @@ def test_bench_serving_cpu_smoke(tmp_path):
             # Every request streamed all its tokens (ignore_eos): the runs' totals agree.
             assert len({r["output_tokens"] for r in res["runs"]}) == 1
             assert res["summary"]["output_tokens_per_s"] > 0 and res["summary"]["ttft_s_p90"] > 0
+            # The engine's decode-chain counters over the runs: on the CPU (decode_steps 1) no chains.
+            assert res["decode_chains"]["chains"] == 0 and "end.admission" in res["decode_chains"]
         assert entry["pure_decode"]["batch"] == 32
         assert all(r["output_tokens"] == 32 * 8 for r in entry["pure_decode"]["runs"])
         assert entry["batch1"]["greedy"]["per_user_tokens_per_s_p50"] > 0

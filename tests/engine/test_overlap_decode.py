@@ -32,9 +32,9 @@ def test_chained_chunks_give_the_tokens_of_single_steps(preset, k):
     chained = []
     real_launch = engine.runner.launch_decode_steps
 
-    def launch(batch, steps, ahead=0):
+    def launch(batch, k, ahead=0, **options):
         chained.append(ahead)
-        return real_launch(batch, steps, ahead=ahead)
+        return real_launch(batch, k, ahead=ahead, **options)
 
     engine.runner.launch_decode_steps = launch
     got, reasons, widest, _ = run(engine, PROMPTS, params)
@@ -132,9 +132,149 @@ def test_chained_chunks_on_cuda_graphs_give_the_tokens_of_single_steps(chunk_gra
                                       max_model_len=64, block_size=4, **knobs))
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
-    want, _, _, _ = run(cuda_engine(), PROMPTS, params)
+    want, _, _, _ = run(cuda_engine(decode_steps=1), PROMPTS, params)  # single steps (CUDA's default is 8)
     engine = cuda_engine(decode_steps=4, overlap_decode=True, chunk_graph_max_batch=chunk_graphs)
     assert engine.runner.graphs
     got, _, widest, _ = run(engine, PROMPTS, params)
     assert got == want and widest == 4
     assert (engine.runner.num_chunk_replays > 0) == bool(chunk_graphs)
+
+
+def stream(engine, prompts, params, arrivals=None):
+    """Every RequestOutput of each request, in order; asserts no output follows a finished one.
+    ``arrivals``: {step: [(request index, ...)]}, requests added at that step (else all at once)."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    arrivals = arrivals or {0: list(range(len(prompts)))}
+    got: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        step += 1
+        for o in engine.step():
+            assert not (got[o.request_id] and got[o.request_id][-1].finished), "output after a finish"
+            got[o.request_id].append(o)
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def final(outs):
+    """(output tokens, text, finish reason), checking the streamed pieces add up to them."""
+    last = outs[-1]
+    assert last.finished and [t for o in outs for t in o.new_token_ids] == last.output_token_ids
+    return last.output_token_ids, "".join(o.text_delta for o in outs), last.finish_reason
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_a_chain_runs_on_across_finishes_with_the_tokens_of_single_steps(k):
+    """Lengths that end at different steps, a stop token inside a chunk and a stop string: one
+    chain from the first decode to the last finish, rows leaving it as they end; every token,
+    text piece and finish reason as with single steps, and nothing streamed after a finish."""
+    reference = [final(o) for o in stream(graph_engine(), PROMPTS, GREEDY)]
+    stop_token = reference[1][0][6]  # request 1's 7th token: inside its second chunk
+    stop_text = reference[2][1][9:12]  # three characters of request 2's text
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
+    params[1] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token])
+    params[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop_text])
+    want = [final(o) for o in stream(graph_engine(), PROMPTS, params)]
+    assert want[1][2] == want[2][2] == "stop" and len(want[2][0]) < 30
+    engine = overlapped(k)
+    got = [final(o) for o in stream(engine, PROMPTS, params)]
+    assert got == want
+    chains = engine.stats().decode_chains
+    assert chains["chains"] == 1 and chains["end.finish"] == 1 and chains["kept_past_finish"] >= 4
+    assert sum(v for key, v in chains.items() if key.startswith("end.")) == 1
+    assert chains["single.prefill"] >= 1 and chains["steps"] >= 39  # the longest request's 39 decode steps
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+    # As before chain_across_finishes: the same outputs, a chain ended at every finish.
+    before = overlapped(k, chain_across_finishes=False)
+    assert [final(o) for o in stream(before, PROMPTS, params)] == want
+    ends = before.stats().decode_chains
+    assert ends["chains"] > 3 and ends["end.finish"] == ends["chains"] and ends["kept_past_finish"] == 0
+
+
+def test_a_chunk_is_as_long_as_its_longest_lived_row():
+    """A row with fewer tokens left than the chunk computes only those (its later steps write
+    the null slot, and only its real steps' KV slots are reserved); the chunk does not shrink
+    to it."""
+    engine = overlapped(8)
+    writes = []
+    real_launch = engine.runner.launch_decode_steps
+
+    def launch(batch, k, ahead=0, steps=None, src_rows=None):
+        steps_or_k = list(steps) if steps else [k] * len(batch.seqs)
+        writes.append((k, steps_or_k))
+        bm = engine.block_manager  # the block tables cover each row's real steps, no more
+        assert [len(s.block_table) for s in batch.seqs] == [
+            bm.blocks_needed(s.num_computed_tokens + ahead + n) for s, n in zip(batch.seqs, steps_or_k)]
+        return real_launch(batch, k, ahead=ahead, steps=steps, src_rows=src_rows)
+
+    engine.runner.launch_decode_steps = launch
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 30)]
+    want = [final(o) for o in stream(graph_engine(), PROMPTS[:2], params)]
+    got = [final(o) for o in stream(engine, PROMPTS[:2], params)]
+    assert got == want
+    assert writes[0] == (8, [3, 8])  # request 0's 3 decode steps in a chunk of 8, not a chunk of 3
+    assert all(len(steps) == 1 for _, steps in writes[1:])  # request 1 alone after that
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_arrivals_end_a_chain_and_are_counted():
+    """A request arriving while a chain runs ends it (admission), its prefill runs as a single
+    step, and a new chain starts; the tokens are those of single steps."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [final(o) for o in stream(graph_engine(), PROMPTS[:4], params)]
+    engine = overlapped(4)
+    got = [final(o) for o in stream(engine, PROMPTS[:4], params, arrivals={0: [0, 1], 4: [2], 9: [3]})]
+    assert got == want
+    chains = engine.stats().decode_chains
+    assert chains["end.admission"] == 2 and chains["chains"] == 3 and chains["end.finish"] == 1
+    assert chains["single.prefill"] >= 3
+
+
+def test_greedy_rows_keep_their_tokens_while_sampled_rows_leave_the_chain():
+    """Sampled rows (drawn on the device) that finish early leave a chain whose other rows are
+    greedy: the device-side gather hands every remaining row its own last token."""
+    sampled = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.9, ignore_eos=True)
+    params = [GREEDY, sampled, GREEDY, sampled, sampled, GREEDY]
+    want = [final(o) for o in stream(graph_engine(), PROMPTS, params)]
+    engine = overlapped(4)
+    got = [final(o) for o in stream(engine, PROMPTS, params)]
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert got[i] == want[i]
+        else:
+            assert len(got[i][0]) == 5 and got[i][2] == "length"
+    assert engine.stats().decode_chains["kept_past_finish"] >= 1
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real graphs, events, pinned buffers)")
+@pytest.mark.parametrize("chunk_graphs", [0, 8])
+def test_a_chain_across_finishes_on_cuda_graphs_gives_the_tokens_of_single_steps(chunk_graphs):
+    """Real graphs, asynchronous chunks: rows that stop inside a chunk in flight, end at their
+    max_tokens or finish as sampled rows leave the chain; greedy rows' tokens and text, and a
+    second round on the freed (and prefix-cached) blocks, as with single steps."""
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
+
+    def cuda_engine(**knobs):
+        return LLMEngine(EngineConfig(model="tiny-llama", device="cuda", dtype="float32", max_num_seqs=8,
+                                      max_model_len=64, block_size=4, **knobs))
+
+    reference = [final(o) for o in stream(cuda_engine(decode_steps=1), PROMPTS, GREEDY)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 14, 20, 27, 40)]
+    params[1] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[reference[1][0][6]])
+    params[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[reference[2][1][9:12]])
+    params[3] = SamplingParams(max_tokens=7, temperature=0.9, top_p=0.9, ignore_eos=True)
+    single = cuda_engine(decode_steps=1)
+    want = [final(o) for o in stream(single, PROMPTS, params)]
+    want_again = [final(o) for o in stream(single, PROMPTS, GREEDY)]
+    engine = cuda_engine(decode_steps=4, overlap_decode=True, chunk_graph_max_batch=chunk_graphs)
+    got = [final(o) for o in stream(engine, PROMPTS, params)]
+    assert [g for i, g in enumerate(got) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+    assert len(got[3][0]) == 7
+    assert [final(o) for o in stream(engine, PROMPTS, GREEDY)] == want_again
+    chains = engine.stats().decode_chains
+    assert chains["kept_past_finish"] >= 4 and chains["end.finish"] == 2
+    assert (engine.runner.num_chunk_replays > 0) == bool(chunk_graphs)
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
