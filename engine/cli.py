@@ -105,6 +105,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-compat", choices=("vllm",), default=None,
                    help="also export vLLM-named series on /metrics (vllm:num_requests_waiting, "
                         "vllm:kv_cache_usage_perc, ... with label model_name) for autoscalers written for vLLM")
+    from shapeshift.engine.serving.tool_parsers import PARSER_NAMES  # plain Python, no torch
+
+    p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+                   help="read tool calls out of the model's text for tool_choice \"auto\" (the default with "
+                        "tools): hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5/Qwen3, SmolLM2) or "
+                        "llama3_json ({\"name\", \"parameters\"}: Llama 3.1/3.2). Without one, \"auto\" with tools "
+                        "is refused")
     hot = p.add_argument_group("hot reload")
     hot.add_argument("--admin-token-file", default=None,
                      help="file holding the bearer token of the admin API (/admin/forward-passes: load, list, "
@@ -206,7 +213,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               max_waiting=args.max_waiting if args.max_waiting is not None else DEFAULT_MAX_WAITING,
               log_level=args.log_level, admin_token_file=token_file, admin_token_from_env=token_from_env,
               rollout=rollout_settings(args), api_key=api_key, cors_allow_origins=args.cors_allow_origin,
-              metrics_compat=args.metrics_compat, sock=sock)
+              metrics_compat=args.metrics_compat, tool_call_parser=args.tool_call_parser, sock=sock)
     except FileNotFoundError as exc:  # a preset to import, a weight file gone since the check
         print(f"shapeshift serve: {exc}", file=sys.stderr)
         return 2

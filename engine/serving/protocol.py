@@ -12,14 +12,16 @@ Field policy (docs/serving-api.md lists every field): every field of OpenAI's ch
 and completions request schemas is accepted. What the engine can honour, it does
 (n, penalties, logit_bias, logprobs and top logprobs up to MAX_TOP_LOGPROBS, echo
 with prompt logprobs, list prompts, stream_options.continuous_usage_stats,
-response_format json through xgrammar when installed, ...).
+response_format json (and the structural_tag extension) through xgrammar when
+installed, ...).
 Tools are called through the same constrained decoding, with tool_choice
-"required" or a named function (engine/serving/tools.py). Fields that change
+"required" or a named function, or with "auto" through the server's tool-call
+parser (engine/serving/tools.py, tool_parsers.py). Fields that change
 nothing about the output at any value (`store`, `metadata`, `user`,
 `service_tier`, `reasoning_effort`, ...) are accepted and logged at debug level
 (`INERT_FIELDS`). What it cannot honour is refused only when set to a
 non-neutral value, with a 400 that names the field and says what to do instead
-(tool_choice "auto" with tools, the deprecated functions, audio, image parts,
+(tool_choice "auto" with tools on a server without --tool-call-parser, the deprecated functions, audio, image parts,
 suffix, best_of other than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
 typo is not silently dropped. Extensions (as in vLLM): `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
@@ -402,11 +404,14 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """`text`; `json_object` and `json_schema` are honoured through constrained decoding
-    (engine/serving/structured.py) when xgrammar is installed."""
+    (engine/serving/structured.py) when xgrammar is installed; so is the extension
+    `structural_tag` (as in vLLM): `format` is an xgrammar structural-tag format, e.g. a
+    {"type": "tag", "begin", "content": {"type": "json_schema", ...}, "end"} block."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
 
     @field_validator("json_schema")
     @classmethod
@@ -508,6 +513,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "Invalid value for 'response_format': type json_schema needs "
                                 "'json_schema': {\"name\": ..., \"schema\": {...}}.",
                            param="response_format.json_schema", code="invalid_value")
+        if rf is not None and rf.type == "structural_tag" and rf.format is None:
+            raise APIError(400, "Invalid value for 'response_format': type structural_tag needs 'format': an "
+                                "xgrammar structural-tag format such as {\"type\": \"tag\", \"begin\": ..., "
+                                "\"content\": {...}, \"end\": ...}.", param="response_format.format",
+                           code="invalid_value")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "Invalid value for 'top_logprobs': it needs logprobs: true; send both.",
                            param="top_logprobs", code="invalid_value")

@@ -29,7 +29,7 @@ engine loop and stop before it.
 Beside this module: `params.py` (request fields -> SamplingParams per choice),
 `outputs.py` (engine outputs -> API shapes; several choices' streams merged),
 `access.py` (--api-key, CORS), `structured.py` (response_format JSON), `tools.py` (tool
-calls through it), `preflight.py` (the CLI's checks before loading, the listening socket).
+calls through it, or through `tool_parsers.py` for tool_choice "auto"), `preflight.py` (the CLI's checks before loading, the listening socket).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from shapeshift.engine.serving.async_engine import (
 from shapeshift.engine.serving.access import OPEN_PATHS, add_access_control
 from shapeshift.engine.serving.metrics import EngineMetrics
 from shapeshift.engine.serving.params import choice_params, sampling_params
+from shapeshift.engine.serving.tool_parsers import get_parser
 from shapeshift.engine.serving.tools import ToolPlan
 from shapeshift.engine.serving.outputs import finish_reason, finite, logprob_at, merge, prepend, sse, top_at
 from shapeshift.engine.serving.protocol import (
@@ -108,8 +109,10 @@ def _error_response(err: APIError) -> JSONResponse:
 class _Handlers:
     """Request handling bound to one engine; the FastAPI routes delegate here."""
 
-    def __init__(self, async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str) -> None:
+    def __init__(self, async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str,
+                 tool_call_parser: str | None = None) -> None:
         self.async_engine = async_engine
+        self.tool_parser = get_parser(tool_call_parser)
         self.engine = async_engine.engine
         self.metrics = metrics
         self.served_model_name = served_model_name
@@ -174,13 +177,15 @@ class _Handlers:
             eos = sorted(self.engine.scheduler.eos_token_ids)
             self._structured = await asyncio.to_thread(structured.StructuredOutput, self.engine.tokenizer,
                                                        self.vocab_size, eos)
-        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        schema = rf.format if rf.type == "structural_tag" else \
+            rf.json_schema.schema_ if rf.json_schema is not None else None
         try:
             return await asyncio.to_thread(self._structured.compile, rf.type, schema, tools)
         except Exception as exc:  # xgrammar's schema errors are the client's to fix
-            where = "tools' function.parameters" if tools else "response_format.json_schema.schema"
+            where = "tools' function.parameters" if tools else "response_format.format" \
+                if rf.type == "structural_tag" else "response_format.json_schema.schema"
             raise APIError(400, f"Invalid value for '{where}': {exc}",
-                           param="tools" if tools else "response_format.json_schema", code="invalid_value") from None
+                           param="tools" if tools else where.rsplit(".schema", 1)[0], code="invalid_value") from None
 
     def log_inert(self, req: Any) -> None:
         fields = req.inert_fields_set()
@@ -268,7 +273,7 @@ class _Handlers:
         """The SSE body of one streaming request (completions and chat alike).
 
         ``envelope(choices, usage=None)`` wraps choices in the endpoint's chunk model and
-        ``choice(index, out)`` makes one output's choice. Frames: ``heads`` (first choices,
+        ``choice(index, out)`` makes one output's choice (or a list of them, one frame each). Frames: ``heads`` (first choices,
         if given), one per output that carries text, tokens or the finish (the choices'
         streams interleaved as they produce), usage on each of them with
         continuous_usage_stats, the usage chunk when the client asked for it, an error body
@@ -285,7 +290,9 @@ class _Handlers:
                     continue
                 completion_tokens[index] += len(out.new_token_ids)
                 usage = UsageInfo.of(prompt_tokens, sum(completion_tokens)) if continuous_usage else None
-                yield sse(envelope([choice(index, out)], usage).model_dump(exclude_none=True))
+                made = choice(index, out)
+                for one in made if isinstance(made, list) else [made]:
+                    yield sse(envelope([one], usage).model_dump(exclude_none=True))
             if include_usage:
                 yield sse(envelope([], UsageInfo.of(prompt_tokens, sum(completion_tokens))).model_dump(
                     exclude_none=True))
@@ -441,7 +448,7 @@ class _Handlers:
         req: ChatCompletionRequest = self.parse(ChatCompletionRequest, await request.body())
         req.check_together()
         self.log_inert(req)
-        plan = ToolPlan.of(req)
+        plan = ToolPlan.of(req, self.tool_parser)
         prompt_ids = await self.chat_prompt_ids(req, plan)
         want_logprobs = bool(req.logprobs)
         top_n = req.top_logprobs or 0
@@ -450,7 +457,7 @@ class _Handlers:
         per_choice = self.choice_params(params, req.n or 1)
         rf = req.response_format if plan is None else plan.response_format
         if rf is not None and rf.constrained():
-            compiled = await self.compile_response_format(rf, tools=plan is not None)
+            compiled = await self.compile_response_format(rf, tools=plan is not None and plan.constrains)
             for p in per_choice:
                 p.constraint = self._structured.constraint(compiled)  # one grammar state per choice
         request_id = new_id("chatcmpl")
@@ -485,11 +492,17 @@ class _Handlers:
                                           choices=choices, usage=UsageInfo.of(len(prompt_ids), completion_tokens))
             return JSONResponse(body.model_dump(exclude_none=True))
 
-        def choice(index: int, out: Any) -> ChatChunkChoice:
+        def choice(index: int, out: Any) -> ChatChunkChoice | list[ChatChunkChoice]:
             delta, finish = (ChatDelta(content=out.text_delta), finish_reason(out)) if plan is None else \
                 plan.stream_delta(index, out.text_delta, finish_reason(out))
-            return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs_of([out]),
+            made = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs_of([out]),
                                    token_ids=list(out.new_token_ids) if req.return_token_ids else None)
+            if delta.tool_calls and finish is not None:
+                # As OpenAI streams them: the calls, then the finish reason in a chunk of its own (the
+                # openai client's stream helper closes a call's arguments on that chunk).
+                made.finish_reason = None
+                return [made, ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)]
+            return made
 
         def envelope(choices: list[Any], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
@@ -534,12 +547,14 @@ def shapeshift_version() -> str:
 
 
 def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str, *,
-              api_key: str | None = None, cors_allow_origins: Sequence[str] = ()) -> FastAPI:
+              api_key: str | None = None, cors_allow_origins: Sequence[str] = (),
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app over a started (or to-be-started) `AsyncEngine`; its lifespan starts
     and stops the engine loop. ``api_key``: every route but OPEN_PATHS and the admin API
     needs `Authorization: Bearer <api_key>` (compared in constant time). ``cors_allow_origins``:
-    browser origins allowed to call the API (`*` for any)."""
-    handlers = _Handlers(async_engine, metrics, served_model_name)
+    browser origins allowed to call the API (`*` for any). ``tool_call_parser``: a name in
+    tool_parsers.PARSERS, for tool_choice "auto" (None: "auto" with tools is a 400)."""
+    handlers = _Handlers(async_engine, metrics, served_model_name, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -624,12 +639,12 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
 def build_server(config: Any, *, served_model_name: str | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, admin_token_file: str | None = None,
                  admin_token_from_env: bool = False, rollout: Any = None, api_key: str | None = None,
-                 cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None
-                 ) -> tuple[FastAPI, AsyncEngine]:
+                 cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None,
+                 tool_call_parser: str | None = None) -> tuple[FastAPI, AsyncEngine]:
     """Load the engine for `config` (an `EngineConfig`) and wrap it in an app.
 
     `api_key`, `cors_allow_origins`: see `build_app`. `metrics_compat`: "vllm" adds the
-    vLLM-named series to /metrics (`metrics.EngineMetrics`).
+    vLLM-named series to /metrics (`metrics.EngineMetrics`). `tool_call_parser`: see `build_app`.
 
     Admin API: mounted when `admin_token_file` is given, or `admin_token_from_env`
     (token from $SHAPESHIFT_ADMIN_TOKEN_FILE or $SHAPESHIFT_ADMIN_TOKEN); a missing or
@@ -643,7 +658,8 @@ def build_server(config: Any, *, served_model_name: str | None = None,
     name = served_model_name or getattr(engine, "model_name", None) or str(config.model)
     metrics = EngineMetrics(name, metrics_compat=metrics_compat)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
-    app = build_app(async_engine, metrics, name, api_key=api_key, cors_allow_origins=cors_allow_origins)
+    app = build_app(async_engine, metrics, name, api_key=api_key, cors_allow_origins=cors_allow_origins,
+                    tool_call_parser=tool_call_parser)
     if api_key is not None:
         logger.info("API key required on every route but %s (and /admin, which has its own token)",
                     ", ".join(OPEN_PATHS))
@@ -676,7 +692,7 @@ def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_mode
           max_waiting: int = DEFAULT_MAX_WAITING, log_level: str = "info", admin_token_file: str | None = None,
           admin_token_from_env: bool = False, rollout: Any = None, api_key: str | None = None,
           cors_allow_origins: Sequence[str] = (), metrics_compat: str | None = None,
-          sock: socket.socket | None = None) -> None:
+          tool_call_parser: str | None = None, sock: socket.socket | None = None) -> None:
     """Run the server until interrupted (blocking). ``sock``: a socket from `preflight.bind_socket`
     (bound here when not given, before the model loads)."""
     import uvicorn
@@ -687,7 +703,7 @@ def serve(config: Any, *, host: str = "127.0.0.1", port: int = 8000, served_mode
     app, async_engine = build_server(config, served_model_name=served_model_name, max_waiting=max_waiting,
                                      admin_token_file=admin_token_file, admin_token_from_env=admin_token_from_env,
                                      rollout=rollout, api_key=api_key, cors_allow_origins=cors_allow_origins,
-                                     metrics_compat=metrics_compat)
+                                     metrics_compat=metrics_compat, tool_call_parser=tool_call_parser)
     logger.info("serving %s on http://%s:%d", app.state.handlers.served_model_name, host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

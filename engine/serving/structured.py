@@ -1,4 +1,4 @@
-"""`response_format` json_object / json_schema through xgrammar's constrained decoding.
+"""`response_format` json_object / json_schema / structural_tag through xgrammar's constrained decoding.
 
 Data flow: the server's tokenizer -> `StructuredOutput` (once per server, lazily: an
 xgrammar `TokenizerInfo` from the vocabulary and a `GrammarCompiler` that caches compiled
@@ -54,12 +54,15 @@ class StructuredOutput:
         self._lock = threading.Lock()
 
     def compile(self, kind: str, schema: Any = None, compact: bool = False) -> Any:
-        """A compiled grammar for `json_object` (any JSON object) or `json_schema` (``schema``);
+        """A compiled grammar for `json_object` (any JSON object), `json_schema` (``schema``) or
+        `structural_tag` (``schema`` is its format);
         ``compact``: no whitespace but one space after ',' and ':' (tool-call arguments, where a
         model would otherwise be free to pad the JSON until max_tokens)."""
         with self._lock:
             if kind == "json_object":
                 return self._compiler.compile_builtin_json_grammar()
+            if kind == "structural_tag":  # ``schema``: the structural tag's format
+                return self._compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": schema}))
             return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=not compact)
 
     def constraint(self, compiled: Any) -> "JsonConstraint":

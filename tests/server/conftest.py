@@ -12,7 +12,9 @@ from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, MODEL, NUM_KV_BLOCKS, Se
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(["--max-num-seqs", str(MAX_NUM_SEQS)],
+    # With a tool-call parser, for tool_choice "auto" (test_server_tool_parsers.py); the 400 of "auto"
+    # without one is checked on test_server_access.py's server.
+    proc = ServerProcess(["--max-num-seqs", str(MAX_NUM_SEQS), "--tool-call-parser", "hermes"],
                          tmp_path_factory.mktemp("serve") / "serve.log").start()
     yield proc
     proc.stop()

@@ -1,4 +1,5 @@
-"""--api-key, --cors-allow-origin and Retry-After on 429, on one small server of their own;
+"""--api-key, --cors-allow-origin and Retry-After on 429, on one small server of their own (which,
+started without --tool-call-parser, also shows the 400 of tool_choice "auto");
 /tokenize, /detokenize and /version on the shared one."""
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory):
     # /health stays open, so the harness's readiness poll needs no key.
     yield proc.start()
     proc.stop()
+
+
+def test_auto_tool_choice_without_a_parser_is_a_400_naming_the_flag(keyed_server):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice in ({}, {"tool_choice": "auto"}):  # tools without tool_choice are "auto"
+        resp = httpx.post(f"{keyed_server.base_url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                "max_tokens": 1, **choice})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "tool_choice" and error["code"] == "unsupported_value"
+        assert "--tool-call-parser" in error["message"] and '"required"' in error["message"]
 
 
 def test_api_key_guards_the_api_but_not_probes(keyed_server):

@@ -73,17 +73,18 @@ def test_required_calls_one_or_more_of_the_tools(openai_client):
         _fits(choice.message.tool_calls[0])
 
 
-def test_streamed_tool_calls_come_whole_in_the_last_chunk(openai_client):
+def test_streamed_tool_calls_come_whole_before_the_finish(openai_client):
     kwargs = dict(model=MODEL, messages=ASK, tools=[DECIDE], max_tokens=48, temperature=0,
                   tool_choice={"type": "function", "function": {"name": "decide"}})
     whole = openai_client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     chunks = [c for c in openai_client.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert chunks[0].choices[0].delta.role == "assistant"
     with_calls = [c for c in chunks if c.choices[0].delta.tool_calls]
-    assert len(with_calls) == 1 and with_calls[0] is chunks[-1]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len(with_calls) == 1 and with_calls[0] is chunks[-2]  # then the finish reason in a chunk of its own
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-2].choices[0].finish_reason is None
+    assert not chunks[-1].choices[0].delta.tool_calls and not chunks[-1].choices[0].delta.content
     assert not any(c.choices[0].delta.content for c in chunks)
-    (delta,) = chunks[-1].choices[0].delta.tool_calls
+    (delta,) = chunks[-2].choices[0].delta.tool_calls
     assert delta.index == 0 and delta.function.name == "decide"
     assert json.loads(delta.function.arguments) == json.loads(whole.function.arguments)  # greedy: the same call
 
