@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm-requests", type=int, default=None)
     p.add_argument("--screen-requests", type=int, default=None)
     p.add_argument("--final-repeats", type=int, default=None)
+    p.add_argument("--fast-layers", type=int, default=None,
+                   help="layers of the fast tier's model (default: a quarter of the model's). With an SLO that "
+                        "binds, give the model's own count: a shallower proxy streams each user faster than the "
+                        "full model does, so it would rank batch widths against the wrong promise")
     p.add_argument("--slo-ttft-p90", type=float, default=None)
     p.add_argument("--slo-per-user-p90", type=float, default=None)
     p.add_argument("--agents", default=None, help="comma list (default: the compile loop's)")
@@ -89,7 +93,7 @@ def job_for(args: argparse.Namespace, regime: str, work: Path, argv: list[str],
         budget_seconds=budget_s if budget_s is not None else args.budget, agents=agents, out=str(work / Path(regime).stem), device=args.device,
         dtype=args.dtype, max_model_len=args.max_model_len, confirm_repeats=args.confirm_repeats,
         confirm_requests=args.confirm_requests, screen_requests=args.screen_requests,
-        final_repeats=args.final_repeats, slo_ttft_p90_s=args.slo_ttft_p90,
+        final_repeats=args.final_repeats, fast_layers=args.fast_layers, slo_ttft_p90_s=args.slo_ttft_p90,
         slo_per_user_tokens_per_s_p90=args.slo_per_user_p90, seed=args.seed, use_registry=False,
         command=("python", "hack/bench_regimes.py", *argv, f"# regime {regime}")))
 

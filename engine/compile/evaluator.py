@@ -426,6 +426,8 @@ class EngineEvaluator:
                         m.throughput.append(run.output_tokens_per_s)
                         if self.settings.slo is not None:
                             m.slo_attainment.append(run.slo_attainment)
+                            m.slo_missed_ttft.append(run.slo_missed_ttft)
+                            m.slo_missed_per_user.append(run.slo_missed_per_user)
                             if not run.goodput_tokens_per_s > 0:  # a measured outcome, not a crash: the engine stays
                                 m.error = (f"no request met the SLO ({self.settings.slo.describe()}): goodput 0; "
                                            "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")

@@ -37,6 +37,9 @@ class Measurement:
     samples: list[float] = field(default_factory=list)
     throughput: list[float] = field(default_factory=list)  # output tokens/s per repeat, every request counted
     slo_attainment: list[float] = field(default_factory=list)  # share of requests that met the SLO, per repeat
+    # shares of requests whose first token came late / that streamed slower than the SLO, per repeat
+    slo_missed_ttft: list[float] = field(default_factory=list)
+    slo_missed_per_user: list[float] = field(default_factory=list)
     per_user_p50: list[float] = field(default_factory=list)  # per-user tokens/s, per repeat
     per_user_p90: list[float] = field(default_factory=list)
     # per-user end-to-end tokens/s (submission to last token, queueing included), p90 per repeat
@@ -75,7 +78,9 @@ class Measurement:
         """This measurement with `more`'s repeats appended (the same candidate, tier and request set)."""
         return Measurement(
             samples=self.samples + more.samples, throughput=self.throughput + more.throughput,
-            slo_attainment=self.slo_attainment + more.slo_attainment, per_user_p50=self.per_user_p50 + more.per_user_p50,
+            slo_attainment=self.slo_attainment + more.slo_attainment,
+            slo_missed_ttft=self.slo_missed_ttft + more.slo_missed_ttft,
+            slo_missed_per_user=self.slo_missed_per_user + more.slo_missed_per_user, per_user_p50=self.per_user_p50 + more.per_user_p50,
             per_user_p90=self.per_user_p90 + more.per_user_p90,
             e2e_per_user_p90=self.e2e_per_user_p90 + more.e2e_per_user_p90,
             ttft_p50=self.ttft_p50 + more.ttft_p50, ttft_p90=self.ttft_p90 + more.ttft_p90,
@@ -106,6 +111,10 @@ class Measurement:
             out["objective"] = "goodput"
             out["output_tokens_per_s"] = statistics.fmean(self.throughput)
             out["slo_attainment"] = statistics.fmean(self.slo_attainment)
+            for name in ("slo_missed_ttft", "slo_missed_per_user"):
+                values = [v for v in getattr(self, name) if math.isfinite(v)]
+                if values:
+                    out[name] = statistics.fmean(values)
         if baseline is not None and baseline.ok and self.ok:
             out["speedup"] = self.mean / baseline.mean
         return out

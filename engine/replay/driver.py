@@ -47,6 +47,11 @@ class ReplayRun:
     # their share of the requests (NaN without one).
     goodput_tokens_per_s: float = float("nan")
     slo_attainment: float = float("nan")
+    # Why requests missed it: the share of requests whose first token came late, and the share
+    # that streamed slower than promised (a request can miss both; NaN without an SLO). The
+    # search reads them to try first the settings that move the side that binds.
+    slo_missed_ttft: float = float("nan")
+    slo_missed_per_user: float = float("nan")
     # The tokens each request got, in request order: what was measured is checked against the
     # reference's tokens on the same requests (engine/verify/measured.py).
     output_token_ids: list[list[int]] | None = None
@@ -175,12 +180,19 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
     per_user = [(produced[r] - 1) / (last[r] - first[r]) for r in first if produced[r] > 1 and last[r] > first[r]]
     end_to_end = [produced[r] / (last[r] - submitted[r]) for r in first if last[r] > submitted[r]]
     queried = bm.prefix_cache_queried_tokens - queried0
-    goodput = attainment = float("nan")
+    goodput = attainment = missed_ttft = missed_per_user = float("nan")
     if slo is not None:
-        met = [r for r in first if slo.met(first[r] - submitted[r], (produced[r] - 1) / (last[r] - first[r])
-                                           if produced[r] > 1 and last[r] > first[r] else None)]
+        def speed(r: str) -> float | None:
+            return (produced[r] - 1) / (last[r] - first[r]) if produced[r] > 1 and last[r] > first[r] else None
+
+        met = [r for r in first if slo.met(first[r] - submitted[r], speed(r))]
         goodput = sum(produced[r] for r in met) / wall if wall else 0.0
         attainment = len(met) / len(requests) if requests else 0.0
+        if requests:
+            # A request that never produced a token missed its first token.
+            missed_ttft = sum(1 for i in range(len(requests)) if not slo.met(
+                first.get(f"replay-{i}", math.inf) - submitted.get(f"replay-{i}", 0.0), None)) / len(requests)
+            missed_per_user = sum(1 for r in first if speed(r) is not None and not slo.met(0.0, speed(r))) / len(requests)
     return ReplayRun(wall_s=wall, output_tokens=total, output_tokens_per_s=total / wall if wall else 0.0,
                      per_user_tokens_per_s_p50=percentile(per_user, 0.5),
                      # p90 of per-user speed in the latency sense: the speed 90% of users beat
@@ -191,6 +203,7 @@ def run_once(engine: Any, requests: list[ReplayRequest], concurrency: int | None
                      per_user_e2e_tokens_per_s_p50=percentile(end_to_end, 0.5),
                      per_user_e2e_tokens_per_s_p90=percentile(end_to_end, 0.1),
                      goodput_tokens_per_s=goodput, slo_attainment=attainment,
+                     slo_missed_ttft=missed_ttft, slo_missed_per_user=missed_per_user,
                      output_token_ids=[tokens.get(f"replay-{i}", []) for i in range(len(requests))])
 
 

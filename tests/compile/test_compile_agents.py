@@ -103,6 +103,34 @@ def test_sweep_moves_around_the_best(tmp_path: Path, space) -> None:
     assert len(seen_knobs) >= 3
 
 
+def test_sweep_tries_the_binding_knobs_first_when_the_slo_binds(tmp_path: Path, space) -> None:
+    """Where the best result's requests miss the SLO, the sweep's first line search is over the
+    settings that move the side that binds, and its note says so; where the SLO is met it keeps
+    the space's order (code paths first)."""
+    from shapeshift.engine.compile.agents.sweep import slo_guidance
+
+    def first_line(missed: dict) -> list[Candidate]:
+        board = Board(tmp_path / f"b{len(list(tmp_path.iterdir()))}.jsonl")
+        base = Candidate(space.default(), agent="baseline")
+        board.append("candidate", **base.to_entry())
+        board.append("result", trial_id="t0", digest=base.digest, tier="fast", status="ok",
+                     metrics={"throughput": 100.0, "slo_attainment": 0.5, **missed})
+        return SweepAgent(space, board, seed=0).propose(1)
+
+    def changed(cands: list[Candidate]) -> set[str]:
+        default = space.default()
+        return {k for c in cands for k in c.recipe if c.recipe[k] != default[k]}
+
+    slow = first_line({"slo_missed_per_user": 0.6, "slo_missed_ttft": 0.05})
+    assert changed(slow) == {"engine.max_num_seqs"} and len(slow) == len(space.knob("engine.max_num_seqs").values) - 1
+    assert all("60% of requests streamed slower" in c.note for c in slow)
+    late = first_line({"slo_missed_per_user": 0.0, "slo_missed_ttft": 0.4})
+    assert changed(late) == {"engine.max_num_batched_tokens"} and "first token late" in late[0].note
+    met = first_line({"slo_missed_per_user": 0.05, "slo_missed_ttft": 0.02})
+    assert changed(met) and not any(k.startswith("engine.") for k in changed(met)) and "SLO" not in met[0].note
+    assert slo_guidance(None) == ((), None) and slo_guidance({"slo_missed_ttft": 0.1})[0] == ()
+
+
 def test_evolve_recombines_the_best(tmp_path: Path, space) -> None:
     board = Board(tmp_path / "b.jsonl")
     rng = random.Random(0)

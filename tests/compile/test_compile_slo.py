@@ -52,8 +52,16 @@ def test_goodput_counts_only_the_requests_that_met_the_slo(evaluator):
     reqs = requests_from_profile(evaluator._profile(), eng, 8, seed=0)
     loose = run_once(eng, reqs, 4, slo=SLO(60.0, 0.0))
     assert loose.slo_attainment == 1.0 and loose.goodput_tokens_per_s == pytest.approx(loose.output_tokens_per_s)
+    assert loose.slo_missed_ttft == 0.0 and loose.slo_missed_per_user == 0.0
     strict = run_once(eng, reqs, 4, slo=SLO(1e-9, 0.0))  # no first token comes that fast
     assert strict.slo_attainment == 0.0 and strict.goodput_tokens_per_s == 0.0
+    assert strict.slo_missed_ttft == 1.0 and strict.slo_missed_per_user == 0.0
+    # A stream no engine reaches: every request that streamed more than one token is slow, and
+    # the shares say which side missed (what the sweep reads to pick its first knob).
+    slow = run_once(eng, reqs, 4, slo=SLO(60.0, 1e12))
+    streamed = sum(1 for ids in slow.output_token_ids if len(ids) > 1) / len(reqs)
+    assert slow.slo_missed_ttft == 0.0 and slow.slo_missed_per_user == pytest.approx(streamed) and streamed > 0
+    assert slow.slo_attainment == pytest.approx(1.0 - streamed)
     assert math.isnan(run_once(eng, reqs, 4).goodput_tokens_per_s)  # no SLO, no goodput
 
 
@@ -63,6 +71,7 @@ def test_the_evaluator_measures_goodput_and_keeps_throughput_beside_it(evaluator
     assert m.ok and m.slo_attainment == [1.0, 1.0] and m.samples == pytest.approx(m.throughput)
     metrics = m.metrics()
     assert metrics["objective"] == "goodput" and metrics["slo_attainment"] == 1.0
+    assert metrics["slo_missed_ttft"] == 0.0 and metrics["slo_missed_per_user"] == 0.0
     assert evaluator.describe()["objective"].startswith("goodput at p90 TTFT <= 60 s")
 
 

@@ -4,12 +4,52 @@ Data flow: board (fast-tier results) -> best stock-source recipe -> the untried
 neighbours along the next knob in turn -> candidates. When every knob of the current best
 has been swept with nothing new, the sweep has converged and proposes nothing (it wakes
 up again when another agent posts a better point).
+
+Which knob comes first depends on the traffic, read from the best result's SLO misses
+(engine/replay/slo.py): where more requests than the SLO's p90 allows stream too slowly, the
+batch width and the prefill chunk go first (a narrower batch gives each user more of a step, a
+smaller chunk stalls decodes less); where first tokens come late, the chunk, the batch width
+and prefix caching go first (more admitted, prefills finished sooner). Where the SLO is met
+(or there is none), the objective is throughput and the knobs go in the space's order, code
+paths before engine settings. Each proposal's note says which it was.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from shapeshift.engine.compile.candidate import Candidate
-from shapeshift.engine.compile.agents.base import Agent, proposed_digests, scored
+from shapeshift.engine.compile.agents.base import SCREEN_TIER, Agent, proposed_digests, scored
+
+# More than this share of requests missing one side of the SLO: that side binds (a p90 promise
+# allows 10% to miss).
+SLO_BINDS_ABOVE = 0.10
+
+KNOBS_FOR_SLOW_STREAMS = ("engine.max_num_seqs", "engine.max_num_batched_tokens")
+KNOBS_FOR_LATE_FIRST_TOKENS = ("engine.max_num_batched_tokens", "engine.max_num_seqs", "engine.enable_prefix_caching")
+
+
+def slo_guidance(metrics: dict[str, Any] | None) -> tuple[tuple[str, ...], str | None]:
+    """(knobs to sweep first, why) from one result's metrics; ((), None) where the SLO does not bind."""
+    metrics = metrics or {}
+    slow = float(metrics.get("slo_missed_per_user") or 0.0)
+    late = float(metrics.get("slo_missed_ttft") or 0.0)
+    if max(slow, late) <= SLO_BINDS_ABOVE:
+        return (), None
+    if slow >= late:
+        return KNOBS_FOR_SLOW_STREAMS, f"SLO binds: {slow:.0%} of requests streamed slower than promised"
+    return KNOBS_FOR_LATE_FIRST_TOKENS, f"SLO binds: {late:.0%} of requests got their first token late"
+
+
+def result_metrics(board: Any, digest: str, tier: str = SCREEN_TIER) -> dict[str, Any] | None:
+    """The metrics of `digest`'s best ok result on `tier` (the one scored() ranked it by)."""
+    best = None
+    for r in board.entries("result"):
+        if r.get("digest") == digest and r.get("tier") == tier and r.get("status") == "ok":
+            m = r.get("metrics") or {}
+            if best is None or float(m.get("throughput") or 0.0) > float(best.get("throughput") or 0.0):
+                best = m
+    return best
 
 
 class SweepAgent(Agent):
@@ -19,17 +59,28 @@ class SweepAgent(Agent):
         super().__init__(*args, **kwargs)
         self.cursor = 0
 
+    def _line(self, base: dict, knob: Any, parent: str | None, seen: set[str], why: str | None) -> list[Candidate]:
+        suffix = f" ({why})" if why else ""
+        options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best{suffix}",
+                             parent) for r in self.space.neighbors(base, knob.name)]
+        return self.fresh(options, seen)
+
     def propose(self, n: int = 1) -> list[Candidate]:
         results = [s for s in scored(self.board, self.space) if s.source is None and not s.failed]
         base = results[0].recipe if results else self.space.default()
         parent = results[0].digest if results else None
         seen = proposed_digests(self.board)
+        first, why = slo_guidance(result_metrics(self.board, parent)) if parent else ((), None)
+        by_name = {k.name: k for k in self.space.knobs}
+        for name in first:
+            if name in by_name:
+                fresh = self._line(base, by_name[name], parent, seen, why)
+                if fresh:
+                    return fresh
         for _ in range(len(self.space.knobs)):
             knob = self.space.knobs[self.cursor % len(self.space.knobs)]
             self.cursor += 1
-            options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best",
-                                 parent) for r in self.space.neighbors(base, knob.name)]
-            fresh = self.fresh(options, seen)
+            fresh = self._line(base, knob, parent, seen, None)
             if fresh:
                 return fresh  # the whole coordinate at once: one line search
         return []
