@@ -148,6 +148,9 @@ def cuda_handle(t: torch.Tensor) -> dict[str, Any]:
 
 
 def from_cuda_handle(d: dict[str, Any]) -> torch.Tensor:
+    # The CUDA state first, as torch.multiprocessing's rebuild does: in a process whose first CUDA
+    # call this is (the verifier's probe child) opening the handle without it segfaults.
+    torch.cuda.init()
     storage = torch.UntypedStorage._new_shared_cuda(
         d["device"], bytes.fromhex(d["handle"]), d["size"], d["offset"], bytes.fromhex(d["ref_handle"]),
         d["ref_offset"], bytes.fromhex(d["event"]), d["sync"])
