@@ -53,7 +53,8 @@ from shapeshift.operator.drift import (
     decide,
 )
 from shapeshift.operator.prometheus import ObservedTraffic, SeriesSelector, TrafficQueryError
-from shapeshift.operator.regimes import RegimeDecision, RegimeLibrary, decide as decide_regime, record_compile_run
+from shapeshift.operator.regimes import (RegimeDecision, RegimeLibrary, decide as decide_regime, record_compile_run,
+                                         record_rollback)
 from shapeshift.operator.settings import OperatorSettings
 from shapeshift.operator.status import StatusUpdate
 
@@ -355,6 +356,9 @@ def check_drift(
     regime: RegimeDecision | None = None
     if library is not None:
         active = status.active_forward_pass.name if status.active_forward_pass else None
+        rollout = status.rollout
+        if rollout is not None and rollout.phase == "RolledBack" and rollout.desired is not None:
+            library = record_rollback(library, rollout.desired.name, rollout.phase_since or now, rollout.message)
         regime = decide_regime(library, result.observed.profile if result.observed is not None else None, spec=spec,
                                now=now, interval=timedelta(seconds=thresholds_of(spec).check_interval_seconds),
                                active_forward_pass=active)

@@ -43,6 +43,7 @@ from shapeshift.operator.rollout_target import champion_of
 __all__ = [
     "RegimeDecision", "RegimeLibrary", "ServingTarget",
     "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
+    "record_rollback",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
 
@@ -89,6 +90,9 @@ def champion_problem(champion: RegimeChampion | None, target: ServingTarget, now
     if champion is None:
         return "it has no verified champion"
     name = champion.forward_pass
+    if champion.rolled_back_at is not None:
+        return (f"its champion {name} was rolled back here at {champion.rolled_back_at.isoformat()} "
+                f"({champion.rolled_back_reason or 'no reason recorded'})")
     if champion.accelerator != target.accelerator:
         return f"its champion {name} was verified on {champion.accelerator}, the deployment runs on {target.accelerator}"
     if champion.model not in target.models:
@@ -359,6 +363,19 @@ def economics(*, started: datetime | None, completed: datetime | None, compile_a
         saved = serving_accelerators * max(0.0, 1.0 - 1.0 / speedup)
     payback = round(spent / saved, 3) if spent is not None and saved else None
     return Economics(spent, round(saved * 3600, 3) if saved is not None else None, payback)
+
+
+def record_rollback(library: RegimeLibrary, forward_pass: str, when: datetime, why: str | None) -> RegimeLibrary:
+    """The library after the deployment's rollout rolled ``forward_pass`` back: every regime whose
+    champion it is keeps it, marked, so that no switch goes back to a pass the rollout will not retry
+    (it retries a target only once the target changes) and traffic in that regime compiles instead.
+    A champion recorded later for the regime (a new CompileRun's) replaces the marked one."""
+    for entry in library.regimes:
+        champ = entry.champion
+        if champ is not None and champ.forward_pass == forward_pass and champ.rolled_back_at is None:
+            library = library.put(entry.model_copy(update={"champion": champ.model_copy(update={
+                "rolled_back_at": when, "rolled_back_reason": (why or "")[:1024] or None})}))
+    return library
 
 
 def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[str, Any], compile_run: str,

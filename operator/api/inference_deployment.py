@@ -434,6 +434,10 @@ class RegimeChampion(StatusModel):
                     "(replicas x per pod) x (1 - 1/speedup), at the load it was measured at.")
     payback_seconds: float | None = Field(
         default=None, ge=0, description="Serving time in its regime after which the compile paid for itself.")
+    rolled_back_at: datetime | None = Field(
+        default=None, description="When this deployment's rollout rolled it back; the library no longer switches "
+                                  "to it, and traffic in its regime compiles again.")
+    rolled_back_reason: str | None = Field(default=None, max_length=1024, description="Why it was rolled back.")
 
 
 class RegimeStatus(StatusModel):

@@ -343,3 +343,62 @@ def test_the_drift_check_switches_instead_of_compiling_and_compiles_a_new_regime
     recorded = {r["name"]: r for r in settled.update.fields["regimes"]}[regime_key(c)]
     assert recorded["compileRun"] == name and "champion" not in recorded
     assert name in settled.update.condition("Regime")[3]
+
+
+def test_a_champion_the_rollout_rolled_back_is_not_switched_to_again_and_its_regime_compiles():
+    """The rollout retries a target only once the target changes, so a switch back to a pass it
+    rolled back would leave the deployment on the previous pass while the library says otherwise.
+    The drift check marks the rolled-back champion in the library (time and the rollout's reason);
+    traffic returning to its regime then compiles, and the drift check creates the CompileRun."""
+    from shapeshift.operator.builders import Parent
+    from shapeshift.operator.drift_check import check_drift
+    from shapeshift.operator.prometheus import DataQuality, ObservedTraffic
+    from shapeshift.operator.regimes import record_rollback
+    from shapeshift.operator.settings import OperatorSettings
+
+    lib = library_with_champions()  # traffic in B, served by fp-b; A's champion fp-a
+    when = T0 + 5 * CHECK
+    marked = record_rollback(lib, "fp-a", when, "canary regressed: p90 latency +40%")
+    assert record_rollback(marked, "fp-a", when + CHECK, "again") == marked  # marked once, with the first reason
+    assert record_rollback(lib, "fp-unknown", when, "x") == lib
+    champ = marked.get(KEY_A).champion
+    assert (champ.rolled_back_at, champ.rolled_back_reason) == (when, "canary regressed: p90 latency +40%")
+    assert marked.get(KEY_B).champion.rolled_back_at is None
+    at = T0 + 10 * CHECK
+    for i in range(2):
+        d = run(marked, A, at + i * CHECK, active="fp-b")
+        marked = d.library
+    assert d.kind == "Compile" and "rolled back here" in d.reason and "canary regressed" in d.reason
+    assert not d.blocks_compile and marked.current.forward_pass is None
+    # the unmarked library switches (the control)
+    control = lib
+    for i in range(2):
+        c = run(control, A, at + i * CHECK, active="fp-b")
+        control = c.library
+    assert c.kind == "Switch" and c.champion.forward_pass == "fp-a"
+    # a new champion recorded for A replaces the marked one
+    again = record_champion(marked, KEY_A, forward_pass("fp-a2", "c" * 64), "run-a2", at + 3 * CHECK)
+    assert again.get(KEY_A).champion.rolled_back_at is None
+
+    # Through the drift check: the status says the rollout rolled fp-a back; traffic settled in A.
+    now = T0 + 20 * CHECK
+    s = spec(compilation={"policy": "OnDrift", "cooldownSeconds": 0,
+                          "drift": {"consecutiveChecks": 1, "checkIntervalSeconds": 60}})
+    wire = lib.to_wire()
+    wire["currentRegime"].update({"observed": KEY_A, "observedChecks": 1, "observedSince": "2026-12-01T12:18:00Z"})
+    status = InferenceDeploymentStatus.model_validate({
+        **wire, "compiledFor": B.to_dict(), "activeForwardPass": {"name": "fp-b"},
+        "rollout": {"phase": "RolledBack", "desired": {"name": "fp-a"}, "previous": {"name": "fp-b"},
+                    "phaseSince": "2026-12-01T12:10:00Z", "message": "rolled back to fp-b: canary regressed"}})
+    quality = DataQuality(requests=100, targets=1, window_seconds=60, evaluated_at=now,
+                          prefix_cache_queried_tokens=1000.0)
+    checked = check_drift(spec=s, status=status, parent=Parent(kind="InferenceDeployment", name="llama",
+                                                                 namespace="team-a", uid="u1"),
+                          observe=lambda: ObservedTraffic(A, quality), active_compile_run=None,
+                          settings=OperatorSettings(), now=now, library=RegimeLibrary.of(status))
+    assert checked.regime.kind == "Compile" and checked.compile_run is not None
+    recorded = {r["name"]: r for r in checked.update.fields["regimes"]}[KEY_A]
+    assert recorded["champion"]["forwardPass"] == "fp-a"
+    assert recorded["champion"]["rolledBackAt"].startswith("2026-12-01T12:10:00")
+    assert "canary regressed" in recorded["champion"]["rolledBackReason"]
+    assert checked.update.condition("Regime")[1] == "False"
