@@ -76,6 +76,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 CONFIGS["serve-default"] = {}
 # serve's default as it was before chain_across_finishes: every finish ends an overlapped chain.
 CONFIGS["chains-end-at-finishes"] = {"chain_across_finishes": False}
+# Chains across finishes, arrivals still ending them (chain_across_admissions off).
+CONFIGS["chains-end-at-admissions"] = {"chain_across_admissions": False}
 DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
@@ -435,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{cfg_name:>22} {name:>22}: {s['output_tokens_per_s']:8.0f} tok/s  per-user p90 "
                       f"{s['per_user_tokens_per_s_p90']:7.1f}  TTFT p90 {s['ttft_s_p90']:.3f} s  failed {s['failed']}"
                       + (f"  chains {chains['chains']} (ended: {ends or 'none'}), {chains['steps']} chained steps, "
-                         f"{chains['single.prefill']} prefill steps" if chains else ""), flush=True)
+                         f"{chains['single.prefill']} prefill steps, {chains.get('admitted_in_chain', 0)} admitted "
+                         "into chains" if chains else ""), flush=True)
             # Pure decode at the chat batch: every request decoding at once (the goal's reference).
             asyncio.run(replay_run(server.url, model, decode_reqs, decode_batch, {}))
             counters = server.runner_stats()

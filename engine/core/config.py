@@ -207,6 +207,12 @@ class EngineConfig:
     # streamed. False: chunks stop at the first row's max_tokens and every finish ends the chain
     # (the host reads the chunk in flight, then schedules anew), as before this option.
     chain_across_finishes: bool = True
+    # With chain_across_finishes: a request that arrives while a chain runs joins it instead of
+    # ending it when it is greedy without logprobs and its whole prompt (past a prefix-cache hit)
+    # fits one step: its prompt runs between two chunks (a mixed-step graph where a bucket holds
+    # it), its first token is the argmax on the device, which the next chunk's step 0 reads, and
+    # the host reads that token with the chunk in flight. Other arrivals end the chain, as before.
+    chain_across_admissions: bool = True
     # With decode_steps > 1: decode batches of up to this many sequences also get one CUDA graph
     # for a whole chunk (decode_steps steps captured back to back; step j reads its positions,
     # slots and context lengths from staging the host fills once a chunk, and its token ids from

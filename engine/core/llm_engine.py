@@ -72,16 +72,19 @@ class _InflightChunk:
 
 # LLMEngine.decode_chains' keys, all counted from zero (cumulative, like the prefix-cache counters):
 #   chains / chunks / steps: chains started, chunks launched in them, decode steps in those chunks;
-#   kept_past_finish: chunks chained onto one in flight with fewer rows than it (a row finished
+#   kept_past_finish: chunks chained onto one in flight without some of its rows (a row finished
 #     or was aborted; EngineConfig.chain_across_finishes);
+#   kept_past_admission / admitted_in_chain: chunks chained with requests admitted between two
+#     chunks (their prompts run there), and how many (EngineConfig.chain_across_admissions);
 #   end.<why>: chains ended, by why the next chunk was not chained: finish (a row finished or has
-#     no token left to compute), admission (a request waits), kv (no room for the next chunk's
+#     no token left to compute), admission (a request waits that cannot join the chain), kv (no room for the next chunk's
 #     slots), drain (the engine read the chunk early: runtime settings, a new forward pass,
 #     prompt logprobs), other;
 #   single.<why>: with decode_steps > 1, steps that ran one at a time: prefill (the batch holds a
 #     prefill chunk), admission (a decode batch while a request waits), other (no graph for the
 #     batch size, logprobs or seeded sampling, no KV room for two steps).
-DECODE_CHAIN_KEYS = ("chains", "chunks", "steps", "kept_past_finish", "end.finish", "end.admission", "end.kv",
+DECODE_CHAIN_KEYS = ("chains", "chunks", "steps", "kept_past_finish", "kept_past_admission", "admitted_in_chain",
+                     "end.finish", "end.admission", "end.kv",
                      "end.drain", "end.other", "single.prefill", "single.admission", "single.other")
 
 
@@ -272,29 +275,38 @@ class LLMEngine:
         """Tokens ``seq`` may still produce after the ``ahead`` it has in flight (max_tokens, max_model_len)."""
         return min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - ahead
 
-    def _row_steps(self, seqs: list[Sequence], ahead: int, k: int) -> list[int]:
-        """Per sequence, the steps of a k-step chunk that compute its real tokens (1..k)."""
-        return [max(1, min(k, self._tokens_left(seq, ahead))) for seq in seqs]
+    @staticmethod
+    def _per_row(ahead: int | list[int], seqs: list[Sequence]) -> list[int]:
+        return list(ahead) if isinstance(ahead, list) else [ahead] * len(seqs)
 
-    def _reserve_steps(self, seqs: list[Sequence], ahead: int, least: int) -> int:
+    def _row_steps(self, seqs: list[Sequence], ahead: int | list[int], k: int) -> list[int]:
+        """Per sequence, the steps of a k-step chunk that compute its real tokens (1..k);
+        ``ahead``: the tokens in flight, for all or per sequence."""
+        return [max(1, min(k, self._tokens_left(seq, a))) for seq, a in zip(seqs, self._per_row(ahead, seqs))]
+
+    def _reserve_steps(self, seqs: list[Sequence], ahead: int | list[int], least: int) -> int:
         """The next chunk's length for ``seqs``, after the ``ahead`` steps each has in flight,
         with their KV slots reserved: at most config.decode_steps. With
         chain_across_finishes, as long as the longest-lived row needs (a row stops writing KV
         past its last token, _row_steps); otherwise never past any row's max_tokens or
         max_model_len. 0 (nothing reserved) when fewer than ``least`` steps fit or the KV cache
         lacks room for them."""
-        left = [self._tokens_left(seq, ahead) for seq in seqs]
+        aheads = self._per_row(ahead, seqs)
+        left = [self._tokens_left(seq, a) for seq, a in zip(seqs, aheads)]
         k = min(self.config.decode_steps, max(left) if self.config.chain_across_finishes else min(left))
         if k < least:
             return 0
         bm = self.block_manager
-        steps = self._row_steps(seqs, ahead, k)
-        needed = sum(bm.blocks_needed(seq.num_computed_tokens + ahead + n) - len(seq.block_table)
-                     for seq, n in zip(seqs, steps))
+        steps = self._row_steps(seqs, aheads, k)
+        # Tokens each block table must cover: a decoding row's computed ones (num_tokens - 1), those
+        # in flight and the chunk's; a prompt still running (ahead 1: its first token is drawn
+        # on the device) the same count, its prompt computed by then.
+        cover = [seq.num_tokens - 1 + a + n for seq, a, n in zip(seqs, aheads, steps)]
+        needed = sum(bm.blocks_needed(c) - len(seq.block_table) for seq, c in zip(seqs, cover))
         if needed > bm.num_free_blocks:
             return 0
-        for seq, n in zip(seqs, steps):
-            bm.append_slots(seq, ahead + n)
+        for seq, c in zip(seqs, cover):
+            bm.append_slots(seq, c - seq.num_computed_tokens)
         return k
 
     def _decode_steps(self, batch: ScheduledBatch, k: int) -> list[RequestOutput]:
@@ -306,52 +318,88 @@ class LLMEngine:
     def _advance_inflight(self) -> list[RequestOutput]:
         """Chain the next chunk of decode steps onto the one in flight when the batch allows it
         (see _chain_lookahead), then read and post-process the one in flight: the host's work
-        on chunk j overlaps the GPU's on chunk j+1."""
+        on chunk j overlaps the GPU's on chunk j+1. Requests admitted into the chain have their
+        prompts run between the two chunks (launch_prefill); their first tokens are read and
+        post-processed after chunk j's."""
         chunk = self._inflight
-        batch, src_rows, k = self._chain_lookahead(chunk)
+        batch, src_rows, k, ahead, prompts = self._chain_lookahead(chunk)
         self._inflight = None
+        prefill = None
         if k:
-            steps = self._row_steps(batch.seqs, ahead=chunk.k, k=k)
+            if prompts is not None:
+                prefill = self.runner.launch_prefill(prompts)
+                self.decode_chains["kept_past_admission"] += 1
+                self.decode_chains["admitted_in_chain"] += len(prompts.seqs)
+            steps = self._row_steps(batch.seqs, ahead=ahead, k=k)
             self._inflight = _InflightChunk(batch, k, self.runner.launch_decode_steps(
-                batch, k, ahead=chunk.k, steps=steps, src_rows=src_rows))
+                batch, k, ahead=ahead, steps=steps, src_rows=src_rows, joined=prefill))
             self._count_chunk(k)
-            if src_rows is not None:
-                self.decode_chains["kept_past_finish"] += 1
-        return self._postprocess_rows(chunk.batch, chunk.handle.tokens())
+        outputs = self._postprocess_rows(chunk.batch, chunk.handle.tokens())
+        if prefill is not None:
+            outputs += self.scheduler.postprocess(prompts, RunnerOutput(token_ids=prefill.tokens()[0]))
+        return outputs
 
-    def _chain_lookahead(self, chunk: "_InflightChunk") -> tuple[ScheduledBatch, list[int] | None, int]:
+    def _chain_lookahead(self, chunk: "_InflightChunk"
+                         ) -> tuple[ScheduledBatch, list[int] | None, int, int | list[int], ScheduledBatch | None]:
         """The chunk to chain onto ``chunk`` before reading it: (its batch, the rows of
-        ``chunk`` they are, or None for the same rows, its steps), the slots reserved; k = 0:
-        none (the chain ends; read the chunk and go back to scheduling; counted by why). As
-        _decode_lookahead, counted from where the chunk leaves each sequence, while nobody waits
-        for admission and no running sequence is outside the batch. With
-        chain_across_finishes, rows that finished (or will have, with the chunk in flight) leave
-        the batch and the others go on; otherwise the batch must stay as it is."""
+        ``chunk`` they are or None for the same rows, its steps, each row's tokens in flight,
+        the prompts to run before it or None), the slots reserved; k = 0: none (the chain ends;
+        read the chunk and go back to scheduling; counted by why). As _decode_lookahead, counted
+        from where the chunk leaves each sequence, while no running sequence is outside the
+        batch. With chain_across_finishes, rows that finished (or will have, with the chunk in
+        flight) leave the batch and the others go on; otherwise the batch must stay as it is
+        and nobody may wait. With chain_across_admissions too, waiting requests whose whole
+        prompt fits a step join it (_admit_into_chain); others end it."""
         seqs = chunk.batch.seqs
         why = None
+        waiting = bool(self.scheduler.waiting)
+        across_finishes = self.config.chain_across_finishes
         if not self.config.overlap_decode:
             why = "other"
-        elif self.scheduler.waiting:
+        elif waiting and not (across_finishes and self.config.chain_across_admissions):
             why = "admission"
         running = [s.status is SequenceStatus.RUNNING for s in seqs]
         if why is None and sum(running) != len(self.scheduler.running):
             why = "other"  # a running sequence outside this batch (it would wait on the chain)
-        batch, src_rows = chunk.batch, None
-        if why is None and self.config.chain_across_finishes:
+        batch, src_rows, ahead, prompts = chunk.batch, None, chunk.k, None
+        if why is None and across_finishes:
             live = [i for i, (s, r) in enumerate(zip(seqs, running)) if r and self._tokens_left(s, chunk.k) > 0]
-            if not live:
-                why = "finish"
-            elif len(live) < len(seqs):
-                src_rows = live
-                batch = ScheduledBatch(seqs=[seqs[i] for i in live], num_new_tokens=[1] * len(live))
+            joining: list[int] = []
+            if waiting:
+                prompts = self._admit_into_chain(len(live))
+                if prompts is None:
+                    why = "admission"
+                else:
+                    joining = [j for j, s in enumerate(prompts.seqs) if self._tokens_left(s, 1) > 0]
+            if why is None and not live and not joining:
+                why = "finish" if prompts is None else "other"  # every newcomer ends with its first token
+            elif why is None and (len(live) < len(seqs) or prompts is not None):
+                src_rows = live + [-1 - j for j in joining]
+                batch = ScheduledBatch(seqs=[seqs[i] for i in live] + [prompts.seqs[j] for j in joining],
+                                       num_new_tokens=[1] * len(src_rows))
+                if prompts is not None:
+                    ahead = [chunk.k] * len(live) + [1] * len(joining)
         elif why is None and not all(running):
             why = "finish"
-        k = self._reserve_steps(batch.seqs, ahead=chunk.k, least=1) if why is None else 0
+        k = self._reserve_steps(batch.seqs, ahead=ahead, least=1) if why is None else 0
         if why is None and not k:
-            why = "finish" if min(self._tokens_left(s, chunk.k) for s in batch.seqs) <= 0 else "kv"
+            why = "finish" if min(self._tokens_left(s, a) for s, a in zip(batch.seqs, self._per_row(ahead, batch.seqs))
+                                  ) <= 0 else "kv"
         if why is not None:
             self.decode_chains["end." + why] += 1
-        return batch, src_rows, k
+            prompts = None  # admitted, if at all, with their blocks: the next schedule() runs their prompts
+        elif src_rows is not None and len([r for r in src_rows if r >= 0]) < len(seqs):
+            self.decode_chains["kept_past_finish"] += 1
+        return batch, src_rows, k, ahead, prompts
+
+    def _admit_into_chain(self, num_rows: int) -> ScheduledBatch | None:
+        """Admit waiting requests into the chain (None: the first one waiting cannot join, so the
+        chain ends for it): greedy ones without logprobs (their first token is the argmax on the
+        device, runner.launch_prefill) whose whole prompt fits a step, as many as the largest
+        decode graph and max_num_seqs leave room for beside ``num_rows`` rows."""
+        room = max(0, self.runner.graph_batch_sizes[-1] - num_rows) if self.runner.graph_batch_sizes else 0
+        prompts = self.scheduler.admit_prompts(room, lambda s: s.params.greedy and self.runner.can_decode_steps([s]))
+        return prompts if prompts.seqs else None
 
     def _count_chunk(self, k: int, start: bool = False) -> None:
         self.decode_chains["chains"] += start

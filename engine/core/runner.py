@@ -176,15 +176,16 @@ class ModelRunner(MixedStepGraphs):
         bs = self.block_size
         return table[positions // bs] * bs + positions % bs
 
-    def _decode_host_arrays(self, batch: ScheduledBatch, ahead: int = 0
+    def _decode_host_arrays(self, batch: ScheduledBatch, ahead: int | list[int] = 0
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
         """ids, positions, slots, context lengths and block tables of a decode step; ``ahead``:
-        tokens every sequence has on the device that the host has not read yet (positions start
-        that much later; the ids are then stale and the caller takes them from the device)."""
+        tokens every sequence (or each, a list) has on the device that the host has not read yet
+        (positions start that much later; the ids are then stale and the caller takes them from
+        the device)."""
         bs = self.block_size
         seqs = batch.seqs
         input_ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
-        positions = np.fromiter((s.num_tokens - 1 + ahead for s in seqs), dtype=np.int64, count=len(seqs))
+        positions = np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=len(seqs)) + np.asarray(ahead)
         tables = [s.block_table for s in seqs]
         slots = np.fromiter((t[p // bs] * bs + p % bs for t, p in zip(tables, positions.tolist())),
                             dtype=np.int64, count=len(seqs))
@@ -284,8 +285,9 @@ class ModelRunner(MixedStepGraphs):
         return self.launch_decode_steps(batch, k, steps=steps).tokens()
 
     @torch.inference_mode()
-    def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int = 0, steps: list[int] | None = None,
-                            src_rows: list[int] | None = None) -> DecodeChunk:
+    def launch_decode_steps(self, batch: ScheduledBatch, k: int, ahead: int | list[int] = 0,
+                            steps: list[int] | None = None, src_rows: list[int] | None = None,
+                            joined: DecodeChunk | None = None) -> DecodeChunk:
         """Launch k >= 1 decode steps of a decode batch that can_decode_steps; returns before they run.
 
         ``ahead`` > 0 chains this chunk onto the previous one, still in flight: every sequence
@@ -293,18 +295,20 @@ class ModelRunner(MixedStepGraphs):
         previous replay's argmax, still in the static token buffer) is step 0's input, and
         positions start ``ahead`` later. Nothing else may run on the runner between the two.
         ``src_rows``: row i of this chunk was row src_rows[i] of the previous one (rows that
-        finished left the batch); None: the same rows in the same order.
+        finished left the batch), or, where src_rows[i] = -1 - j, is the request whose prompt
+        ``joined`` (launch_prefill, just before) ran as its row j: its step-0 token is the one
+        drawn there, and its ``ahead`` (a list, per row) is 1; None: the same rows in order.
         ``steps``: per row, the steps (1..k) that compute its real tokens; a row's later steps
         write the cache's null slot at a context of one token (their tokens are garbage the
         host drops: the row ends with its last real one). None: k for every row.
         The caller has reserved KV slots through position num_tokens - 2 + ahead + steps[i].
         """
         n = len(batch.seqs)
-        if k < 1 or ahead < 0 or not self.can_replay(n):
+        if k < 1 or np.any(np.asarray(ahead) < 0) or not self.can_replay(n):
             raise ValueError(f"launch_decode_steps needs k >= 1, ahead >= 0 and a captured graph for {n} rows "
                              f"(k={k}, ahead={ahead})")
-        if src_rows is not None and not ahead:
-            raise ValueError("launch_decode_steps: src_rows needs a chunk in flight (ahead > 0)")
+        if src_rows is not None and not np.all(np.asarray(ahead) > 0):
+            raise ValueError("launch_decode_steps: src_rows needs tokens in flight (ahead > 0)")
         needed_width = max(len(s.block_table) for s in batch.seqs)
         graph_bs = next(b for b in self.graph_batch_sizes if b >= n)
         width = next(w for w in self.graph_widths if w >= needed_width)
@@ -322,7 +326,7 @@ class ModelRunner(MixedStepGraphs):
             self._chunk_sampler.stage([seq.params for seq in batch.seqs], k)
         # Steps 1..k-1 advance every row by one position: positions, slots and context lengths
         # are known now (the tokens are not; they stay on the device).
-        pos0 = np.fromiter((seq.num_tokens - 1 + ahead for seq in batch.seqs), dtype=np.int64, count=n)  # [n]
+        pos0 = np.fromiter((seq.num_tokens - 1 for seq in batch.seqs), dtype=np.int64, count=n) + np.asarray(ahead)
         pos = pos0[None, :] + np.arange(1, k, dtype=np.int64)[:, None]  # [k-1, n]
         dead = None  # [k-1, n]: steps past a row's last real token
         if steps is not None and min(steps) < k:
@@ -343,14 +347,14 @@ class ModelRunner(MixedStepGraphs):
             # reads, step 0's inputs as for any replay, then one launch.
             self._chunk_stage64.copy_(self._stage_host64[:k - 1], non_blocking=True)
             self._chunk_stage32.copy_(self._stage_host32[:k - 1], non_blocking=True)
-            self._copy_inputs(batch, chunk, ahead, src_rows)
+            self._copy_inputs(batch, chunk, ahead, src_rows, joined)
             self._record_inputs_consumed()
             chunk.replay()
             self.num_graph_replays += k
             self.num_chunk_replays += 1
             return self._read_back(self._chunk_tokens, k, n)
         # Step 0: the usual host -> device copies (ids from the device when chained), then the graph.
-        logits = self._replay(batch, g, ahead=ahead, src_rows=src_rows)
+        logits = self._replay(batch, g, ahead=ahead, src_rows=src_rows, joined=joined)
         if sampled:
             self._chunk_sampler.sample(logits[:n], 0, s["tokens"][:n])
         out = self._step_tokens
@@ -369,6 +373,37 @@ class ModelRunner(MixedStepGraphs):
                 self._chunk_sampler.sample(self._graph_logits[(g.batch_size, g.width)][:n], j, s["tokens"][:n])
             out[j, :n].copy_(s["tokens"][:n])
         return self._read_back(out, k, n)
+
+    @torch.inference_mode()
+    def launch_prefill(self, batch: ScheduledBatch) -> DecodeChunk:
+        """Whole prompts (every row reaches its last token: batch.samples) whose next token is the
+        greedy argmax, launched without waiting: the tokens stay on the device (the next chunk's
+        launch_decode_steps gathers them, ``joined``) and come to the host with tokens() -> [1][n].
+        The step replays a mixed-step graph where a bucket holds it, as run() does."""
+        n = len(batch.seqs)
+        if not all(batch.samples(i) and batch.seqs[i].params.greedy for i in range(n)):
+            raise ValueError("launch_prefill needs whole prompts of greedy requests")
+        shape = step_shape(batch.num_new_tokens)
+        self.mixed_step_shapes[shape] += 1
+        bucket = self.mixed_buckets.bucket_for(*shape) if self.mixed_graphs else None
+        if bucket is not None and max(len(seq.block_table) for seq in batch.seqs) <= self.max_blocks_per_seq:
+            logits = self._replay_mixed(batch, bucket)
+        else:
+            input_ids, positions, ctx = self.prepare_prefill(batch)
+            logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+        if getattr(self, "_prefill_tokens", None) is None or len(self._prefill_tokens) < self._max_bs:
+            self._prefill_tokens = torch.zeros(self._max_bs, dtype=torch.int64, device=self.device)
+            self._prefill_tokens_host = torch.zeros(1, self._max_bs, dtype=torch.int64)
+            if self.use_pinned:
+                self._prefill_tokens_host = self._prefill_tokens_host.pin_memory()
+        self._prefill_tokens[n:].zero_()
+        self._greedy_argmax(logits[:n], self._prefill_tokens[:n])
+        self._prefill_tokens_host[0].copy_(self._prefill_tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return DecodeChunk(k=1, n=n, host_tokens=self._prefill_tokens_host, done=done)
 
     def _record_inputs_consumed(self) -> None:
         """Mark the point after this chunk's host->device copies (see _inputs_consumed)."""
@@ -417,15 +452,15 @@ class ModelRunner(MixedStepGraphs):
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _replay(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0,
-                src_rows: list[int] | None = None) -> torch.Tensor:
-        self._copy_inputs(batch, g, ahead, src_rows)
+    def _replay(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int | list[int] = 0,
+                src_rows: list[int] | None = None, joined: DecodeChunk | None = None) -> torch.Tensor:
+        self._copy_inputs(batch, g, ahead, src_rows, joined)
         g.replay()
         self.num_graph_replays += 1
         return self._graph_logits[(g.batch_size, g.width)][:len(batch.seqs)]
 
-    def _copy_inputs(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int = 0,
-                     src_rows: list[int] | None = None) -> None:
+    def _copy_inputs(self, batch: ScheduledBatch, g: CapturedGraph, ahead: int | list[int] = 0,
+                     src_rows: list[int] | None = None, joined: DecodeChunk | None = None) -> None:
         """A replay's inputs into the static buffers: host arrays through the pinned packs, and
         when chained (``ahead``) the token ids from the device's last argmax (its rows
         ``src_rows`` when the batch lost rows; see launch_decode_steps)."""
@@ -446,11 +481,14 @@ class ModelRunner(MixedStepGraphs):
         self._packed64.copy_(self._packed64_host, non_blocking=True)
         end = self._max_bs + n * self.max_blocks_per_seq
         self._packed32[:end].copy_(self._packed32_host[:end], non_blocking=True)
-        if ahead and src_rows is None:
+        if src_rows is None and np.any(np.asarray(ahead)):
             self._static["input_ids"][:n].copy_(self._static["tokens"][:n])  # the chained chunk's last tokens
-        elif ahead:  # a gather on the device: the rows still running, from where the last chunk left them
-            rows = self._to_device(src_rows, torch.int64)
-            self._static["input_ids"][:n].copy_(self._static["tokens"].index_select(0, rows))
+        elif src_rows is not None:  # a gather on the device: the rows still running, from where the
+            source = self._static["tokens"]  # last chunk left them, and the prompts' first tokens
+            if joined is not None:
+                source = torch.cat((source, self._prefill_tokens))
+            rows = self._to_device([r if r >= 0 else self._max_bs - 1 - r for r in src_rows], torch.int64)
+            self._static["input_ids"][:n].copy_(source.index_select(0, rows))
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

@@ -206,6 +206,32 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
 
+    def admit_prompts(self, max_seqs: int, joins: Any) -> ScheduledBatch:
+        """Waiting sequences, in order, whose whole prompt (past a prefix-cache hit) fits one
+        step's token budget, while ``joins(seq)`` allows them, at most ``max_seqs`` of them and
+        within max_num_seqs and the free KV blocks: admitted (RUNNING, prompt blocks allocated)
+        and returned as a batch of their prompts (LLMEngine: a prefill between two chunks of a
+        decode chain)."""
+        batch = ScheduledBatch()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(batch.seqs) < max_seqs and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not joins(seq):
+                break
+            hits = bm.lookup(seq)
+            num_new = seq.num_tokens - len(hits) * bm.block_size
+            if num_new > budget or not bm.can_allocate(seq, num_new, hits):
+                break
+            bm.allocate(seq, num_new, hits)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING

@@ -200,13 +200,13 @@ def test_a_chunk_is_as_long_as_its_longest_lived_row():
     writes = []
     real_launch = engine.runner.launch_decode_steps
 
-    def launch(batch, k, ahead=0, steps=None, src_rows=None):
+    def launch(batch, k, ahead=0, steps=None, **options):
         steps_or_k = list(steps) if steps else [k] * len(batch.seqs)
         writes.append((k, steps_or_k))
         bm = engine.block_manager  # the block tables cover each row's real steps, no more
         assert [len(s.block_table) for s in batch.seqs] == [
             bm.blocks_needed(s.num_computed_tokens + ahead + n) for s, n in zip(batch.seqs, steps_or_k)]
-        return real_launch(batch, k, ahead=ahead, steps=steps, src_rows=src_rows)
+        return real_launch(batch, k, ahead=ahead, steps=steps, **options)
 
     engine.runner.launch_decode_steps = launch
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 30)]
@@ -218,17 +218,48 @@ def test_a_chunk_is_as_long_as_its_longest_lived_row():
     assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_arrivals_end_a_chain_and_are_counted():
-    """A request arriving while a chain runs ends it (admission), its prefill runs as a single
-    step, and a new chain starts; the tokens are those of single steps."""
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    want = [final(o) for o in stream(graph_engine(), PROMPTS[:4], params)]
-    engine = overlapped(4)
-    got = [final(o) for o in stream(engine, PROMPTS[:4], params, arrivals={0: [0, 1], 4: [2], 9: [3]})]
+@pytest.mark.parametrize("join", [True, False])
+def test_arrivals_join_a_running_chain_or_end_it(join):
+    """Requests arriving while a chain runs: with chain_across_admissions their prompts run
+    between two chunks and they join the chain (one chain for the whole run); without, each
+    arrival ends the chain, its prefill runs as a single step and a new chain starts. The
+    tokens, text and finish reasons are those of single steps either way."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 17, 24, 1, 20)]
+    arrivals = {0: [0, 1], 4: [2], 6: [3], 9: [4]}
+    want = [final(o) for o in stream(graph_engine(), PROMPTS[:5], params, arrivals=arrivals)]
+    engine = overlapped(4, chain_across_admissions=join)
+    got = [final(o) for o in stream(engine, PROMPTS[:5], params, arrivals=arrivals)]
     assert got == want
     chains = engine.stats().decode_chains
-    assert chains["end.admission"] == 2 and chains["chains"] == 3 and chains["end.finish"] == 1
-    assert chains["single.prefill"] >= 3
+    if join:  # request 3 (max_tokens 1) ends with its first token and never takes a decode row
+        assert chains["chains"] == 1 and chains["end.admission"] == 0 and chains["end.finish"] == 1
+        assert chains["kept_past_admission"] == 3 and chains["admitted_in_chain"] == 3
+        assert chains["single.prefill"] == 1  # only the first two prompts, before the chain
+    else:
+        # (an arrival during a prefill step finds no chain to end)
+        assert chains["end.admission"] >= 2 and chains["kept_past_admission"] == 0
+        assert chains["chains"] == chains["end.admission"] + chains["end.finish"] and chains["single.prefill"] >= 4
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_arrivals_that_cannot_join_end_the_chain():
+    """A sampled arrival, one with logprobs and one whose prompt is longer than a step's token
+    budget end the chain (their first tokens need the host); a greedy one queued behind them
+    waits its turn. Tokens of greedy requests and every finish as with single steps."""
+    long_prompt = [3 + (5 * j) % 250 for j in range(40)]
+    prompts = [PROMPTS[0], PROMPTS[1], long_prompt, PROMPTS[2], PROMPTS[3]]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = [greedy, greedy, greedy, SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)]
+    arrivals = {0: [0, 1], 3: [2], 6: [3], 9: [4]}
+    want = [final(o) for o in stream(graph_engine(max_num_batched_tokens=32), prompts, params, arrivals=arrivals)]
+    engine = overlapped(4, max_num_batched_tokens=32)
+    got = [final(o) for o in stream(engine, prompts, params, arrivals=arrivals)]
+    assert [g for i, g in enumerate(got) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+    assert len(got[3][0]) == 6 and got[3][2] == "length"
+    chains = engine.stats().decode_chains
+    assert chains["end.admission"] >= 2 and chains["admitted_in_chain"] == 0 and chains["kept_past_admission"] == 0
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_greedy_rows_keep_their_tokens_while_sampled_rows_leave_the_chain():
@@ -277,4 +308,27 @@ def test_a_chain_across_finishes_on_cuda_graphs_gives_the_tokens_of_single_steps
     chains = engine.stats().decode_chains
     assert chains["kept_past_finish"] >= 4 and chains["end.finish"] == 2
     assert (engine.runner.num_chunk_replays > 0) == bool(chunk_graphs)
+    assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (real graphs, events, pinned buffers)")
+def test_arrivals_join_a_chain_on_cuda_graphs_with_the_tokens_of_single_steps():
+    """Prompts run between two chunks in flight on the real graphs (mixed-step graph, device
+    argmax, the next chunk's step 0 gathering it): tokens and finishes as with single steps."""
+    from shapeshift.engine.core.config import EngineConfig
+    from shapeshift.engine.core.llm_engine import LLMEngine
+
+    def cuda_engine(**knobs):
+        return LLMEngine(EngineConfig(model="tiny-llama", device="cuda", dtype="float32", max_num_seqs=8,
+                                      max_model_len=64, block_size=4, **knobs))
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 17, 24, 1, 20, 30)]
+    arrivals = {0: [0, 1], 3: [2], 4: [3], 6: [4, 5]}
+    want = [final(o) for o in stream(cuda_engine(decode_steps=1), PROMPTS, params, arrivals=arrivals)]
+    engine = cuda_engine(decode_steps=4, overlap_decode=True)
+    got = [final(o) for o in stream(engine, PROMPTS, params, arrivals=arrivals)]
+    assert got == want
+    chains = engine.stats().decode_chains
+    assert chains["admitted_in_chain"] >= 3 and chains["end.admission"] == 0
+    assert engine.runner.num_mixed_replays > 0
     assert engine.stats().num_free_blocks == engine.block_manager.num_blocks
