@@ -295,6 +295,8 @@ class TrafficProfile(_WireModel):
                     arrival_s=None if arrivals[i] is None else float(arrivals[i]),
                 )
             )
+        if self.prefix_cache_hit_rate:
+            out = _sessions(out, self.prefix_cache_hit_rate, self.concurrency)
         return out
 
     def scaled(self, factor: float, *, name: str | None = None) -> "TrafficProfile":
@@ -346,6 +348,44 @@ class TrafficProfile(_WireModel):
         return cls.model_validate(data)
 
 
+def _sessions(shapes: list["RequestShape"], hit_rate: float, gap: int) -> list["RequestShape"]:
+    """The shapes with later turns of sessions among them, so that the share of prompt tokens a
+    prefix cache can serve comes near ``hit_rate`` (the profile's observed one). Lengths and
+    arrivals stay as drawn. Walking the requests in order, while the cacheable tokens so far (the
+    common prefix after its first use, and the reused turns) are behind the target, a request
+    continues the session whose latest turn has the longest prompt shorter than its own, among
+    turns at least ``gap`` requests earlier (the traffic's concurrency: a user sends the next
+    turn after the answer to the last one, by which time that many others have started)."""
+    from dataclasses import replace
+
+    out: list[RequestShape] = []
+    heads: dict[int, RequestShape] = {}  # index of a session's latest turn -> that turn
+    total = cached = 0
+    prefix_seen = False
+    for s in shapes:
+        total += s.prompt_len
+        system = s.shared_prefix_len if (s.shared_prefix_len and prefix_seen) else 0
+        prefix_seen = prefix_seen or s.shared_prefix_len > 0
+        best = None
+        if cached + system < hit_rate * total:
+            eligible = [h for idx, h in heads.items()
+                        if idx <= s.index - gap and system < h.prompt_len < s.prompt_len]
+            if eligible:
+                best = max(eligible, key=lambda h: (h.prompt_len, -h.index))
+        if best is None:
+            cached += system
+            heads[s.index] = s
+            out.append(s)
+            continue
+        turn = replace(s, continues=best.index, reused_len=best.prompt_len,
+                       shared_prefix_len=best.shared_prefix_len)
+        cached += best.prompt_len
+        del heads[best.index]
+        heads[s.index] = turn
+        out.append(turn)
+    return out
+
+
 @dataclass(frozen=True)
 class RequestShape:
     """One generated request: lengths in tokens, optional arrival time in seconds."""
@@ -355,6 +395,10 @@ class RequestShape:
     output_len: int
     shared_prefix_len: int  # 0 when this request does not share the common prefix
     arrival_s: float | None
+    # A later turn of a session: its prompt repeats the whole prompt of request `continues` (an
+    # earlier one, `reused_len` tokens) and then has a part of its own; None: a request of its own.
+    continues: int | None = None
+    reused_len: int = 0
 
 
 class DriftReport(_WireModel):

@@ -6,7 +6,8 @@ Data flow:
       --sample_shapes--> [{prompt_len, output_len, shared_prefix_len, arrival_s}]
       --make_requests--> [ReplayRequest(prompt_token_ids, max_tokens, arrival_s)]
          lengths clipped to the engine's max_model_len (output to a quarter of it), the
-         shared prefix as one fixed token string, the rest each request's own; tokens are
+         shared prefix as one fixed token string, a later turn of a session (a shape's
+         `continues`) the earlier turn's whole prompt, the rest each request's own; tokens are
          spans of real text (engine/replay/corpus.py, the model's tokenizer) where the
          engine has a tokenizer, else random token ids; EOS ids avoided; same seed -> same
          requests
@@ -40,7 +41,9 @@ class ReplayRequest:
 def sample_shapes(profile: Any, n: int, seed: int) -> list[dict[str, Any]]:
     """Request shapes (plain dicts) from a profile's own sampler."""
     return [{"prompt_len": s.prompt_len, "output_len": s.output_len, "shared_prefix_len": s.shared_prefix_len,
-             "arrival_s": s.arrival_s} for s in profile.sample_requests(n, seed)]
+             "arrival_s": s.arrival_s, **({"continues": s.continues, "reused_len": s.reused_len}
+                                          if getattr(s, "continues", None) is not None else {})}
+            for s in profile.sample_requests(n, seed)]
 
 
 def save_shapes(path: str | Path, profile: Any, n: int, seed: int, scale: float = 1.0) -> None:
@@ -76,11 +79,15 @@ def make_requests(shapes: list[dict[str, Any]], seed: int, vocab_size: int, max_
 
     longest_prefix = max((s["shared_prefix_len"] for s in shapes), default=0)
     shared = draw(longest_prefix)
-    out = []
+    out: list[ReplayRequest] = []
     for s in shapes:
         max_tokens = max(1, min(int(s["output_len"]), max_model_len // 4))
         prompt_len = max(1, min(int(s["prompt_len"]), max_model_len - max_tokens - 1))
         prefix = shared[:min(int(s["shared_prefix_len"]), prompt_len - 1)] if s["shared_prefix_len"] else []
+        earlier = s.get("continues")
+        if earlier is not None and 0 <= int(earlier) < len(out):
+            # a later turn of a session: the earlier turn's prompt (as clipped), then its own part
+            prefix = out[int(earlier)].prompt_token_ids[:min(int(s.get("reused_len") or 0), prompt_len - 1)]
         tail = draw(prompt_len - len(prefix))
         out.append(ReplayRequest(prompt_token_ids=prefix + tail, max_tokens=max_tokens, arrival_s=s.get("arrival_s"),
                                  shared_prefix_len=len(prefix)))

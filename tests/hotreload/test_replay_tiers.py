@@ -112,3 +112,19 @@ def test_saved_bench_shapes_match_the_profiles():
         for name, entry in live.items():
             saved = json.loads(bench.shapes_file(name, small).read_text())
             assert saved["shapes"] == entry["shapes"], f"stale {bench.shapes_file(name, small)}; run --write-shapes"
+
+
+def test_sessions_make_the_replay_hit_the_prefix_cache_as_the_profile_says():
+    """On a real engine: the agentic profile (hit rate 0.7) fitted into 512 tokens replays with a
+    measured prefix-cache hit rate near its own; without its sessions (the common prefix alone),
+    far below it. Full KV blocks only are cached, so short prompts lose some of it."""
+    from shapeshift.engine.compile.evaluator import fit_profile
+    from shapeshift.engine.replay.driver import run_once
+
+    eng = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=8, max_model_len=512))
+    profile = fit_profile(builtin_profile("agentic-long-context"), 512)
+    with_sessions = run_once(eng, requests_from_profile(profile, eng, 64, seed=0), profile.concurrency)
+    alone = profile.model_copy(update={"prefix_cache_hit_rate": None})
+    without = run_once(eng, requests_from_profile(alone, eng, 64, seed=0, token_seed=99), profile.concurrency)
+    assert 0.55 <= with_sessions.prefix_cache_hit_rate <= 0.8, with_sessions.prefix_cache_hit_rate
+    assert without.prefix_cache_hit_rate < 0.35, without.prefix_cache_hit_rate

@@ -114,6 +114,32 @@ def test_shared_prefix_requests_are_longer_than_the_prefix():
     assert all(r.arrival_s is None for r in reqs)
 
 
+@pytest.mark.parametrize("name", ["chat", "agentic-long-context", "burst"])
+def test_sessions_bring_the_cacheable_share_to_the_profiles_hit_rate(name):
+    """Later turns of sessions repeat an earlier turn's whole prompt, so that the prompt tokens a
+    prefix cache could serve (the common prefix after its first use, and the repeated turns) come
+    to the profile's observed hit rate; lengths and arrivals stay as drawn."""
+    from shapeshift.engine.contracts.traffic_profile import builtin_profile
+
+    p = builtin_profile(name)
+    reqs = p.sample_requests(400, 3)
+    plain = p.model_copy(update={"prefix_cache_hit_rate": None}).sample_requests(400, 3)
+    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in reqs] == \
+        [(r.prompt_len, r.output_len, r.arrival_s) for r in plain]
+    assert all(r.continues is None for r in plain)
+    turns = [r for r in reqs if r.continues is not None]
+    assert turns, "a hit rate above the common prefix's share needs sessions"
+    for r in turns:  # each continues a turn at least a concurrency's worth of requests earlier, shorter than it
+        earlier = reqs[r.continues]
+        assert r.continues <= r.index - p.concurrency and r.reused_len == earlier.prompt_len < r.prompt_len
+    assert len({r.continues for r in turns}) == len(turns)  # a turn is continued at most once
+    prefix_seen, cacheable = False, 0
+    for r in reqs:
+        cacheable += r.reused_len if r.continues is not None else (r.shared_prefix_len if prefix_seen else 0)
+        prefix_seen = prefix_seen or r.shared_prefix_len > 0
+    assert cacheable / sum(r.prompt_len for r in reqs) == pytest.approx(p.prefix_cache_hit_rate, abs=0.03)
+
+
 def test_open_loop_arrivals_follow_the_rate():
     p = make(arrival_rate=20.0)
     reqs = p.sample_requests(4000, 0)
