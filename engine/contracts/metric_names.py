@@ -34,6 +34,13 @@ series in ``_info``; a histogram's name is the stem of its ``_bucket``/``_sum``/
 | shapeshift_request_queue_time_seconds                 | histogram |              | arrival -> start of the step first scheduling it  |
 | shapeshift_request_prefill_time_seconds               | histogram |              | first scheduled -> first generated token          |
 | shapeshift_request_decode_time_seconds                | histogram |              | first generated token -> finish                   |
+| shapeshift_expert_routed_tokens_total                 | counter   | layer, expert | MoE: top-k choices of served tokens per expert    |
+
+``shapeshift_expert_routed_tokens_total`` exists for mixture-of-experts models only: per
+decoder layer and expert, how many of the served tokens' top-k router choices went to
+that expert (a token counts once for each of its k experts; padded rows are left out).
+It is counted on the device and read when /metrics is scraped; the operator turns its
+rate into the traffic profile's ``expertRouting`` (engine/contracts/expert_routing.py).
 
 With ``shapeshift serve --metrics-compat vllm`` the server also exports the same
 observations under vLLM's names with a ``model_name`` label (``VLLM_SERIES``), so
@@ -74,6 +81,8 @@ PREEMPTIONS = "shapeshift_preemptions_total"
 REQUEST_QUEUE_TIME = "shapeshift_request_queue_time_seconds"
 REQUEST_PREFILL_TIME = "shapeshift_request_prefill_time_seconds"
 REQUEST_DECODE_TIME = "shapeshift_request_decode_time_seconds"
+# mixture-of-experts models: router top-k choices per layer and expert (labels: layer, expert)
+EXPERT_ROUTED_TOKENS = "shapeshift_expert_routed_tokens_total"
 
 # `--metrics-compat vllm`: vLLM's names (label `model_name`) -> the shapeshift series whose
 # observations they repeat. gpu_cache_usage_perc is vLLM's older name of kv_cache_usage_perc,

@@ -136,6 +136,11 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
+        if metrics is not None and getattr(engine, "forward_pass", None) is not None:
+            from shapeshift.engine.core.expert_routing import counts_of
+
+            if counts_of(engine.forward_pass) is not None:  # a MoE model: its routing, read at each scrape
+                metrics.watch_expert_routing(lambda: counts_of(engine.forward_pass))
 
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards _in_flight and _pending_adds

@@ -18,6 +18,10 @@ read them). `forward_pass_*reload*` results are `RELOAD_RESULTS` of
 names (`metric_names.VLLM_SERIES`, label `model_name`) fed by the same
 observations: each attribute below is then a `_Fanout` that forwards to both.
 
+Mixture-of-experts models add `shapeshift_expert_routed_tokens_total{layer, expert}`
+(`watch_expert_routing`): a collector that reads the forward pass's device-side routing
+counts (engine/core/expert_routing.py) when /metrics is scraped, never on the engine's steps.
+
 Histogram buckets: token counts are roughly exponential (factor ~1.5 above
 512) up to 131072 so that prompt-length drift at 10K-128K tokens moves mass
 between distinct buckets; latencies span 1 ms to minutes.
@@ -25,9 +29,12 @@ between distinct buckets; latencies span 1 ms to minutes.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import threading
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from shapeshift.engine.contracts import metric_names as names
@@ -52,6 +59,41 @@ E2E_BUCKETS: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
 )
+
+
+log = logging.getLogger(__name__)
+
+
+class _RoutingCollector:
+    """shapeshift_expert_routed_tokens_total{model, layer, expert}, read from ``source()`` (the
+    active forward pass's ExpertRoutingCounts, or None) at each scrape."""
+
+    def __init__(self, model_name: str, source: Callable[[], Any]) -> None:
+        from shapeshift.engine.core.expert_routing import RoutingTotals
+
+        self.model_name, self.source = model_name, source
+        self.totals = RoutingTotals()
+        self._lock = threading.Lock()
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(names.client_name(names.EXPERT_ROUTED_TOKENS),
+                                   "Router top-k choices of served tokens per MoE layer and expert.",
+                                   labels=("model", "layer", "expert"))
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = self._family()
+        try:
+            with self._lock:
+                counts = self.totals.read(self.source())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because one collector did
+            log.exception("reading the expert routing counts failed")
+            counts = {}
+        for (layer, expert), value in sorted(counts.items()):
+            family.add_metric((self.model_name, str(layer), str(expert)), float(value))
+        yield family
 
 
 class _Fanout:
@@ -254,6 +296,11 @@ class EngineMetrics:
         preempted = int(getattr(stats, "num_preemptions", 0) or 0)
         self.preemptions.inc(preempted - self._last_preemptions if preempted >= self._last_preemptions else preempted)
         self._last_preemptions = preempted
+
+    def watch_expert_routing(self, source: Callable[[], Any]) -> None:
+        """Export the routing counts ``source()`` returns (the active pass's ExpertRoutingCounts,
+        None while it has none) as shapeshift_expert_routed_tokens_total, read at each scrape."""
+        self.registry.register(_RoutingCollector(self.model_name, source))
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition of this server's registry and its content type."""

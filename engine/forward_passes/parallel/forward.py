@@ -125,6 +125,7 @@ class ParallelForwardPass(stock.StockForwardPass):
             return _all_reduce(partial, self.tp_group, self.layout.tp)
         cfg = self.full_cfg
         weights, ids = stock.route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)  # [T, k] global
+        self.count_routing(layer, ids)  # every rank routes alike: each counts all tokens
         if ctx.is_prefill:
             path = "sparse"
         elif x.shape[0] * cfg.num_experts_per_tok <= self.moe_gather_max_rows:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from shapeshift.engine.core.attention import AttentionContext, decode_attention_bias, paged_attention, write_kv
 from shapeshift.engine.core.config import ModelConfig
+from shapeshift.engine.core.expert_routing import ExpertRoutingCounts
 from shapeshift.engine.forward_pass.knobs import STOCK_KNOB_BY_NAME, knob_value
 
 FORWARD_PASS_NAME = "stock"
@@ -192,6 +193,7 @@ class LayerWeights:
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
+    moe_row: int = -1  # this layer's row of the expert routing counts
 
 
 class StockForwardPass:
@@ -254,6 +256,8 @@ class StockForwardPass:
         # Per-call state of forward() read by attention(); thread-local because the hot-reload
         # smoke test runs the serving pass off the serving thread at the same time.
         self._call = threading.local()
+        # Tokens routed to each expert per layer (MoE): device-side counters, read on a scrape.
+        self.routing_counts = ExpertRoutingCounts.for_model(cfg, self.embed.device)
         self._gemv = self._gemv_gated = None
         self._gemv_max_rows = 0
         self._gemv_overrides: dict[tuple[int, int], Any] = {}
@@ -357,6 +361,7 @@ class StockForwardPass:
             layer.router = w[p + "mlp.gate.weight"]
             layer.experts_gate_up = w[p + "mlp.experts.gate_up_proj"]
             layer.experts_down = w[p + "mlp.experts.down_proj"]
+            layer.moe_row = i
         else:
             gate, up = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
             if self.fuse_gate_up:
@@ -513,11 +518,17 @@ class StockForwardPass:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.linear(F.silu(gate) * up, layer.down_proj)
         weights, ids = route(x, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        self.count_routing(layer, ids)
         if ctx.is_prefill:
             return moe_sparse(x, weights, ids, layer.experts_gate_up, layer.experts_down)
         if x.shape[0] * self.cfg.num_experts_per_tok <= self.moe_gather_max_rows:
             return moe_gather(x, weights, ids, layer.experts_gate_up, layer.experts_down)
         return moe_dense(x, weights, ids, layer.experts_gate_up, layer.experts_down)
+
+    def count_routing(self, layer: LayerWeights, ids: torch.Tensor) -> None:
+        """Add a MoE layer's top-k choices ids [T, k] to the routing counts (padded rows left out)."""
+        if self.routing_counts is not None and layer.moe_row >= 0:
+            self.routing_counts.record(layer.moe_row, ids, getattr(self._call, "routed_rows", None))
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -525,6 +536,10 @@ class StockForwardPass:
                 kv_cache: Any) -> torch.Tensor:
         """input_ids, positions: [T] -> float32 logits [B, V] of each sequence's last new token."""
         h = F.embedding(input_ids, self.embed)  # [T, H]
+        # Rows that are tokens (padded rows of a graph bucket write to the null slot): what mlp() counts.
+        null_slot = getattr(kv_cache, "null_slot", None)
+        self._call.routed_rows = (ctx.slot_mapping != null_slot if self.routing_counts is not None
+                                  and null_slot is not None else None)
         cos = sin = None
         if self._rotary_kv_write is None:
             cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
