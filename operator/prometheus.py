@@ -12,6 +12,7 @@ Data flow:
         quantile_over_time(0.9, (((sum(running{sel}) or vector(0))                          concurrency per pod
             + (sum(waiting{sel}) or vector(0))) > 0)[w:step]) / targets seen               (busy steps; step w/120, >=1s)
         count(count by (instance) (shapeshift_prompt_tokens_count{sel}))                   targets seen
+        sum by (layer, expert) (increase(shapeshift_expert_routed_tokens_total{sel}[w]))   MoE routing
     --> ObservedTraffic(profile: TrafficProfile, quality: DataQuality)
 
 Nothing is ever invented: Prometheus unreachable or answering with an error
@@ -19,6 +20,10 @@ raises ``PrometheusUnreachable``; a window without traffic (no series, or
 series that did not move) raises ``NoTrafficData``. Both are
 ``TrafficQueryError``, so the drift timer can say why in a condition and not
 compile.
+
+The expert-routing histogram (mixture-of-experts models) is each layer's routed tokens per
+expert over the window (the counter's rate times the window, summed over the pods), as shares
+of the layer's total; a dense model exports no such series and its profile has none.
 
 Concurrency is what the compile worker replays in a closed loop, so it is read for the
 busy moments, not on average: the deployment-wide count of requests in flight (running
@@ -51,7 +56,9 @@ from prometheus_api_client import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
+from shapeshift.engine.contracts.expert_routing import ExpertRouting
 from shapeshift.engine.contracts.metric_names import (
+    EXPERT_ROUTED_TOKENS,
     GENERATION_TOKENS,
     PREFIX_CACHE_HITS as CACHE_HITS,
     PREFIX_CACHE_QUERIES as CACHE_QUERIES,
@@ -259,6 +266,7 @@ class PrometheusTraffic:
             "cacheQueried": f"sum(increase({CACHE_QUERIES}{sel}[{w}]))",
             "prefixCacheHitRate": f"sum(rate({CACHE_HITS}{sel}[{w}])) / sum(rate({CACHE_QUERIES}{sel}[{w}]))",
             "requestRate": f"sum(rate({PROMPT_TOKENS}_count{sel}[{w}]))",
+            "expertRouting": f"sum by (layer, expert) (increase({EXPERT_ROUTED_TOKENS}{sel}[{w}]))",
             "concurrency": (f"quantile_over_time({CONCURRENCY_QUANTILE}, (((sum({REQUESTS_RUNNING}{sel}) or vector(0))"
                             f" + (sum({REQUESTS_WAITING}{sel}) or vector(0))) > 0)[{w}:{_subquery_step(span)}])"),
         }
@@ -286,6 +294,7 @@ class PrometheusTraffic:
         rate = self.scalar(q["requestRate"], evaluated_at)
         concurrency = self.scalar(q["concurrency"], evaluated_at)
         targets = int(self.scalar(q["targets"], evaluated_at) or 0)
+        routing = self._routing(q["expertRouting"], evaluated_at)
 
         profile = TrafficProfile(
             name=name or f"observed-{evaluated_at.strftime('%Y%m%dT%H%M%SZ')}",
@@ -296,6 +305,7 @@ class PrometheusTraffic:
             concurrency=max(1, int(math.ceil(concurrency / max(1, targets)))) if concurrency else 1,
             arrival_rate=rate if rate and rate > 0 else None,
             prefix_cache_hit_rate=None if hit_rate is None else min(1.0, max(0.0, hit_rate)),
+            expert_routing=routing,
             window=TrafficWindow(
                 start=evaluated_at - span,
                 end=evaluated_at,
@@ -337,6 +347,26 @@ class PrometheusTraffic:
             "p50": p50, "p90": p90, "p99": p99, "max": max(p99, top),
             "histogram": histogram or None,
         })
+
+    def _routing(self, promql: str, at: datetime) -> ExpertRouting | None:
+        """Routed tokens per (layer, expert) over the window as per-layer shares; None without
+        the series (a dense model) or where no layer routed a token in the window."""
+        counts: dict[int, dict[int, float]] = {}
+        for series in self.query(promql, at):
+            labels = series["metric"]
+            try:
+                layer, expert = int(labels["layer"]), int(labels["expert"])
+            except (KeyError, TypeError, ValueError):
+                raise PrometheusAnswerMalformed(f"Prometheus at {self.host} answered {promql!r} with a series "
+                                                "without integer layer and expert labels") from None
+            value = float(series["value"][1])
+            if math.isfinite(value):
+                counts.setdefault(layer, {})[expert] = max(0.0, value)
+        if not counts:
+            return None
+        experts = 1 + max(e for row in counts.values() for e in row)
+        return ExpertRouting.from_counts({layer: [row.get(e, 0.0) for e in range(experts)]
+                                          for layer, row in counts.items()})
 
     def _histogram(self, promql: str, at: datetime) -> list[dict[str, float]]:
         """Per-bucket (not cumulative) request counts over the window, finite buckets only."""

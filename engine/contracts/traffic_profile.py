@@ -10,7 +10,9 @@ It holds distributions, not requests: prompt and output lengths (quantiles
 p50/p90/p99, optionally a histogram of `(le, weight)` buckets), how much of
 the traffic shares a common prefix and how long that prefix is, the
 concurrency or open-loop arrival rate, the observed prefix-cache hit rate, and
-the window the numbers were taken over.
+the window the numbers were taken over, and for mixture-of-experts models the
+expert-routing histogram (engine/contracts/expert_routing.py: per layer, the share of
+routed tokens per expert), which a replay's own routing is checked against.
 
 `sample_requests` turns a profile into request shapes deterministically from a
 seed (an int, a `numpy.random.Generator` or a `random.Random`), so a replay
@@ -36,6 +38,8 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from shapeshift.engine.contracts.expert_routing import ExpertRouting
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -244,6 +248,11 @@ class TrafficProfile(_WireModel):
         default=None, ge=0.0, le=1.0, description="Observed share of prompt tokens served from the prefix cache.",
     )
     window: TrafficWindow | None = Field(default=None, description="Observation window metadata.")
+    expert_routing: ExpertRouting | None = Field(
+        default=None,
+        description="Mixture-of-experts models: per layer, the share of routed tokens per expert (unset: dense "
+                    "model, or not observed).",
+    )
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": "!has(self.sharedPrefixRatio) || self.sharedPrefixRatio == 0.0 || "
