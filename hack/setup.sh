@@ -26,6 +26,31 @@ if [[ ! -f "$stamp" ]]; then
 else
   log "python environment up to date ($VENV)"
 fi
+# guidellm and lm-eval, run as CLI processes by tests/server (test_server_clients.py,
+# test_server_smollm2.py), pin packages the main environment must not get (guidellm: click 8.4;
+# lm-eval: python-dateutil < 3 through pytablewriter, which the kubernetes client refuses). So they
+# have an environment of their own, $CLIENTS_VENV, which sees the main environment's packages
+# (torch, transformers, ...) through a .pth file placed after its own site-packages: only what the
+# two add or pin differently is installed there (about 2 minutes and 670 MB cold, against 10
+# minutes and 6 GB for guidellm alone with its own torch). pip, resolving there, warns that the
+# main environment's kubernetes client wants a newer python-dateutil: nothing there imports it.
+# Rebuilt when the pins or the main environment's installed distributions (their names and
+# versions, as its dist-info folders spell them) change.
+CLIENT_PINS=("guidellm==0.8.1" "lm-eval[api]==0.4.13")
+CLIENTS_VENV="$SHAPESHIFT_CACHE/clients-venv"
+main_site="$(echo "$VENV"/lib/python3*/site-packages)"  # (no interpreter start on warm runs)
+clients_stamp="$CLIENTS_VENV/.clients-$({ printf '%s\n' "${CLIENT_PINS[@]}"; ls "$main_site" | grep -i 'dist-info$'; } \
+  | sha256sum | cut -c1-16)"
+if [[ ! -f "$clients_stamp" ]]; then
+  log "installing ${CLIENT_PINS[*]} in $CLIENTS_VENV (on top of $VENV)"
+  t0=$SECONDS
+  rm -rf "$CLIENTS_VENV"
+  (cd / && "$VENV/bin/python" -m venv --without-pip "$CLIENTS_VENV")
+  echo "$main_site" > "$(echo "$CLIENTS_VENV"/lib/python3*/site-packages)/shapeshift-main-venv.pth"
+  "$VENV/bin/python" -m pip --python "$CLIENTS_VENV/bin/python" install -q "${CLIENT_PINS[@]}"
+  touch "$clients_stamp"
+  log "test clients installed in $((SECONDS - t0)) s"
+fi
 # The environment is shared by every checkout that uses this cache; the editable
 # install must point at this one (a CI clone, a second worktree), not the last
 # checkout that installed it. find_spec locates the package without running it

@@ -1,8 +1,10 @@
 """Fixtures for the server tests: a shared `shapeshift serve` subprocess, a reference engine,
-and an `openai` client pointed at the server."""
+an `openai` client pointed at the server, and the environment of the CLI clients (guidellm,
+lm-eval) that hack/setup.sh builds beside the main one."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -37,3 +39,16 @@ def openai_client(server: ServerProcess):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60.0, max_retries=0)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def clients_venv() -> Path:
+    """$SHAPESHIFT_CACHE/clients-venv: guidellm and lm-eval, kept out of the main environment
+    (hack/setup.sh says why). Missing, it fails the test that needs it, so CI cannot pass by skipping."""
+    from harness.tools import cache_dir
+
+    venv = cache_dir() / "clients-venv"
+    missing = [name for name in ("guidellm", "lm_eval") if not (venv / "bin" / name).exists()]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found in {venv}: run hack/setup.sh (it builds that environment)")
+    return venv

