@@ -41,6 +41,8 @@ from typing import Any, Callable
 from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
 from shapeshift.engine.replay.driver import ReplayRun, run_once
 from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
+from shapeshift.engine.replay import routing as replay_routing
+from shapeshift.engine.contracts.expert_routing import REPRESENTATIVE_TV
 from shapeshift.engine.replay.slo import SLO
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.engine.compile.candidate import Candidate
@@ -101,6 +103,9 @@ class EvaluatorSettings:
     # profile's concurrency, once per tier and profile; the arrival pattern (Poisson gaps) is kept,
     # compressed. None: the profile's rate as given.
     open_loop_load: float | None = 0.9
+    # MoE: a measured replay whose expert routing is further than this (max over layers of the total
+    # variation) from the profile's expertRouting is marked not representative (engine/replay/routing.py).
+    routing_threshold: float = REPRESENTATIVE_TV
 
     @property
     def closing_pairs(self) -> int:
@@ -383,6 +388,7 @@ class EngineEvaluator:
         concurrency = None if profile.arrival_rate else profile.concurrency
         prompts: list[ReplayRequest] | None = None
         warm_up: list[ReplayRequest] = []
+        routing_checks: list[list[dict[str, Any]]] = [[] for _ in cands]  # per candidate, per repeat
         for rep in range(-1, repeats):  # rep -1: warm-up run, not recorded
             order = list(enumerate(cands))
             prompts = None  # fresh prompts for this repeat (drawn at its first activation)
@@ -418,8 +424,15 @@ class EngineEvaluator:
                     if rep < 0:
                         replay(eng, warm_up, concurrency, clock)
                     else:
+                        routed_before = replay_routing.routing_snapshot(eng)  # outside the timed replay
                         run = replay(eng, prompts, concurrency, clock, self.settings.slo)
                         tokens[i] = run.output_token_ids
+                        check = replay_routing.check_routing(
+                            getattr(profile, "expert_routing", None),
+                            replay_routing.routing_between(routed_before, replay_routing.routing_snapshot(eng)),
+                            self.settings.routing_threshold)
+                        if check is not None:
+                            routing_checks[i].append(check)
                         faster_than_light = self._faster_than_light(eng, run, concurrency or len(prompts))
                         if faster_than_light:
                             m.error = f"speed of light: {faster_than_light}"
@@ -446,8 +459,13 @@ class EngineEvaluator:
                 self._check_weights(tier, m)
                 spent[i] += time.perf_counter() - t0
             check_measured_outputs(out, tokens)
-        for m, sec in zip(out, spent):
+        for m, sec, checks in zip(out, spent, routing_checks):
             m.seconds = sec
+            verdict = replay_routing.merge_checks(checks)
+            if verdict is not None:
+                m.details["routing"] = verdict
+                if not verdict["representative"]:
+                    log.warning("%s tier, %s: %s", tier, profile.name, replay_routing.describe(verdict))
         return out
 
     def _fresh_prompts(self, profile: TrafficProfile, eng: Any, requests: int) -> list[ReplayRequest]:

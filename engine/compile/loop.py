@@ -266,7 +266,7 @@ class CompileLoop:
         self.board.append("result", trial_id=trial_id, digest=cand.digest, tier=tier, agent=cand.agent,
                           status="ok" if m.ok else "failed", metrics=metrics,
                           error=m.error, text=(f"{cand.agent} {cand.short}: {m.error}" if m.error else None),
-                          role=role)
+                          role=role, **({"routing": m.details["routing"]} if m.details.get("routing") else {}))
 
     def _measure_baseline(self) -> None:
         base = self._baseline_candidate()

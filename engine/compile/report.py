@@ -77,6 +77,7 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
         "leaderboard": result.leaderboard,
         "board": str(board.path),
         "garbage_or_errors": len([n for n in board.entries("note") if n.get("garbage") or n.get("error")]),
+        "routing": routing_summary(board),
     }
     json_path = out_dir / "report.json"
     json_path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
@@ -98,11 +99,37 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
               f"- baseline: fast {result.baseline_fast.mean:.1f} tok/s (cv {result.baseline_fast.cv:.3f})"
               + (f", full {result.baseline_full.mean:.1f} tok/s (cv {result.baseline_full.cv:.3f})" if result.baseline_full else ""),
               *_drift_lines(result),
+              *_routing_lines(data["routing"]),
               f"- stopped: {result.stop_reason}", "", "## Leaderboard (fast tier)", "", "```",
               format_leaderboard(board.leaderboard(FAST, k=10)), "```", ""]
     md_path = out_dir / "report.md"
     md_path.write_text("\n".join(lines))
     return json_path, md_path
+
+
+def routing_summary(board: Board) -> dict[str, Any] | None:
+    """MoE: how far the measured replays' expert routing was from the profile's (the results'
+    ``routing``, engine/replay/routing.py); None where no result was checked (a dense model, or a
+    profile without expertRouting)."""
+    checked = [r for r in board.entries("result") if r.get("routing")]
+    if not checked:
+        return None
+    far = [{"digest": r["digest"][:12], "tier": r["tier"], "distance": r["routing"]["distance"],
+            "worst_layer": r["routing"]["worst_layer"]} for r in checked if not r["routing"]["representative"]]
+    return {"checked": len(checked), "max_distance": max(r["routing"]["distance"] for r in checked),
+            "threshold": checked[-1]["routing"]["threshold"], "representative": not far, "not_representative": far}
+
+
+def _routing_lines(summary: dict[str, Any] | None) -> list[str]:
+    if summary is None:
+        return []
+    if summary["representative"]:
+        return [f"- expert routing: every measured replay within total variation {summary['threshold']:.3f} of the "
+                f"profile's (largest {summary['max_distance']:.3f}, {summary['checked']} measurements)"]
+    return [f"- **warning: not representative**: {len(summary['not_representative'])} of {summary['checked']} "
+            f"measurements replayed an expert routing further than {summary['threshold']:.3f} (total variation) "
+            f"from the profile's (largest {summary['max_distance']:.3f}); their figures measure other experts' work "
+            "than the traffic's"]
 
 
 def _drift_lines(result: CompileResult) -> list[str]:
