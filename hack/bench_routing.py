@@ -12,7 +12,7 @@
    steps each; the ratio per pair and its mean.
 
 Writes JSON (commit, hardware, command, figures) to --out (default
-bench/results/routing-<hardware>-<UTC stamp>.json).
+bench/results/expert-routing-<model>-cpu-<UTC stamp>.json).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from shapeshift.engine.contracts.expert_routing import REPRESENTATIVE_TV
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile, builtin_profile
 from shapeshift.engine.core.expert_routing import counts_of
 from shapeshift.engine.core.sampling import SamplingParams
-from shapeshift.engine.provenance import git_commit
+from shapeshift.engine.provenance import git_commit, result_name
 from shapeshift.engine.replay import routing as rr
 from shapeshift.engine.replay.requests import make_requests, requests_from_profile, sample_shapes
 
@@ -139,7 +139,7 @@ def main() -> int:
     print(f"decode step, batch {o['batch']}: counting/not counting {o['ratio_mean']}x "
           f"(per pair {o['ratio_per_pair']}; {statistics.fmean(o['step_s_not_counting']) * 1e3:.2f} ms per step); "
           f"the counting alone {o['record_s_per_step'] * 1e6:.1f} us per step = {o['record_share_of_step']:.2%} of it")
-    out = Path(args.out or f"bench/results/routing-cpu-{result['utc']}.json")
+    out = Path(args.out or f"bench/results/{result_name('expert-routing', args.model, 'cpu')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
