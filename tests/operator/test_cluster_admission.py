@@ -120,12 +120,27 @@ def test_placement_that_narrows_the_pool_or_is_widened_explicitly_is_accepted(cr
       "outputLength": {"p50": 8, "p90": 8, "p99": 8}}, "histogram must have at least one bucket, increasing le"),
     ({"promptLength": {"p50": 10, "p90": 20, "p99": 30}, "outputLength": {"p50": 8, "p90": 8, "p99": 8},
       "sharedPrefixRatio": 0.5}, "sharedPrefixRatio is above 0 but sharedPrefixLen is 0"),
+    ({"promptLength": {"p50": 10, "p90": 20, "p99": 30}, "outputLength": {"p50": 8, "p90": 8, "p99": 8},
+      "expertRouting": {"layers": [{"layer": 0, "shares": [0.5, 0.4]}]}}, "a layer's expert shares must sum to 1"),
+    ({"promptLength": {"p50": 10, "p90": 20, "p99": 30}, "outputLength": {"p50": 8, "p90": 8, "p99": 8},
+      "expertRouting": {"layers": [{"layer": 1, "shares": [0.5, 0.5]}, {"layer": 0, "shares": [1.0, 0.0]}]}},
+     "expertRouting layers must come by increasing layer index"),
 ])
 def test_a_traffic_profile_the_models_refuse_is_refused_by_the_api_server(crds, namespace, inline, fragment):
     """The CEL twins of the traffic profile's cross-field rules (it is embedded in CompileRuns)."""
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-traffic"},
             "spec": {"deploymentRef": {"name": "llama"}, "traffic": {"inline": inline}}}
     assert fragment in rejected(crds, namespace, "compileruns", body)
+
+
+def test_an_expert_routing_histogram_is_stored_as_given(crds, namespace):
+    routing = {"layers": [{"layer": 0, "shares": [0.25, 0.75]}, {"layer": 1, "shares": [1.0, 0.0]}], "routedTokens": 40}
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "CompileRun", "metadata": {"name": "run-routing"},
+            "spec": {"deploymentRef": {"name": "llama"}, "traffic": {"inline": {
+                "promptLength": {"p50": 10, "p90": 20, "p99": 30}, "outputLength": {"p50": 8, "p90": 8, "p99": 8},
+                "expertRouting": routing}}}}
+    stored = create(crds, namespace, "compileruns", body)
+    assert stored["spec"]["traffic"]["inline"]["expertRouting"] == routing
 
 
 def test_bad_compile_runs_are_rejected(crds, namespace):
