@@ -1,9 +1,10 @@
 """`shapeshift operator` as its own process, the way the chart's Deployment runs it.
 
-    start_operator(cluster, namespace, log, port)
+    start_operator(cluster, namespace, log, port, kubeconfig=None, env=None)
         --> `shapeshift operator --namespace NS --standalone --resync-seconds 2
-             --liveness http://127.0.0.1:PORT/healthz` (admin kubeconfig, own process group,
-             stdout and stderr appended to `log`)
+             --liveness http://127.0.0.1:PORT/healthz` (the admin kubeconfig unless one is given,
+             e.g. a ServiceAccount token's: harness.chart_operator; `env` added to this process's;
+             own process group, stdout and stderr appended to `log`)
     operator_healthy(port)   its liveness endpoint answers 200
     stop_operator(process)   SIGTERM to the group, SIGKILL after a grace period
 """
@@ -20,8 +21,9 @@ from pathlib import Path
 VENV_BIN = Path(sys.executable).parent
 
 
-def start_operator(cluster, namespace: str, log: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
+def start_operator(cluster, namespace: str, log: Path, port: int, *, kubeconfig: Path | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env or {}), "KUBECONFIG": str(kubeconfig or cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
     cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
            "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
     with open(log, "ab") as out:
