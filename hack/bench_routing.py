@@ -91,14 +91,17 @@ def overhead(ev: EngineEvaluator, batch: int, steps: int, pairs: int) -> dict:
         off_s.append(got[False])
         ratios.append(got[True] / got[False])
     fp.routing_counts = counts
-    # The counting itself, apart from the step's noise: one record() per MoE layer on ids [batch, k].
+    # The counting itself, apart from the step's noise: the forward's choice weights, then one record()
+    # per MoE layer on ids [batch, k].
     ids = torch.randint(0, counts.num_experts, (batch, eng.model_config.num_experts_per_tok))
     valid = torch.ones(batch, dtype=torch.bool)
     reps = 2000
     t0 = time.thread_time()
-    for _ in range(reps):
-        for row in range(len(counts.layers)):
-            counts.record(row, ids, valid)
+    with torch.inference_mode():  # as the forward pass runs
+        for _ in range(reps):
+            weights = counts.choice_weights(valid, ids.shape[1])  # once per forward
+            for row in range(len(counts.layers)):
+                counts.record(row, ids, weights)
     record_s = (time.thread_time() - t0) / reps
     for i in range(batch):
         eng.abort_request(f"bench-{i}")

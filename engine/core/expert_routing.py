@@ -3,7 +3,7 @@
 Data flow:
 
     forward pass, per MoE layer: router top-k ids [T, k]
-      --ExpertRoutingCounts.record(row, ids, valid [T])--> counts [layers, experts] int64
+      --ExpertRoutingCounts.record(row, ids, weights [T*k])--> counts [layers, experts] int64
         (one index_add_ on the device per layer: static shapes, no host sync, so it is
         captured into CUDA graphs with the rest of the step)
       --snapshot() on a scrape (one device-to-host copy)--> {layer: [tokens per expert]}
@@ -11,7 +11,8 @@ Data flow:
       --replay/routing.py--> the histogram of one replay (the difference of two snapshots)
 
 Each of a token's k choices counts once, so a layer's row sums to k times the tokens
-routed. ``valid`` leaves out padded rows (CUDA-graph buckets, finished rows of a decode
+routed. ``weights`` (``choice_weights(valid, k)``, built once per forward and shared by its
+layers: 1 per choice of a token, 0 per choice of a padded row) leaves out padded rows (CUDA-graph buckets, finished rows of a decode
 chunk: rows whose KV slot is the cache's null slot); rows past a sequence's end inside one
 decode chunk are counted like the others. The counts belong to the forward pass that
 records them; a new pass (hot reload) starts from zero, and the reader folds the previous
@@ -42,14 +43,16 @@ class ExpertRoutingCounts:
             return None
         return cls(list(range(cfg.num_hidden_layers)), cfg.num_experts, device)
 
-    def record(self, row: int, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add one layer's choices: ids [T, k] (expert ids, int64), valid [T] bool (None: every row)."""
+    @staticmethod
+    def choice_weights(valid: torch.Tensor, k: int) -> torch.Tensor:
+        """valid [T] bool -> [T*k] int64: what each of the T tokens' k choices adds."""
+        return valid.to(torch.int64)[:, None].expand(-1, k).reshape(-1)  # static shapes: no host sync
+
+    def record(self, row: int, ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add one layer's choices: ids [T, k] (expert ids, int64), weights [T*k] int64 from
+        ``choice_weights`` (None: every row counts)."""
         flat = ids.reshape(-1)
-        if valid is None:
-            ones = torch.ones_like(flat)
-        else:
-            ones = valid.to(torch.int64)[:, None].expand(-1, ids.shape[1]).reshape(-1)
-        self.counts[row].index_add_(0, flat, ones)
+        self.counts[row].index_add_(0, flat, torch.ones_like(flat) if weights is None else weights)
 
     def snapshot(self) -> dict[int, list[int]]:
         """{model layer: tokens routed to each expert} (one copy to the host)."""

@@ -528,7 +528,7 @@ class StockForwardPass:
     def count_routing(self, layer: LayerWeights, ids: torch.Tensor) -> None:
         """Add a MoE layer's top-k choices ids [T, k] to the routing counts (padded rows left out)."""
         if self.routing_counts is not None and layer.moe_row >= 0:
-            self.routing_counts.record(layer.moe_row, ids, getattr(self._call, "routed_rows", None))
+            self.routing_counts.record(layer.moe_row, ids, getattr(self._call, "routed_weights", None))
 
     # ------------------------------------------------------------------ entry
     @torch.inference_mode()
@@ -538,8 +538,9 @@ class StockForwardPass:
         h = F.embedding(input_ids, self.embed)  # [T, H]
         # Rows that are tokens (padded rows of a graph bucket write to the null slot): what mlp() counts.
         null_slot = getattr(kv_cache, "null_slot", None)
-        self._call.routed_rows = (ctx.slot_mapping != null_slot if self.routing_counts is not None
-                                  and null_slot is not None else None)
+        self._call.routed_weights = (
+            ExpertRoutingCounts.choice_weights(ctx.slot_mapping != null_slot, self.cfg.num_experts_per_tok)
+            if self.routing_counts is not None and null_slot is not None else None)
         cos = sin = None
         if self._rotary_kv_write is None:
             cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
