@@ -28,7 +28,7 @@ from pydantic.alias_generators import to_camel
 # variation) does not exercise the experts the traffic does: the measurement is marked not
 # representative. Measured with hack/bench_routing.py on tiny-moe (random weights, 32 requests
 # a replay; docs/expert-routing.md): two draws of real-text prompts 0.04-0.11 apart, random token
-# ids 0.14-0.28 from real text. Small replays draw more noise (16 requests: up to 0.18 seen).
+# ids 0.14-0.29 from real text. Small replays draw more noise (16 requests: up to 0.18 seen).
 REPRESENTATIVE_TV = 0.15
 SHARE_TOLERANCE = 1e-3  # |sum of a layer's shares - 1| allowed (rounding on the wire)
 MAX_LAYERS = 512
