@@ -35,7 +35,8 @@ between them averages to 1 or 2 in flight, but it is the bursts a wider batch se
 faster. A pod that exports no waiting gauge still counts with its running one
 (``or vector(0)``); a window with nothing ever in flight gives concurrency 1. The replay
 drives one engine, and a Service spreads requests over the pods, so the profile's
-concurrency is that deployment-wide figure over the number of pods reporting (rounded up).
+concurrency is that deployment-wide figure over the number of pods reporting (rounded up),
+and its arrival rate the deployment's request rate over the same count.
 
 Which series belong to a deployment is a label selector. The engine itself
 only labels with ``model``; ``namespace`` and ``deployment`` are target labels
@@ -303,7 +304,7 @@ class PrometheusTraffic:
             output_length=output,
             # per engine: the replay drives one, the Service spreads the deployment's requests
             concurrency=max(1, int(math.ceil(concurrency / max(1, targets)))) if concurrency else 1,
-            arrival_rate=rate if rate and rate > 0 else None,
+            arrival_rate=rate / max(1, targets) if rate and rate > 0 else None,  # per engine, as concurrency
             prefix_cache_hit_rate=None if hit_rate is None else min(1.0, max(0.0, hit_rate)),
             expert_routing=routing,
             window=TrafficWindow(

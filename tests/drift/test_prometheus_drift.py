@@ -278,6 +278,9 @@ def test_concurrency_is_the_width_of_the_bursts_not_the_window_average(prometheu
     assert no_gauges.profile.concurrency == 1
     # Per engine, as the replay drives one: 16 in flight over the deployment's 2 pods.
     assert pods.quality.targets == 2 and pods.profile.concurrency == 8, (pods.quality.targets, pods.profile.concurrency)
+    # and the arrival rate too: twice the deployment's requests over its 2 pods is one engine's rate.
+    assert pods.profile.arrival_rate == pytest.approx(observed.profile.arrival_rate, rel=0.25), \
+        (pods.profile.arrival_rate, observed.profile.arrival_rate)
     # The rest of the profile does not depend on the gauges (two scrapes of one target, so the
     # quantiles agree; increase() extrapolates each job's own scrape times, so counts only nearly).
     quantiles = lambda d: (d.p50, d.p90, d.p99)  # noqa: E731
