@@ -568,8 +568,10 @@ class EngineEvaluator:
         t0 = time.perf_counter()
         path = self.materialize(candidate)
         eng = self._engine(FULL, {})
+        lengths = self._profile().prompt_length
         verdict = verify_for_promotion(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps,
-                                       weights_baseline=self._weights.get(FULL))
+                                       weights_baseline=self._weights.get(FULL),
+                                       traffic_prompt_lens=(int(lengths.p50), int(lengths.p90), int(lengths.p99)))
         verdict.seconds = time.perf_counter() - t0
         return verdict
 

@@ -20,9 +20,11 @@ from shapeshift.engine.compile.measure import Verification
 
 
 def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, steps: int = 16,
-                         weights_baseline: Any = None) -> Verification:
+                         weights_baseline: Any = None, traffic_prompt_lens: tuple[int, ...] = ()) -> Verification:
     """``weights_baseline``: the engine weights' WeightsBaseline from before the candidate was
-    first loaded (engine/forward_pass/weights_guard.py); None: taken at the start of verification."""
+    first loaded (engine/forward_pass/weights_guard.py); None: taken at the start of verification.
+    ``traffic_prompt_lens``: the replayed traffic's prompt lengths (p50, p90, p99), which the
+    long-context gate decodes at besides the engine's limit."""
     from shapeshift.engine.verify import GateSettings, verify_candidate
 
     cfg = engine.config
@@ -33,7 +35,7 @@ def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, st
     settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size,
                             max_batch_size=min(cfg.max_num_seqs, 16), graph_buckets=buckets,
                             max_model_len=cfg.max_model_len, num_blocks=max(96, 3 * most + 8),
-                            prompt_tokens=_replay_text(engine))
+                            prompt_tokens=_replay_text(engine), traffic_prompt_lens=tuple(traffic_prompt_lens))
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,
                               device=engine.device, settings=settings, weights_baseline=weights_baseline)
     gates = {g.name: bool(g.passed) for g in report.gates}

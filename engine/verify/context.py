@@ -52,6 +52,10 @@ class GateSettings:
     # Contexts up to the deployment's max model length (coverage.long_context): one at the limit,
     # one drawn from the upper half (the profile's long tail).
     max_model_len: int = 512
+    # Prompt lengths of the traffic the candidate was measured on (the replayed profile's p50,
+    # p90 and p99, fitted into max_model_len): coverage.long_context decodes at each of them
+    # besides the limit, in place of the one length drawn from the upper half. Empty: that draw.
+    traffic_prompt_lens: tuple[int, ...] = ()
     odd_lengths: tuple[int, ...] | None = None  # None -> derived from the block size
     block_size: int = 16
     num_blocks: int = 96

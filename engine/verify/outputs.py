@@ -115,13 +115,15 @@ def gate_coverage(ctx: GateContext) -> dict[str, Any]:
 
 
 def gate_long_context(ctx: GateContext) -> dict[str, Any]:
-    """Contexts up to the deployment's max model length: one prompt that ends at the limit and one
-    drawn from the upper half (the profile's long tail), each decoded a few steps, over a KV pool
-    just large enough for it (so nearly every block id is used)."""
+    """Contexts up to the deployment's max model length: one prompt that ends at the limit, and the
+    traffic's own prompt lengths (settings.traffic_prompt_lens: the profile's p50, p90, p99) or,
+    without them, one drawn from the upper half, each decoded a few steps, over a KV pool just
+    large enough for it (so nearly every block id is used)."""
     s = ctx.settings
     steps = 4
     limit = s.max_model_len - steps
-    lengths = [limit, ctx.rng.randint(max(1, limit // 2), limit)]
+    traffic = sorted({min(limit, max(1, int(n))) for n in s.traffic_prompt_lens} - {limit})
+    lengths = [limit] + (traffic or [ctx.rng.randint(max(1, limit // 2), limit)])
     covered = []
     for n in lengths:
         prompt = ctx.prompt(n)
@@ -134,7 +136,8 @@ def gate_long_context(ctx: GateContext) -> dict[str, Any]:
             raise GateFailure(f"a {n}-token context differs", context_len=n + steps, max_model_len=s.max_model_len,
                               **ev)
         covered.append(n + steps)
-    return {"context_lens": covered, "max_model_len": s.max_model_len}
+    return {"context_lens": covered, "max_model_len": s.max_model_len,
+            "from_traffic": bool(traffic)}
 
 
 def gate_mixed_steps(ctx: GateContext) -> dict[str, Any]:

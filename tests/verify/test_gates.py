@@ -191,6 +191,24 @@ def test_fresh_prompts_each_run(model):
     assert a.gate("outputs.agreement").evidence["prompt_lens"] != b.gate("outputs.agreement").evidence["prompt_lens"]
 
 
+def test_long_context_gate_decodes_at_the_traffics_prompt_lengths(model):
+    """Given the replayed profile's prompt lengths (the compile evaluator passes p50, p90, p99), the
+    long-context gate decodes at each of them besides the limit; without them, at one drawn length."""
+    from dataclasses import replace
+
+    cfg, weights = model
+    only = ("coverage.long_context",)
+    given = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, only=only,
+                             settings=replace(settings(), traffic_prompt_lens=(26, 140, 900)))
+    evidence = given.gate("coverage.long_context").evidence
+    limit = settings().max_model_len
+    assert given.passed and evidence["from_traffic"]
+    assert evidence["context_lens"] == [limit, 26 + 4, 140 + 4]  # 900 is past the limit: the limit covers it
+    drawn = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, only=only, settings=settings())
+    assert drawn.passed and not drawn.gate("coverage.long_context").evidence["from_traffic"]
+    assert len(drawn.gate("coverage.long_context").evidence["context_lens"]) == 2
+
+
 def test_speed_of_light_bound():
     cfg = ModelConfig.from_hf(PRESETS["llama-3.2-1b-shape"].hf_config)
     # Shapes only: meta tensors carry sizes and dtypes without memory.
