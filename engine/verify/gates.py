@@ -28,8 +28,9 @@ Gates (names are stable; reports and tests refer to them):
                               different format -> the engine flushes on swap (recorded)
   coverage.shapes             every decode batch size up to the largest batch and every graph
                               bucket, odd prompt lengths for prefill, chunked prefill
-  coverage.long_context       contexts at the deployment's max model length and in its long tail,
-                              over a KV pool they fill
+  coverage.long_context       contexts at the deployment's max model length and at the replayed
+                              traffic's prompt lengths (p50, p90, p99; else one drawn from the
+                              upper half), over a KV pool they fill
   coverage.mixed_steps        decode rows next to prefills and prefill chunks in one step; a prefix
                               donor batched with the child sharing its blocks, re-checked after
   anti_cheat.fresh_inputs     reused input buffers with new contents, same tokens in new contexts
