@@ -22,6 +22,8 @@ import logging
 import sys
 from typing import Callable, Sequence
 
+from shapeshift.engine.provenance import package_version
+
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 
@@ -319,20 +321,11 @@ PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {
 }
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("shapeshift")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shapeshift",
         description="Shapeshift: an LLM inference engine and the Kubernetes operator that keeps it fast.")
-    parser.add_argument("--version", action="version", version=f"shapeshift {_version()}")
+    parser.add_argument("--version", action="version", version=f"shapeshift {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_serve(sub)

@@ -1,5 +1,6 @@
-"""Which commit of the repository a result came from (benchmarks, compile reports), and the
-name a result is filed under in bench/results/.
+"""Which commit of the repository a result came from (benchmarks, compile reports), the
+installed package's version (`shapeshift --version`, the server's /version), and the name a
+result is filed under in bench/results/.
 
 Data flow: ``SHAPESHIFT_GIT_COMMIT`` (set by the caller where the tree is a copy whose git
 metadata is stale or missing: a GPU machine, an image) or ``git rev-parse HEAD`` + ``git
@@ -15,6 +16,16 @@ import os
 import re
 import subprocess
 from pathlib import Path
+
+def package_version() -> str:
+    """The installed shapeshift distribution's version ("unknown" in a tree run without installing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shapeshift")
+    except PackageNotFoundError:
+        return "unknown"
+
 
 # What hack/ and the compile loop measure; a result's name starts with one of these.
 RESULT_BENCHMARKS = (

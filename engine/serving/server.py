@@ -55,6 +55,7 @@ from shapeshift.engine.serving.async_engine import (
     RequestRejectedError,
     RequestStream,
 )
+from shapeshift.engine.provenance import package_version
 from shapeshift.engine.serving.access import OPEN_PATHS, add_access_control
 from shapeshift.engine.serving.metrics import EngineMetrics
 from shapeshift.engine.serving.params import choice_params, sampling_params
@@ -536,16 +537,6 @@ class _Handlers:
         return ModelList(data=[card]).model_dump()
 
 
-def shapeshift_version() -> str:
-    """The installed package's version (`shapeshift --version`, /version)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("shapeshift")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_name: str, *,
               api_key: str | None = None, cors_allow_origins: Sequence[str] = (),
               tool_call_parser: str | None = None) -> FastAPI:
@@ -619,7 +610,7 @@ def build_app(async_engine: AsyncEngine, metrics: EngineMetrics, served_model_na
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
-        return {"version": shapeshift_version(), "model": served_model_name}
+        return {"version": package_version(), "model": served_model_name}
 
     @app.get("/health")
     async def health() -> Response:

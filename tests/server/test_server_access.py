@@ -96,9 +96,9 @@ def test_tokenize_detokenize_version(server, reference_engine):
     neither = httpx.post(f"{base}/tokenize", json={"model": MODEL}, timeout=30)
     assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
     version = httpx.get(f"{base}/version", timeout=30).json()
-    from shapeshift.engine.serving.server import shapeshift_version
+    from shapeshift.engine.provenance import package_version
 
-    assert version == {"version": shapeshift_version(), "model": MODEL}
+    assert version == {"version": package_version(), "model": MODEL}
 
 
 def test_streaming_through_the_key_check(keyed_server):

@@ -142,11 +142,11 @@ def test_user_errors_are_one_line_and_exit_2_before_loading(case, needle, tmp_pa
 
 
 def test_version(tmp_path):
-    from shapeshift.engine.serving.server import shapeshift_version
+    from shapeshift.engine.provenance import package_version
 
     out = subprocess.run(shapeshift_command() + ["--version"], capture_output=True, text=True, env=ENV,
                          cwd=tmp_path, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == f"shapeshift {shapeshift_version()}"
+    assert out.returncode == 0 and out.stdout.strip() == f"shapeshift {package_version()}"
 
 
 def test_context_length_comes_from_the_model_bounded_by_the_kv_cache():
