@@ -17,14 +17,7 @@ import pytest
 
 from server_harness import MODEL
 
-DECIDE = {"type": "function", "function": {
-    "name": "decide", "description": "Say yes or no.",
-    "parameters": {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
-                   "required": ["answer"], "additionalProperties": False}}}
-LIGHT = {"type": "function", "function": {
-    "name": "set_light", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
-                                        "required": ["on"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "Should I?"}]
+from test_server_tools import ASK, DECIDE, LIGHT  # the same two tools and question
 NAMES = {"decide", "set_light"}
 
 
