@@ -365,32 +365,39 @@ def _sessions(shapes: list["RequestShape"], hit_rate: float, gap: int) -> list["
     continues the session whose latest turn has the longest prompt shorter than its own, among
     turns at least ``gap`` requests earlier (the traffic's concurrency: a user sends the next
     turn after the answer to the last one, by which time that many others have started)."""
+    import bisect
+    from collections import deque
     from dataclasses import replace
 
     out: list[RequestShape] = []
-    heads: dict[int, RequestShape] = {}  # index of a session's latest turn -> that turn
+    # Sessions' latest turns, in two places: those at least `gap` requests back, sorted by
+    # (prompt length, -index) so the longest shorter prompt (the earliest among equals) is one
+    # bisection away; and the newer ones, in arrival order, until they are that far back.
+    ready: list[tuple[int, int, RequestShape]] = []
+    waiting: deque[RequestShape] = deque()
     total = cached = 0
     prefix_seen = False
     for s in shapes:
+        while waiting and waiting[0].index <= s.index - gap:
+            head = waiting.popleft()
+            bisect.insort(ready, (head.prompt_len, -head.index, head), key=lambda e: e[:2])
         total += s.prompt_len
         system = s.shared_prefix_len if (s.shared_prefix_len and prefix_seen) else 0
         prefix_seen = prefix_seen or s.shared_prefix_len > 0
         best = None
         if cached + system < hit_rate * total:
-            eligible = [h for idx, h in heads.items()
-                        if idx <= s.index - gap and system < h.prompt_len < s.prompt_len]
-            if eligible:
-                best = max(eligible, key=lambda h: (h.prompt_len, -h.index))
+            at = bisect.bisect_left(ready, (s.prompt_len, -(1 << 62)), key=lambda e: e[:2]) - 1
+            if at >= 0 and ready[at][0] > system:
+                best = ready.pop(at)[2]
         if best is None:
             cached += system
-            heads[s.index] = s
+            waiting.append(s)
             out.append(s)
             continue
         turn = replace(s, continues=best.index, reused_len=best.prompt_len,
                        shared_prefix_len=best.shared_prefix_len)
         cached += best.prompt_len
-        del heads[best.index]
-        heads[s.index] = turn
+        waiting.append(turn)
         out.append(turn)
     return out
 

@@ -140,6 +140,36 @@ def test_sessions_bring_the_cacheable_share_to_the_profiles_hit_rate(name):
     assert cacheable / sum(r.prompt_len for r in reqs) == pytest.approx(p.prefix_cache_hit_rate, abs=0.03)
 
 
+def test_each_turn_continues_the_longest_shorter_open_session():
+    """The docstring's rule, checked by scanning every open session (what the sorted index
+    replaces): a later turn continues the session whose latest turn has the longest prompt shorter
+    than its own and longer than the common prefix, the earliest such turn among equals, and only
+    turns at least `gap` requests back; a turn that continues nothing starts a session."""
+    from shapeshift.engine.contracts.traffic_profile import RequestShape, _sessions
+
+    rng = random.Random(7)
+    for _ in range(60):
+        gap = rng.randint(0, 8)
+        shapes = [RequestShape(index=i, prompt_len=rng.randint(1, 50), output_len=4,
+                               shared_prefix_len=rng.choice([0, 0, 6]), arrival_s=None) for i in range(150)]
+        out = _sessions(shapes, rng.random(), gap)
+        assert [(r.index, r.prompt_len) for r in out] == [(r.index, r.prompt_len) for r in shapes]
+        latest: dict[int, RequestShape] = {}  # session -> its latest turn
+        prefix_seen = False
+        for r, drawn in zip(out, shapes):
+            system = drawn.shared_prefix_len if (drawn.shared_prefix_len and prefix_seen) else 0
+            prefix_seen = prefix_seen or drawn.shared_prefix_len > 0
+            open_turns = [t for t in latest.values()
+                          if t.index <= r.index - gap and system < t.prompt_len < r.prompt_len]
+            if r.continues is None:
+                latest[r.index] = r
+                continue
+            best = max(open_turns, key=lambda t: (t.prompt_len, -t.index))
+            assert r.continues == best.index and r.reused_len == best.prompt_len
+            session = next(k for k, t in latest.items() if t.index == best.index)
+            latest[session] = r
+
+
 def test_open_loop_arrivals_follow_the_rate():
     p = make(arrival_rate=20.0)
     reqs = p.sample_requests(4000, 0)
