@@ -11,18 +11,14 @@ showed from before the first request to after the last.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.controlplane import _die_with_parent, free_port
+from harness.engine_server import ServerProcess
 from shapeshift.engine.contracts.expert_routing import ExpertRouting
 from shapeshift.engine.contracts.metric_names import EXPERT_ROUTED_TOKENS
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
@@ -35,29 +31,12 @@ SELECTOR = SeriesSelector(namespace="team-m", deployment="moe", model=MODEL)
 
 
 @pytest.fixture
-def moe_server():
-    port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"shapeshift-serve-moe-{port}.log", "wb")
-    process = subprocess.Popen(
-        [str(Path(sys.executable).with_name("shapeshift")), "serve", "--model", MODEL, "--device", "cpu",
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONSAFEPATH": "1"})
-    target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, f"shapeshift serve exited with {process.returncode}; see {log.name}"
-        try:
-            with urllib.request.urlopen(f"http://{target}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"shapeshift serve not healthy after 180 s; see {log.name}"
-        time.sleep(0.5)
-    yield target
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+def moe_server(tmp_path):
+    """`shapeshift serve --model tiny-moe` on the CPU with serve's own context and KV sizes."""
+    server = ServerProcess([], tmp_path / "serve.log", model=MODEL, max_model_len=None, num_kv_blocks=None,
+                           log_level="info").start()
+    yield server.address
+    server.stop()
 
 
 def routed(target: str) -> dict[int, list[float]]:

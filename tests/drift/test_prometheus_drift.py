@@ -22,18 +22,14 @@ gives NoData and a TrafficObserved=False condition, never a Compile.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 
-from harness.controlplane import _die_with_parent, free_port
+from harness.engine_server import ServerProcess
 from metrics_exporter import exporter_process, in_flight, observe
 from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
 from shapeshift.operator.drift import Compile, Drifting, DriftPolicy, DriftState, NoData, Stable
@@ -166,32 +162,14 @@ def test_observed_profile_follows_prompt_lengths_and_hit_rate(scraped):
 
 
 @pytest.fixture
-def engine_server():
-    """`shapeshift serve --model tiny-llama` on the CPU, as a serving pod would run it. One per test:
-    its counters must start at zero, or increase() over a window at the start of a new Prometheus
-    extrapolates from what an earlier test sent."""
-    port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"shapeshift-serve-{port}.log", "wb")
-    process = subprocess.Popen(
-        [str(Path(sys.executable).with_name("shapeshift")), "serve", "--model", "tiny-llama", "--device", "cpu",
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONSAFEPATH": "1"})
-    target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, f"shapeshift serve exited with {process.returncode}; see {log.name}"
-        try:
-            with urllib.request.urlopen(f"http://{target}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"shapeshift serve not healthy after 180 s; see {log.name}"
-        time.sleep(0.5)
-    yield target
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+def engine_server(tmp_path):
+    """`shapeshift serve --model tiny-llama` on the CPU, as a serving pod would run it (serve's own
+    context and KV sizes). One per test: its counters must start at zero, or increase() over a
+    window at the start of a new Prometheus extrapolates from what an earlier test sent."""
+    server = ServerProcess([], tmp_path / "serve.log", model=MODEL, max_model_len=None, num_kv_blocks=None,
+                           log_level="info").start()
+    yield server.address
+    server.stop()
 
 
 def complete(target: str, prompt: list[int], max_tokens: int) -> dict:

@@ -52,18 +52,21 @@ class ServerProcess:
 
     ``extra_args`` come last, so they may also override the flags set here.
     ``env`` is added to this process's environment (minus admin-token variables).
+    ``max_model_len`` or ``num_kv_blocks`` None: the flag is left out (serve's own choice, as a pod).
     """
 
     def __init__(self, extra_args: list[str], log_path: Path, *, model: str = MODEL,
-                 env: dict[str, str] | None = None, max_model_len: int = MAX_MODEL_LEN,
-                 num_kv_blocks: int = NUM_KV_BLOCKS, log_level: str = "warning") -> None:
+                 env: dict[str, str] | None = None, max_model_len: int | None = MAX_MODEL_LEN,
+                 num_kv_blocks: int | None = NUM_KV_BLOCKS, log_level: str = "warning") -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{self.port}"
+        self.base_url = f"http://{self.address}"
         self.log_path = log_path
         self.env = env or {}
+        sizes = [*(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
+                 *(["--num-kv-blocks", str(num_kv_blocks)] if num_kv_blocks is not None else [])]
         self.args = shapeshift_command() + [
-            "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(max_model_len), "--num-kv-blocks", str(num_kv_blocks),
+            "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port), *sizes,
             "--device", "cpu", "--log-level", log_level, *extra_args]
         self.proc: subprocess.Popen | None = None
 
