@@ -221,14 +221,7 @@ class ModelRunner(MixedStepGraphs):
                 return RunnerOutput(token_ids=greedy_tokens.tolist(), logprobs=None)
             sampling_rows = list(range(len(batch.seqs)))
         else:
-            shape = step_shape(batch.num_new_tokens)
-            self.mixed_step_shapes[shape] += 1
-            bucket = self.mixed_buckets.bucket_for(*shape) if self.mixed_graphs else None
-            if bucket is not None and max(len(seq.block_table) for seq in batch.seqs) <= self.max_blocks_per_seq:
-                logits = self._replay_mixed(batch, bucket)
-            else:
-                input_ids, positions, ctx = self.prepare_prefill(batch)
-                logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+            logits = self._mixed_step_logits(batch)
             sampling_rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         token_ids: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[float | None] | None = None
@@ -375,6 +368,18 @@ class ModelRunner(MixedStepGraphs):
         return self._read_back(out, k, n)
 
     @torch.inference_mode()
+    def _mixed_step_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The logits of a step with prompt tokens: a mixed-step graph's replay where a bucket
+        holds the step's shape and every block table fits the graph, else the eager forward pass.
+        Counts the shape either way (mixed_step_shapes: what graph buckets are chosen from)."""
+        shape = step_shape(batch.num_new_tokens)
+        self.mixed_step_shapes[shape] += 1
+        bucket = self.mixed_buckets.bucket_for(*shape) if self.mixed_graphs else None
+        if bucket is not None and max(len(seq.block_table) for seq in batch.seqs) <= self.max_blocks_per_seq:
+            return self._replay_mixed(batch, bucket)
+        input_ids, positions, ctx = self.prepare_prefill(batch)
+        return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+
     def launch_prefill(self, batch: ScheduledBatch) -> DecodeChunk:
         """Whole prompts (every row reaches its last token: batch.samples) whose next token is the
         greedy argmax, launched without waiting: the tokens stay on the device (the next chunk's
@@ -383,14 +388,7 @@ class ModelRunner(MixedStepGraphs):
         n = len(batch.seqs)
         if not all(batch.samples(i) and batch.seqs[i].params.greedy for i in range(n)):
             raise ValueError("launch_prefill needs whole prompts of greedy requests")
-        shape = step_shape(batch.num_new_tokens)
-        self.mixed_step_shapes[shape] += 1
-        bucket = self.mixed_buckets.bucket_for(*shape) if self.mixed_graphs else None
-        if bucket is not None and max(len(seq.block_table) for seq in batch.seqs) <= self.max_blocks_per_seq:
-            logits = self._replay_mixed(batch, bucket)
-        else:
-            input_ids, positions, ctx = self.prepare_prefill(batch)
-            logits = self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
+        logits = self._mixed_step_logits(batch)
         if getattr(self, "_prefill_tokens", None) is None or len(self._prefill_tokens) < self._max_bs:
             self._prefill_tokens = torch.zeros(self._max_bs, dtype=torch.int64, device=self.device)
             self._prefill_tokens_host = torch.zeros(1, self._max_bs, dtype=torch.int64)

@@ -198,12 +198,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
             if not bm.can_allocate(seq, num_new, hits):
                 break
-            bm.allocate(seq, num_new, hits)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._admit(seq, num_new, hits, batch)
             budget -= num_new
 
     def admit_prompts(self, max_seqs: int, joins: Any) -> ScheduledBatch:
@@ -223,14 +218,19 @@ class Scheduler:
             num_new = seq.num_tokens - len(hits) * bm.block_size
             if num_new > budget or not bm.can_allocate(seq, num_new, hits):
                 break
-            bm.allocate(seq, num_new, hits)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            self._admit(seq, num_new, hits, batch)
             budget -= num_new
         return batch
+
+    def _admit(self, seq: Sequence, num_new: int, hits: Any, batch: ScheduledBatch) -> None:
+        """The first waiting sequence, running from now: its blocks for ``num_new`` tokens past
+        the prefix-cache ``hits`` allocated, and its tokens in ``batch``."""
+        self.block_manager.allocate(seq, num_new, hits)
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
