@@ -367,7 +367,6 @@ class ModelRunner(MixedStepGraphs):
             out[j, :n].copy_(s["tokens"][:n])
         return self._read_back(out, k, n)
 
-    @torch.inference_mode()
     def _mixed_step_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """The logits of a step with prompt tokens: a mixed-step graph's replay where a bucket
         holds the step's shape and every block table fits the graph, else the eager forward pass.
@@ -380,6 +379,7 @@ class ModelRunner(MixedStepGraphs):
         input_ids, positions, ctx = self.prepare_prefill(batch)
         return self.forward_pass.forward(input_ids, positions, ctx, self.kv_cache)
 
+    @torch.inference_mode()
     def launch_prefill(self, batch: ScheduledBatch) -> DecodeChunk:
         """Whole prompts (every row reaches its last token: batch.samples) whose next token is the
         greedy argmax, launched without waiting: the tokens stay on the device (the next chunk's
