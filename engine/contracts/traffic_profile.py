@@ -372,7 +372,8 @@ def _sessions(shapes: list["RequestShape"], hit_rate: float, gap: int) -> list["
     out: list[RequestShape] = []
     # Sessions' latest turns, in two places: those at least `gap` requests back, sorted by
     # (prompt length, -index) so the longest shorter prompt (the earliest among equals) is one
-    # bisection away; and the newer ones, in arrival order, until they are that far back.
+    # bisection away (indices are unique, so the shape itself is never compared); and the newer
+    # ones, in arrival order, until they are that far back.
     ready: list[tuple[int, int, RequestShape]] = []
     waiting: deque[RequestShape] = deque()
     total = cached = 0
@@ -380,13 +381,13 @@ def _sessions(shapes: list["RequestShape"], hit_rate: float, gap: int) -> list["
     for s in shapes:
         while waiting and waiting[0].index <= s.index - gap:
             head = waiting.popleft()
-            bisect.insort(ready, (head.prompt_len, -head.index, head), key=lambda e: e[:2])
+            bisect.insort(ready, (head.prompt_len, -head.index, head))
         total += s.prompt_len
         system = s.shared_prefix_len if (s.shared_prefix_len and prefix_seen) else 0
         prefix_seen = prefix_seen or s.shared_prefix_len > 0
         best = None
         if cached + system < hit_rate * total:
-            at = bisect.bisect_left(ready, (s.prompt_len, -(1 << 62)), key=lambda e: e[:2]) - 1
+            at = bisect.bisect_left(ready, (s.prompt_len,)) - 1  # (n,) sorts before every (n, ...)
             if at >= 0 and ready[at][0] > system:
                 best = ready.pop(at)[2]
         if best is None:

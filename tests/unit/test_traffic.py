@@ -148,26 +148,37 @@ def test_each_turn_continues_the_longest_shorter_open_session():
     from shapeshift.engine.contracts.traffic_profile import RequestShape, _sessions
 
     rng = random.Random(7)
+    continued = 0
     for _ in range(60):
         gap = rng.randint(0, 8)
         shapes = [RequestShape(index=i, prompt_len=rng.randint(1, 50), output_len=4,
                                shared_prefix_len=rng.choice([0, 0, 6]), arrival_s=None) for i in range(150)]
-        out = _sessions(shapes, rng.random(), gap)
+        hit_rate = rng.random()
+        out = _sessions(shapes, hit_rate, gap)
         assert [(r.index, r.prompt_len) for r in out] == [(r.index, r.prompt_len) for r in shapes]
         latest: dict[int, RequestShape] = {}  # session -> its latest turn
         prefix_seen = False
+        total = cached = 0
         for r, drawn in zip(out, shapes):
+            total += r.prompt_len
             system = drawn.shared_prefix_len if (drawn.shared_prefix_len and prefix_seen) else 0
             prefix_seen = prefix_seen or drawn.shared_prefix_len > 0
             open_turns = [t for t in latest.values()
                           if t.index <= r.index - gap and system < t.prompt_len < r.prompt_len]
-            if r.continues is None:
+            behind = cached + system < hit_rate * total
+            if r.continues is None:  # only when no session could go on, or the cache share is on target
+                assert not (behind and open_turns), (r.index, [t.index for t in open_turns])
+                cached += system
                 latest[r.index] = r
                 continue
+            assert behind and open_turns, (r.index, r.continues)  # at least `gap` back, shorter
             best = max(open_turns, key=lambda t: (t.prompt_len, -t.index))
             assert r.continues == best.index and r.reused_len == best.prompt_len
+            cached += r.reused_len
             session = next(k for k, t in latest.items() if t.index == best.index)
             latest[session] = r
+        continued += sum(r.continues is not None for r in out)
+    assert continued > 100  # the draws exercised the choice, not only its absence
 
 
 def test_open_loop_arrivals_follow_the_rate():
