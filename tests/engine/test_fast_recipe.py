@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -101,7 +102,7 @@ SCRIPT = textwrap.dedent('''
 # On the CPU each case takes 80-140 s in Triton's interpreter, so two run there: the widest fusion
 # (norm, rotary, layer tail, attention into the tail) on tiny-llama, and the multi-row norm fusion on
 # tiny-qwen3 (q/k norms). The rest run where a GPU is.
-ON_GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                             reason="a further recipe case: 80-140 s each in the CPU interpreter; run on CUDA")
 CASES = [
     ("tiny-llama", True, True, True, False, True, 0, 0), ("tiny-qwen3", True, False, False, False, False, 0, 16),
@@ -117,8 +118,6 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail,max_rows,norm_rows", CASES)
 def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows, norm_rows):
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if device == "cpu":
