@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("hack/bench_regimes.py: --pairs must be at least 5 (bounds from fewer pairs mean little)")
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     names = [Path(r).stem for r in regimes]
-    if len(set(names)) != len(names) or len(names) < 2:
-        raise SystemExit("hack/bench_regimes.py: name at least two distinct regimes")
+    if len(set(names)) != len(names) or len(names) < (1 if args.compile_only else 2):
+        raise SystemExit("hack/bench_regimes.py: name at least two distinct regimes (one with --compile-only)")
     import tempfile
 
     work = Path(args.work or tempfile.mkdtemp(prefix="shapeshift-regimes-")).resolve()

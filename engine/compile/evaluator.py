@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,22 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
     return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
 
 
+def slo_scaled_to_tier(slo: SLO, tier: Measurement, full: Measurement) -> SLO:
+    """`slo` moved to another tier by the same pass's measured speed on both (`tier` and `full`,
+    their p90 per-user speed and p90 TTFT averaged over repeats): each threshold keeps its ratio
+    to what that pass achieves, so a promise the pass misses by 20% on the full model is missed
+    by 20% on the other tier too. A threshold whose figures are missing or zero stays as given."""
+    def ratio(a: list[float], b: list[float]) -> float | None:
+        x, y = (statistics.fmean(a) if a else 0.0), (statistics.fmean(b) if b else 0.0)
+        return x / y if x > 0 and y > 0 else None
+
+    per_user, ttft = slo.per_user_tokens_per_s_p90, slo.ttft_p90_s
+    speed = ratio(tier.per_user_p90, full.per_user_p90)
+    wait = ratio(tier.ttft_p90, full.ttft_p90)
+    return SLO(ttft_p90_s=ttft * wait if wait else ttft,
+               per_user_tokens_per_s_p90=per_user * speed if speed and per_user > 0 else per_user)
+
+
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
            clock: Callable[[], float] = time.perf_counter, slo: SLO | None = None) -> ReplayRun:
     """One run (closed loop: `concurrency` requests in flight; None: open loop at the requests'
@@ -192,6 +209,9 @@ class EngineEvaluator:
         self._draws = 0  # prompt draws so far: each repeat replays fresh prompts
         self._weights: dict[str, Any] = {}  # tier -> WeightsBaseline taken before any candidate loaded
         self._arrival_scale: dict[str, float] = {}  # tier -> open-loop arrival-rate factor (calibrated once)
+        # tier -> the SLO its replays are scored by where it is not settings.slo (the fast tier's,
+        # scaled by calibrate_tier_slo to the stock pass's speed on that tier)
+        self._tier_slo: dict[str, SLO] = {}
         self._bandwidth: float | None = None  # bytes/s of a device copy, measured before any candidate ran
 
     # ------------------------------------------------------------------ engines
@@ -368,13 +388,51 @@ class EngineEvaluator:
     def _measure(self, tier: str, cand: Candidate, requests: int, repeats: int) -> Measurement:
         return self._interleaved(tier, [cand], requests, repeats)[0]
 
-    def _interleaved(self, tier: str, cands: list[Candidate], requests: int, repeats: int) -> list[Measurement]:
+    def tier_slo(self, tier: str) -> SLO | None:
+        """The SLO that `tier`'s replays are scored by: the objective's own on the full tier; on the
+        fast tier the calibrated one (calibrate_tier_slo) once it exists."""
+        return self._tier_slo.get(tier, self.settings.slo)
+
+    def set_tier_slo(self, tier: str, slo: SLO) -> None:
+        """Use `slo` for `tier` (a resumed run restores its calibration from the board)."""
+        self._tier_slo[tier] = slo
+
+    def calibrate_tier_slo(self, stock: Candidate, full: Measurement) -> SLO | None:
+        """The fast tier's SLO: the objective's thresholds scaled by how much faster the stock pass
+        is there than on the full tier (`full`: its full-tier measurement), so that a promise that
+        binds on the full model binds as much on the truncated one. Without it the fast tier, a few
+        layers deep and several times faster per user, met every SLO and ranked candidates by raw
+        throughput: on an H200 the stock pass's chat p90 per-user speed is 767 tok/s on the fast
+        tier against 243 on the full one, its TTFT p90 0.054 s against 0.086 s. One unscored replay
+        of the stock pass on the fast tier (after its warm-up); None where there is no SLO, no
+        usable full-tier figure, or the fast tier is the full model."""
+        slo = self.settings.slo
+        if slo is None or not full.ok or not full.per_user_p90 or not full.ttft_p90:
+            return None
+        if self.fast_layers() >= int(getattr(self.model_config(), "num_hidden_layers", 0) or 0):
+            return None
+        fast = self._interleaved(FAST, [stock], self.settings.screen_requests, 1, scored=False)[0]
+        if not fast.ok or not fast.per_user_p90 or not fast.ttft_p90:
+            log.warning("fast-tier SLO not calibrated (the stock pass's calibration replay: %s); the fast tier "
+                        "keeps %s", fast.error or "no latency figures", slo.describe())
+            return None
+        scaled = slo_scaled_to_tier(slo, fast, full)
+        self._tier_slo[FAST] = scaled
+        log.info("fast-tier SLO %s (the stock pass: p90 per-user %.1f tok/s there against %.1f on the full tier, "
+                 "p90 TTFT %.4f s against %.4f s; the full tier keeps %s)", scaled.describe(),
+                 statistics.fmean(fast.per_user_p90), statistics.fmean(full.per_user_p90),
+                 statistics.fmean(fast.ttft_p90), statistics.fmean(full.ttft_p90), slo.describe())
+        return scaled
+
+    def _interleaved(self, tier: str, cands: list[Candidate], requests: int, repeats: int,
+                     scored: bool = True) -> list[Measurement]:
         """Measure candidates in alternation, the order reversed every repeat (A B, B A, A B, ...:
         ABBA), so a change in machine load, and whatever the second slot of a pair inherits from
         the first, hits all of them alike. Every candidate is warmed up on its own prompts before
         anything counts; every repeat replays the same traffic shapes with fresh prompts (one
         draw per repeat, shared by the candidates of that repeat). A candidate that fails is
-        marked failed; the others go on."""
+        marked failed; the others go on. `scored` False: no SLO (samples are output tokens/s)."""
+        slo = self.tier_slo(tier) if scored else None
         if self.settings.cpu_threads is not None and not self.on_cuda:
             import torch
 
@@ -425,7 +483,7 @@ class EngineEvaluator:
                         replay(eng, warm_up, concurrency, clock)
                     else:
                         routed_before = replay_routing.routing_snapshot(eng)  # outside the timed replay
-                        run = replay(eng, prompts, concurrency, clock, self.settings.slo)
+                        run = replay(eng, prompts, concurrency, clock, slo)
                         tokens[i] = run.output_token_ids
                         check = replay_routing.check_routing(
                             getattr(profile, "expert_routing", None),
@@ -437,14 +495,14 @@ class EngineEvaluator:
                         if faster_than_light:
                             m.error = f"speed of light: {faster_than_light}"
                         m.throughput.append(run.output_tokens_per_s)
-                        if self.settings.slo is not None:
+                        if slo is not None:
                             m.slo_attainment.append(run.slo_attainment)
                             m.slo_missed_ttft.append(run.slo_missed_ttft)
                             m.slo_missed_per_user.append(run.slo_missed_per_user)
                             if not run.goodput_tokens_per_s > 0:  # a measured outcome, not a crash: the engine stays
-                                m.error = (f"no request met the SLO ({self.settings.slo.describe()}): goodput 0; "
+                                m.error = (f"no request met the SLO ({slo.describe()}): goodput 0; "
                                            "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")
-                        m.samples.append(run.output_tokens_per_s if self.settings.slo is None
+                        m.samples.append(run.output_tokens_per_s if slo is None
                                          else run.goodput_tokens_per_s)
                         m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))
                         # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
@@ -526,6 +584,7 @@ class EngineEvaluator:
         self.profile = profile
         self.fitted = None
         self._arrival_scale.clear()
+        self._tier_slo.clear()
 
     def screen_paired(self, candidate: Candidate, incumbent: Candidate) -> tuple[Measurement, Measurement]:
         """Fast-tier replays of candidate and incumbent in alternation (ABBA): (candidate, incumbent)."""
@@ -599,7 +658,8 @@ class EngineEvaluator:
                 "final_repeats": s.closing_pairs,
                 "open_loop": {"load": s.open_loop_load, "arrival_scale": dict(self._arrival_scale)},
                 "objective": "output tokens/s" if s.slo is None else f"goodput at {s.slo.describe()}",
-                "slo": None if s.slo is None else s.slo.to_dict()}
+                "slo": None if s.slo is None else s.slo.to_dict(),
+                "fast_tier_slo": self._tier_slo[FAST].to_dict() if FAST in self._tier_slo else None}
 
     def hardware(self) -> str:
         """Coarse hardware key for the registry: the GPU name, or 'cpu'."""

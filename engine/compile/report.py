@@ -84,7 +84,7 @@ def write_report(result: CompileResult, board: Board, out_dir: Path, context: di
     lines = [f"# Compile report: {context.get('model', '?')} / {context.get('profile', '?')}", "",
              f"Pass to beat: {_baseline(result)}.", "",
              f"Objective: {(context.get('evaluator') or {}).get('objective', 'output tokens/s')} (the leaderboard's "
-             "tok/s; speedups are paired ratios of it).", ""]
+             "tok/s; speedups are paired ratios of it)." + _fast_tier_slo(context), ""]
     if result.champion is None:
         lines.append(f"No candidate beat {_baseline(result)} beyond the measured noise and passed verification; "
                      "it stays.")
@@ -141,6 +141,15 @@ def _drift_lines(result: CompileResult) -> list[str]:
                      f"{d['last']:.1f} tok/s (last/first {d['last_over_first'] or 0:.3f}, high/low "
                      f"{d['high_over_low'] or 0:.3f}); every comparison is paired, so this drift cancels")
     return lines
+
+
+def _fast_tier_slo(context: dict[str, Any]) -> str:
+    """The fast tier's own SLO, where the evaluator scaled one (EngineEvaluator.calibrate_tier_slo)."""
+    scaled = (context.get("evaluator") or {}).get("fast_tier_slo")
+    if not scaled:
+        return ""
+    return (f" The fast tier screens at p90 TTFT <= {scaled['ttft_p90_s']:.3g} s, p90 per-user >= "
+            f"{scaled['per_user_tokens_per_s_p90']:.3g} tok/s: the SLO scaled by the stock pass's speed there.")
 
 
 def _baseline(result: CompileResult) -> str:

@@ -46,7 +46,8 @@ def test_on_a_terminal_one_line_per_phase_and_trial(tmp_path: Path, caplog) -> N
     kinds = [b.split(" ", 1)[0] for b in bodies if not b.startswith("  ")]
     # baseline on both tiers, the start line, trial 1 (fast: confirmed, verified), trial 2, the closing comparison
     assert kinds == ["measuring", "measuring", "trial", "confirming", "verifying", "trial", "trial", "closing"], bodies
-    assert bodies[0] == "measuring the baseline, the shipped serving default, on the fast tier"
+    assert bodies[0] == "measuring the baseline, the shipped serving default, on the full tier"
+    assert bodies[1] == "measuring the baseline, the shipped serving default, on the fast tier"
     assert bodies[2].startswith("trial 0/2 | no verified gain over the shipped serving default yet")
     assert re.match(r"trial 1/2 \| best 1\.(29\d|30\d)x the shipped serving default, verified \(fast tier 1\.3\dx\) "
                     r"\| 1 confirmation \| ETA ~\d+s$", bodies[5]), bodies[5]

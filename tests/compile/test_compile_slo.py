@@ -81,3 +81,43 @@ def test_an_slo_nobody_meets_is_a_failed_measurement_naming_the_flags(tmp_path):
         cpu_threads=1, slo=SLO(1e-9, 0.0)))
     m = ev.screen(Candidate(ev.space().default(), None, "baseline", ""))
     assert not m.ok and "no request met the SLO" in m.error and "--slo-ttft-p90" in m.error
+
+
+def test_an_slo_moves_to_another_tier_by_the_same_pass_speed_on_both():
+    from shapeshift.engine.compile.evaluator import slo_scaled_to_tier
+    from shapeshift.engine.compile.measure import Measurement
+
+    full = Measurement(samples=[1.0], per_user_p90=[240.0, 250.0], ttft_p90=[0.08, 0.1])
+    fast = Measurement(samples=[1.0], per_user_p90=[735.0], ttft_p90=[0.045])
+    scaled = slo_scaled_to_tier(SLO(0.1, 300.0), fast, full)
+    # 3x faster per user and half the wait there: each threshold keeps its ratio to the pass's figure
+    assert scaled.per_user_tokens_per_s_p90 == pytest.approx(900.0)
+    assert scaled.ttft_p90_s == pytest.approx(0.05)
+    # no per-user promise stays none; a figure missing on either side leaves its threshold as given
+    assert slo_scaled_to_tier(SLO(0.1, 0.0), fast, full).per_user_tokens_per_s_p90 == 0.0
+    assert slo_scaled_to_tier(SLO(0.1, 300.0), Measurement(samples=[1.0]), full) == SLO(0.1, 300.0)
+
+
+def test_the_fast_tier_screens_at_the_slo_scaled_to_the_stock_pass_there(tmp_path):
+    """tiny-llama's fast tier is one layer of its full depth, several times faster per user: an
+    SLO at the full tier's scale would be met by everything there. Calibrated, the fast tier's
+    thresholds follow the stock pass's measured speed, and its screens are scored by them."""
+    slo = SLO(30.0, 1.0)
+    ev = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+        model="tiny-llama", device="cpu", work_dir=str(tmp_path / "work"), screen_requests=8, screen_repeats=1,
+        confirm_requests=8, confirm_repeats=1, cpu_threads=1, slo=slo))
+    stock = Candidate(ev.space().default(), None, "baseline", "")
+    assert ev.tier_slo("fast") == slo and ev.describe()["fast_tier_slo"] is None
+    full = ev.confirm(stock)
+    scaled = ev.calibrate_tier_slo(stock, full)
+    assert scaled is not None and ev.tier_slo("fast") == scaled and ev.tier_slo("full") == slo
+    # fewer layers: faster per user and a sooner first token, so a stricter promise on both sides
+    assert scaled.per_user_tokens_per_s_p90 > slo.per_user_tokens_per_s_p90
+    assert scaled.ttft_p90_s < slo.ttft_p90_s
+    assert ev.describe()["fast_tier_slo"] == scaled.to_dict()
+    # a promise no fast-tier request can keep now fails the screen, where the full tier's own would not
+    ev.set_tier_slo("fast", SLO(1e-9, 0.0))
+    m = ev.screen(stock)
+    assert not m.ok and "p90 TTFT <= 1e-09 s" in m.error
+    ev.retarget(builtin_profile("burst"))  # another regime's traffic: calibrated again
+    assert ev.tier_slo("fast") == slo
