@@ -126,6 +126,8 @@ class _Child:
 
         self.device = torch.device(h["device"])
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": set_device needs an index (torch raises ValueError)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         w = h["weights"]
         if w["kind"] == "memfd":

@@ -182,6 +182,9 @@ class IsolatedCandidate:
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the candidate's process calls torch.cuda.set_device, which needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self.pid: int | None = None

@@ -25,9 +25,17 @@ from typing import Any
 # and the tokens before the first difference are at least this share of all tokens.
 MIN_FIRST_TOKEN_AGREEMENT = 0.9
 MIN_PREFIX_AGREEMENT = 0.5
+# The same in half precision (bf16, fp16), where a change of schedule alone (another prefill
+# chunk, another batch width) changes the rounding of every step: on an H200, llama-3.2-1b-shape
+# (random bf16 weights, nearly flat next-token distributions) with max_num_batched_tokens 256,
+# 512 or 1024 against 2048 agreed on 100% of first tokens and on 21%, 26% and 34% of token
+# prefixes, the same code. A pass that is right on the first token and wrong after it keeps
+# about one token of each sequence (under 1% of a 200-token output): this floor still refuses it.
+MIN_PREFIX_AGREEMENT_HALF = 0.1
 
 
-def measured_outputs_agree(candidate: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+def measured_outputs_agree(candidate: list[list[int]], reference: list[list[int]],
+                           min_prefix: float = MIN_PREFIX_AGREEMENT) -> dict[str, Any]:
     if len(candidate) != len(reference):
         return {"ok": False, "reason": f"{len(candidate)} outputs for {len(reference)} requests"}
     firsts = prefix = total = 0
@@ -43,10 +51,10 @@ def measured_outputs_agree(candidate: list[list[int]], reference: list[list[int]
         total += len(r)
     first_share = firsts / len(reference) if reference else 1.0
     prefix_share = prefix / total if total else 1.0
-    ok = not lengths_differ and first_share >= MIN_FIRST_TOKEN_AGREEMENT and prefix_share >= MIN_PREFIX_AGREEMENT
+    ok = not lengths_differ and first_share >= MIN_FIRST_TOKEN_AGREEMENT and prefix_share >= min_prefix
     ev: dict[str, Any] = {"ok": ok, "requests": len(reference), "first_token_agreement": round(first_share, 4),
                           "prefix_agreement": round(prefix_share, 4), "min_first_token_agreement":
-                          MIN_FIRST_TOKEN_AGREEMENT, "min_prefix_agreement": MIN_PREFIX_AGREEMENT}
+                          MIN_FIRST_TOKEN_AGREEMENT, "min_prefix_agreement": min_prefix}
     if lengths_differ:
         ev["output_lengths_differ"] = lengths_differ[:8]
     if not ok:

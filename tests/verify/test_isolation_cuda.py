@@ -41,6 +41,16 @@ def test_a_good_candidate_passes_every_gate_in_its_own_process(model):
     assert report.isolation["process"].startswith("the candidate's own") and report.isolation["forward_calls"] > 0
 
 
+def test_a_device_named_without_an_index_is_the_current_one(model):
+    """The compile loop's engines name their device "cuda": the candidate's process must resolve
+    it (torch.cuda.set_device refuses a device without an index), or nothing is ever verified."""
+    cfg, weights = model
+    report = verify_candidate(CANDIDATES / "good_fused_mlp", cfg, weights, device=torch.device("cuda"),
+                              settings=SETTINGS, only=("smoke", "outputs.agreement"))
+    assert report.gate("smoke").passed, report.gate("smoke")
+    assert report.gate("outputs.agreement").passed, report.gate("outputs.agreement")
+
+
 @pytest.mark.parametrize("name,gate", [("wrong_math", "outputs.agreement"), ("stale_kv", "kv.canary_isolation"),
                                        ("mutates_inputs", "anti_cheat.inputs_unchanged"),
                                        ("output_alias", "anti_cheat.poisoned_outputs")])
