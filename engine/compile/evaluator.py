@@ -124,22 +124,6 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
     return profile.scaled(scale, name=f"{profile.name}@x{scale:.3g}")
 
 
-def slo_scaled_to_tier(slo: SLO, tier: Measurement, full: Measurement) -> SLO:
-    """`slo` moved to another tier by the same pass's measured speed on both (`tier` and `full`,
-    their p90 per-user speed and p90 TTFT averaged over repeats): each threshold keeps its ratio
-    to what that pass achieves, so a promise the pass misses by 20% on the full model is missed
-    by 20% on the other tier too. A threshold whose figures are missing or zero stays as given."""
-    def ratio(a: list[float], b: list[float]) -> float | None:
-        x, y = (statistics.fmean(a) if a else 0.0), (statistics.fmean(b) if b else 0.0)
-        return x / y if x > 0 and y > 0 else None
-
-    per_user, ttft = slo.per_user_tokens_per_s_p90, slo.ttft_p90_s
-    speed = ratio(tier.per_user_p90, full.per_user_p90)
-    wait = ratio(tier.ttft_p90, full.ttft_p90)
-    return SLO(ttft_p90_s=ttft * wait if wait else ttft,
-               per_user_tokens_per_s_p90=per_user * speed if speed and per_user > 0 else per_user)
-
-
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
            clock: Callable[[], float] = time.perf_counter, slo: SLO | None = None) -> ReplayRun:
     """One run (closed loop: `concurrency` requests in flight; None: open loop at the requests'
@@ -419,6 +403,8 @@ class EngineEvaluator:
             log.warning("fast-tier SLO not calibrated (the stock pass's calibration replay: %s); the fast tier "
                         "keeps %s", fast.error or "no latency figures", slo.describe())
             return None
+        from shapeshift.engine.compile.tier_slo import slo_scaled_to_tier
+
         scaled = slo_scaled_to_tier(slo, fast, full)
         self._tier_slo[FAST] = scaled
         log.info("fast-tier SLO %s (the stock pass: p90 per-user %.1f tok/s there against %.1f on the full tier, "

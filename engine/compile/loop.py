@@ -52,7 +52,7 @@ from shapeshift.engine.compile.progress import ProgressCallback, default_progres
 from shapeshift.engine.compile.measure import (Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
                                                paired_gain, per_user_not_worse)
 from shapeshift.engine.compile.search_space import SearchSpace
-from shapeshift.engine.replay.slo import SLO
+from shapeshift.engine.compile.tier_slo import calibrate_fast_tier_slo
 
 log = logging.getLogger(__name__)
 
@@ -273,30 +273,15 @@ class CompileLoop:
         base = self._baseline_candidate()
         if self.board.candidate(base.digest) is None:
             self.board.append("candidate", **base.to_entry())
-        # The full tier first: its figures set the fast tier's SLO (calibrate_tier_slo), which
-        # the fast baseline and every screen after it are scored by.
+        # The full tier first: its figures set the fast tier's SLO (engine/compile/tier_slo.py),
+        # which the fast baseline and every screen after it are scored by.
         if self.baseline_full is None:
             self.baseline_full = self._measure_stock(base, FULL, f"t00000-{base.digest[:10]}-full")
-        self._calibrate_tier_slo(base)
+        calibrate_fast_tier_slo(self.evaluator, self.board, base, self.baseline_full)
         if self.baseline_fast is None:
             self.baseline_fast = self._measure_stock(base, FAST, f"t00000-{base.digest[:10]}")
         if self.incumbent is None:
             self.incumbent = Incumbent(base, self.baseline_fast, self.baseline_full)
-
-    def _calibrate_tier_slo(self, base: Candidate) -> None:
-        """The fast tier's SLO: restored from the board on a resume, else measured once (where the
-        evaluator scales it: EngineEvaluator.calibrate_tier_slo) and written to the board."""
-        calibrate = getattr(self.evaluator, "calibrate_tier_slo", None)
-        if not callable(calibrate) or self.baseline_full is None:
-            return
-        recorded = [n for n in self.board.entries("note") if n.get("fast_tier_slo")]
-        if recorded:
-            self.evaluator.set_tier_slo(FAST, SLO(**recorded[-1]["fast_tier_slo"]))
-            return
-        slo = calibrate(base, self.baseline_full)
-        if slo is not None:
-            self.board.note("loop", f"fast tier scored at {slo.describe()}: the objective's SLO scaled by the "
-                                    "stock pass's speed there against the full tier", fast_tier_slo=slo.to_dict())
 
     def _measure_stock(self, base: Candidate, tier: str, trial_id: str) -> Measurement:
         """The stock pass on one tier (screen or confirm), recorded as the baseline; it must run."""

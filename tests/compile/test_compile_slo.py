@@ -84,7 +84,7 @@ def test_an_slo_nobody_meets_is_a_failed_measurement_naming_the_flags(tmp_path):
 
 
 def test_an_slo_moves_to_another_tier_by_the_same_pass_speed_on_both():
-    from shapeshift.engine.compile.evaluator import slo_scaled_to_tier
+    from shapeshift.engine.compile.tier_slo import slo_scaled_to_tier
     from shapeshift.engine.compile.measure import Measurement
 
     full = Measurement(samples=[1.0], per_user_p90=[240.0, 250.0], ttft_p90=[0.08, 0.1])
