@@ -8,7 +8,8 @@ hints like the runtime's specialisation) and compiled for GPUTarget("cuda", 90, 
 cubin with Triton's bundled ptxas, which also reports registers and spills.
 Prints one JSON object per compiled kernel; exits non-zero if any compile failed.
 SM90_COMPILE_ONLY (a label prefix) compiles one family only; SM90_CUBIN_DIR keeps each compiled
-variant's cubin there (its path in the row's "cubin").
+variant's cubin there (its path in the row's "cubin"); SM90_COMPILE_WORKERS (default: the CPU
+count) compiles that many variants at once, in forked processes.
 """
 
 from __future__ import annotations
@@ -205,6 +206,37 @@ def _ptxas_report(ptx: str) -> dict:
 PDL_MODULES = ("activation", "argmax", "decode_attention", "decode_layer_tail", "gemv", "rmsnorm", "rotary")
 
 
+TODO: list[tuple] = []  # (number, kernel, launch kwargs, label, signature, constexprs, attrs), deduplicated
+
+
+def _compile(index: int) -> dict:
+    """Compile TODO[index] for sm_90a down to a cubin; its JSON row (ok False, with the error, if it failed)."""
+    number, fn, kwargs, label, signature, constexprs, attrs = TODO[index]
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    row = {"label": label, "kernel": fn.__name__, "triton": triton.__version__, **options}
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
+        row["shared_bytes"] = compiled.metadata.shared
+        cubin_dir = os.environ.get("SM90_CUBIN_DIR")  # keep each variant's cubin (hack/sass_loops.py)
+        if cubin_dir:
+            row["cubin"] = os.path.join(cubin_dir, f"{number:03d}-{re.sub(r'[^A-Za-z0-9]+', '-', label)}.cubin")
+            with open(row["cubin"], "wb") as handle:
+                handle.write(compiled.asm["cubin"])
+        row.update(_ptxas_report(compiled.asm["ptx"]))
+        row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+        row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
+        row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
+        row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
+        row["split_k_fixup"] = bool(constexprs.get("FUSED_REDUCE", False))
+        row["attention_prefetch"] = bool(constexprs.get("PREFETCH", False))
+        row["ok"] = True
+    except Exception as error:  # report every failure, keep compiling the rest
+        row["ok"] = False
+        row["error"] = f"{type(error).__name__}: {str(error)[-1500:]}"
+    return row
+
+
 def main() -> int:
     launch_all()
     # Again with programmatic dependent launch on (checks.pdl_options): the decode-path kernels
@@ -221,7 +253,6 @@ def main() -> int:
     launch_all("pdl prefetch ")
     os.environ["SHAPESHIFT_PDL_GEMV_TRIGGER"] = "late"  # ... letting the next kernel launch after the stream
     launch_all("pdl prefetch late ")
-    failures = 0
     seen = set()
     only = os.environ.get("SM90_COMPILE_ONLY", "")  # a label prefix, to recompile one kernel family
     for fn, args, kwargs, label in LAUNCHES:
@@ -233,29 +264,20 @@ def main() -> int:
         if key in seen:
             continue
         seen.add(key)
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
-        row = {"label": label, "kernel": fn.__name__, "triton": triton.__version__, **options}
-        try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                      options=options)
-            row["shared_bytes"] = compiled.metadata.shared
-            cubin_dir = os.environ.get("SM90_CUBIN_DIR")  # keep each variant's cubin (hack/sass_loops.py)
-            if cubin_dir:
-                row["cubin"] = os.path.join(cubin_dir, f"{len(seen):03d}-{re.sub(r'[^A-Za-z0-9]+', '-', label)}.cubin")
-                with open(row["cubin"], "wb") as handle:
-                    handle.write(compiled.asm["cubin"])
-            row.update(_ptxas_report(compiled.asm["ptx"]))
-            row["grid_dependency_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
-            row["l2_prefetch"] = "prefetch.global.L2" in compiled.asm["ptx"]
-            row["prefetch_k"] = constexprs.get("PREFETCH_K", 0)
-            row["fuse_rope"] = bool(constexprs.get("FUSE_ROPE", False))
-            row["split_k_fixup"] = bool(constexprs.get("FUSED_REDUCE", False))
-            row["attention_prefetch"] = bool(constexprs.get("PREFETCH", False))
-            row["ok"] = True
-        except Exception as error:  # report every failure, keep compiling the rest
-            row["ok"] = False
-            row["error"] = f"{type(error).__name__}: {str(error)[-1500:]}"
-            failures += 1
+        TODO.append((len(seen), fn, kwargs, label, signature, constexprs, attrs))
+    # Each variant compiles on its own (LLVM, then ptxas), so they spread over the cores: forked
+    # workers inherit TODO and the patched launchers and send back the rows, printed in order.
+    workers = max(1, min(len(TODO), int(os.environ.get("SM90_COMPILE_WORKERS", os.cpu_count() or 1))))
+    if workers == 1:
+        rows = [_compile(i) for i in range(len(TODO))]
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            rows = pool.map(_compile, range(len(TODO)), chunksize=1)
+    failures = 0
+    for row in rows:
+        failures += not row["ok"]
         print(json.dumps(row), flush=True)
     return 1 if failures else 0
 
