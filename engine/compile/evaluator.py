@@ -47,13 +47,12 @@ from shapeshift.engine.contracts.expert_routing import REPRESENTATIVE_TV
 from shapeshift.engine.replay.slo import SLO
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 from shapeshift.engine.compile.candidate import Candidate
-from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, Measurement, Verification
+from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, FAST, FULL, Measurement, Verification
 from shapeshift.engine.compile.search_space import SearchSpace, build_search_space, engine_overrides, split_recipe
 from shapeshift.engine.compile.source_edits import SourceEditError, apply_edits
 
 log = logging.getLogger(__name__)
 
-FAST, FULL = "fast", "full"
 
 
 @dataclass
@@ -147,20 +146,19 @@ def _zero_if_nan(value: float) -> float:
 
 
 def check_measured_outputs(out: list[Measurement], tokens: dict[int, list[list[int]] | None],
-                           half_precision: bool = False) -> None:
+                           dtype: Any = None) -> None:
     """One repeat's tokens against the reference's on the same requests: the last candidate of a
     pair is the incumbent (compare, screen_paired, compare_final), the others are checked against
-    it, and a measured run whose outputs diverge is not a result (engine/verify/measured.py; in
-    bf16 or fp16 with its half-precision prefix floor)."""
-    from shapeshift.engine.verify.measured import MIN_PREFIX_AGREEMENT, MIN_PREFIX_AGREEMENT_HALF, measured_outputs_agree
+    it, and a measured run whose outputs diverge is not a result (engine/verify/measured.py, at
+    the prefix floor of the tier's `dtype`)."""
+    from shapeshift.engine.verify.measured import measured_outputs_agree
 
     ref = len(out) - 1
     if ref < 1 or tokens.get(ref) is None or out[ref].error is not None:
         return
     for i in range(ref):
         if out[i].error is None and tokens.get(i) is not None:
-            ev = measured_outputs_agree(tokens[i], tokens[ref], MIN_PREFIX_AGREEMENT_HALF if half_precision
-                                        else MIN_PREFIX_AGREEMENT)
+            ev = measured_outputs_agree(tokens[i], tokens[ref], dtype)
             out[i].details["measured_outputs"] = ev
             if not ev["ok"]:
                 out[i].error = f"measured.outputs: {ev['reason']}"
@@ -505,7 +503,7 @@ class EngineEvaluator:
                     m.error = f"failed during replay: {type(exc).__name__}: {exc}"
                 self._check_weights(tier, m)
                 spent[i] += time.perf_counter() - t0
-            check_measured_outputs(out, tokens, self._half_precision(tier))
+            check_measured_outputs(out, tokens, getattr(self._engines.get(tier), "dtype", None))
         for m, sec, checks in zip(out, spent, routing_checks):
             m.seconds = sec
             verdict = replay_routing.merge_checks(checks)
@@ -514,10 +512,6 @@ class EngineEvaluator:
                 if not verdict["representative"]:
                     log.warning("%s tier, %s: %s", tier, profile.name, replay_routing.describe(verdict))
         return out
-
-    def _half_precision(self, tier: str) -> bool:
-        eng = self._engines.get(tier)
-        return eng is not None and str(getattr(eng, "dtype", "")) in ("torch.bfloat16", "torch.float16")
 
     def _fresh_prompts(self, profile: TrafficProfile, eng: Any, requests: int) -> list[ReplayRequest]:
         """`requests` of the profile's shapes with prompts never drawn before in this evaluator

@@ -49,14 +49,13 @@ from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.job import Budget
 from shapeshift.engine.compile.progress import ProgressCallback, default_progress
-from shapeshift.engine.compile.measure import (Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
+from shapeshift.engine.compile.measure import (FAST, FULL, Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
                                                paired_gain, per_user_not_worse)
 from shapeshift.engine.compile.search_space import SearchSpace
 from shapeshift.engine.compile.tier_slo import calibrate_fast_tier_slo
 
 log = logging.getLogger(__name__)
 
-FAST, FULL = "fast", "full"
 StatusCallback = Callable[[dict[str, Any]], None]
 
 

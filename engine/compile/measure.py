@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from shapeshift.engine.compile.candidate import Candidate
 
+FAST, FULL = "fast", "full"  # the tiers: screens on a few layers, confirmations on the whole model
 DEFAULT_NOISE_FLOOR = 0.01  # +-1% even when the repeats agree perfectly
 
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from shapeshift.engine.compile.measure import Measurement
+from shapeshift.engine.compile.measure import FAST, Measurement
 from shapeshift.engine.replay.slo import SLO
-
-FAST = "fast"
 
 
 def slo_scaled_to_tier(slo: SLO, tier: Measurement, full: Measurement) -> SLO:

@@ -34,8 +34,14 @@ MIN_PREFIX_AGREEMENT = 0.5
 MIN_PREFIX_AGREEMENT_HALF = 0.1
 
 
-def measured_outputs_agree(candidate: list[list[int]], reference: list[list[int]],
-                           min_prefix: float = MIN_PREFIX_AGREEMENT) -> dict[str, Any]:
+def min_prefix_agreement(dtype: Any = None) -> float:
+    """The prefix floor for outputs computed in `dtype` (a torch dtype or its name; None: full precision)."""
+    return MIN_PREFIX_AGREEMENT_HALF if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") \
+        else MIN_PREFIX_AGREEMENT
+
+
+def measured_outputs_agree(candidate: list[list[int]], reference: list[list[int]], dtype: Any = None) -> dict[str, Any]:
+    min_prefix = min_prefix_agreement(dtype)
     if len(candidate) != len(reference):
         return {"ok": False, "reason": f"{len(candidate)} outputs for {len(reference)} requests"}
     firsts = prefix = total = 0

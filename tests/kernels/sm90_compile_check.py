@@ -206,12 +206,12 @@ def _ptxas_report(ptx: str) -> dict:
 PDL_MODULES = ("activation", "argmax", "decode_attention", "decode_layer_tail", "gemv", "rmsnorm", "rotary")
 
 
-TODO: list[tuple] = []  # (number, kernel, launch kwargs, label, signature, constexprs, attrs), deduplicated
+VARIANTS: list[tuple] = []  # (number, kernel, launch kwargs, label, signature, constexprs, attrs), deduplicated
 
 
 def _compile(index: int) -> dict:
-    """Compile TODO[index] for sm_90a down to a cubin; its JSON row (ok False, with the error, if it failed)."""
-    number, fn, kwargs, label, signature, constexprs, attrs = TODO[index]
+    """Compile VARIANTS[index] for sm_90a down to a cubin; its JSON row (ok False, with the error, if it failed)."""
+    number, fn, kwargs, label, signature, constexprs, attrs = VARIANTS[index]
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     row = {"label": label, "kernel": fn.__name__, "triton": triton.__version__, **options}
     try:
@@ -264,17 +264,17 @@ def main() -> int:
         if key in seen:
             continue
         seen.add(key)
-        TODO.append((len(seen), fn, kwargs, label, signature, constexprs, attrs))
+        VARIANTS.append((len(seen), fn, kwargs, label, signature, constexprs, attrs))
     # Each variant compiles on its own (LLVM, then ptxas), so they spread over the cores: forked
-    # workers inherit TODO and the patched launchers and send back the rows, printed in order.
-    workers = max(1, min(len(TODO), int(os.environ.get("SM90_COMPILE_WORKERS", os.cpu_count() or 1))))
+    # workers inherit VARIANTS and the patched launchers and send back the rows, printed in order.
+    workers = max(1, min(len(VARIANTS), int(os.environ.get("SM90_COMPILE_WORKERS", os.cpu_count() or 1))))
     if workers == 1:
-        rows = [_compile(i) for i in range(len(TODO))]
+        rows = [_compile(i) for i in range(len(VARIANTS))]
     else:
         import multiprocessing
 
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            rows = pool.map(_compile, range(len(TODO)), chunksize=1)
+            rows = pool.map(_compile, range(len(VARIANTS)), chunksize=1)
     failures = 0
     for row in rows:
         failures += not row["ok"]
