@@ -67,6 +67,20 @@ EXPORTED = ("shapeshift_prompt_tokens", "shapeshift_generation_tokens", "shapesh
             "shapeshift_forward_pass_info", "shapeshift_forward_pass_in_sync", "shapeshift_requests_total",
             "shapeshift_forward_pass_last_reload_status", "shapeshift_forward_pass_last_reload_timestamp_seconds")
 DRIFT_QUERY = re.compile(r'^sum\(increase\(shapeshift_prompt_tokens_count\{[^}]*deployment="(?P<deployment>[^"]+)"')
+# the drift scheduler's batched first query (operator/prometheus_batch.py): deployment=~"a|b|..."
+DRIFT_BATCH_QUERY = re.compile(r'^sum by \([^)]*\) \(increase\(shapeshift_prompt_tokens_count\{[^}]*'
+                               r'deployment=~"(?P<deployments>(?:[^"\\]|\\.)+)"')
+
+
+def checked_deployments(query: str) -> list[str]:
+    """The deployments a drift check's first query reads: one, or each of a batch."""
+    match = DRIFT_QUERY.match(query)
+    if match:
+        return [match["deployment"]]
+    match = DRIFT_BATCH_QUERY.match(query)
+    if match:
+        return [re.sub(r"\\(.)", r"\1", name) for name in match["deployments"].replace("\\\\", "\\").split("|")]
+    return []
 
 
 # ---- the lag of drift checks (pure; tests/operator/test_bench_operator_scale.py) ------------
@@ -128,9 +142,8 @@ def drift_checks(query_log: Path) -> dict[str, list[float]]:
             entry = json.loads(line)
         except ValueError:
             continue
-        match = DRIFT_QUERY.match((entry.get("params") or {}).get("query") or "")
-        if match:
-            out.setdefault(match["deployment"], []).append(_epoch(entry["ts"]))
+        for name in checked_deployments((entry.get("params") or {}).get("query") or ""):
+            out.setdefault(name, []).append(_epoch(entry["ts"]))
     return out
 
 
@@ -151,7 +164,7 @@ def query_log_counts(query_log: Path, start: float, end: float) -> tuple[int, in
             continue
         if start <= at <= end:
             total += 1
-            drift += bool(DRIFT_QUERY.match((entry.get("params") or {}).get("query") or ""))
+            drift += len(checked_deployments((entry.get("params") or {}).get("query") or ""))
     return total, drift
 
 

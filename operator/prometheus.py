@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import requests
 from prometheus_api_client import PrometheusApiClientException
@@ -242,42 +242,27 @@ class PrometheusTraffic:
 
     def scalar(self, promql: str, at: datetime | None = None) -> float | None:
         """The value of a one-element vector, or None when the vector is empty or NaN."""
-        result = self.query(promql, at)
-        if not result:
-            return None
-        if len(result) > 1:
-            raise TrafficQueryError(
-                f"expected one series from {promql!r}, got {len(result)}: {[r.get('metric') for r in result]}"
-            )
-        value = float(result[0]["value"][1])
-        return None if math.isnan(value) else value
+        return _scalar(self.query(promql, at), promql)
 
     def observe(self, selector: SeriesSelector, window: str | timedelta = "5m", *, at: datetime | None = None,
                 name: str | None = None) -> ObservedTraffic:
         """The traffic profile of ``selector``'s series over ``window`` ending at ``at`` (default: now)."""
-        span = parse_duration(window)
-        if span < timedelta(seconds=1):
-            raise ValueError(f"window {window!r} is shorter than a second")
-        w = _promql_duration(span)
+        span = window_span(window)
         evaluated_at = at or datetime.now(timezone.utc)
-        sel = selector.matcher()
-        q: dict[str, str] = {
-            "requests": f"sum(increase({PROMPT_TOKENS}_count{sel}[{w}]))",
-            "targets": f"count(count by (instance) ({PROMPT_TOKENS}_count{sel}))",
-            "cacheQueried": f"sum(increase({CACHE_QUERIES}{sel}[{w}]))",
-            "prefixCacheHitRate": f"sum(rate({CACHE_HITS}{sel}[{w}])) / sum(rate({CACHE_QUERIES}{sel}[{w}]))",
-            "requestRate": f"sum(rate({PROMPT_TOKENS}_count{sel}[{w}]))",
-            "expertRouting": f"sum by (layer, expert) (increase({EXPERT_ROUTED_TOKENS}{sel}[{w}]))",
-            "concurrency": (f"quantile_over_time({CONCURRENCY_QUANTILE}, (((sum({REQUESTS_RUNNING}{sel}) or vector(0))"
-                            f" + (sum({REQUESTS_WAITING}{sel}) or vector(0))) > 0)[{w}:{_subquery_step(span)}])"),
-        }
-        for metric, key in ((PROMPT_TOKENS, "prompt"), (GENERATION_TOKENS, "output")):
-            buckets = f"sum by (le) (rate({metric}_bucket{sel}[{w}]))"
-            for label, quant in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-                q[f"{key}.{label}"] = f"histogram_quantile({quant}, {buckets})"
-            q[f"{key}.histogram"] = f"sum by (le) (increase({metric}_bucket{sel}[{w}]))"
+        q = traffic_queries(selector.matcher(), span)
+        return self.assemble(q, lambda key: self.query(q[key], evaluated_at), selector, span, evaluated_at, name)
 
-        requests_seen = self.scalar(q["requests"], evaluated_at)
+    def assemble(self, q: dict[str, str], fetch: Callable[[str], list[dict[str, Any]]], selector: SeriesSelector,
+                 span: timedelta, evaluated_at: datetime, name: str | None) -> ObservedTraffic:
+        """The profile from the answers ``fetch(key)`` gives for the queries ``q`` (one deployment's series:
+        its own queries, or its slice of a batched answer, operator/prometheus_batch.py); the queries are
+        asked in this order, and only as far as the traffic needs them."""
+        w = _promql_duration(span)
+
+        def scalar(key: str) -> float | None:
+            return _scalar(fetch(key), q[key])
+
+        requests_seen = scalar("requests")
         if requests_seen is None:
             raise NoTrafficData(
                 f"Prometheus at {self.host} has no {PROMPT_TOKENS} series for {selector.describe()} in the last "
@@ -287,15 +272,15 @@ class PrometheusTraffic:
         if requests_seen <= 0:
             raise NoTrafficData(f"no requests reached {selector.describe()} in the last {w}")
 
-        prompt = self._distribution(q, "prompt", evaluated_at, selector, w)
-        output = self._distribution(q, "output", evaluated_at, selector, w)
-        queried = self.scalar(q["cacheQueried"], evaluated_at) or 0.0
+        prompt = self._distribution(q, fetch, "prompt", selector, w)
+        output = self._distribution(q, fetch, "output", selector, w)
+        queried = scalar("cacheQueried") or 0.0
         # No prompt tokens looked up (cache off, or series missing): the hit rate is unknown, not zero.
-        hit_rate = self.scalar(q["prefixCacheHitRate"], evaluated_at) if queried > 0 else None
-        rate = self.scalar(q["requestRate"], evaluated_at)
-        concurrency = self.scalar(q["concurrency"], evaluated_at)
-        targets = int(self.scalar(q["targets"], evaluated_at) or 0)
-        routing = self._routing(q["expertRouting"], evaluated_at)
+        hit_rate = scalar("prefixCacheHitRate") if queried > 0 else None
+        rate = scalar("requestRate")
+        concurrency = scalar("concurrency")
+        targets = int(scalar("targets") or 0)
+        routing = self._routing(q["expertRouting"], fetch("expertRouting"))
 
         profile = TrafficProfile(
             name=name or f"observed-{evaluated_at.strftime('%Y%m%dT%H%M%SZ')}",
@@ -325,11 +310,11 @@ class PrometheusTraffic:
         )
         return ObservedTraffic(profile=profile, quality=quality)
 
-    def _distribution(self, q: dict[str, str], key: str, at: datetime, selector: SeriesSelector,
-                      w: str) -> LengthDistribution:
+    def _distribution(self, q: dict[str, str], fetch: Callable[[str], list[dict[str, Any]]], key: str,
+                      selector: SeriesSelector, w: str) -> LengthDistribution:
         quantiles: dict[str, float] = {}
         for label in ("p50", "p90", "p99"):
-            value = self.scalar(q[f"{key}.{label}"], at)
+            value = _scalar(fetch(f"{key}.{label}"), q[f"{key}.{label}"])
             if value is None or not math.isfinite(value):
                 metric = PROMPT_TOKENS if key == "prompt" else GENERATION_TOKENS
                 raise NoTrafficData(
@@ -342,18 +327,18 @@ class PrometheusTraffic:
         p50 = max(1, math.ceil(quantiles["p50"] - 1e-9))
         p90 = max(p50, math.ceil(quantiles["p90"] - 1e-9))
         p99 = max(p90, math.ceil(quantiles["p99"] - 1e-9))
-        histogram = self._histogram(q[f"{key}.histogram"], at)
+        histogram = self._histogram(q[f"{key}.histogram"], fetch(f"{key}.histogram"))
         top = max((b["le"] for b in histogram if b["weight"] > 0), default=p99)
         return LengthDistribution.model_validate({
             "p50": p50, "p90": p90, "p99": p99, "max": max(p99, top),
             "histogram": histogram or None,
         })
 
-    def _routing(self, promql: str, at: datetime) -> ExpertRouting | None:
+    def _routing(self, promql: str, samples: list[dict[str, Any]]) -> ExpertRouting | None:
         """Routed tokens per (layer, expert) over the window as per-layer shares; None without
         the series (a dense model) or where no layer routed a token in the window."""
         counts: dict[int, dict[int, float]] = {}
-        for series in self.query(promql, at):
+        for series in samples:
             labels = series["metric"]
             try:
                 layer, expert = int(labels["layer"]), int(labels["expert"])
@@ -369,10 +354,10 @@ class PrometheusTraffic:
         return ExpertRouting.from_counts({layer: [row.get(e, 0.0) for e in range(experts)]
                                           for layer, row in counts.items()})
 
-    def _histogram(self, promql: str, at: datetime) -> list[dict[str, float]]:
+    def _histogram(self, promql: str, samples: list[dict[str, Any]]) -> list[dict[str, float]]:
         """Per-bucket (not cumulative) request counts over the window, finite buckets only."""
         cumulative: list[tuple[float, float]] = []
-        for series in self.query(promql, at):
+        for series in samples:
             try:
                 le = float(series["metric"].get("le", "nan"))
             except (TypeError, ValueError):
@@ -396,6 +381,61 @@ class PrometheusTraffic:
         while result and result[-1]["weight"] <= 0:
             result.pop()
         return result
+
+
+def _scalar(result: list[dict[str, Any]], promql: str) -> float | None:
+    """The value of a one-element vector, or None when the vector is empty or NaN."""
+    if not result:
+        return None
+    if len(result) > 1:
+        raise TrafficQueryError(
+            f"expected one series from {promql!r}, got {len(result)}: {[r.get('metric') for r in result]}"
+        )
+    value = float(result[0]["value"][1])
+    return None if math.isnan(value) else value
+
+
+def window_span(window: str | int | float | timedelta) -> timedelta:
+    span = parse_duration(window)
+    if span < timedelta(seconds=1):
+        raise ValueError(f"window {window!r} is shorter than a second")
+    return span
+
+
+def traffic_queries(sel: str, span: timedelta, by: tuple[str, ...] = ()) -> dict[str, str]:
+    """The PromQL of one observation over the series ``sel`` matches. ``by``: labels to keep apart
+    (a batch of deployments, operator/prometheus_batch.py); empty: one deployment's, summed."""
+    w = _promql_duration(span)
+    g = ", ".join(by)
+    sp = f"sum by ({g}) " if by else "sum"
+
+    def grouped(*extra: str) -> str:
+        return f"sum by ({', '.join((*by, *extra))}) "
+
+    if by:
+        running, waiting = f"{sp}({REQUESTS_RUNNING}{sel})", f"{sp}({REQUESTS_WAITING}{sel})"
+        # (running or 0) + (waiting or 0) of each group, as the one-deployment query adds them
+        in_flight = f"(({running} + {waiting}) or {running} or {waiting})"
+        targets = f"count by ({g}) (count by ({g}, instance) ({PROMPT_TOKENS}_count{sel}))"
+    else:
+        in_flight = (f"((sum({REQUESTS_RUNNING}{sel}) or vector(0))"
+                     f" + (sum({REQUESTS_WAITING}{sel}) or vector(0)))")
+        targets = f"count(count by (instance) ({PROMPT_TOKENS}_count{sel}))"
+    q: dict[str, str] = {
+        "requests": f"{sp}(increase({PROMPT_TOKENS}_count{sel}[{w}]))",
+        "targets": targets,
+        "cacheQueried": f"{sp}(increase({CACHE_QUERIES}{sel}[{w}]))",
+        "prefixCacheHitRate": f"{sp}(rate({CACHE_HITS}{sel}[{w}])) / {sp}(rate({CACHE_QUERIES}{sel}[{w}]))",
+        "requestRate": f"{sp}(rate({PROMPT_TOKENS}_count{sel}[{w}]))",
+        "expertRouting": f"{grouped('layer', 'expert')}(increase({EXPERT_ROUTED_TOKENS}{sel}[{w}]))",
+        "concurrency": (f"quantile_over_time({CONCURRENCY_QUANTILE}, ({in_flight} > 0)[{w}:{_subquery_step(span)}])"),
+    }
+    for metric, key in ((PROMPT_TOKENS, "prompt"), (GENERATION_TOKENS, "output")):
+        buckets = f"{grouped('le')}(rate({metric}_bucket{sel}[{w}]))"
+        for label, quant in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+            q[f"{key}.{label}"] = f"histogram_quantile({quant}, {buckets})"
+        q[f"{key}.histogram"] = f"{grouped('le')}(increase({metric}_bucket{sel}[{w}]))"
+    return q
 
 
 def _samples(result: Any, host: str, promql: str) -> list[dict[str, Any]]:

@@ -50,6 +50,9 @@ class OperatorSettings:
     # default (cores + 4) leaves hundreds of deployments' timers queued behind a few (see
     # hack/bench_operator_scale.py).
     handler_workers: int = 32
+    # SHAPESHIFT_DRIFT_BATCH_SECONDS: the drift scheduler's tick (operator/drift_scheduler.py): the
+    # deployments whose check fell due since the last tick are observed in one batch.
+    drift_batch_seconds: float = 1.0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -73,6 +76,7 @@ class OperatorSettings:
                 env.get("SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS") or 0.002),
             outbound_allowed_cidrs=_cidrs(env.get("SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS") or ""),
             handler_workers=max(1, int(env.get("SHAPESHIFT_HANDLER_WORKERS") or 32)),
+            drift_batch_seconds=float(env.get("SHAPESHIFT_DRIFT_BATCH_SECONDS") or 1.0),
         )
 
 

@@ -12,7 +12,11 @@
 The timer ticks every SHAPESHIFT_DRIFT_TIMER_SECONDS (default 10) and skips deployments
 whose spec.compilation.drift.checkIntervalSeconds has not passed since
 status.drift.lastCheckTime, so each deployment keeps its own pace with one timer; the pace
-of checks that wrote nothing is kept in memory. The Prometheus settings (address, target
+of checks that wrote nothing is kept in memory. A due deployment is handed to the operator-wide
+drift scheduler (operator/drift_scheduler.py, one thread started at startup), which reads the
+traffic of every deployment due in its tick (SHAPESHIFT_DRIFT_BATCH_SECONDS, default 1) with one
+PromQL query per series per Prometheus address and window (operator/prometheus_batch.py), then
+runs ``_apply`` for each, in the context of the timer call that handed it over. The Prometheus settings (address, target
 label names, timeout, minimum requests) are operator/settings.py's.
 """
 
@@ -24,7 +28,6 @@ from typing import Any
 
 import kopf
 from kubernetes.client import ApiException
-from pydantic import ValidationError
 
 from shapeshift.operator.api import (
     COMPILE_RUN,
@@ -38,16 +41,17 @@ from shapeshift.operator.api import (
     short_error,
 )
 from shapeshift.operator.builders import Parent
+from shapeshift.operator.drift_scheduler import DriftScheduler, DueCheck
 from shapeshift.operator.drift_check import active_compile_run, check_drift, is_due, selector_for, thresholds_of
 from shapeshift.operator.kube import Kube, kube_of
-from shapeshift.operator.prometheus import (ObservedTraffic, PrometheusAnswerMalformed, PrometheusTraffic,
-                                            TrafficQueryError)
+from shapeshift.operator.prometheus import ObservedTraffic, TrafficQueryError
 from shapeshift.operator.provenance import publishing_run
 from shapeshift.operator.regimes import RegimeLibrary, economics, pending_champions, record_champion
 from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
 TIMER_SECONDS = registered_timers().drift_timer_seconds
+LOG = logging.getLogger(__name__)
 _LAST_CHECK: dict[str, datetime] = {}  # uid -> last check, for checks that wrote nothing
 
 
@@ -55,10 +59,22 @@ class _NoPrometheusAddress(TrafficQueryError):
     reason = "PrometheusUnreachable"
 
 
+@kopf.on.startup()
+def start_drift_scheduler(**_: Any) -> None:
+    """The operator-wide drift scheduler (operator/drift_scheduler.py): one thread, batched reads."""
+    SCHEDULER.start()
+
+
+@kopf.on.cleanup()
+def stop_drift_scheduler(**_: Any) -> None:
+    SCHEDULER.stop()
+
+
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
 def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, body: kopf.Body,
                 memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Observe traffic in Prometheus, judge drift, write status; under OnDrift, compile on persisting drift."""
+    """When the deployment's check is due, hand it to the drift scheduler, which observes the traffic
+    of all due deployments in one batch and then judges drift and writes status (``_apply``)."""
     try:
         typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
     except ValueError as err:  # the API server's schema should have refused it; nothing to observe
@@ -71,25 +87,48 @@ def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str,
     _LAST_CHECK[uid] = now
     settings = OperatorSettings.from_environ()
     kube = kube_of(memo)
+
+    def apply(observed: ObservedTraffic | TrafficQueryError | None, at: datetime) -> None:
+        _LAST_CHECK[uid] = at
+        _apply(kube, settings, typed_spec, typed_status, name, namespace, body, logger, observed, at)
+
+    SCHEDULER.submit(DueCheck(
+        uid=uid, url=typed_spec.prometheus_url or settings.prometheus_url,
+        window_seconds=thresholds_of(typed_spec).window_seconds,
+        selector=selector_for(namespace, name, typed_spec, settings), name=name,
+        timeout_seconds=settings.prometheus_timeout_seconds, allowed_cidrs=settings.outbound_allowed_cidrs,
+        apply=apply))
+
+
+def _failed(check: DueCheck, err: BaseException) -> None:
+    """A check that failed (API errors): due again at the next timer tick."""
+    _LAST_CHECK.pop(check.uid, None)
+    if isinstance(err, (kopf.TemporaryError, kopf.PermanentError)):
+        LOG.warning("drift check of %s failed: %s", check.name, err)
+    else:
+        LOG.error("drift check of %s failed", check.name, exc_info=err)
+
+
+SCHEDULER = DriftScheduler(tick_seconds=registered_timers().drift_batch_seconds,
+                           on_failure=_failed)
+
+
+def _apply(kube: Kube, settings: OperatorSettings, typed_spec: InferenceDeploymentSpec,
+           typed_status: InferenceDeploymentStatus, name: str, namespace: str, body: kopf.Body,
+           logger: logging.Logger, observed: ObservedTraffic | TrafficQueryError | None, now: datetime) -> None:
+    """One deployment's check from its slice of the batched observation: judge drift, create, write."""
     try:
         runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
     except ApiException as err:
         raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
                                   delay=15) from err
-    url = typed_spec.prometheus_url or settings.prometheus_url
-    window = timedelta(seconds=thresholds_of(typed_spec).window_seconds)
-    selector = selector_for(namespace, name, typed_spec, settings)
 
     def observe() -> ObservedTraffic:
-        if not url:
+        if observed is None:
             raise _NoPrometheusAddress(NO_PROMETHEUS_ADDRESS)
-        with PrometheusTraffic(url, timeout_seconds=settings.prometheus_timeout_seconds,
-                               allowed_cidrs=settings.outbound_allowed_cidrs) as prom:
-            try:
-                return prom.observe(selector, window, at=now, name=f"{name}-observed")
-            except ValidationError as err:  # numbers no traffic profile can hold (negative lengths ...)
-                raise PrometheusAnswerMalformed(f"Prometheus at {prom.host} answered with figures that make no "
-                                                f"traffic profile ({short_error(err)[:300]})") from err
+        if isinstance(observed, TrafficQueryError):
+            raise observed
+        return observed
 
     library = _record_champions(kube, body, typed_spec, typed_status, runs, logger)
     check = check_drift(spec=typed_spec, status=typed_status, parent=Parent.from_body(body), observe=observe,

@@ -49,3 +49,18 @@ def test_checks_are_read_from_the_query_log(tmp_path):
     assert list(checks) == ["d0001"] and checks["d0001"][1] - checks["d0001"][0] == pytest.approx(20.0)
     start = checks["d0001"][0] - 1
     assert bench.query_log_counts(log, start, start + 2) == (2, 1)
+
+
+def test_batched_checks_count_for_each_deployment_of_the_batch(tmp_path):
+    """The drift scheduler's batched query (operator/prometheus_batch.py) is a check of each of its deployments."""
+    from shapeshift.operator.prometheus import SeriesSelector, traffic_queries, window_span
+    from shapeshift.operator.prometheus_batch import batch_matcher
+
+    selectors = [SeriesSelector("scale", name, "tiny-llama") for name in ("d0001", "d0002", "d.3")]
+    query = traffic_queries(batch_matcher(selectors), window_span("60s"),
+                            by=("namespace", "deployment", "model"))["requests"]
+    log = tmp_path / "queries.jsonl"
+    log.write_text(json.dumps({"params": {"query": query}, "ts": "2026-12-02T01:00:00Z"}) + "\n")
+    assert sorted(bench.drift_checks(log)) == ["d.3", "d0001", "d0002"]
+    start = bench.drift_checks(log)["d0001"][0] - 1
+    assert bench.query_log_counts(log, start, start + 2) == (1, 3)
