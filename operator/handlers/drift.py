@@ -71,10 +71,12 @@ def stop_drift_scheduler(**_: Any) -> None:
 
 
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
-def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, body: kopf.Body,
-                memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, body: kopf.Body,
+                      memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """When the deployment's check is due, hand it to the drift scheduler, which observes the traffic
-    of all due deployments in one batch and then judges drift and writes status (``_apply``)."""
+    of all due deployments in one batch and then judges drift and writes status (``_apply``).
+    Asynchronous, as it waits on nothing: it runs on kopf's event loop, so a deployment's pace does
+    not wait for one of the handler threads the rollout ticks and resyncs hold."""
     try:
         typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
     except ValueError as err:  # the API server's schema should have refused it; nothing to observe
