@@ -51,7 +51,7 @@ class DueCheck:
 
 
 class DriftScheduler:
-    def __init__(self, tick_seconds: float = 1.0, workers: int = 8,
+    def __init__(self, tick_seconds: float = 1.0, workers: int = 32,
                  on_failure: Callable[[DueCheck, BaseException], None] | None = None):
         self.tick_seconds = tick_seconds
         self.workers = workers
