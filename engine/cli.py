@@ -91,7 +91,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from shapeshift.engine.forward_pass.recipes import RECIPE_CHOICES  # plain data, no torch
 
     p.add_argument("--recipe", default="auto", choices=RECIPE_CHOICES,
-                   help="named knob set of the stock forward pass (engine/forward_pass/recipes.py); auto: triton on CUDA, "
+                   help="named knob set of the stock forward pass (engine/forward_pass/recipes.py); auto: fast on CUDA (triton for a mixture of experts), "
                         "torch elsewhere; ignored with --forward-pass")
     p.add_argument("--seed", type=int, default=None,
                    help=f"engine seed (unseeded sampling draws from it; default: {engine_default['seed']})")
@@ -243,7 +243,7 @@ def _prepare_serve(args: argparse.Namespace) -> tuple[object, object]:
     if not args.forward_pass:
         from shapeshift.engine.forward_pass.recipes import resolve_recipe
 
-        kwargs["forward_pass_recipe"] = resolve_recipe(args.recipe, device) or None
+        kwargs["forward_pass_recipe"] = resolve_recipe(args.recipe, device, args.model) or None
     try:
         config = EngineConfig(**kwargs)
     except ValueError as exc:

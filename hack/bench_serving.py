@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES  # torch-free
 from shapeshift.engine.replay.driver import percentile  # torch-free
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +79,13 @@ CONFIGS["serve-default"] = {}
 CONFIGS["chains-end-at-finishes"] = {"chain_across_finishes": False}
 # Chains across finishes, arrivals still ending them (chain_across_admissions off).
 CONFIGS["chains-end-at-admissions"] = {"chain_across_admissions": False}
+# Candidates for serve's default: another named recipe (engine/forward_pass/recipes.py), or one
+# engine setting moved from serve's default.
+for _recipe in ("gemv", "fast"):
+    CONFIGS[f"recipe-{_recipe}"] = {"forward_pass_recipe": dict(NAMED_RECIPES[_recipe])}
+CONFIGS["decode-steps-16"] = {"decode_steps": 16}
+CONFIGS["batched-tokens-1024"] = {"max_num_batched_tokens": 1024}
+CONFIGS["batched-tokens-4096"] = {"max_num_batched_tokens": 4096}
 DEFAULT_CONFIGS = ("before", "mixed-graphs", "mixed-graphs-overlap8")
 DEFAULT_PROFILES = ("chat", "agentic-long-context", "burst")
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
@@ -102,7 +110,7 @@ def serve_main(settings: dict[str, Any], port: int) -> None:
         import torch
 
         device = settings.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        settings["forward_pass_recipe"] = resolve_recipe("auto", device) or None
+        settings["forward_pass_recipe"] = resolve_recipe("auto", device, settings["model"]) or None
     start = time.perf_counter()
     app, async_engine = build_server(EngineConfig(**settings))
     built_s = time.perf_counter() - start

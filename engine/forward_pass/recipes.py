@@ -6,9 +6,12 @@ are the ones hack/bench_decode.py measures (it calls `torch` "stock"): `torch` i
 PyTorch, `triton` fuses the q/k/v and gate/up projections and runs attention, norms, rotary
 and SwiGLU through kernels/, `fast` adds the weight-streaming GEMV with SwiGLU in its epilogue
 (batches up to 16) and, at batch 1 only, the norms in its prologue and one persistent kernel
-per layer for o_proj, the MLP and the next qkv projection. `auto` picks `triton` on CUDA and
-`torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on a CPU). Their
-measured speeds: docs/decode-performance.md and bench/results/README.md. Imports nothing heavy.
+per layer for o_proj, the MLP and the next qkv projection. `auto` picks `fast` on CUDA for a
+dense model, `triton` on CUDA for a mixture-of-experts model (the GEMV epilogue and norm fusions
+are dense-only), and `torch` elsewhere (the Triton kernels need a GPU, or the slow interpreter on
+a CPU). `fast` is auto on CUDA because it was the fastest named recipe through the serving path on
+every replayed profile measured (docs/serving-performance.md, run J). Their measured speeds:
+docs/decode-performance.md and bench/results/README.md. Imports nothing heavy.
 
 `serving_default(model, device)` is what `shapeshift serve` runs with no flags: the `auto`
 recipe and EngineConfig's own defaults for that model and device (read from an EngineConfig
@@ -55,9 +58,33 @@ SERVING_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_prefi
                          "decode_steps", "overlap_decode", "enforce_eager")
 
 
-def auto_recipe_name(device: str) -> str:
-    """The recipe `auto` stands for on `device`: triton on CUDA, the plain pass elsewhere."""
-    return "triton" if device.startswith("cuda") else PLAIN_RECIPE
+def is_mixture_of_experts(model: str) -> bool:
+    """Whether `model` (a preset name or a folder with config.json) routes tokens to experts.
+    A name that is neither reads as dense here; loading it is where it fails, with the choices."""
+    import json
+
+    from shapeshift.engine.models.presets import resolve_model  # torch-free
+
+    try:
+        found = resolve_model(model)
+    except ValueError:
+        return False
+    if hasattr(found, "hf_config"):
+        config = found.folder() / "config.json" if found.folder_name else None
+        hf = json.loads(config.read_text()) if config is not None and config.is_file() else found.hf_config
+    else:
+        config = found / "config.json"
+        hf = json.loads(config.read_text()) if config.is_file() else {}
+    return bool(hf.get("num_experts") or hf.get("num_local_experts"))
+
+
+def auto_recipe_name(device: str, model: str | None = None) -> str:
+    """The recipe `auto` stands for on `device` for `model`: on CUDA `fast` for a dense model and
+    `triton` for a mixture of experts (or when no model is named: it serves both); the plain pass
+    elsewhere."""
+    if not device.startswith("cuda"):
+        return PLAIN_RECIPE
+    return "fast" if model is not None and not is_mixture_of_experts(model) else "triton"
 
 
 @dataclass(frozen=True)
@@ -91,15 +118,15 @@ def serving_default(model: str, device: str) -> ServingDefault:
     from shapeshift.engine.core.config import EngineConfig  # torch-free
 
     config = EngineConfig(model=model, device=device)
-    name = auto_recipe_name(device)
+    name = auto_recipe_name(device, model)
     return ServingDefault(model=model, device=device, recipe_name=name, recipe=dict(NAMED_RECIPES[name]),
                           engine={f: getattr(config, f) for f in SERVING_ENGINE_FIELDS})
 
 
-def resolve_recipe(name: str, device: str) -> dict[str, Any]:
-    """Knob overrides for recipe `name` on `device` ("cpu", "cuda", "cuda:1", ...)."""
+def resolve_recipe(name: str, device: str, model: str | None = None) -> dict[str, Any]:
+    """Knob overrides for recipe `name` on `device` ("cpu", "cuda", "cuda:1", ...) for `model`."""
     if name == "auto":
-        name = auto_recipe_name(device)
+        name = auto_recipe_name(device, model)
     if name not in NAMED_RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_CHOICES)}")
     return dict(NAMED_RECIPES[name])

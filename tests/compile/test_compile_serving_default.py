@@ -20,8 +20,8 @@ from shapeshift.engine.forward_pass.recipes import (NAMED_RECIPES, SERVING_ENGIN
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
 def test_the_serving_default_is_the_auto_recipe_and_the_engine_config_defaults(device):
     serving = serving_default("tiny-llama", device)
-    assert serving.recipe == resolve_recipe("auto", device)
-    assert serving.recipe_name == ("triton" if device.startswith("cuda") else "torch")
+    assert serving.recipe == resolve_recipe("auto", device, "tiny-llama")
+    assert serving.recipe_name == ("fast" if device.startswith("cuda") else "torch")
     assert serving.is_plain == (not device.startswith("cuda"))
     built = EngineConfig(model="tiny-llama", device=device)
     assert serving.engine == {f: getattr(built, f) for f in SERVING_ENGINE_FIELDS}
@@ -40,7 +40,8 @@ def test_the_serving_default_reads_engine_config_rather_than_copying_it():
         expected = {f: resolved[device].get(f, defaults[f]) for f in SERVING_ENGINE_FIELDS}
         assert None not in expected.values()
         assert serving_default("tiny-llama", device).engine == expected
-    assert serving_default("tiny-llama", "cuda").recipe == NAMED_RECIPES["triton"]
+    assert serving_default("tiny-llama", "cuda").recipe == NAMED_RECIPES["fast"]
+    assert serving_default("tiny-moe", "cuda").recipe == NAMED_RECIPES["triton"]
 
 
 def test_the_compile_baseline_is_the_serving_default(tmp_path):

@@ -6,12 +6,16 @@ import pytest
 from shapeshift.engine.compile.search_space import build_search_space
 from shapeshift.engine.forward_pass.bundle import load_recipe, stock_bundle_dir
 from shapeshift.engine.forward_pass.knobs import GEMV_MAX_ROWS, STOCK_KNOB_BY_NAME, STOCK_KNOBS, validate_recipe
-from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES, resolve_recipe
+from shapeshift.engine.forward_pass.recipes import NAMED_RECIPES, is_mixture_of_experts, resolve_recipe
 
 
-def test_auto_is_triton_on_cuda_and_torch_on_cpu():
-    assert resolve_recipe("auto", "cuda:0") == NAMED_RECIPES["triton"]
-    assert resolve_recipe("auto", "cpu") == {}
+def test_auto_is_fast_on_cuda_for_dense_models_triton_for_experts_and_torch_on_cpu():
+    assert resolve_recipe("auto", "cuda:0", "llama-3.2-1b-shape") == NAMED_RECIPES["fast"]
+    assert resolve_recipe("auto", "cuda", "tiny-moe") == NAMED_RECIPES["triton"]
+    assert resolve_recipe("auto", "cuda", "moe-medium-shape") == NAMED_RECIPES["triton"]
+    assert resolve_recipe("auto", "cuda:0") == NAMED_RECIPES["triton"]  # no model named: the one that serves both
+    assert resolve_recipe("auto", "cpu", "tiny-llama") == resolve_recipe("auto", "cpu") == {}
+    assert not is_mixture_of_experts("tiny-llama") and is_mixture_of_experts("tiny-moe")
 
 
 def test_unknown_recipe_is_named_in_the_error():
