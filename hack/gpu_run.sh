@@ -21,11 +21,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NS=/tmp/shapeshift-ns
 mkdir -p "$NS/shapeshift"
 for d in engine kernels operator; do ln -sfn "$REPO_ROOT/$d" "$NS/shapeshift/$d"; done
-# Packages the GPU machine lacks (pydantic for traffic profiles and the compile loop)
+# Packages the GPU machine lacks (pydantic for traffic profiles and the compile loop; fastapi,
+# starlette, uvicorn and their pure-Python dependencies for the serving benchmark's server)
 # travel as wheels in .whl/ (ignored by git), fetched beforehand on a networked machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types \
-#     typing-inspection typing_extensions
+#     typing-inspection typing_extensions fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 \
+#     opentelemetry-api==1.45.2 h11 anyio sniffio idna
 SITE=/tmp/shapeshift-site
 if compgen -G "$REPO_ROOT/.whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
