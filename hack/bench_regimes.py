@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-p90", type=float, default=None)
     p.add_argument("--slo-per-user-p90", type=float, default=None)
     p.add_argument("--agents", default=None, help="comma list (default: the compile loop's)")
+    p.add_argument("--no-recipe-seeds", action="store_true",
+                   help="do not measure the engine's named recipes first (where the shipped default is already "
+                        "the fastest of them, they spend the budget on screens that cannot win)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="work folder of the compile runs (default: a fresh temporary one)")
     p.add_argument("--reuse", action="store_true", help="reuse a regime's finished compile run found in --work")
@@ -95,7 +98,7 @@ def job_for(args: argparse.Namespace, regime: str, work: Path, argv: list[str],
         confirm_requests=args.confirm_requests, screen_requests=args.screen_requests,
         final_repeats=args.final_repeats, fast_layers=args.fast_layers, slo_ttft_p90_s=args.slo_ttft_p90,
         slo_per_user_tokens_per_s_p90=args.slo_per_user_p90, seed=args.seed, use_registry=False,
-        command=("python", "hack/bench_regimes.py", *argv, f"# regime {regime}")))
+        recipe_seeds=not args.no_recipe_seeds, command=("python", "hack/bench_regimes.py", *argv, f"# regime {regime}")))
 
 
 def heatmap(summary: dict[str, Any], regimes: list[str], path: Path, title: str) -> bool:

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shapeshift.engine.compile import closing
+from shapeshift.engine.compile import closing, time_budget
 from shapeshift.engine.compile.agents.base import Agent, AgentWorker, submit
 from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.candidate import Candidate
@@ -171,6 +171,7 @@ class CompileLoop:
         self.incumbent_fast_speedup = 1.0  # the same on the fast tier, chained through paired screens
         self.drift: list[dict[str, Any]] = []  # the incumbent's measurements over the run (measure.drift_summary)
         self.best_fast_speedup = 1.0
+        self._screen_walls: list[float] = []  # wall seconds of each screen (paired incumbent included)
         self.final: tuple[Measurement, Measurement] | None = None  # (champion, stock) of the final comparison
 
     # ------------------------------------------------------------------ helpers
@@ -303,6 +304,7 @@ class CompileLoop:
         can pair (the incumbent's fresh measurement replaces its fast figure and joins the drift)."""
         trial_id = trial_id or self._trial_id(cand)
         self.board.append("trial", trial_id=trial_id, digest=cand.digest, tier=FAST, agent=cand.agent)
+        t0 = time.monotonic()
         inc = self.incumbent
         inc_m = None
         try:
@@ -325,6 +327,7 @@ class CompileLoop:
             speedup = m.mean / self.baseline_fast.mean
         self._record(cand, trial_id, FAST, m, self.baseline_fast, paired_with=inc_m, speedup=speedup)
         self.trials += 1
+        self._screen_walls.append(max(time.monotonic() - t0, m.seconds or 0.0, (inc_m.seconds or 0.0) if inc_m else 0.0))
         if speedup is not None:
             self.best_fast_speedup = max(self.best_fast_speedup, speedup)
         return m
@@ -387,36 +390,15 @@ class CompileLoop:
                      role=None if round_ == 0 else "confirm-more")
         return full, inc_full, paired
 
-    def _paired_seconds(self, pairs: int | None = None) -> float | None:
-        """Seconds a paired full-tier round of `pairs` pairs (None: as many as the baseline's repeats)
-        is estimated to take, from the baseline's own full-tier measurement (its seconds, warm-up
-        included): a round replays two passes. None where no wall-clock budget applies or the
-        baseline has no seconds to go by."""
-        if self.budget.max_seconds is None or self.baseline_full is None or not self.baseline_full.seconds:
-            return None
-        repeats = max(1, len(self.baseline_full.samples))
-        return 2 * self.baseline_full.seconds * max(1.0, (pairs or repeats) / repeats)
-
     def _overruns_budget(self, cand: Candidate, rounds: int) -> str | None:
-        """Why `rounds` paired full-tier rounds for `cand` would not fit in what is left of the
-        wall-clock budget (None when they fit, or the budget counts trials only). The closing
-        comparison is not counted: it runs after the search, in the run's grace (a CompileRun's
-        deadlineGraceSeconds). On the H200 a 75 s budget ran 253 s when a confirmation and its
-        second round started near its end."""
-        round_s = self._paired_seconds()
-        if round_s is None:
-            return None
-        need = rounds * round_s
-        left = self.budget.max_seconds - self.elapsed
-        if need <= left:
-            return None
-        return (f"{cand.short} beat the incumbent on the fast tier, but confirming it (about {need:.0f} s) would "
-                f"overrun the time budget ({left:.0f} s left of {self.budget.max_seconds:.0f} s); not confirmed")
+        return time_budget.confirmation_overrun(self.budget, self.baseline_full, self.elapsed, cand.short, rounds)
+
+    def _screening_closed(self) -> str | None:
+        return time_budget.screening_closed(self.budget, self.baseline_full, self.elapsed, self._screen_walls)
 
     def _overruns_closing(self) -> bool:
-        """True when another round of the closing comparison would end past the wall-clock budget."""
-        closing_s = self._paired_seconds(getattr(getattr(self.evaluator, "settings", None), "closing_pairs", None))
-        return closing_s is not None and self.elapsed + closing_s > self.budget.max_seconds
+        pairs = getattr(getattr(self.evaluator, "settings", None), "closing_pairs", None)
+        return time_budget.closing_overruns(self.budget, self.baseline_full, self.elapsed, pairs)
 
     def _undecided(self, full: Measurement, inc_full: Measurement | None) -> bool:
         """Paired confirmation whose mean gain clears the bar but whose lower bound does not."""
@@ -612,7 +594,7 @@ class CompileLoop:
         stop_reason = ""
         try:
             while True:
-                stop_reason = self._budget_left() or ""
+                stop_reason = self._budget_left() or self._screening_closed() or ""
                 if stop_reason:
                     break
                 nxt = self._next_candidate()

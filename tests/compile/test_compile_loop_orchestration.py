@@ -331,6 +331,66 @@ def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Pat
     assert not [n for n in board.entries("note") if n.get("over_budget")]
 
 
+class ClockedEvaluator(FakeEvaluatorForOrchestrationTests):
+    """Every measurement advances a simulated clock by what it says it took (screens `screen_s`
+    each pass, full-tier replays `full_s`), so the loop's wall-clock budget runs out in a test
+    that takes no time."""
+
+    def __init__(self, *args, screen_s: float, full_s: float, **kw):
+        super().__init__(*args, **kw)
+        self.now, self.screen_s, self.full_s = 0.0, screen_s, full_s
+
+    def _timed(self, m: Measurement, s: float) -> Measurement:
+        self.now += s
+        m.seconds = s
+        return m
+
+    def screen(self, c):
+        return self._timed(super().screen(c), self.screen_s)
+
+    def confirm(self, c):
+        return self._timed(super().confirm(c), self.full_s)
+
+    def compare(self, c, inc):
+        m, i = super().compare(c, inc)
+        return self._timed(m, self.full_s), self._timed(i, self.full_s)
+
+
+def test_screening_stops_while_a_confirmation_still_fits(tmp_path: Path, monkeypatch) -> None:
+    """The end of a wall-clock budget is kept for confirming: no candidate is screened once
+    another screen and a paired confirmation would not both fit, so a screen that beats the
+    incumbent always has room to be confirmed (no over-budget note), and the stop reason says so.
+    With room for everything, every candidate is screened and the faster one is the champion."""
+    import types
+
+    from shapeshift.engine.compile import loop as loop_module
+
+    def run(budget_s: float, items: list[str]):
+        ev = ClockedEvaluator({"stock": 100, "same": 100, "wrong": 99, "fast": 130}, screen_s=20, full_s=40,
+                             crashes={"crash"})
+        monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(monotonic=lambda: ev.now))
+        board = Board(tmp_path / f"board-{budget_s}-{'-'.join(items)}.jsonl")  # a fresh board per run
+        sp = space()
+        loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, items)],
+                           Budget(max_trials=None, max_seconds=budget_s), LoopConfig(deterministic=True))
+        return loop.run(), board, ev
+
+    # baseline: full 40 s, fast 20 s (t=60); same, wrong screened (t=100); then 100 s are left,
+    # exactly a screen (20 s) and a paired round (2 x 40 s): fast is screened (t=120) and confirmed.
+    result, board, ev = run(200, ["same", "wrong", "fast", "crash"])
+    assert ("screen", "fast") in ev.calls and ("compare", "fast") in ev.calls, ev.calls
+    assert not [n for n in board.entries("note") if n.get("over_budget")]
+    assert result.champion is not None and result.champion.recipe["variant"] == "fast"
+    # one screen more before it: fast would come too late to confirm, so it is never screened
+    result, board, ev = run(200, ["same", "wrong", "crash", "fast"])
+    assert ("screen", "fast") not in ev.calls and result.champion is None
+    assert not [n for n in board.entries("note") if n.get("over_budget")]
+    assert "screening closed with" in result.stop_reason and "would not both fit" in result.stop_reason
+    result, board, ev = run(2000, ["same", "wrong", "crash", "fast"])
+    assert ("compare", "fast") in ev.calls and result.champion is not None
+    assert "screening closed" not in result.stop_reason
+
+
 def test_an_undecided_closing_comparison_gets_one_more_round_judged_as_a_second_look(tmp_path: Path) -> None:
     """The closing comparison (champion against the shipped default) with its mean above the bar
     and its lower bound below: one more round, pooled, held to the second look's 97.5% bound.
