@@ -7,7 +7,8 @@
       verdicts noted on the board since the last event,
             [    47s] confirming 749dfcbf133d (sweep) on the full tier: 8 paired replays with the incumbent
             [    58s]   749dfcbf133d not confirmed on the full tier: paired speed ratio 0.980 (...) does not clear 1.010
-            [    58s] trial 7/12 | no verified gain over the shipped serving default yet (fast tier 1.14x) | ETA ~41s
+            [    58s] trial 7/12 | no verified gain over the shipped serving default yet (fast tier 1.14x)
+                      | agents: sweep thinking, evolutionary waiting (queue full) | ETA ~41s   (one line)
       elsewhere (a pod's log, a file, a pipe): logging at INFO, one line per trial (report.progress_line)
         and one per confirmation, verification and closing comparison; nothing redraws, nothing ticks
 
@@ -99,10 +100,26 @@ def phase_text(event: str, loop: Any, detail: dict[str, Any]) -> str | None:
     return None
 
 
-def trial_text(loop: Any) -> str:
+def agent_states(agents: list[dict[str, Any]]) -> str:
+    """'agents: sweep thinking, evolutionary waiting (queue full)' from status()["agents"]; '' without agents."""
+    shown = []
+    for a in agents:
+        head, _, why = str(a.get("state", "?")).partition(":")
+        # idle and stopped say why at length; a wait or an error names its reason in a word or two
+        why = why.strip() if head in ("waiting", "error") else ""
+        shown.append(f"{a.get('agent', '?')} {head.strip()}" + (f" ({why})" if why else ""))
+    return "agents: " + ", ".join(shown) if shown else ""
+
+
+def trial_text(loop: Any, status: dict[str, Any] | None = None) -> str:
+    """The terminal's trial line; `status` is the loop's status() the trial event carries (taken when absent)."""
+    st = status if status is not None else loop.status()
     parts = [where(loop), best(loop)]
     if loop.confirms:
         parts.append(f"{loop.confirms} confirmation" + ("s" if loop.confirms > 1 else ""))
+    agents = agent_states(st.get("agents") or [])
+    if agents:
+        parts.append(agents)
     text = eta(loop)
     if text:
         parts.append(text)
@@ -137,7 +154,7 @@ class Progress:
             return
         if event == "trial":
             if self.tty:
-                self._line(loop, trial_text(loop))
+                self._line(loop, trial_text(loop, detail.get("status")))
             else:
                 from shapeshift.engine.compile.report import progress_line  # report.py imports the loop
 

@@ -16,7 +16,7 @@ from test_compile_loop_orchestration import FakeEvaluatorForOrchestrationTests, 
 
 from shapeshift.engine.compile.board import Board
 from shapeshift.engine.compile.loop import Budget, CompileLoop, LoopConfig
-from shapeshift.engine.compile.progress import Progress, duration, short_baseline
+from shapeshift.engine.compile.progress import Progress, agent_states, duration, short_baseline
 
 BASELINE = "the shipped serving default (recipe torch; max_num_seqs 64, block_size 16)"
 
@@ -26,11 +26,12 @@ class Terminal(io.StringIO):
         return True
 
 
-def run(tmp_path: Path, progress, budget: Budget, items=("fast", "same"), fails=frozenset()):
+def run(tmp_path: Path, progress, budget: Budget, items=("fast", "same"), fails=frozenset(), more_agents=()):
     board = Board(tmp_path / "board.jsonl")
     sp = space()
     ev = FakeEvaluatorForOrchestrationTests({"stock": 100, "fast": 130, "same": 100}, fails_verification=fails)
-    loop = CompileLoop(ev, sp, board, [ListAgent(sp, board, list(items))], budget,
+    agents = [ListAgent(sp, board, list(items)), *(make(sp, board) for make in more_agents)]
+    loop = CompileLoop(ev, sp, board, agents, budget,
                        LoopConfig(deterministic=True, baseline_name=BASELINE), on_progress=progress)
     return loop.run()
 
@@ -50,7 +51,7 @@ def test_on_a_terminal_one_line_per_phase_and_trial(tmp_path: Path, caplog) -> N
     assert bodies[1] == "measuring the baseline, the shipped serving default, on the fast tier"
     assert bodies[2].startswith("trial 0/2 | no verified gain over the shipped serving default yet")
     assert re.match(r"trial 1/2 \| best 1\.(29\d|30\d)x the shipped serving default, verified \(fast tier 1\.3\dx\) "
-                    r"\| 1 confirmation \| ETA ~\d+s$", bodies[5]), bodies[5]
+                    r"\| 1 confirmation \| agents: list idle \| ETA ~\d+s$", bodies[5]), bodies[5]
     assert bodies[6].startswith("trial 2/2 | best 1.") and bodies[6].endswith("ETA ~0s")
     assert bodies[7].startswith("closing comparison: champion ") and "(list)" in bodies[7]
     assert bodies[8].startswith("  final: champion ") and "paired speed ratio 1.2" in bodies[8]  # its verdict
@@ -122,3 +123,31 @@ def test_the_end_of_a_run_prints_one_leaderboard_and_the_outcome_last(tmp_path: 
     last = printed.strip().splitlines()[-1]
     assert last.startswith(f"champion {result.champion.short} by list: ") and BASELINE in last
     assert last.endswith(f"-> {tmp_path / 'out' / 'champion'}; report: {md_path}")
+
+
+class Blocked(ListAgent):
+    """Proposes nothing and says it waits, as an agent thread does when the experiment queue is full."""
+
+    name = "blocked"
+
+    def __init__(self, sp, board):
+        super().__init__(sp, board, [])
+
+    def propose(self, n=1):
+        self.state = "waiting: queue full"
+        return []
+
+
+def test_the_trial_line_shows_each_agents_state(tmp_path: Path) -> None:
+    term = Terminal()
+    run(tmp_path, Progress(term), Budget(max_trials=2), more_agents=(Blocked,))
+    trials = [line.split("] ", 1)[1] for line in term.getvalue().splitlines() if "] trial " in line]
+    assert trials[0].endswith("| agents: list idle, blocked idle"), trials[0]  # before any agent was asked
+    assert all("| agents: list idle, blocked waiting (queue full)" in t for t in trials[1:]), trials
+    # the states named as the loop's status() reports them, in the agents' order
+    assert agent_states([{"agent": "sweep", "state": "thinking"},
+                         {"agent": "llm", "state": "error: TimeoutError"},
+                         {"agent": "evo", "state": "idle: nothing new to propose"},
+                         {"agent": "model", "state": "stopped"}]) == \
+        "agents: sweep thinking, llm error (TimeoutError), evo idle, model stopped"
+    assert agent_states([]) == ""
