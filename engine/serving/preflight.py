@@ -25,8 +25,8 @@ class ServeUsageError(ValueError):
 @dataclass
 class ModelInfo:
     name: str
-    hf_config: dict[str, Any] | None  # None: a preset imported on first use (smollm2-135m)
-    weight_bytes: int  # on disk (folders) or as float32 (random presets); 0 when unknown
+    hf_config: dict[str, Any] | None  # None: an imported preset not on disk whose preset names no config
+    weight_bytes: int  # on disk (folders) or as float32 (random presets, imported ones not yet on disk); 0: unknown
     is_random: bool = False
 
     @property
@@ -50,7 +50,11 @@ def check_model(model: str) -> ModelInfo:
     else:
         folder, name = target.folder(), target.name
         if not (folder / "config.json").is_file():
-            return ModelInfo(name, None, 0)  # imported on load (or the loader says how)
+            # imported on load (or the loader says how): the preset's own config stands in until then,
+            # its weights counted as the import writes them (float32)
+            if not target.hf_config:
+                return ModelInfo(name, None, 0)
+            return ModelInfo(name, dict(target.hf_config), _random_weight_bytes(target.hf_config))
     if not (folder / "config.json").is_file():
         raise ServeUsageError(f"model folder {folder} has no config.json; point --model at a Hugging Face "
                               "style folder (config.json, *.safetensors, tokenizer.json)")

@@ -67,3 +67,17 @@ def test_capital_of_france_is_paris(engine):
     assert final.finish_reason in ("stop", "length")
     assert "Paris" in text, text
     assert text == engine.tokenizer.decode(final.output_token_ids)
+
+
+def test_the_presets_config_is_what_the_import_writes(smollm2_folder):
+    """serve reads the preset's config for its context length before the first import; it must be
+    the one the import then writes (every field the engine reads from it)."""
+    import json
+
+    from shapeshift.engine.core.config import ModelConfig
+    from shapeshift.engine.models.presets import PRESETS
+
+    written = json.loads((smollm2_folder / "config.json").read_text())
+    preset = PRESETS["smollm2-135m"].hf_config
+    assert preset["max_position_embeddings"] == written["max_position_embeddings"] == 8192
+    assert ModelConfig.from_hf(preset) == ModelConfig.from_hf(written)

@@ -158,3 +158,22 @@ def test_context_length_comes_from_the_model_bounded_by_the_kv_cache():
     chosen, why = choose_max_model_len(info, None, num_kv_blocks=10, **common)
     assert chosen == (10 - 1) * 16 and "--num-kv-blocks 10" in why and "holds 160 tokens" in why
     assert choose_max_model_len(info, 300, num_kv_blocks=None, **common) == (300, "--max-model-len")
+
+
+def test_an_imported_preset_not_yet_on_disk_serves_its_own_context_length(tmp_path, monkeypatch):
+    """smollm2-135m before `shapeshift import-smollm2`: the preset's config gives the context length
+    (8192), not the engine's 2048, and the KV cache still bounds it."""
+    from shapeshift.engine.models.presets import PRESETS
+    from shapeshift.engine.serving.preflight import check_model, choose_max_model_len
+
+    monkeypatch.setenv("SHAPESHIFT_CACHE", str(tmp_path))  # an empty cache: nothing imported
+    assert not (PRESETS["smollm2-135m"].folder() / "config.json").exists()
+    info = check_model("smollm2-135m")
+    assert info.max_position_embeddings == 8192 and not info.is_random
+    assert info.weight_bytes > 100e6 * 4  # ~135 M float32 parameters, as the import writes them
+    common = dict(device="cpu", dtype=None, block_size=16, gpu_memory_utilization=0.9)
+    assert choose_max_model_len(info, None, num_kv_blocks=None, **common) == \
+        (8192, "the model's max_position_embeddings (8192)")
+    assert choose_max_model_len(info, None, num_kv_blocks=100, **common)[0] == 99 * 16
+    with pytest.raises(ValueError, match="max_position_embeddings=8192"):
+        choose_max_model_len(info, 9000, num_kv_blocks=None, **common)
