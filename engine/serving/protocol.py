@@ -22,7 +22,7 @@ nothing about the output at any value (`store`, `metadata`, `user`,
 (`INERT_FIELDS`). What it cannot honour is refused only when set to a
 non-neutral value, with a 400 that names the field and says what to do instead
 (tool_choice "auto" with tools on a server without --tool-call-parser, the deprecated functions, audio, image parts,
-suffix, best_of other than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
+moderation, suffix, best_of other than n; json response formats without xgrammar). A field outside the schemas is a 400 too, so a
 typo is not silently dropped. Extensions (as in vLLM): `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids` (adds `token_ids` to each choice).
@@ -120,7 +120,10 @@ MAX_PROMPTS = 64
 MAX_TOP_LOGPROBS = 20
 
 # OpenAI fields that change nothing about the output at any value: accepted, logged at debug.
-INERT_FIELDS = ("user", "store", "metadata", "service_tier", "reasoning_effort", "prediction", "prompt_cache_key", "safety_identifier", "verbosity")
+# tests/server/test_server_api_fields.py sends each one at a value built from the installed `openai`
+# package's create() signature.
+INERT_FIELDS = ("user", "store", "metadata", "service_tier", "reasoning_effort", "prediction", "prompt_cache_key",
+                "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "verbosity")
 
 
 class _Strict(BaseModel):
@@ -443,8 +446,11 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # prefix caching is automatic: blocks live while memory allows
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     verbosity: str | None = None
+    moderation: dict[str, Any] | None = None  # refused when set: no moderation model runs here
 
     @field_validator("messages")
     @classmethod
@@ -498,6 +504,13 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         _refuse_unless(v is None, "audio output is not supported (text-only model); omit it")
+        return v
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _refuse_unless(v is None, "moderation is not available on this server (no moderation model runs here); "
+                                  "omit it, or moderate input and output with a model of your own")
         return v
 
     @field_validator("web_search_options")
