@@ -219,6 +219,8 @@ def engine_args(spec: InferenceDeploymentSpec) -> list[str]:
         args.append("--no-prefix-caching")
     if cfg["enforce_eager"]:
         args.append("--enforce-eager")
+    if spec.engine.metrics_compat is not None:
+        args += ["--metrics-compat", spec.engine.metrics_compat]
     # The engine follows the pod's forward-pass annotations (the rollout writes them).
     args += serve_args(DEFAULT_ANNOTATIONS_FILE)
     if spec.engine.admin_token_secret is not None:

@@ -101,6 +101,12 @@ class EngineSettings(WireModel):
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
     cuda_graphs: bool = Field(default=True, description="Capture CUDA graphs per batch bucket (GPU only).")
     port: int = Field(default=8000, ge=1024, le=65535, description="HTTP port of the OpenAI API, /health and /metrics.")
+    metrics_compat: Literal["vllm"] | None = Field(
+        default=None,
+        description="Also export vLLM's metric names on /metrics (vllm: vllm:num_requests_waiting, "
+                    "vllm:kv_cache_usage_perc, ... with label model_name), so KEDA/HPA recipes written for vLLM "
+                    "scale engine pods unchanged; default: the shapeshift_* series only.",
+    )
     admin_token_secret: AdminTokenSecret | None = Field(
         default=None,
         description="Secret with the admin API's bearer token, mounted into the engine (no Secret: admin API off).",

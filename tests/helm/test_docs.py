@@ -1,6 +1,7 @@
 """docs/helm.md stays true: its Argo CD Application and Flux HelmRelease point at the
-chart and carry values the chart's schema accepts, and its scrape config copies the
-pod label the operator really puts on engine pods."""
+chart and carry values the chart's schema accepts, its scrape config copies the
+pod label the operator really puts on engine pods, and its KEDA recipe scales the
+InferenceDeployment it shows (metricsCompat: vllm) with PromQL that parses."""
 
 from __future__ import annotations
 
@@ -145,3 +146,45 @@ def test_operations_names_only_reasons_the_operator_writes():
     assert len(reasons) > 15, reasons
     missing = sorted(r for r in reasons if f'"{r}"' not in source)
     assert not missing, f"docs/operations.md names reasons the operator never writes: {missing}"
+
+
+def test_vllm_metrics_deployment_passes_the_flag_to_the_engine():
+    from shapeshift.operator.api import InferenceDeploymentSpec
+    from shapeshift.operator.builders import Parent, build_engine_deployment
+
+    idep = next(d for d in yaml_documents() if d.get("kind") == "InferenceDeployment")
+    spec = InferenceDeploymentSpec.model_validate(idep["spec"])
+    parent = Parent("InferenceDeployment", idep["metadata"]["name"], idep["metadata"]["namespace"], "uid")
+    (container,) = build_engine_deployment(parent, spec)["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--metrics-compat") + 1] == "vllm"
+
+
+def test_keda_recipe_scales_the_inference_deployment_and_its_queries_parse(tmp_path):
+    """The ScaledObject targets the InferenceDeployment (the CRD's scale subresource) the page
+    declares, selects by the target labels the scrape config writes, and its PromQL parses."""
+    import shutil
+    import subprocess
+
+    from harness import tools
+
+    docs = yaml_documents()
+    idep = next(d for d in docs if d.get("kind") == "InferenceDeployment")
+    scaled = next(d for d in docs if d.get("kind") == "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "shapeshift.dev/v1alpha1",
+                                               "kind": "InferenceDeployment", "name": idep["metadata"]["name"]}
+    assert scaled["metadata"]["namespace"] == idep["metadata"]["namespace"]
+    crd = yaml.safe_load((REPO / "crds" / "shapeshift.dev_inferencedeployments.yaml").read_text())
+    assert crd["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    selector = f'namespace="{idep["metadata"]["namespace"]}",deployment="{idep["metadata"]["name"]}"'
+    for query in queries:
+        assert query.count("{") == query.count(selector), query
+    promtool = shutil.which("promtool", path=str(tools.prometheus().resolve().parent))
+    assert promtool, "promtool not found next to prometheus; it ships in Debian's prometheus package"
+    rules = [{"record": f"keda:query_{i}", "expr": q} for i, q in enumerate(queries)]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout

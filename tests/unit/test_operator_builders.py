@@ -249,3 +249,21 @@ def test_engine_env_refuses_names_the_operator_sets_duplicates_and_non_identifie
             spec(engine={"env": env})
     assert spec(engine={"env": [{"name": "SHAPESHIFT_PDL"}]}).engine.env[0].value == ""
 
+
+
+def test_metrics_compat_reaches_the_engine_command_line():
+    plain = builders.build_engine_deployment(IDEP, spec())["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--metrics-compat" not in plain
+    compat = spec(engine={"metricsCompat": "vllm"})
+    assert compat.engine.metrics_compat == "vllm"
+    args = builders.build_engine_deployment(IDEP, compat)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--metrics-compat") + 1] == "vllm"
+    # The flag is one the engine's own parser takes, with the value the CRD allows.
+    from shapeshift.engine.cli import build_parser
+    assert build_parser().parse_args(args).metrics_compat == "vllm"
+    try:
+        spec(engine={"metricsCompat": "prometheus"})
+    except ValueError as err:
+        assert "metricsCompat" in str(err)
+    else:
+        raise AssertionError("metricsCompat accepted a value the engine does not know")
