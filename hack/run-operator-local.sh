@@ -5,6 +5,7 @@
 #   hack/run-operator-local.sh                            # the kubeconfig's namespace (or default)
 #   hack/run-operator-local.sh -n team-a -n team-b        # or -A: every namespace
 #   hack/run-operator-local.sh --kubeconfig ~/.kube/kind.yaml --prometheus-url http://127.0.0.1:9090
+#   hack/run-operator-local.sh --local-pods               # hack/cluster.sh up: its CPU pods run here too
 # Steps: set up the Python environment (hack/setup.sh), check that the API server answers,
 # apply the CRDs in crds/ (kubectl apply --server-side) and wait until they are Established,
 # then exec `shapeshift operator --standalone` with the remaining flags. Ctrl-C stops it.
@@ -12,13 +13,20 @@
 #   --prometheus-url URL   where the drift detector reads traffic (SHAPESHIFT_PROMETHEUS_URL;
 #                          spec.prometheusUrl of an InferenceDeployment overrides it)
 #   --no-crds              do not apply crds/ (they are installed already, e.g. by the chart)
+#   --local-pods           also run hack/run-pods-local.py in the background (same kubeconfig and
+#                          namespaces): the CPU pool's pods of hack/cluster.sh's control plane run as
+#                          local processes; it stops when the operator does (and the operator with it)
+#   --port-base N, --workdir DIR, --pool NAME, --interval S   (with --local-pods) the runner's options
 # Every other flag goes to `shapeshift operator` (`shapeshift operator --help`); without
 # --liveness, the health endpoint is http://127.0.0.1:${SHAPESHIFT_OPERATOR_HEALTH_PORT:-18080}/healthz.
 # kubectl: $KUBECTL, else the one on PATH, else $SHAPESHIFT_BIN/kubectl.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 apply_crds=1
+local_pods=0
 operator_args=()
+pods_args=()
+runner_opts=()
 scoped=0
 liveness=0
 while [[ $# -gt 0 ]]; do
@@ -30,12 +38,23 @@ while [[ $# -gt 0 ]]; do
                       export SHAPESHIFT_PROMETHEUS_URL="$2"; shift 2 ;;
     --prometheus-url=*) export SHAPESHIFT_PROMETHEUS_URL="${1#*=}"; shift ;;
     --no-crds) apply_crds=0; shift ;;
-    -n|--namespace|-A|--all-namespaces|--namespace=*) scoped=1; operator_args+=("$1"); shift ;;
+    -n|--namespace) [[ $# -ge 2 ]] || { echo "error: $1 needs a namespace" >&2; exit 2; }
+                    scoped=1; operator_args+=("$1" "$2"); pods_args+=("$1" "$2"); shift 2 ;;
+    -A|--all-namespaces|--namespace=*) scoped=1; operator_args+=("$1"); pods_args+=("$1"); shift ;;
     --liveness|--liveness=*) liveness=1; operator_args+=("$1"); shift ;;
-    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --local-pods) local_pods=1; shift ;;
+    --port-base|--workdir|--pool|--interval)
+      [[ $# -ge 2 ]] || { echo "error: $1 needs a value" >&2; exit 2; }
+      runner_opts+=("$1"); pods_args+=("$1" "$2"); shift 2 ;;
+    --port-base=*|--workdir=*|--pool=*|--interval=*) runner_opts+=("${1%%=*}"); pods_args+=("$1"); shift ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) operator_args+=("$1"); shift ;;
   esac
 done
+if [[ "$local_pods" == 0 && ${#runner_opts[@]} -gt 0 ]]; then
+  echo "error: ${runner_opts[*]}: options of hack/run-pods-local.py, which only --local-pods starts" >&2
+  exit 2
+fi
 if [[ -n "${KUBECONFIG:-}" ]]; then
   first="${KUBECONFIG%%:*}"
   [[ -f "$first" ]] || { echo "error: kubeconfig $first does not exist" >&2; exit 2; }
@@ -63,6 +82,7 @@ fi
 if [[ "$scoped" == 0 ]]; then
   ns="$("$kubectl" config view --minify -o jsonpath='{..namespace}' 2>/dev/null || true)"
   operator_args=(--namespace "${ns:-default}" "${operator_args[@]}")
+  pods_args=(--namespace "${ns:-default}" "${pods_args[@]}")
 fi
 if [[ "$liveness" == 0 ]]; then
   operator_args+=(--liveness "http://127.0.0.1:${SHAPESHIFT_OPERATOR_HEALTH_PORT:-18080}/healthz")
@@ -76,4 +96,35 @@ if [[ "$apply_crds" == 1 ]]; then
 fi
 
 log "running the operator from $REPO_ROOT against context '$context': shapeshift operator --standalone ${operator_args[*]}"
-exec "$VENV/bin/shapeshift" operator --standalone "${operator_args[@]}"
+if [[ "$local_pods" == 0 ]]; then
+  exec "$VENV/bin/shapeshift" operator --standalone "${operator_args[@]}"
+fi
+
+# --local-pods: the operator and the runner side by side, their lines interleaved on this terminal.
+# Whichever ends first (or Ctrl-C, or SIGTERM to this script) stops the other; the runner stops
+# the processes it started and reports them to the API before it exits.
+log "running the CPU pool's pods as local processes: hack/run-pods-local.py ${pods_args[*]}"
+"$VENV/bin/python" "$REPO_ROOT/hack/run-pods-local.py" "${pods_args[@]}" &
+pods_pid=$!
+"$VENV/bin/shapeshift" operator --standalone "${operator_args[@]}" &
+operator_pid=$!
+stopped=0
+stop_both() {
+  [[ "$stopped" == 1 ]] && return
+  stopped=1
+  kill -TERM "$operator_pid" "$pods_pid" 2>/dev/null || true
+  wait "$operator_pid" 2>/dev/null || true
+  wait "$pods_pid" 2>/dev/null || true
+  log "stopped the operator and the local pods runner"
+}
+trap 'stop_both; exit 130' INT
+trap 'stop_both; exit 143' TERM
+trap stop_both EXIT
+rc=0
+wait -n "$operator_pid" "$pods_pid" || rc=$?
+if kill -0 "$operator_pid" 2>/dev/null; then
+  log "hack/run-pods-local.py ended (exit $rc); stopping the operator"
+else
+  log "the operator ended (exit $rc); stopping the local pods runner"
+fi
+exit "$rc"

@@ -1,9 +1,10 @@
 """The local operator mode of docs/local-operator.md: hack/run-operator-local.sh against the
 cluster of a kubeconfig (here the test control plane), and the manifest that page shows.
 
-    hack/run-operator-local.sh -n NS --resync-seconds 2   (KUBECONFIG: the test cluster)
+    hack/run-operator-local.sh -n NS --resync-seconds 2 --local-pods ...   (KUBECONFIG: the test cluster)
       -> hack/setup.sh, API server check, crds/ applied and Established
       -> `shapeshift operator --standalone --namespace NS --liveness http://127.0.0.1:PORT/healthz`
+         beside hack/run-pods-local.py -n NS (the engine pod run as a local process), both stopped together
     kubectl apply <the page's cpu-tiny.yaml>  -> ConfigMap and Deployment tiny-engine, Service tiny,
                                                  the engine pod placed on a CPU-pool node
 """
@@ -52,6 +53,10 @@ def test_without_a_kubeconfig_it_says_what_to_do(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
     help_ = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert help_.returncode == 0 and "--prometheus-url" in help_.stdout and "source" not in help_.stdout
+    assert "--local-pods" in help_.stdout
+    # the runner's options without the runner: refused before anything starts
+    proc = subprocess.run(["bash", str(SCRIPT), "--port-base", "18100"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--port-base" in proc.stderr and "--local-pods" in proc.stderr, proc.stderr
 
 
 @pytest.mark.cluster
@@ -61,12 +66,15 @@ def test_the_script_runs_the_operator_against_the_kubeconfig_cluster(crds, clust
     from harness.controlplane import free_port
     from harness.operator_process import operator_healthy, stop_operator
 
-    port = free_port()
+    port, port_base = free_port(), free_port()
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SHAPESHIFT_OPERATOR_HEALTH_PORT": str(port),
            "KUBECTL": str(tools.kubectl())}
     log = tmp_path / "operator.log"
+    # --local-pods: the one command of the page, the operator and hack/run-pods-local.py together
     with open(log, "ab") as out:
-        proc = subprocess.Popen(["bash", str(SCRIPT), "-n", namespace, "--resync-seconds", "2"], env=env,
+        proc = subprocess.Popen(["bash", str(SCRIPT), "-n", namespace, "--resync-seconds", "2", "--local-pods",
+                                 "--port-base", str(port_base), "--workdir", str(tmp_path / "pods"),
+                                 "--interval", "0.5"], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: operator_healthy(port) or proc.poll() is not None, 120, "the operator's health endpoint")
@@ -99,8 +107,20 @@ def test_the_script_runs_the_operator_against_the_kubeconfig_cluster(crds, clust
         pods = wait_until(placed, 60, "the engine pod scheduled")
         node = cluster.core.read_node(pods[0].spec.node_name)
         assert node.metadata.labels.get("shapeshift.dev/pool") == "cpu", node.metadata.labels
+        # the runner the script started runs the pod (its load is not waited for: test_local_pods.py serves)
+        started = f"pod {namespace}/{pods[0].metadata.name}: started shapeshift serve"
+        wait_until(lambda: started in log.read_text() or proc.poll() is not None, 60, "the runner to start the engine",
+                   interval_s=0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert f"serving on http://127.0.0.1:{port_base}" in log.read_text()
     finally:
         if proc.poll() is None:
             stop_operator(proc)
-        elif proc.returncode not in (0, -signal.SIGTERM):
+        elif proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
             pytest.fail(f"the script exited {proc.returncode}: {log.read_text()[-3000:]}")
+    # stopping the script stopped the runner, which stopped the engine and reported it, as a kubelet would
+    text = log.read_text()
+    assert f"pod {namespace}/{pods[0].metadata.name}: stopped (runner stopping)" in text, text[-3000:]
+    assert "stopped the operator and the local pods runner" in text, text[-3000:]
+    status = cluster.core.read_namespaced_pod_status(pods[0].metadata.name, namespace).status
+    assert status.container_statuses[0].state.terminated is not None, status
