@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from shapeshift.engine.forward_pass.bundle import BundleError, declared_cache_format, stock_bundle_dir, verify_bundle, write_manifest
+from shapeshift.engine.forward_pass.kv_layout import layout_from_source
 
 
 def main() -> int:
@@ -29,6 +30,10 @@ def main() -> int:
         if manifest.cache_format != declared_cache_format(folder):
             print(f"stale: {folder}/manifest.json names cache format {manifest.cache_format!r}, forward.py declares "
                   f"{declared_cache_format(folder)!r}; run python hack/gen_stock_manifest.py")
+            return 1
+        if manifest.kv_layout != layout_from_source(folder):
+            print(f"stale: {folder}/manifest.json names KV layout {manifest.kv_layout!r}, forward.py declares "
+                  f"{layout_from_source(folder)!r}; run python hack/gen_stock_manifest.py")
             return 1
         print(f"ok: stock bundle {manifest.digest}")
         return 0

@@ -35,12 +35,21 @@ series in ``_info``; a histogram's name is the stem of its ``_bucket``/``_sum``/
 | shapeshift_request_prefill_time_seconds               | histogram |              | first scheduled -> first generated token          |
 | shapeshift_request_decode_time_seconds                | histogram |              | first generated token -> finish                   |
 | shapeshift_expert_routed_tokens_total                 | counter   | layer, expert | MoE: top-k choices of served tokens per expert    |
+| shapeshift_kv_swaps_total                             | counter   | outcome, reason | forward-pass swaps by what became of the KV cache |
 
 ``shapeshift_expert_routed_tokens_total`` exists for mixture-of-experts models only: per
 decoder layer and expert, how many of the served tokens' top-k router choices went to
 that expert (a token counts once for each of its k experts; padded rows are left out).
 It is counted on the device and read when /metrics is scraped; the operator turns its
 rate into the traffic profile's ``expertRouting`` (engine/contracts/expert_routing.py).
+
+``shapeshift_kv_swaps_total{outcome, reason}`` counts hot swaps and rollbacks of the
+forward pass by what became of the KV cache (engine/forward_pass/kv_handover.py):
+``outcome`` is ``kept`` or ``flushed``; ``reason`` is ``verified`` (kept: the incoming
+pass's prefix hits on blocks the outgoing pass wrote equal a miss), ``layout_changed`` or
+``layout_undeclared`` (the passes' KV layouts differ, or one declares none),
+``check_failed`` (same layout, but hits differ from a miss) or ``check_error`` (the
+incoming pass raised during the check). Every pair of ``KV_SWAP_SERIES`` exists from zero.
 
 With ``shapeshift serve --metrics-compat vllm`` the server also exports the same
 observations under vLLM's names with a ``model_name`` label (``VLLM_SERIES``), so
@@ -83,6 +92,16 @@ REQUEST_PREFILL_TIME = "shapeshift_request_prefill_time_seconds"
 REQUEST_DECODE_TIME = "shapeshift_request_decode_time_seconds"
 # mixture-of-experts models: router top-k choices per layer and expert (labels: layer, expert)
 EXPERT_ROUTED_TOKENS = "shapeshift_expert_routed_tokens_total"
+# forward-pass swaps by what became of the KV cache (labels: outcome, reason)
+KV_SWAPS = "shapeshift_kv_swaps_total"
+KV_SWAP_KEPT, KV_SWAP_FLUSHED = "kept", "flushed"
+KV_SWAP_VERIFIED = "verified"
+KV_SWAP_LAYOUT_CHANGED, KV_SWAP_LAYOUT_UNDECLARED = "layout_changed", "layout_undeclared"
+KV_SWAP_CHECK_FAILED, KV_SWAP_CHECK_ERROR = "check_failed", "check_error"
+# (outcome, reason) pairs that can occur
+KV_SWAP_SERIES = ((KV_SWAP_KEPT, KV_SWAP_VERIFIED), (KV_SWAP_FLUSHED, KV_SWAP_LAYOUT_CHANGED),
+                  (KV_SWAP_FLUSHED, KV_SWAP_LAYOUT_UNDECLARED), (KV_SWAP_FLUSHED, KV_SWAP_CHECK_FAILED),
+                  (KV_SWAP_FLUSHED, KV_SWAP_CHECK_ERROR))
 
 # `--metrics-compat vllm`: vLLM's names (label `model_name`) -> the shapeshift series whose
 # observations they repeat. gpu_cache_usage_perc is vLLM's older name of kv_cache_usage_perc,

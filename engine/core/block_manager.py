@@ -28,6 +28,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    parent: int | None = None  # hash of the block before it in its sequence (None: the first)
 
 
 class BlockManager:
@@ -143,7 +144,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -161,7 +162,7 @@ class BlockManager:
                 continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.parent = h, tokens, parent
                 self.hash_to_block[h] = block.block_id
             # Else another sequence registered the same content first: keep ours private.
 
@@ -186,11 +187,46 @@ class BlockManager:
         """A new KV format: cached blocks of the old one can no longer be hit."""
         if tag != self.tag:
             self.tag = tag
-            self.hash_to_block.clear()
-            for block_id in list(self.free_cached):
-                self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
-                del self.free_cached[block_id]
-                self.free_uncached.append(block_id)
-            for block in self.blocks:
-                if block.ref_count > 0:
-                    block.hash, block.token_ids = None, ()
+            self.flush()
+
+    def flush(self) -> None:
+        """Forget every cached block (the KV they hold is not to be served again); blocks in use
+        stay with their sequences but are no longer shareable."""
+        self.hash_to_block.clear()
+        for block_id in list(self.free_cached):
+            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
+            self.blocks[block_id].parent = None
+            del self.free_cached[block_id]
+            self.free_uncached.append(block_id)
+        for block in self.blocks:
+            if block.ref_count > 0:
+                block.hash, block.token_ids, block.parent = None, (), None
+
+    def cached_chains(self, limit: int, max_blocks: int, scan: int = 64) -> list[list[int]]:
+        """Up to ``limit`` cached prefixes a request could hit now, as block ids from the first
+        block on (at most ``max_blocks`` each), most recently registered first, distinct first
+        blocks preferred; at most ``scan`` registered blocks are looked at."""
+        chains: list[list[int]] = []
+        firsts: set[int] = set()
+        spare: list[list[int]] = []
+        for looked, block_id in enumerate(reversed(self.hash_to_block.values())):
+            if looked >= scan or len(chains) >= limit:
+                break
+            chain = [block_id]
+            while self.blocks[chain[-1]].parent is not None:
+                parent = self.hash_to_block.get(self.blocks[chain[-1]].parent)
+                if parent is None:  # its parent was evicted: no lookup reaches this block
+                    chain = []
+                    break
+                chain.append(parent)
+            if not chain:
+                continue
+            chain = chain[::-1][:max_blocks]
+            (spare if chain[0] in firsts else chains).append(chain)
+            firsts.add(chain[0])
+        for chain in spare:
+            if len(chains) >= limit:
+                break
+            if chain not in chains:
+                chains.append(chain)
+        return chains

@@ -23,6 +23,7 @@ from shapeshift.engine.core.block_manager import BlockManager
 from shapeshift.engine.core.config import EngineConfig, ModelConfig
 from shapeshift.engine.forward_pass.identity import ActiveForwardPass
 from shapeshift.engine.forward_pass.importer import LoadedBundle, build_forward_pass, load_bundle
+from shapeshift.engine.forward_pass.kv_layout import KVContext
 from shapeshift.engine.core.kv_cache import KVCache, choose_num_blocks
 from shapeshift.engine.models.loader import TORCH_DTYPES, LoadedModel, load_model
 from shapeshift.engine.core.runner import DecodeChunk, ModelRunner
@@ -59,6 +60,8 @@ class EngineStats:
     num_kv_blocks: int = 0
     # Overlapped decode chains (EngineConfig.overlap_decode), cumulative: see LLMEngine.decode_chains.
     decode_chains: dict[str, int] = field(default_factory=dict)
+    # Forward-pass swaps by what became of the KV cache: (outcome, reason) -> count, cumulative.
+    kv_swaps: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,7 +116,7 @@ class LLMEngine:
         self.bundle: LoadedBundle = load_bundle(config.forward_pass or self.default_bundle_dir,
                                                 config.forward_pass_recipe, ignore_manifest=True)
         self.forward_pass = build_forward_pass(self.bundle, self.model_config, self.weights)
-        self._set_active(ActiveForwardPass.of(self.bundle))
+        self._set_active(ActiveForwardPass.of(self.bundle, kv=self.kv_context()))
         kv_config = self._kv_cache_model_config()
         num_blocks = self._agree_on_num_blocks(choose_num_blocks(kv_config, config, self.dtype, self.device))
         self.kv_cache = KVCache.allocate(kv_config, num_blocks, config.block_size, self.dtype, self.device)
@@ -132,6 +135,9 @@ class LLMEngine:
         self._drained_outputs: list[RequestOutput] = []
         # How overlapped decode chains start, run and end (DECODE_CHAIN_KEYS).
         self.decode_chains: Counter[str] = Counter({key: 0 for key in DECODE_CHAIN_KEYS})
+        # Forward-pass swaps by what became of the KV cache, (outcome, reason) -> count, cumulative:
+        # counted by the hot-reload manager (forward_pass/kv_handover.py), exported by the server.
+        self.kv_swaps: Counter[tuple[str, str]] = Counter()
 
     # ------------------------------------------------------------------ construction hooks
     # (ParallelLLMEngine shards the weights and sizes a per-rank KV cache through these.)
@@ -144,6 +150,10 @@ class LLMEngine:
 
     def _agree_on_num_blocks(self, num_blocks: int) -> int:
         return num_blocks
+
+    def kv_context(self) -> KVContext:
+        """What this engine fixes of every pass's KV layout: the cache's KV geometry, block size, dtype."""
+        return KVContext.of(self._kv_cache_model_config(), self.config.block_size, self.dtype)
 
     @property
     def active_forward_pass(self) -> ActiveForwardPass:
@@ -453,7 +463,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.block_manager.prefix_cache_hit_tokens,
             num_free_blocks=self.block_manager.num_free_blocks, forward_pass_name=self.forward_pass_name,
             num_preemptions=self.scheduler.num_preemptions, num_kv_blocks=self.block_manager.num_blocks,
-            decode_chains=dict(self.decode_chains))
+            decode_chains=dict(self.decode_chains), kv_swaps=dict(self.kv_swaps))
 
     # ------------------------------------------------------------------ verification helpers
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
@@ -519,7 +529,7 @@ class LLMEngine:
         Call between steps. Blocks cached under another KV format stop matching.
         """
         fp = forward_pass if forward_pass is not None else build_forward_pass(bundle, self.model_config, self.weights)
-        self.install_forward_pass(bundle, fp, ActiveForwardPass.of(bundle))
+        self.install_forward_pass(bundle, fp, ActiveForwardPass.of(bundle, kv=self.kv_context()))
 
     def install_forward_pass(self, bundle: LoadedBundle, forward_pass: Any, identity: ActiveForwardPass, *,
                              runner: ModelRunner | None = None) -> None:

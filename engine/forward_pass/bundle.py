@@ -19,7 +19,8 @@ The digest is the bundle's identity (what a ForwardPass resource records and the
 engine reports): sha256 over the sorted ``"<path>\\0<sha256>\\n"`` lines of every file
 except manifest.json, so it does not depend on how the bundle was packed. The KV-cache
 tag of a bundle's pass is ``kv_cache_tag`` (one rule for the engine, hot reload and the
-verifier).
+verifier), derived from the KV layout forward.py declares (kv_layout.py), which the manifest
+records as ``kv_layout``.
 
 No torch and no pydantic here: the operator and the compile worker handle bundles
 too, and the benchmark machines may lack pydantic. PyYAML is used when present;
@@ -29,7 +30,6 @@ still load.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import io
 import json
@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from shapeshift.engine.forward_pass.kv_layout import kv_cache_tag, layout_from_source
 
 BUNDLE_FORMAT = "shapeshift.dev/forward-pass-bundle/v1"
 MANIFEST_NAME = "manifest.json"
@@ -76,6 +78,9 @@ class Manifest:
     # KV-cache format the forward pass writes; passes that share it may read each
     # other's cache across a hot swap. None: unknown, the cache is flushed on swap.
     cache_format: str | None = None
+    # The KV layout forward.py declares (kv_layout.declared_layout: "model"/"engine" fields are
+    # filled in by the engine that loads it); None: none declared.
+    kv_layout: dict[str, Any] | None = None
     parent: str | None = None  # digest of the bundle this one was derived from
     description: str = ""
     created_unix: float | None = None  # None keeps generated manifests reproducible
@@ -190,32 +195,11 @@ def load_recipe(bundle_dir: str | Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ create / write
 
 
-def kv_cache_tag(cache_format_version: int | str | None, digest: str) -> str:
-    """The tag of the KV blocks a pass writes: blocks are served only to passes with the same tag.
-
-    Passes declaring the same ``CACHE_FORMAT_VERSION`` write identical KV contents by contract
-    (the verifier checks that before a swap); a pass that declares none gets a tag of its own,
-    its bundle's digest, so its cache is never shared.
-    """
-    return f"kv-format-{cache_format_version if cache_format_version is not None else digest}"
-
-
 def declared_cache_format(bundle_dir: str | Path) -> str | None:
-    """``kv_cache_tag`` of forward.py's module-level ``CACHE_FORMAT_VERSION = <v>``, read
-    without importing it; None when it declares none."""
-    path = Path(bundle_dir) / ENTRY_NAME
-    try:
-        tree = ast.parse(path.read_text(), str(path))
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(t, ast.Name) and t.id == "CACHE_FORMAT_VERSION" for t in targets):
-            value = getattr(node, "value", None)
-            if isinstance(value, ast.Constant) and isinstance(value.value, (int, str)):
-                return kv_cache_tag(value.value, "")
-    return None
+    """``kv_cache_tag`` of the layout forward.py declares (``kv_layout.layout_from_source``),
+    read without importing it; None when it declares none."""
+    layout = layout_from_source(bundle_dir)
+    return kv_cache_tag(layout, "") if layout is not None else None
 
 
 def write_manifest(bundle_dir: str | Path, *, name: str | None = None, cache_format: str | None = None,
@@ -229,7 +213,8 @@ def write_manifest(bundle_dir: str | Path, *, name: str | None = None, cache_for
     if len(files) > MAX_BUNDLE_FILES:
         raise BundleError(f"{bundle_dir}: {len(files)} files, more than the limit {MAX_BUNDLE_FILES}")
     manifest = Manifest(name=name or bundle_dir.name, files=files, digest=compute_digest(files),
-                        cache_format=cache_format or declared_cache_format(bundle_dir), parent=parent,
+                        cache_format=cache_format or declared_cache_format(bundle_dir),
+                        kv_layout=layout_from_source(bundle_dir), parent=parent,
                         description=description, created_unix=created_unix)
     (bundle_dir / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
@@ -457,7 +442,7 @@ def open_bundle(path: str | Path, expected_digest: str | None = None, *,
                 raise BundleError(f"{folder}: a bundle needs {ENTRY_NAME}")
             files = hash_files(folder)
             manifest = Manifest(name=folder.name, files=files, digest=compute_digest(files),
-                                cache_format=declared_cache_format(folder),
+                                cache_format=declared_cache_format(folder), kv_layout=layout_from_source(folder),
                                 description="manifest computed at load time")
             if expected_digest is not None and manifest.digest != expected_digest:
                 raise BundleTamperedError(f"bundle {folder} has digest {manifest.digest}, expected {expected_digest}")

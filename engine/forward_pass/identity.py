@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shapeshift.engine.forward_pass.kv_layout import KVContext, kv_cache_tag, resolve
+
 
 @dataclass(frozen=True)
 class ActiveForwardPass:
@@ -19,6 +21,9 @@ class ActiveForwardPass:
     source: str  # where the bundle was loaded from (folder or archive path)
     recipe: dict[str, Any] = field(default_factory=dict, compare=False)
     resource: str | None = None  # the ForwardPass resource a rollout installed it as, if any
+    # The KV layout it writes (kv_layout.py), resolved against the engine when one is known;
+    # None: it declares none (its tag is its digest).
+    kv_layout: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -30,8 +35,14 @@ class ActiveForwardPass:
         return replace(self, resource=resource)
 
     @classmethod
-    def of(cls, loaded: Any, source: str | None = None, resource: str | None = None) -> ActiveForwardPass:
-        """The identity of an imported bundle (``importer.LoadedBundle``)."""
-        return cls(name=loaded.name, digest=loaded.manifest.digest, cache_format=loaded.cache_format,
+    def of(cls, loaded: Any, source: str | None = None, resource: str | None = None, *,
+           kv: KVContext | None = None) -> ActiveForwardPass:
+        """The identity of an imported bundle (``importer.LoadedBundle``); ``kv``: the engine it
+        runs in, whose model and settings fill in the declared KV layout (and so its tag)."""
+        layout = loaded.kv_layout
+        if kv is not None:
+            layout = resolve(layout, kv)
+        return cls(name=loaded.name, digest=loaded.manifest.digest,
+                   cache_format=kv_cache_tag(layout, loaded.manifest.digest),
                    source=str(source if source is not None else loaded.bundle.source),
-                   recipe=dict(loaded.recipe), resource=resource)
+                   recipe=dict(loaded.recipe), resource=resource, kv_layout=layout)

@@ -24,8 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from shapeshift.engine.forward_pass.bundle import (STOCK_BUNDLE_DIR, Bundle, BundleError, Manifest, kv_cache_tag,
-                                                   open_bundle)
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR, Bundle, BundleError, Manifest, open_bundle
+from shapeshift.engine.forward_pass.kv_layout import kv_cache_tag, layout_of_module
 
 logger = logging.getLogger("shapeshift.engine.forward_pass")
 
@@ -65,9 +65,16 @@ class LoadedBundle:
         return str(getattr(self.module, "FORWARD_PASS_NAME", None) or self.manifest.name)
 
     @property
+    def kv_layout(self) -> dict[str, Any] | None:
+        """The KV layout the module declares (kv_layout.layout_of_module); None: none declared."""
+        return layout_of_module(self.module)
+
+    @property
     def cache_format(self) -> str:
-        """What the KV contents mean; passes with equal formats read each other's cache."""
-        return kv_cache_tag(getattr(self.module, "CACHE_FORMAT_VERSION", None), self.manifest.digest)
+        """What the KV contents mean (the declared layout's tag); passes with equal formats may read
+        each other's cache. An engine tags blocks with the layout resolved against its model
+        (``ActiveForwardPass.of(..., kv=...)``)."""
+        return kv_cache_tag(self.kv_layout, self.manifest.digest)
 
     def unload(self) -> None:
         """Drop the package and its submodules from sys.modules and delete the private copy."""

@@ -89,41 +89,10 @@ class PagedDriver:
 
     # ------------------------------------------------------------------ steps
     def build_step(self, seqs: list[Seq], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        lens = []
         for seq, n in zip(seqs, num_new):
             assert n >= 1 and seq.num_computed + n <= len(seq.tokens), "schedule beyond the known tokens"
-            end = seq.num_computed + n
-            self.allocate(seq, end)
-            for p in range(seq.num_computed, end):
-                ids.append(seq.tokens[p])
-                pos.append(p)
-                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
-            qsl.append(qsl[-1] + n)
-            lens.append(end)
-        width = max(len(s.blocks) for s in seqs)
-        table = torch.full((len(seqs), width), self.kv.null_block, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            table[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        dev = self.device
-        ctx = AttentionContext(
-            is_prefill=any(n != 1 for n in num_new),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(num_new),
-            max_context_len=max(lens),
-            last_token_indices=torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=dev),
-            query_start_loc_cpu=list(qsl),
-            context_lens_cpu=list(lens),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, ctx
+            self.allocate(seq, seq.num_computed + n)
+        return step_inputs(seqs, num_new, self.block_size, self.kv.null_block, self.device)
 
     def step(self, fp: Any, seqs: list[Seq], num_new: list[int] | None = None) -> torch.Tensor:
         """Run one step of ``fp`` over the next ``num_new`` tokens of each sequence (default: all).
@@ -172,3 +141,43 @@ class PagedDriver:
             if k + 1 < steps:
                 current = self.step(decode_fp or fp, seqs, [1] * len(seqs))
         return out, logits_per_step
+
+
+def step_inputs(seqs: list[Seq], num_new: list[int], block_size: int, null_block: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+    """input_ids [T], positions [T] and the AttentionContext of one step over the next ``num_new``
+    tokens of each sequence, whose blocks (``seq.blocks``) already cover them."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    lens = []
+    for seq, n in zip(seqs, num_new):
+        assert n >= 1 and seq.num_computed + n <= len(seq.tokens), "schedule beyond the known tokens"
+        end = seq.num_computed + n
+        assert len(seq.blocks) * block_size >= end, "the sequence's blocks do not cover the step"
+        for p in range(seq.num_computed, end):
+            ids.append(seq.tokens[p])
+            pos.append(p)
+            slots.append(seq.blocks[p // block_size] * block_size + p % block_size)
+        qsl.append(qsl[-1] + n)
+        lens.append(end)
+    width = max(len(s.blocks) for s in seqs)
+    table = torch.full((len(seqs), width), null_block, dtype=torch.int32)
+    for i, seq in enumerate(seqs):
+        table[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+    ctx = AttentionContext(
+        is_prefill=any(n != 1 for n in num_new),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        max_query_len=max(num_new),
+        max_context_len=max(lens),
+        last_token_indices=torch.tensor([q - 1 for q in qsl[1:]], dtype=torch.int64, device=device),
+        query_start_loc_cpu=list(qsl),
+        context_lens_cpu=list(lens),
+    )
+    input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    positions = torch.tensor(pos, dtype=torch.int64, device=device)
+    return input_ids, positions, ctx

@@ -7,9 +7,12 @@ Data flow:
       --module.build(model_config, engine weights, recipe) [worker thread, deadline]--> ForwardPass
       --smoke.smoke_check [deadline]; the shared weights unchanged (weights_guard)
       --(CUDA) graphs captured on a second runner, off the serving path--> Prepared
-      --commit, on the engine thread between two steps: preempt sequences whose KV format
-        changes, LLMEngine.install_forward_pass (runner, pass, KV tag, ActiveForwardPass),
-        the bundle's runtime engine settings--> serving
+      --commit, on the engine thread between two steps: kv_handover.decide keeps the KV cache
+        (same KV layout and the incoming pass's prefix hits on blocks the outgoing pass wrote
+        equal a miss) or flushes it (running sequences preempted and recomputed, cached blocks
+        forgotten); LLMEngine.install_forward_pass (runner, pass, KV tag, ActiveForwardPass),
+        the bundle's runtime engine settings--> serving; the decision is in the reply
+        (``kvCache``), logged, and counted (shapeshift_kv_swaps_total)
 
 A compiled bundle carries engine.json, the EngineConfig overrides it was measured with. The
 ones that can change between two steps of a running engine (LLMEngine.RUNTIME_SETTINGS) are
@@ -35,6 +38,7 @@ from shapeshift.engine.forward_pass.bundle import BundleError, read_engine_setti
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
 from shapeshift.engine.forward_pass.identity import ActiveForwardPass
 from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError, load_bundle
+from shapeshift.engine.forward_pass.kv_handover import KVCheckSettings, KVDecision, count, decide
 from shapeshift.engine.forward_pass.smoke import smoke_check
 from shapeshift.engine.forward_pass.weights_guard import fingerprint_diff, weights_fingerprint
 
@@ -67,7 +71,7 @@ class PassRecord:
 
     def summary(self) -> dict[str, Any]:
         who = self.identity
-        return {"name": who.name, "digest": who.digest, "cacheFormat": who.cache_format,
+        return {"name": who.name, "digest": who.digest, "cacheFormat": who.cache_format, "kvLayout": who.kv_layout,
                 "forwardPass": who.resource, "source": who.source, "activatedUnix": self.activated_unix,
                 "engineSettings": dict(self.engine_settings),
                 "timingsSeconds": {k: round(v, 4) for k, v in self.timings_s.items()}, "smoke": self.smoke}
@@ -86,14 +90,15 @@ class ReloadResult:
     name: str
     digest: str
     cache_format: str
-    flushed_kv: bool  # the old pass's cache was dropped (formats differ)
+    flushed_kv: bool  # the old pass's cache was dropped (layouts differ, or the KV check failed)
     preempted: int  # running sequences recomputed under the new pass
     timings_s: dict[str, float]
     smoke: dict[str, Any]
+    kv: dict[str, Any] = field(default_factory=dict)  # KVDecision.to_dict(): kept or flushed, and why
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.digest, "cacheFormat": self.cache_format,
-                "flushedKv": self.flushed_kv, "preempted": self.preempted,
+                "flushedKv": self.flushed_kv, "preempted": self.preempted, "kvCache": dict(self.kv),
                 "timingsSeconds": {k: round(v, 4) for k, v in self.timings_s.items()}, "smoke": self.smoke}
 
 
@@ -104,7 +109,8 @@ class ForwardPassManager:
                  smoke_timeout_s: float = DEFAULT_SMOKE_TIMEOUT_S, smoke_prompts: int = 3,
                  smoke_steps: int = 6, smoke_min_agreement: float = 0.9,
                  smoke_logit_tolerance: float | None = None, history_limit: int = 8,
-                 offpath_capture: bool | None = None, check_weights: bool = True) -> None:
+                 offpath_capture: bool | None = None, check_weights: bool = True,
+                 kv_check: KVCheckSettings | None = None) -> None:
         self.engine = engine
         self.build_timeout_s = build_timeout_s
         self.smoke_timeout_s = smoke_timeout_s
@@ -122,6 +128,8 @@ class ForwardPassManager:
         # thread while the engine keeps serving (CUDA only); None -> on when CUDA.
         self.offpath_capture = offpath_capture
         self.check_weights = check_weights
+        # The check a swap between passes of one KV layout runs before the cache is kept.
+        self.kv_check = kv_check or KVCheckSettings()
         self._lock = threading.Lock()  # one reload at a time
         # The engine's own values of the settings it can change while running: what a pass
         # without engine.json runs with.
@@ -155,7 +163,9 @@ class ForwardPassManager:
             loaded = load_bundle(path, expected_digest=expected_digest)
             timings["import"] = time.perf_counter() - t0
             try:
-                identity = ActiveForwardPass.of(loaded, str(path), resource)
+                kv_context = getattr(self.engine, "kv_context", None)  # resolves the pass's KV layout
+                identity = ActiveForwardPass.of(loaded, str(path), resource,
+                                                kv=kv_context() if kv_context is not None else None)
                 record, runner = self._build_and_check(loaded, timings, identity)
                 record.engine_settings = read_engine_settings(loaded.bundle.folder)
             except BundleError as exc:
@@ -242,17 +252,15 @@ class ForwardPassManager:
         """Install a prepared pass. Call on the engine thread between two steps."""
         with self._lock:
             t0 = time.perf_counter()
-            flushed, preempted = self._install(prepared.record, prepared.runner)
+            kv, preempted = self._install(prepared.record, prepared.runner)
             prepared.record.timings_s["swap"] = time.perf_counter() - t0
             prepared.record.activated_unix = time.time()
             self.history.append(prepared.record)
             self._trim_history()
             r, who = prepared.record, prepared.record.identity
-            logger.debug("forward pass %s (%s) active; kv flushed=%s preempted=%d", who.name, who.digest[:12],
-                        flushed, preempted)
             return ReloadResult(name=who.name, digest=who.digest, cache_format=who.cache_format,
-                                flushed_kv=flushed, preempted=preempted, timings_s=dict(r.timings_s),
-                                smoke=dict(r.smoke))
+                                flushed_kv=not kv.kept, preempted=preempted, timings_s=dict(r.timings_s),
+                                smoke=dict(r.smoke), kv=kv.to_dict())
 
     def rollback(self, steps: int = 1) -> ReloadResult:
         """Re-activate the pass ``steps`` entries back in history. Call between steps."""
@@ -266,29 +274,37 @@ class ForwardPassManager:
             again = PassRecord(identity=target.identity, forward_pass=target.forward_pass, loaded=target.loaded,
                                imported_here=target.imported_here, smoke=dict(target.smoke),
                                engine_settings=dict(target.engine_settings))
-            flushed, preempted = self._install(again, None)
+            kv, preempted = self._install(again, None)
             again.timings_s["swap"] = time.perf_counter() - t0
             self.history.append(again)
             self._trim_history()
             who = again.identity
             return ReloadResult(name=who.name, digest=who.digest, cache_format=who.cache_format,
-                                flushed_kv=flushed, preempted=preempted, timings_s=dict(again.timings_s),
-                                smoke={"rollback": True})
+                                flushed_kv=not kv.kept, preempted=preempted, timings_s=dict(again.timings_s),
+                                smoke={"rollback": True}, kv=kv.to_dict())
 
-    def _install(self, record: PassRecord, runner: Any) -> tuple[bool, int]:
+    def _install(self, record: PassRecord, runner: Any) -> tuple[KVDecision, int]:
         eng = self.engine
         drain = getattr(eng, "drain_inflight", None)
         if drain is not None:  # decode steps in flight finish on the pass and runner that launched them
             drain()
-        flushed = record.identity.cache_format != eng.block_manager.tag
+        outgoing = self.active
+        kv = decide(eng, outgoing.identity, outgoing.forward_pass, record.identity, record.forward_pass, self.kv_check)
         preempted = 0
-        if flushed:
-            # Running sequences hold KV written by the old pass in another format:
-            # recompute them under the new one (same tokens: greedy/seeded resume exactly).
+        if not kv.kept:
+            # Running sequences hold KV the new pass must not read: recompute them under it
+            # (same tokens: greedy/seeded resume exactly), and forget every cached block.
             preempted = _preempt_running(eng.scheduler)
+            if record.identity.cache_format == eng.block_manager.tag:
+                eng.block_manager.flush()  # same tag, so installing the pass would keep them
         eng.install_forward_pass(record.loaded, record.forward_pass, record.identity, runner=runner)
         self._apply_engine_settings(record)
-        return flushed, preempted
+        count(eng, kv)
+        who = record.identity
+        logger.info("forward pass %s (%s) active; KV cache %s (%s): %s; %d running sequence(s) preempted, "
+                    "check %.1f ms", who.name, who.digest[:12], kv.outcome, kv.reason, kv.detail, preempted,
+                    kv.seconds * 1e3)
+        return kv, preempted
 
     def _apply_engine_settings(self, record: PassRecord) -> None:
         if not self.base_engine_settings:

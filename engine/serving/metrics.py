@@ -185,6 +185,12 @@ class EngineMetrics:
             names.FORWARD_PASS_IN_SYNC,
             "1 when the active forward pass is the one the pod annotations ask for.", m, registry=r).labels(model_name)
         self.forward_pass_in_sync.set(1)
+        self._kv_swaps = Counter(names.client_name(names.KV_SWAPS),
+                                 "Forward-pass swaps by what became of the KV cache (kept or flushed, and why).",
+                                 ("model", "outcome", "reason"), registry=r)
+        for outcome, reason in names.KV_SWAP_SERIES:
+            self._kv_swaps.labels(model_name, outcome, reason)
+        self._last_kv_swaps: dict[tuple[str, str], int] = {}
         # Last cumulative values seen in EngineStats; counters advance by the difference.
         self._last_queried_tokens = 0
         self._last_hit_tokens = 0
@@ -296,6 +302,10 @@ class EngineMetrics:
         preempted = int(getattr(stats, "num_preemptions", 0) or 0)
         self.preemptions.inc(preempted - self._last_preemptions if preempted >= self._last_preemptions else preempted)
         self._last_preemptions = preempted
+        for (outcome, reason), total in (getattr(stats, "kv_swaps", None) or {}).items():
+            seen = self._last_kv_swaps.get((outcome, reason), 0)
+            self._kv_swaps.labels(self.model_name, outcome, reason).inc(total - seen if total >= seen else total)
+            self._last_kv_swaps[(outcome, reason)] = total
 
     def watch_expert_routing(self, source: Callable[[], Any]) -> None:
         """Export the routing counts ``source()`` returns (the active pass's ExpertRoutingCounts,

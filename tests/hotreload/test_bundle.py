@@ -13,6 +13,7 @@ import pytest
 
 from shapeshift.engine.forward_pass.bundle import (BundleError, BundleTamperedError, Manifest, create_bundle, load_manifest,
                                       open_bundle, stock_bundle_dir, verify_bundle)
+from shapeshift.engine.forward_pass.kv_layout import STOCK_KV_LAYOUT, kv_cache_tag
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,9 @@ def test_create_and_verify_roundtrip(tmp_path, archive):
     out = tmp_path / ("b.tar.gz" if archive else "b")
     written = create_bundle(src, {"attention": "paged", "tile": [64, 128]}, out, name="cand-1")
     assert set(written.files) == {"forward.py", "helpers/fused.py", "recipe.yaml"}
-    assert written.cache_format == "kv-format-7"  # read from forward.py without importing it
+    # read from forward.py without importing it: the stock layout under version 7
+    assert written.cache_format == kv_cache_tag(7, "") and written.cache_format.startswith("kv-format-7-")
+    assert written.kv_layout == {**STOCK_KV_LAYOUT, "version": 7}
     loaded = load_manifest(out)
     assert loaded.digest == written.digest and loaded.name == "cand-1"
     assert written.created_unix is not None and loaded.created_unix == written.created_unix  # stamped, and kept

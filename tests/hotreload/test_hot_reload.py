@@ -165,7 +165,9 @@ def test_kv_flushed_when_cache_format_changes(tmp_path):
     engine.step()
     result = manager.reload(tmp_path / "v2-bundle")
     assert result.flushed_kv and result.preempted == 1
-    assert engine.block_manager.tag == "kv-format-2"
+    assert result.kv["outcome"] == "flushed" and result.kv["reason"] == "layout_changed"
+    assert "version: 1 -> 2" in result.kv["detail"]
+    assert engine.block_manager.tag.startswith("kv-format-2-")
     assert engine.block_manager.num_cached_tokens(probe) == 0  # blocks of the old format are never served
     outputs = {}
     while engine.has_unfinished_requests():
@@ -176,7 +178,7 @@ def test_kv_flushed_when_cache_format_changes(tmp_path):
     create_bundle(CANDIDATES / "good_fused_mlp", {}, tmp_path / "mlp")
     create_bundle(CANDIDATES / "good_refactored", {}, tmp_path / "qkv")
     same = manager.reload(tmp_path / "mlp")
-    assert same.flushed_kv is True  # kv-format-2 -> kv-format-1 again
+    assert same.flushed_kv is True  # version 2 -> version 1 again
     again = manager.reload(tmp_path / "qkv")
     assert again.flushed_kv is False
 
@@ -331,3 +333,41 @@ def test_smoke_check_tolerates_near_ties_in_bf16_but_not_wrong_logits(tmp_path):
     manager.rollback()
     with pytest.raises(ReloadError, match="worse than the incumbent's by more than 0.25 logits"):
         manager.reload(candidate("scrambled", 50.0))  # logits swamped by noise: clearly different tokens
+
+
+def kv_swaps_on_metrics(base: str) -> dict[tuple[str, str], float]:
+    """shapeshift_kv_swaps_total{outcome, reason} as the server's /metrics exports it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "shapeshift_kv_swaps_total":
+                out[(sample.labels["outcome"], sample.labels["reason"])] = sample.value
+    return out
+
+
+def test_kv_swap_outcomes_in_the_reply_and_on_metrics(server, tmp_path):
+    """A compatible pass keeps the cache, one whose cache writes differ under the same tag is
+    flushed by the check; the admin reply says which and why, /metrics counts both."""
+    base, manager, engine, _ = server
+    before = kv_swaps_on_metrics(base)
+    assert before.keys() >= {("kept", "verified"), ("flushed", "layout_changed"), ("flushed", "check_failed")}
+    complete(base, "a prompt long enough to fill a few blocks of the prefix cache, " * 3)
+    create_bundle(CANDIDATES / "good_refactored", {}, tmp_path / "qkv")
+    create_bundle(CANDIDATES / "kv_scaled_writes", {}, tmp_path / "scaled")
+    kept = httpx.post(base + "/admin/forward-passes", json={"path": str(tmp_path / "qkv")}, headers=auth(), timeout=120)
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["flushedKv"] is False
+    assert (kept.json()["kvCache"]["outcome"], kept.json()["kvCache"]["reason"]) == ("kept", "verified")
+    flushed = httpx.post(base + "/admin/forward-passes", json={"path": str(tmp_path / "scaled")}, headers=auth(),
+                         timeout=120)
+    assert flushed.status_code == 200, flushed.text
+    body = flushed.json()
+    assert body["flushedKv"] is True and body["kvCache"]["reason"] == "check_failed", body["kvCache"]
+    assert complete(base, "metrics are published after a step").status_code == 200
+    after = kv_swaps_on_metrics(base)
+    assert after[("kept", "verified")] == before[("kept", "verified")] + 1
+    assert after[("flushed", "check_failed")] == before[("flushed", "check_failed")] + 1
+    rb = httpx.post(base + "/admin/forward-passes/rollback", json={"steps": 1}, headers=auth())
+    assert rb.status_code == 200 and rb.json()["kvCache"]["outcome"] == "flushed"

@@ -49,12 +49,20 @@ def unversioned_bundle(tmp_path: Path) -> Path:
 
 
 def test_one_kv_cache_tag_rule():
-    assert kv_cache_tag(1, "ab" * 32) == "kv-format-1"
-    assert kv_cache_tag("bf16-v2", "ab" * 32) == "kv-format-bf16-v2"
+    """The tag is derived from the declared KV layout: a bare version is the stock layout under it."""
+    from shapeshift.engine.forward_pass.kv_layout import STOCK_KV_LAYOUT, declared_layout
+
+    assert kv_cache_tag(1, "ab" * 32) == kv_cache_tag(declared_layout(1), "cd" * 32)
+    assert kv_cache_tag(1, "ab" * 32).startswith("kv-format-1-")
+    assert kv_cache_tag("bf16-v2", "ab" * 32).startswith("kv-format-bf16-v2-")
     assert kv_cache_tag(None, "ab" * 32) == "kv-format-" + "ab" * 32
+    # any field of the layout moves the tag
+    assert kv_cache_tag(declared_layout(1, {"k_scale": 2.0}), "") != kv_cache_tag(1, "")
+    assert kv_cache_tag(declared_layout(1, {"rotary_base": 500000.0}), "") != kv_cache_tag(1, "")
     stock = load_bundle(STOCK_BUNDLE_DIR)
     try:  # read from the source without importing it, or from the imported module: the same tag
         assert stock.cache_format == declared_cache_format(STOCK_BUNDLE_DIR) == kv_cache_tag(1, stock.manifest.digest)
+        assert stock.kv_layout == load_manifest(STOCK_BUNDLE_DIR).kv_layout == {**STOCK_KV_LAYOUT, "version": 1}
     finally:
         stock.unload()
 
@@ -96,7 +104,10 @@ def test_the_engine_keeps_the_active_pass_and_every_reader_sees_it(tmp_path):
     assert isinstance(start, ActiveForwardPass)
     assert (start.name, start.digest, start.source) == ("stock", load_manifest(STOCK_BUNDLE_DIR).digest,
                                                         str(STOCK_BUNDLE_DIR))
-    assert start.cache_format == engine.block_manager.tag == "kv-format-1"
+    # the engine tags blocks with the layout resolved against its model, cache and dtype
+    assert start.kv_layout["num_kv_heads"] == engine.model_config.num_key_value_heads
+    assert start.kv_layout["block_size"] == engine.config.block_size
+    assert start.cache_format == engine.block_manager.tag and start.cache_format.startswith("kv-format-1-")
     with pytest.raises(dataclasses.FrozenInstanceError):
         start.name = "other"  # type: ignore[misc]
     manager = ForwardPassManager(engine)
@@ -111,7 +122,7 @@ def test_the_engine_keeps_the_active_pass_and_every_reader_sees_it(tmp_path):
     assert engine.active_forward_pass.label == "fp-unversioned" == manager.listing()["active"]["forwardPass"]
     assert forward_pass_identity(engine, engine.stats()) == ("fp-unversioned", now.digest)
     manager.rollback()
-    assert engine.active_forward_pass == start and engine.block_manager.tag == "kv-format-1"
+    assert engine.active_forward_pass == start and engine.block_manager.tag == start.cache_format
     assert forward_pass_identity(engine, engine.stats()) == ("stock", start.digest)
 
 

@@ -33,6 +33,7 @@ BAD = {
     "crash_forward": "smoke",
     "mutates_inputs": "anti_cheat.inputs_unchanged",
     "output_alias": "anti_cheat.poisoned_outputs",
+    "kv_scaled_writes": "kv.swap_compatibility",
 }
 GOOD = ("good_refactored", "good_fused_mlp")
 
