@@ -67,7 +67,6 @@ __all__ = [
     "check_drift",
     "drift_compile_run_name",
     "drift_status_update",
-    "is_due",
     "only_check_time_changed",
     "policy_from_spec",
     "run_check",
@@ -287,22 +286,6 @@ def active_compile_run(compile_runs: list[Mapping[str, Any]], deployment: str) -
 
 def _iso(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def is_due(status: InferenceDeploymentStatus, spec: InferenceDeploymentSpec, now: datetime, *,
-           timer_seconds: float, last_in_memory: datetime | None = None) -> bool:
-    """Whether spec.compilation.drift.checkIntervalSeconds has passed since the last check
-    (status.drift.lastCheckTime, or the later one kept in memory for checks that wrote nothing)."""
-    last = status.drift.last_check_time if status.drift else None
-    if last_in_memory is not None and (last is None or last_in_memory > last):
-        last = last_in_memory
-    if last is None:
-        return True
-    # Half a timer tick of slack, so a 60 s interval on a 10 s timer is not stretched to 70 s.
-    slack = timedelta(seconds=timer_seconds / 2)
-    return now - last >= timedelta(seconds=thresholds_of(spec).check_interval_seconds) - slack
-
-
 
 
 def only_check_time_changed(update: StatusUpdate, status: InferenceDeploymentStatus) -> bool:

@@ -1,18 +1,28 @@
-"""The operator-wide drift scheduler: the deployments due for a check, observed in batches.
+"""The operator-wide drift scheduler: each deployment's due time, observed in batches, applied
+without one check waiting for another.
 
-    the drift timer of each deployment (operator/handlers/drift.py), when its checkIntervalSeconds
-      has passed --submit(DueCheck)--> the due set (one entry per deployment)
+    the drift timer of each deployment (operator/handlers/drift.py), every tick
+        --register(Registration)--> the registry: uid -> the deployment's latest registration (what
+          its spec says to observe, its kopf context, its apply) and its due time, kept here:
+          first status.drift.lastCheckTime + checkIntervalSeconds (now, when never checked), then
+          the time of the check before + checkIntervalSeconds
     one background thread, every tick (SHAPESHIFT_DRIFT_BATCH_SECONDS, default 1 s):
-        takes the due set, groups it by (Prometheus URL, window, label layout)
-        --per group: operator/prometheus_batch.observe_many, one PromQL query per series for the
-          whole group (the outbound policy checked before anything is sent)--> each deployment's
-          ObservedTraffic or TrafficQueryError
-        --DueCheck.apply(result, now) on a small pool of threads (API reads and writes of the
-          check: CompileRuns, champions, status), each in the context of its deployment's timer
-          call, so kopf's events post as they did from the timer
+        the deployments that are due and whose previous check has ended
+        --grouped by (Prometheus URL, window, timeout, allow-list, label layout); per group
+          operator/prometheus_batch.observe_many, one PromQL query per series for the whole group
+          (the outbound policy checked before anything is sent)--> each ObservedTraffic or
+          TrafficQueryError
+        --per shared key of the round (the namespace): read_shared() once (its CompileRuns)-->
+        --apply(result, now, shared) submitted to a pool of threads, in the context of the timer
+          call that registered it (kopf's events post as they did from the timer), and not waited
+          for: the next tick observes the next due deployments while these write
+        an apply that returns: due again an interval after this round; one that raises:
+          on_failure, due again after retry_seconds
+    a registration whose timer stopped (the deployment deleted, the operator stopping) is dropped
 
-The timer keeps each deployment's pace and its kopf context; the batching of Prometheus reads
-is what grows with the number of deployments no longer.
+The due time is the scheduler's, not the timer's: a check is observed within one tick of falling
+due, whatever the phase of the deployment's timer, and the end of one deployment's status write is
+no other deployment's start (docs/operator-scale.md).
 """
 
 from __future__ import annotations
@@ -21,55 +31,104 @@ import concurrent.futures
 import contextvars
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from shapeshift.operator.prometheus import ObservedTraffic, PrometheusTraffic, SeriesSelector, TrafficQueryError
 from shapeshift.operator.prometheus_batch import batch_key, observe_many
 
-__all__ = ["DriftScheduler", "DueCheck"]
+__all__ = ["DriftScheduler", "Registration"]
 
 LOG = logging.getLogger(__name__)
 
+Observed = ObservedTraffic | TrafficQueryError | None
+
 
 @dataclass
-class DueCheck:
+class Registration:
     uid: str
+    name: str
+    interval_seconds: float
     url: str | None
     window_seconds: int
     selector: SeriesSelector
-    name: str
     timeout_seconds: float
     allowed_cidrs: tuple[str, ...]
-    # (observed or the error, now) -> None; raises to give up this check
-    apply: Callable[[ObservedTraffic | TrafficQueryError | None, datetime], None]
+    # (observed or the error, the check's time, what read_shared gave this round) -> None; raises to
+    # give up this check (due again after retry_seconds)
+    apply: Callable[[Observed, datetime, Any], None]
+    # checks with the same shared_key share one read_shared() per round (the namespace's CompileRuns);
+    # what it raises is handed to apply as the value
+    shared_key: Hashable = None
+    read_shared: Callable[[], Any] | None = None
+    last_check: datetime | None = None  # status.drift.lastCheckTime when registered
+    stopped: Callable[[], bool] = lambda: False  # the timer's stop flag: True once it will not run again
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     def group(self) -> tuple[Any, ...]:
         return (self.url, self.window_seconds, self.timeout_seconds, self.allowed_cidrs, batch_key(self.selector))
 
 
+@dataclass
+class _Slot:
+    registration: Registration
+    due: float  # epoch seconds
+    last: float | None  # the round time of its last check that returned
+    running: bool = False
+
+
 class DriftScheduler:
-    def __init__(self, tick_seconds: float = 1.0, workers: int = 32,
-                 on_failure: Callable[[DueCheck, BaseException], None] | None = None):
+    def __init__(self, tick_seconds: float = 1.0, workers: int = 32, retry_seconds: float = 10.0,
+                 on_failure: Callable[[Registration, BaseException], None] | None = None):
         self.tick_seconds = tick_seconds
         self.workers = workers
+        self.retry_seconds = retry_seconds
         self.on_failure = on_failure
-        self._due: dict[str, DueCheck] = {}
+        self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.batches = 0  # batched groups observed, for tests
 
-    def submit(self, check: DueCheck) -> None:
-        with self._lock:
-            self._due[check.uid] = check
-        self.start()
+    # ---- the registry ----------------------------------------------------------------------
 
-    def pending(self) -> int:
+    def register(self, registration: Registration, start: bool = True) -> None:
+        """The deployment's latest registration; its due time stays the scheduler's, except that a
+        new checkIntervalSeconds counts from its last check at once."""
         with self._lock:
-            return len(self._due)
+            slot = self._slots.get(registration.uid)
+            if slot is None:
+                last = registration.last_check.timestamp() if registration.last_check is not None else None
+                due = last + registration.interval_seconds if last is not None else 0.0
+                self._slots[registration.uid] = _Slot(registration, due=due, last=last)
+            else:
+                if slot.registration.interval_seconds != registration.interval_seconds and slot.last is not None:
+                    slot.due = slot.last + registration.interval_seconds
+                slot.registration = registration
+        if start:
+            self.start()
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._slots.pop(uid, None)
+
+    def registered(self) -> int:
+        with self._lock:
+            return len(self._slots)
+
+    def due_at(self, uid: str) -> float | None:
+        """Epoch seconds at which the deployment's next check falls due (None: not registered)."""
+        with self._lock:
+            slot = self._slots.get(uid)
+            return None if slot is None else slot.due
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(slot.running for slot in self._slots.values())
+
+    # ---- the thread ------------------------------------------------------------------------
 
     def start(self) -> None:
         with self._lock:
@@ -86,44 +145,90 @@ class DriftScheduler:
 
     def _loop(self) -> None:
         with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="drift-check") as pool:
-            while not self._stop.wait(self.tick_seconds):
+            while True:
+                began = time.monotonic()
                 try:
                     self.run_once(pool)
                 except Exception:  # noqa: BLE001 - the scheduler outlives one bad tick
                     LOG.exception("drift scheduler tick failed")
+                if self._stop.wait(max(0.0, self.tick_seconds - (time.monotonic() - began))):
+                    return
 
-    def run_once(self, pool: concurrent.futures.Executor) -> int:
-        """Observe and apply every due check; the number of checks run."""
+    # ---- one round -------------------------------------------------------------------------
+
+    def run_once(self, pool: concurrent.futures.Executor, now: float | None = None) -> list[concurrent.futures.Future]:
+        """Observe every due deployment whose previous check has ended and submit its apply to
+        ``pool``; the futures of the applies (the round does not wait for them)."""
+        clock = time.time() if now is None else now
         with self._lock:
-            due, self._due = list(self._due.values()), {}
+            for uid in [uid for uid, slot in self._slots.items() if not slot.running and slot.registration.stopped()]:
+                del self._slots[uid]
+            due = [slot for slot in self._slots.values() if not slot.running and slot.due <= clock]
+            for slot in due:
+                slot.running = True
         if not due:
-            return 0
-        now = datetime.now(timezone.utc).replace(microsecond=0)
-        groups: dict[tuple[Any, ...], list[DueCheck]] = {}
-        for check in due:
-            groups.setdefault(check.group(), []).append(check)
+            return []
+        at = datetime.fromtimestamp(clock, timezone.utc).replace(microsecond=0)
+        groups: dict[tuple[Any, ...], list[_Slot]] = {}
+        for slot in due:
+            groups.setdefault(slot.registration.group(), []).append(slot)
+        shared = self._shared([slot.registration for slot in due])
         futures = []
-        for checks in groups.values():
-            results = self._observe(checks, now)
-            self.batches += 1
-            for check in checks:
-                futures.append((check, pool.submit(check.context.run, check.apply, results.get(check.uid), now)))
-        for check, future in futures:
+        for slots in groups.values():
+            registrations = [slot.registration for slot in slots]
             try:
-                future.result()
-            except Exception as err:  # noqa: BLE001 - one deployment's failure is its own
-                if self.on_failure is not None:
-                    self.on_failure(check, err)
-        return len(due)
+                results = self._observe(registrations, at)
+            except Exception as err:  # noqa: BLE001 - observe_many answers errors per deployment; this is a bug
+                LOG.exception("batched observation of %d deployments failed", len(slots))
+                for slot in slots:
+                    self._ended(slot, slot.registration, clock, err)
+                continue
+            self.batches += 1
+            for slot, registration in zip(slots, registrations):
+                futures.append(pool.submit(self._check, slot, registration, results.get(registration.uid), at,
+                                           shared.get(registration.shared_key), clock))
+        return futures
+
+    def _check(self, slot: _Slot, registration: Registration, observed: Observed, at: datetime, shared: Any,
+               clock: float) -> None:
+        """One apply, in its timer call's context; its slot is free again when the future is done."""
+        try:
+            registration.context.run(registration.apply, observed, at, shared)
+        except BaseException as err:  # noqa: BLE001 - one deployment's failure is its own
+            self._ended(slot, registration, clock, err)
+            raise
+        self._ended(slot, registration, clock, None)
+
+    def _ended(self, slot: _Slot, registration: Registration, clock: float, err: BaseException | None) -> None:
+        with self._lock:
+            slot.running = False
+            if err is None:
+                slot.last = clock
+                slot.due = clock + slot.registration.interval_seconds
+            else:
+                slot.due = max(clock, time.time()) + self.retry_seconds  # from the failure
+        if err is not None and self.on_failure is not None:
+            self.on_failure(registration, err)
 
     @staticmethod
-    def _observe(checks: list[DueCheck], now: datetime) -> dict[str, ObservedTraffic | TrafficQueryError]:
-        first = checks[0]
+    def _shared(registrations: list[Registration]) -> dict[Hashable, Any]:
+        """One read_shared() per shared key of the round; what it raises is the value."""
+        out: dict[Hashable, Any] = {}
+        for registration in registrations:
+            if registration.read_shared is None or registration.shared_key in out:
+                continue
+            try:
+                out[registration.shared_key] = registration.read_shared()
+            except Exception as err:  # noqa: BLE001 - each apply of the key raises it
+                out[registration.shared_key] = err
+        return out
+
+    @staticmethod
+    def _observe(registrations: list[Registration], now: datetime) -> dict[str, ObservedTraffic | TrafficQueryError]:
+        first = registrations[0]
         if not first.url:
             return {}  # apply(None, ...) says why: no Prometheus address
         with PrometheusTraffic(first.url, timeout_seconds=first.timeout_seconds,
                                allowed_cidrs=first.allowed_cidrs) as prom:
-            return observe_many(prom, {c.uid: c.selector for c in checks}, f"{first.window_seconds}s", at=now,
-                                names={c.uid: f"{c.name}-observed" for c in checks})
-
-
+            return observe_many(prom, {r.uid: r.selector for r in registrations}, f"{first.window_seconds}s", at=now,
+                                names={r.uid: f"{r.name}-observed" for r in registrations})

@@ -9,21 +9,23 @@
         a switch to a known regime's champion is an event RegimeSwitched, and the rollout timer
         takes it as its target (regimes.target_forward_pass)
 
-The timer ticks every SHAPESHIFT_DRIFT_TIMER_SECONDS (default 10) and skips deployments
-whose spec.compilation.drift.checkIntervalSeconds has not passed since
-status.drift.lastCheckTime, so each deployment keeps its own pace with one timer; the pace
-of checks that wrote nothing is kept in memory. A due deployment is handed to the operator-wide
-drift scheduler (operator/drift_scheduler.py, one thread started at startup), which reads the
-traffic of every deployment due in its tick (SHAPESHIFT_DRIFT_BATCH_SECONDS, default 1) with one
-PromQL query per series per Prometheus address and window (operator/prometheus_batch.py), then
-runs ``_apply`` for each, in the context of the timer call that handed it over. The Prometheus settings (address, target
-label names, timeout, minimum requests) are operator/settings.py's.
+The timer ticks every SHAPESHIFT_DRIFT_TIMER_SECONDS (default 10) and does nothing but register
+the deployment with the operator-wide drift scheduler (operator/drift_scheduler.py, one thread):
+what its spec says to observe, its kopf context and logger, and the apply below. The scheduler
+keeps each deployment's due time itself (status.drift.lastCheckTime + checkIntervalSeconds at
+first, then its last check + checkIntervalSeconds), so the timer's phase does not stretch the
+pace. Every tick (SHAPESHIFT_DRIFT_BATCH_SECONDS, default 1) it reads the traffic of every
+deployment due with one PromQL query per series per Prometheus address and window
+(operator/prometheus_batch.py) and the CompileRuns of each namespace once, then runs ``_apply`` for
+each on a pool of threads without waiting for them: ``_apply`` takes the status from kopf's live
+body (the last watch event's), so the status write needs no read of its own. The Prometheus
+settings (address, target label names, timeout, minimum requests) are operator/settings.py's.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any
 
 import kopf
@@ -35,24 +37,22 @@ from shapeshift.operator.api import (
     GROUP,
     INFERENCE_DEPLOYMENT,
     VERSION,
-    HardwareSpec,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
-    short_error,
 )
 from shapeshift.operator.builders import Parent
-from shapeshift.operator.drift_scheduler import DriftScheduler, DueCheck
-from shapeshift.operator.drift_check import active_compile_run, check_drift, is_due, selector_for, thresholds_of
+from shapeshift.operator.compile_economics import champion_economics
+from shapeshift.operator.drift_scheduler import DriftScheduler, Registration
+from shapeshift.operator.drift_check import active_compile_run, check_drift, selector_for, thresholds_of
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.prometheus import ObservedTraffic, TrafficQueryError
 from shapeshift.operator.provenance import publishing_run
-from shapeshift.operator.regimes import RegimeLibrary, economics, pending_champions, record_champion
+from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion
 from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
 TIMER_SECONDS = registered_timers().drift_timer_seconds
 LOG = logging.getLogger(__name__)
-_LAST_CHECK: dict[str, datetime] = {}  # uid -> last check, for checks that wrote nothing
 
 
 class _NoPrometheusAddress(TrafficQueryError):
@@ -72,58 +72,79 @@ def stop_drift_scheduler(**_: Any) -> None:
 
 @kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
 async def drift_check(spec: kopf.Spec, status: kopf.Status, name: str, namespace: str, body: kopf.Body,
-                      memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """When the deployment's check is due, hand it to the drift scheduler, which observes the traffic
-    of all due deployments in one batch and then judges drift and writes status (``_apply``).
-    Asynchronous, as it waits on nothing: it runs on kopf's event loop, so a deployment's pace does
-    not wait for one of the handler threads the rollout ticks and resyncs hold."""
+                      memo: kopf.Memo, logger: logging.Logger, stopped: Any, **_: Any) -> None:
+    """Register the deployment with the drift scheduler, which keeps its due time, observes the
+    traffic of all due deployments in one batch and then judges drift and writes status (``_apply``).
+    Asynchronous, as it waits on nothing: it runs on kopf's event loop, so a registration does not
+    wait for one of the handler threads the rollout ticks and resyncs hold."""
     try:
         typed_spec = InferenceDeploymentSpec.model_validate(dict(spec))
     except ValueError as err:  # the API server's schema should have refused it; nothing to observe
         raise kopf.PermanentError(f"spec does not parse: {err}") from err
     typed_status = InferenceDeploymentStatus.model_validate(dict(status or {}))
-    now = datetime.now(timezone.utc).replace(microsecond=0)
     uid = body["metadata"].get("uid", f"{namespace}/{name}")
-    if not is_due(typed_status, typed_spec, now, timer_seconds=TIMER_SECONDS, last_in_memory=_LAST_CHECK.get(uid)):
-        return
-    _LAST_CHECK[uid] = now
     settings = OperatorSettings.from_environ()
     kube = kube_of(memo)
+    thresholds = thresholds_of(typed_spec)
 
-    def apply(observed: ObservedTraffic | TrafficQueryError | None, at: datetime) -> None:
-        _LAST_CHECK[uid] = at
-        _apply(kube, settings, typed_spec, typed_status, name, namespace, body, logger, observed, at)
+    def apply(observed: ObservedTraffic | TrafficQueryError | None, at: datetime, runs: Any) -> None:
+        if isinstance(runs, BaseException):
+            raise runs
+        read = _live(body)  # kopf's body of a timer is live: the status as the last watch event had it
+        if read is None:
+            return  # deleted meanwhile
+        live_status = InferenceDeploymentStatus.model_validate(read.get("status") or {})
+        _apply(kube, settings, typed_spec, live_status, name, namespace, body, logger, observed, at, runs, read)
 
-    SCHEDULER.submit(DueCheck(
-        uid=uid, url=typed_spec.prometheus_url or settings.prometheus_url,
-        window_seconds=thresholds_of(typed_spec).window_seconds,
-        selector=selector_for(namespace, name, typed_spec, settings), name=name,
+    SCHEDULER.register(Registration(
+        uid=uid, name=name, interval_seconds=float(thresholds.check_interval_seconds),
+        url=typed_spec.prometheus_url or settings.prometheus_url, window_seconds=thresholds.window_seconds,
+        selector=selector_for(namespace, name, typed_spec, settings),
         timeout_seconds=settings.prometheus_timeout_seconds, allowed_cidrs=settings.outbound_allowed_cidrs,
-        apply=apply))
+        apply=apply, shared_key=namespace, read_shared=lambda: _compile_runs(kube, namespace),
+        last_check=typed_status.drift.last_check_time if typed_status.drift else None,
+        stopped=stopped.is_set))
 
 
-def _failed(check: DueCheck, err: BaseException) -> None:
-    """A check that failed (API errors): due again at the next timer tick."""
-    _LAST_CHECK.pop(check.uid, None)
+def _live(body: kopf.Body) -> dict[str, Any] | None:
+    """One consistent copy of the live body's metadata and status (kopf swaps the whole body on
+    each watch event, from its event loop's thread): read until the resourceVersion holds still."""
+    for _ in range(5):
+        version = body.metadata.get("resourceVersion")
+        copy = {"metadata": dict(body.metadata), "status": dict(body.get("status") or {})}
+        if body.metadata.get("resourceVersion") == version:
+            return copy if version is not None else None
+    return None
+
+
+def _compile_runs(kube: Kube, namespace: str) -> list[dict[str, Any]]:
+    """The namespace's CompileRuns: read once per scheduler round for all its due deployments."""
+    try:
+        return kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
+    except ApiException as err:
+        raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
+                                  delay=15) from err
+
+
+def _failed(registration: Registration, err: BaseException) -> None:
+    """A check that failed (API errors): due again after a drift timer tick."""
     if isinstance(err, (kopf.TemporaryError, kopf.PermanentError)):
-        LOG.warning("drift check of %s failed: %s", check.name, err)
+        LOG.warning("drift check of %s failed: %s", registration.name, err)
     else:
-        LOG.error("drift check of %s failed", check.name, exc_info=err)
+        LOG.error("drift check of %s failed", registration.name, exc_info=err)
 
 
 SCHEDULER = DriftScheduler(tick_seconds=registered_timers().drift_batch_seconds,
-                           on_failure=_failed)
+                           retry_seconds=TIMER_SECONDS, on_failure=_failed)
 
 
 def _apply(kube: Kube, settings: OperatorSettings, typed_spec: InferenceDeploymentSpec,
            typed_status: InferenceDeploymentStatus, name: str, namespace: str, body: kopf.Body,
-           logger: logging.Logger, observed: ObservedTraffic | TrafficQueryError | None, now: datetime) -> None:
-    """One deployment's check from its slice of the batched observation: judge drift, create, write."""
-    try:
-        runs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, COMPILE_RUN.plural)["items"]
-    except ApiException as err:
-        raise kopf.TemporaryError(f"listing CompileRuns in {namespace} failed ({err.status} {err.reason})",
-                                  delay=15) from err
+           logger: logging.Logger, observed: ObservedTraffic | TrafficQueryError | None, now: datetime,
+           runs: list[dict[str, Any]], read: dict[str, Any]) -> None:
+    """One deployment's check from its slice of the batched observation and the namespace's
+    CompileRuns of the round: judge drift, create, write (merged into ``read``, the live body's
+    copy, so a write costs no read unless another writer came in between)."""
 
     def observe() -> ObservedTraffic:
         if observed is None:
@@ -152,7 +173,7 @@ def _apply(kube: Kube, settings: OperatorSettings, typed_spec: InferenceDeployme
         return
     try:
         kube.write_status(INFERENCE_DEPLOYMENT, namespace, name, check.update,
-                          generation=body["metadata"].get("generation"))
+                          generation=read["metadata"].get("generation"), read=read)
     except ApiException as err:
         raise kopf.TemporaryError(f"writing drift status failed ({err.status} {err.reason})", delay=15) from err
     logger.info("drift check: %s%s%s", decision.kind, f" -> CompileRun {created}" if created else "",
@@ -178,18 +199,16 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
             logger.info("regime %s: champion %s of CompileRun %s not recorded: %s", regime, champion,
                         run["metadata"]["name"], target.problem)
             continue
-        completed, started = _time(run["status"].get("completionTime")), _time(run["status"].get("startTime"))
-        compile_hardware = HardwareSpec.model_validate((run.get("spec") or {}).get("hardware") or {}) \
-            if (run.get("spec") or {}).get("hardware") else spec.hardware
-        cost = economics(started=started, completed=completed, compile_accelerators=compile_hardware.count,
-                         speedup=((forward_pass.get("spec") or {}).get("metrics") or {}).get("speedup"),
-                         serving_accelerators=spec.replicas * spec.hardware.count)
+        completed = _time(run["status"].get("completionTime"))
+        # spent from the Job's times, saved from the served tokens/s in Prometheus; also the run's status.economics
+        cost = champion_economics(kube, run, forward_pass, spec, body["metadata"]["name"], body["metadata"]["namespace"])
         library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost)
         kopf.info(body, reason="RegimeChampionRecorded",
                   message=f"regime {regime}: champion {champion} of CompileRun {run['metadata']['name']} "
                           f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')}; compile "
-                          f"spent {cost.compile_accelerator_seconds} accelerator-seconds, pays back after "
-                          f"{cost.payback_seconds} s of serving in the regime)"[:1000])
+                          f"spent {cost.compile_accelerator_seconds} accelerator-seconds, saves "
+                          f"{cost.saved_accelerator_hours_per_day} accelerator-hours a day at the served load, pays "
+                          f"back after {cost.payback_hours} h)"[:1000])
     return library
 
 

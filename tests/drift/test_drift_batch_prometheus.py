@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from metrics_exporter import exporter_process, observe
-from shapeshift.operator.drift_scheduler import DriftScheduler, DueCheck
+from shapeshift.operator.drift_scheduler import DriftScheduler, Registration
 from shapeshift.operator.prometheus import (NoTrafficData, PrometheusAnswerMalformed, PrometheusRefused,
                                             PrometheusTraffic, SeriesSelector)
 from shapeshift.operator.prometheus_batch import observe_many
@@ -132,21 +132,24 @@ def test_scheduler_batches_per_url_and_gives_each_deployment_the_batch_failure(s
     results: dict[str, object] = {}
 
     def due(uid, url, selector):
-        def apply(observed, now):
+        def apply(observed, now, shared):
             results[uid] = observed
-        return DueCheck(uid=uid, url=url, window_seconds=int(span.total_seconds()) + 1, selector=selector,
-                        name=uid, timeout_seconds=5.0, allowed_cidrs=(), apply=apply)
+        return Registration(uid=uid, name=uid, interval_seconds=60.0, url=url,
+                            window_seconds=int(span.total_seconds()) + 1, selector=selector, timeout_seconds=5.0,
+                            allowed_cidrs=(), apply=apply)
 
     scheduler = DriftScheduler()
     for key, selector in BATCH.items():
-        scheduler._due[key] = due(key, server.url, selector)
-        scheduler._due[f"bad-{key}"] = due(f"bad-{key}", not_a_vector, selector)
-        scheduler._due[f"refused-{key}"] = due(f"refused-{key}", "http://169.254.169.254:9090", selector)
-    scheduler._due["no-url"] = due("no-url", None, BATCH["a"])
+        scheduler.register(due(key, server.url, selector), start=False)
+        scheduler.register(due(f"bad-{key}", not_a_vector, selector), start=False)
+        scheduler.register(due(f"refused-{key}", "http://169.254.169.254:9090", selector), start=False)
+    scheduler.register(due("no-url", None, BATCH["a"]), start=False)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert scheduler.run_once(pool) == 10
+        futures = scheduler.run_once(pool)
+        assert len(futures) == 10
+        concurrent.futures.wait(futures)
     assert scheduler.batches == 4  # one per Prometheus address (and one without any)
-    assert scheduler.pending() == 0
+    assert scheduler.running() == 0 and scheduler.run_once(pool) == []  # each due again an interval later
     assert results["a"].quality.requests >= 20 and results["b"].quality.requests >= 20
     assert isinstance(results["ghost"], NoTrafficData)
     for key in BATCH:

@@ -20,7 +20,6 @@ from shapeshift.operator.drift_check import (
     check_drift,
     drift_compile_run_name,
     drift_status_update,
-    is_due,
     policy_from_spec,
     run_check,
     selector_for,
@@ -277,14 +276,3 @@ def test_check_drift_warns_once_when_the_traffic_becomes_unobservable():
     again = check_drift(spec=make_spec(), status=stored, parent=PARENT, observe=unreachable,
                         active_compile_run=None, settings=OperatorSettings(), now=NOW + timedelta(minutes=1))
     assert again.warning is None and not again.write  # nothing new: no event, no write
-
-
-def test_checks_keep_the_deployments_own_interval_with_half_a_tick_of_slack():
-    spec = make_spec(drift={"checkIntervalSeconds": 60})
-    checked = InferenceDeploymentStatus.model_validate({"drift": {"lastCheckTime": "2026-11-29T12:00:05Z"}})
-    assert is_due(InferenceDeploymentStatus(), spec, NOW, timer_seconds=10)
-    assert not is_due(checked, spec, NOW + timedelta(seconds=50), timer_seconds=10)
-    assert is_due(checked, spec, NOW + timedelta(seconds=55), timer_seconds=10)
-    # a later check kept in memory (it wrote nothing) counts too
-    assert not is_due(checked, spec, NOW + timedelta(seconds=55), timer_seconds=10,
-                      last_in_memory=NOW + timedelta(seconds=30))
