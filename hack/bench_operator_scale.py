@@ -20,8 +20,10 @@
             Prometheus's query log; the lag of a check is the time since that deployment's check
             before it, over its interval (a deployment still unchecked at the window's end counts
             with the time it has waited so far)
+            and, from a watch on the InferenceDeployments, the same lag of the status writes (each new
+            status.drift.lastCheckTime as received) and the time from observation to write
         --> bench/results/operator-scale-tiny-llama-cpu-<UTC stamp>.json: deployments, interval_s,
-            max_check_lag_ratio, p99_check_lag_ratio, checks, operator_rss_mb (peak), the API
+            max_check_lag_ratio, p99_check_lag_ratio, checks, the status writes' lag, operator_rss_mb (peak), the API
             server's requests/s (all clients; and those of the shapeshift.dev group), Prometheus
             queries/s (all; and the drift checks' share), commit, hardware, command
 
@@ -166,6 +168,53 @@ def query_log_counts(query_log: Path, start: float, end: float) -> tuple[int, in
             total += 1
             drift += len(checked_deployments((entry.get("params") or {}).get("query") or ""))
     return total, drift
+
+
+class StatusWrites:
+    """Each deployment's drift status writes as a watch on the InferenceDeployments receives them:
+    deployment -> [(received, status.drift.lastCheckTime)] (epoch seconds), one per new check time.
+    The check time is the observation's (whole seconds); received minus it is how long the
+    observation took to reach the status."""
+
+    def __init__(self, custom, namespace: str, start: bool = True):
+        self.custom, self.namespace = custom, namespace
+        self.writes: dict[str, list[tuple[float, float]]] = {}
+        self.stop = threading.Event()
+        if start:
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        version = None
+        while not self.stop.is_set():
+            try:
+                stream = watch.Watch().stream(self.custom.list_namespaced_custom_object, GROUP, VERSION,
+                                              self.namespace, "inferencedeployments", timeout_seconds=30,
+                                              **({"resource_version": version} if version else {}))
+                for event in stream:
+                    self.seen(event["object"], time.time())
+                    version = event["object"]["metadata"].get("resourceVersion") or version
+                    if self.stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001 - a watch that expired (410) starts again from now
+                version = None
+                time.sleep(0.5)
+
+    def seen(self, obj: dict, received: float) -> None:
+        last = ((obj.get("status") or {}).get("drift") or {}).get("lastCheckTime")
+        if not last:
+            return
+        mine = self.writes.setdefault(obj["metadata"]["name"], [])
+        at = _epoch(last)
+        if not mine or mine[-1][1] != at:
+            mine.append((received, at))
+
+    def received(self) -> dict[str, list[float]]:
+        return {name: [r for r, _ in writes] for name, writes in self.writes.items()}
+
+    def delays(self, start: float, end: float) -> list[float]:
+        return sorted(r - at for writes in self.writes.values() for r, at in writes if start <= r <= end)
 
 
 # ---- the scrape targets ------------------------------------------------------------------------
@@ -390,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: running_pods() >= len(names), 900, f"{len(names)} engine pods Running", 5)
         timings["operator_to_all_pods_running_s"] = round(time.monotonic() - t0, 1)
 
+        writes = StatusWrites(cluster.custom, namespace)
         time.sleep(args.warmup_intervals * args.interval)
         window_s = args.intervals * args.interval
         start = time.time()
@@ -409,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         load = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min at the window's end
         time.sleep(2)  # the query log is written as queries finish
         lags = check_lags(drift_checks(query_log), names, args.interval, start, end)
+        writes.stop.set()
+        write_lags = check_lags(writes.received(), names, args.interval, start, end)
+        delays = writes.delays(start, end)
         queries, drift_queries = query_log_counts(query_log, start, end)
         span = end - start
     finally:
@@ -445,6 +498,14 @@ def main(argv: list[str] | None = None) -> int:
         "p99_check_lag_ratio": _round(lags.quantile(0.99)),
         "p50_check_lag_ratio": _round(lags.quantile(0.5)),
         "within_1_5x": None if lags.max is None else lags.max <= 1.5,
+        # the same lag of the status writes (a new status.drift.lastCheckTime, as a watch receives it)
+        "status_writes": write_lags.checks,
+        "max_status_write_lag_ratio": _round(write_lags.max),
+        "p99_status_write_lag_ratio": _round(write_lags.quantile(0.99)),
+        "p50_status_write_lag_ratio": _round(write_lags.quantile(0.5)),
+        # seconds from a check's observation (lastCheckTime, whole seconds) to its status write
+        "observe_to_write_s": {"p50": _round(_nearest(delays, 0.5), 1), "p99": _round(_nearest(delays, 0.99), 1),
+                               "max": _round(delays[-1] if delays else None, 1)},
         "operator_rss_mb": _round(max(rss) if rss else None, 1),
         "operator_rss_mb_end": _round(rss[-1] if rss else None, 1),
         "load_average": load,
@@ -463,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     print(f"wrote {args.out / (name + '.json')}")
     return 0
+
+
+def _nearest(ordered: list[float], q: float) -> float | None:
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else None
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

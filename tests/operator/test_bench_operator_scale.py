@@ -64,3 +64,19 @@ def test_batched_checks_count_for_each_deployment_of_the_batch(tmp_path):
     assert sorted(bench.drift_checks(log)) == ["d.3", "d0001", "d0002"]
     start = bench.drift_checks(log)["d0001"][0] - 1
     assert bench.query_log_counts(log, start, start + 2) == (1, 3)
+
+
+def test_status_writes_count_each_new_check_time_once():
+    writes = bench.StatusWrites(None, "scale", start=False)
+
+    def obj(name, last):
+        return {"metadata": {"name": name}, "status": {"drift": {"lastCheckTime": last}} if last else {}}
+
+    writes.seen(obj("d0001", None), 99.0)  # not checked yet
+    writes.seen(obj("d0001", "2026-12-02T01:00:00Z"), 100.0)
+    writes.seen(obj("d0001", "2026-12-02T01:00:00Z"), 103.0)  # another writer's event, same check
+    writes.seen(obj("d0001", "2026-12-02T01:00:20Z"), 125.0)
+    assert writes.received() == {"d0001": [100.0, 125.0]}
+    base = bench._epoch("2026-12-02T01:00:00Z")
+    assert [at for _, at in writes.writes["d0001"]] == [base, base + 20]
+
