@@ -13,8 +13,9 @@
     a finished CompileRun started for a regime (pending_champions) --record_champion--> that
         regime's champion, once the rollout's trust rules (operator/rollout_target.resolve_target) accept it
     spec, status, the CompileRuns (newest_champion) --target_forward_pass--> what the rollout should run
-    a CompileRun's Job times, its accelerators, the champion's speedup, the serving accelerators
-        --economics--> accelerator-seconds spent, saved per hour, payback time
+    a CompileRun's Job times, its accelerators, the champion's speedup and baseline throughput, the
+        deployment's served tokens/s (Prometheus, read by operator/compile_economics.py) and accelerators
+        --economics--> accelerator-seconds spent, accelerator-hours saved per day at that load, payback time
 
 Hysteresis: the observed traffic must sit in a new regime for spec.regimes.switchChecks checks in
 a row (and spec.regimes.minDwellSeconds) before the library moves there; a cooldown
@@ -347,22 +348,41 @@ class Economics:
     compile_accelerator_seconds: float | None
     saved_accelerator_seconds_per_hour: float | None
     payback_seconds: float | None
+    saved_accelerator_hours_per_day: float | None = None
+    payback_hours: float | None = None
 
 
 def economics(*, started: datetime | None, completed: datetime | None, compile_accelerators: int,
-              speedup: float | None, serving_accelerators: int) -> Economics:
-    """Spent = compile accelerators x the Job's wall time; saved per second = the serving
-    accelerators x (1 - 1/speedup) (the same load served 1/speedup of the time); payback =
-    spent / saved per second. Unknown where a time or the speedup is missing; no payback where the
-    speedup saves nothing."""
+              speedup: float | None, served_tokens_per_second: float | None,
+              baseline_tokens_per_second_per_accelerator: float | None, serving_accelerators: int) -> Economics:
+    """The compile economics of a champion, at the load served when it is recorded.
+
+    spent = compile accelerators x the Job's wall time (completion - start), accelerator-seconds;
+    busy  = min(serving accelerators, served output tokens/s / baseline tokens/s per accelerator):
+            the accelerators busy serving that rate at the old speed (the baseline's replay
+            throughput per accelerator); at the new speed the same rate keeps busy / speedup busy;
+    saved = busy - busy / speedup = busy x (1 - 1/speedup) accelerator-seconds per second of serving,
+            reported per hour (x 3600 accelerator-seconds) and per day (x 24 accelerator-hours);
+    payback = spent / saved seconds (/ 3600: hours) of serving at that load.
+
+    Unknown (None) where a time, the served rate, the baseline or the speedup is missing; no payback
+    where the champion saves nothing (a speedup of at most 1, or no traffic)."""
     spent = None
     if started is not None and completed is not None:
         spent = round(compile_accelerators * max((completed - started).total_seconds(), 0.0), 3)
-    saved = None
-    if speedup is not None and speedup > 0:
-        saved = serving_accelerators * max(0.0, 1.0 - 1.0 / speedup)
-    payback = round(spent / saved, 3) if spent is not None and saved else None
-    return Economics(spent, round(saved * 3600, 3) if saved is not None else None, payback)
+    saved = None  # accelerator-seconds per second
+    if (speedup is not None and speedup > 0 and served_tokens_per_second is not None
+            and baseline_tokens_per_second_per_accelerator):
+        busy = min(float(serving_accelerators), served_tokens_per_second / baseline_tokens_per_second_per_accelerator)
+        saved = busy * max(0.0, 1.0 - 1.0 / speedup)
+    payback = spent / saved if spent is not None and saved else None
+    return Economics(
+        compile_accelerator_seconds=spent,
+        saved_accelerator_seconds_per_hour=round(saved * 3600, 3) if saved is not None else None,
+        payback_seconds=round(payback, 3) if payback is not None else None,
+        saved_accelerator_hours_per_day=round(saved * 24, 6) if saved is not None else None,
+        payback_hours=round(payback / 3600, 6) if payback is not None else None,
+    )
 
 
 def record_rollback(library: RegimeLibrary, forward_pass: str, when: datetime, why: str | None) -> RegimeLibrary:

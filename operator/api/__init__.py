@@ -21,6 +21,7 @@ from shapeshift.operator.api.common import (DTYPES, ENV_LIST_SCHEMA, MAX_ENV_VAR
                                             HardwareSpec, StatusModel, Toleration, WireModel, cel, get_condition,
                                             now_utc, parse_spec, parse_status, set_condition, short_error)
 from shapeshift.operator.api.compile_run import (COMPILE_RUN, TERMINAL_PHASES, AgentSpec, BaselineSpec, CompileBudget,
+                                                 CompileEconomics,
                                                  CompileRunPhase, CompileRunSpec, CompileRunStatus, CompileSLO, CompileTrigger,
                                                  DeploymentRef, LeaderboardEntry, LLMAgentSpec, PrometheusWindow,
                                                  SecretKeyRef, TierSpec, TrafficSource, TrialCounts, VerificationSpec)
@@ -63,7 +64,7 @@ __all__ = [
     # CompileRun
     "SecretKeyRef", "LLMAgentSpec", "AgentSpec", "TierSpec", "VerificationSpec", "BaselineSpec", "CompileBudget",
     "DeploymentRef", "PrometheusWindow", "TrafficSource", "CompileTrigger", "CompileSLO", "CompileRunSpec", "LeaderboardEntry",
-    "TrialCounts", "CompileRunPhase", "TERMINAL_PHASES", "CompileRunStatus",
+    "TrialCounts", "CompileRunPhase", "TERMINAL_PHASES", "CompileRunStatus", "CompileEconomics",
     # ForwardPass
     "ModelSignature", "ForwardPassHardware", "Artifact", "ForwardPassMetrics", "GateResult", "VerificationReport",
     "ReasoningNote", "ForwardPassEngine", "ForwardPassSpec", "ForwardPassRefusal", "ForwardPassPhase",

@@ -257,6 +257,36 @@ class TrialCounts(StatusModel):
     failed: int = Field(default=0, ge=0, description="Candidates that crashed, hung or did not build.")
 
 
+class CompileEconomics(StatusModel):
+    """What the run spent and what its champion saves, written once by the operator when it records
+    the champion (operator/compile_economics.py): spent from the Job's times, saved from the
+    deployment's served tokens/s in Prometheus at that moment and the champion's measured speedup."""
+
+    accelerators: int = Field(ge=0, description="Accelerators the compile Job held.")
+    job_start_time: datetime | None = Field(default=None, description="The compile Job's status.startTime.")
+    job_completion_time: datetime | None = Field(default=None, description="The compile Job's status.completionTime.")
+    accelerator_seconds: float | None = Field(
+        default=None, ge=0, description="Spent: accelerators x the Job's wall time (start to completion).")
+    served_tokens_per_second: float | None = Field(
+        default=None, ge=0, description="The deployment's served output tokens/s (Prometheus: sum over its pods "
+                                        "of rate(shapeshift_generated_tokens_total[window])).")
+    served_window_seconds: int | None = Field(default=None, ge=0, description="The rate's window.")
+    measured_at: datetime | None = Field(default=None, description="When the served rate was read (the query's time).")
+    baseline_tokens_per_second_per_accelerator: float | None = Field(
+        default=None, ge=0, description="What one accelerator served at the old speed on the champion's replay "
+                                        "(its baselineTokensPerSecond over its hardware.count).")
+    serving_accelerators: int | None = Field(default=None, ge=0, description="The deployment's accelerators "
+                                                                             "(replicas x per pod).")
+    speedup: float | None = Field(default=None, ge=0, description="The champion's measured speedup.")
+    saved_accelerator_hours_per_day: float | None = Field(
+        default=None, ge=0, description="24 x (accelerators busy serving the served rate at the old speed, at "
+                                        "most the serving accelerators) x (1 - 1/speedup).")
+    payback_hours: float | None = Field(
+        default=None, ge=0, description="Serving time after which the compile paid for itself: spent over saved "
+                                        "(none where the champion saves nothing at this load).")
+    message: str | None = Field(default=None, max_length=1024, description="What is unknown, and why.")
+
+
 CompileRunPhase = Literal["Pending", "Scheduled", "Running", "Verifying", "Succeeded", "Failed"]
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
@@ -281,6 +311,9 @@ class CompileRunStatus(StatusModel):
         default=None, max_length=64, pattern=r"^[a-f0-9]{64}$",
         description="Digest of the champion ForwardPass's spec as the worker published it; the rollout trusts "
                     "that ForwardPass only while its spec has this digest.")
+    economics: CompileEconomics | None = Field(
+        default=None, description="What the run spent and what its champion saves (written once the operator "
+                                  "records the champion).")
     conditions: list[Condition] | None = Field(default=None, max_length=32, description="Scheduled, Complete, Failed ...")
     message: str | None = Field(default=None, max_length=4096, description="Human-readable summary.")
 
@@ -298,6 +331,12 @@ COMPILE_RUN = Kind(
         printer_column("Trials", ".status.trials.total", "integer"),
         printer_column("Speedup", ".status.bestSpeedup", "number", description="Best verified speedup."),
         printer_column("Champion", ".status.champion"),
+        printer_column("Spent", ".status.economics.acceleratorSeconds", "number",
+                       description="Accelerator-seconds the compile Job spent."),
+        printer_column("Payback", ".status.economics.paybackHours", "number",
+                       description="Hours of serving at the measured load after which the compile paid for itself."),
+        printer_column("Saved/Day", ".status.economics.savedAcceleratorHoursPerDay", "number", priority=1,
+                       description="Accelerator-hours the champion saves per day at the measured load."),
         printer_column("Trigger", ".spec.trigger.reason", priority=1),
         printer_column("Node", ".status.nodeName", priority=1),
         printer_column("Message", ".status.message", priority=1),

@@ -436,8 +436,9 @@ class RegimeChampion(StatusModel):
         default=None, ge=0, description="What the CompileRun spent: accelerators x its Job's wall time (start to end).")
     saved_accelerator_seconds_per_hour: float | None = Field(
         default=None, ge=0,
-        description="Serving accelerator-seconds it saves per hour in its regime: the deployment's accelerators "
-                    "(replicas x per pod) x (1 - 1/speedup), at the load it was measured at.")
+        description="Serving accelerator-seconds it saves per hour in its regime at the load served when it was "
+                    "recorded: 3600 x (accelerators busy serving the Prometheus-measured output tokens/s at the old "
+                    "speed) x (1 - 1/speedup); its CompileRun's status.economics says the same per day.")
     payback_seconds: float | None = Field(
         default=None, ge=0, description="Serving time in its regime after which the compile paid for itself.")
     rolled_back_at: datetime | None = Field(

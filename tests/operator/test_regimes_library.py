@@ -227,27 +227,63 @@ def test_engine_env_digest_counts_only_performance_switches():
 def test_compile_economics_by_hand():
     from shapeshift.operator.regimes import economics
 
-    # 2 accelerators for 30 min; 4 serving pods of 2 accelerators at x1.25: 8 x (1 - 0.8) = 1.6 saved per second
-    cost = economics(started=T0, completed=T0 + timedelta(minutes=30), compile_accelerators=2, speedup=1.25,
-                     serving_accelerators=8)
+    def cost_of(served: float | None, speedup: float | None = 1.25, serving: int = 8, **times):
+        return economics(started=times.get("started", T0), completed=times.get("completed", T0 + timedelta(minutes=30)),
+                         compile_accelerators=2, speedup=speedup, served_tokens_per_second=served,
+                         baseline_tokens_per_second_per_accelerator=500.0, serving_accelerators=serving)
+
+    # 2 accelerators for 30 min; 4000 tokens/s served keep 4000 / 500 = 8 accelerators busy at the old
+    # speed, 8 / 1.25 = 6.4 at x1.25: 1.6 accelerator-seconds saved per second, 38.4 accelerator-hours a day
+    cost = cost_of(4000.0)
     assert cost.compile_accelerator_seconds == 3600.0
     assert cost.saved_accelerator_seconds_per_hour == pytest.approx(1.6 * 3600)
+    assert cost.saved_accelerator_hours_per_day == pytest.approx(38.4)
     assert cost.payback_seconds == pytest.approx(3600 / 1.6)  # 2250 s of serving in the regime
+    assert cost.payback_hours == pytest.approx(2250 / 3600)
     lib = record_champion(RegimeLibrary(), KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
     champion = lib.get(KEY_A).champion
     assert (champion.compile_accelerator_seconds, champion.payback_seconds) == (3600.0, 2250.0)
-    # a champion no faster than the default never pays back; unknown times leave the cost unknown
-    assert economics(started=T0, completed=T0 + CHECK, compile_accelerators=1, speedup=1.0,
-                     serving_accelerators=8).payback_seconds is None
-    assert economics(started=None, completed=T0, compile_accelerators=1, speedup=2.0,
-                     serving_accelerators=1).compile_accelerator_seconds is None
+    # a quarter of the load saves a quarter; more load than the pods' replay throughput saves at most
+    # what the serving accelerators are
+    assert cost_of(1000.0).saved_accelerator_hours_per_day == pytest.approx(9.6)
+    assert cost_of(10_000.0).saved_accelerator_hours_per_day == pytest.approx(38.4)
+    # no faster than the default, or no traffic: never pays back; unknown times or rate: unknown
+    assert cost_of(4000.0, speedup=1.0).payback_seconds is None
+    assert cost_of(0.0).payback_hours is None and cost_of(0.0).saved_accelerator_hours_per_day == 0.0
+    assert cost_of(None).saved_accelerator_hours_per_day is None and cost_of(None).payback_hours is None
+    assert cost_of(4000.0, started=None).compile_accelerator_seconds is None
+
+
+def test_economics_inputs_from_the_job_and_the_champion():
+    from shapeshift.operator.api import CompileEconomics
+    from shapeshift.operator.compile_economics import baseline_per_accelerator, job_times, of_record
+    from shapeshift.operator.prometheus import SeriesSelector
+    from shapeshift.operator.served_rate import served_rate_query
+
+    job = {"status": {"startTime": "2026-12-01T12:00:00Z", "conditions": [
+        {"type": "Complete", "status": "True", "lastTransitionTime": "2026-12-01T12:10:00Z"}]}}
+    assert job_times(job, {}) == (T0, T0 + timedelta(minutes=10), None)
+    start, end, note = job_times(None, {"startTime": "2026-12-01T12:00:00Z", "completionTime": "2026-12-01T12:01:00Z"})
+    assert (start, end) == (T0, T0 + CHECK) and "Job is gone" in note
+    metrics = {"speedup": 1.25, "tokensPerSecond": 1250.0}
+    assert baseline_per_accelerator({"spec": {"metrics": {**metrics, "baselineTokensPerSecond": 1000.0},
+                                              "hardware": {"count": 2}}}) == 500.0
+    assert baseline_per_accelerator({"spec": {"metrics": metrics}}) == 1000.0  # tokensPerSecond / speedup
+    assert baseline_per_accelerator({"spec": {"metrics": {"speedup": 1.25}}}) is None
+    record = CompileEconomics(accelerators=2, job_start_time=T0, job_completion_time=T0 + timedelta(minutes=30),
+                              served_tokens_per_second=4000.0, baseline_tokens_per_second_per_accelerator=500.0,
+                              serving_accelerators=8, speedup=1.25)
+    assert of_record(record).payback_seconds == pytest.approx(2250.0)
+    assert served_rate_query(SeriesSelector(namespace="ns", deployment="llama"), 60) == (
+        'sum(rate(shapeshift_generated_tokens_total{namespace="ns",deployment="llama"}[60s]))')
 
 
 def test_max_payback_skips_a_compile_that_would_not_pay_for_itself():
     from shapeshift.operator.regimes import economics, expected_payback
 
-    # A's compile: 1 accelerator for an hour; 8 serving accelerators at x1.25 save 1.6 a second: 2250 s payback
+    # A's compile: 1 accelerator for an hour; 8 busy serving accelerators at x1.25 save 1.6 a second: 2250 s payback
     cost = economics(started=T0, completed=T0 + timedelta(hours=1), compile_accelerators=1, speedup=1.25,
+                     served_tokens_per_second=4000.0, baseline_tokens_per_second_per_accelerator=500.0,
                      serving_accelerators=8)
     lib = run(RegimeLibrary(), A, T0).library
     lib = record_champion(lib, KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
