@@ -5,9 +5,9 @@ Run as a process: ``python metrics_exporter.py PORT MODEL``. It owns one
 definitions, names and buckets) and serves it on ``GET /metrics``.
 ``POST /observe`` with ``{"prompt_tokens": n, "generation_tokens": m,
 "cached_tokens": k}`` records one finished request the way the engine does:
-the prompt and generation histograms observe ``n`` and ``m``, the prefix-cache
-counters advance by ``n`` queried and ``k`` hit tokens, and
-``requests_total{status="stop"}`` counts it. ``POST /in-flight`` with
+the prompt and generation histograms observe ``n`` and ``m``, the generated-tokens
+counter advances by ``m``, the prefix-cache counters advance by ``n`` queried and
+``k`` hit tokens, and ``requests_total{status="stop"}`` counts it. ``POST /in-flight`` with
 ``{"running": r, "waiting": w}`` sets the two in-flight gauges until the next
 such call, the way the engine publishes its scheduler's sets.
 
@@ -78,6 +78,7 @@ def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPR
             with lock:
                 metrics.prompt_tokens.observe(prompt)
                 metrics.generation_tokens.observe(generated)
+                metrics.generation_tokens_total.inc(generated)
                 queried["tokens"] += prompt
                 queried["hits"] += cached
                 stats = _Stats(queried["tokens"], queried["hits"], **flight)

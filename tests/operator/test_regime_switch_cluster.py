@@ -5,15 +5,21 @@ status says its forward pass was compiled for very short prompts; its engine's s
 tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations) scraped by Prometheus.
 
     traffic A (prompts ~100 tokens)  -> a CompileRun for regime A; its champion fp-a is published as
-                                        a compile worker publishes it (the run vouches for it) and
-                                        recorded in status.regimes, with what the compile spent
-                                        (accelerators x the Job's wall time) and its payback
+                                        a compile worker publishes it (the run vouches for it), the
+                                        Job's pod exits 0 (a stand-in worker run by the harness's
+                                        kubelet), and fp-a is recorded in status.regimes; the run's
+                                        status.economics (and the champion's) against a hand
+                                        calculation from the Job's real times and the served rate
+                                        asked of Prometheus again; `kubectl get compileruns` shows them
     traffic B (prompts ~600 tokens)  -> a CompileRun for regime B; fp-b written by hand (no run vouches
                                         for it) is not recorded; published by the run, it is
     traffic A again                  -> a switch to fp-a within two checks, no CompileRun, an event
                                         RegimeSwitched and the condition Regime saying why; the
                                         rollout's target is fp-a (status.rollout.desired)
     B for one check, then A          -> inside the hysteresis: no switch, no CompileRun
+    traffic C (prompts ~1800 tokens) -> with spec.compilation.maxPaybackHours below what the compiles
+      with a payback limit              so far take to pay back: no CompileRun, the condition Regime
+                                        says why (PaybackTooLong, the expected payback by hand)
 
 Each phase sends more requests than the Prometheus window still holds from the one before, so the
 window's median is the new phase's.
@@ -22,9 +28,10 @@ window's median is the new phase's.
 from __future__ import annotations
 
 import os
-import time
+import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import datetime
 
 import pytest
 
@@ -37,7 +44,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 NAME = "llama"
-KEY_A, KEY_B = "p0-h0-c0", "p1-h0-c0"
+KEY_A, KEY_B, KEY_C = "p0-h0-c0", "p1-h0-c0", "p2-h0-c0"
+SPEEDUP, BASELINE = 1.3, 100.0  # the champions' measured speedup and baseline output tokens/s (one accelerator)
 
 
 @pytest.fixture
@@ -52,8 +60,17 @@ def send(target: str, count: int, low: int, high: int) -> None:
         list(pool.map(lambda i: observe(target, low + (i * 37) % (high - low), 16, 0), range(count)))
 
 
+def stand_in_worker(folder) -> str:
+    """A PATH whose `shapeshift` exits 0 at once: the compile pod's command line, run locally."""
+    folder.mkdir()
+    script = folder / "shapeshift"
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.exit(0)\n")
+    script.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
+
+
 def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compiling(
-        crds, namespace, engine_metrics, prometheus, monkeypatch):
+        crds, namespace, engine_metrics, prometheus, monkeypatch, run_pod_locally, tmp_path):
     from kopf.testing import KopfRunner
 
     from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
@@ -95,9 +112,12 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
     def current() -> dict:
         return (idep().get("status") or {}).get("currentRegime") or {}
 
-    def publish(run: dict, champion: str, sha256: str, vouched: bool = True) -> None:
+    worker_path = stand_in_worker(tmp_path / "stand-in")
+
+    def publish(run: dict, champion: str, sha256: str, vouched: bool = True, finish: bool = True) -> None:
         """fp-X as a compile worker publishes it: the run's uid on the pass, the pass's name and spec
-        digest in the run's status (phase Succeeded)."""
+        digest in the run's status; then (``finish``) the worker exits 0, so that the Job completes
+        and the operator moves the run to Succeeded with the Job's completion time."""
         name = run["metadata"]["name"]
 
         def stored_status() -> dict:
@@ -112,18 +132,22 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
                 "spec": {"model": {"name": "tiny-llama", "dtype": "float32"}, "hardware": {"accelerator": "cpu"},
                          "traffic": run["spec"]["traffic"]["inline"],
                          "artifact": {"uri": f"/var/lib/shapeshift-artifacts/{sha256}.tar.gz", "sha256": sha256},
-                         "metrics": {"speedup": 1.3},
+                         "metrics": {"speedup": SPEEDUP, "baselineTokensPerSecond": BASELINE,
+                                     "tokensPerSecond": BASELINE * SPEEDUP},
                          "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}],
                                           "artifactSha256": sha256},
                          "compileRun": f"{namespace}/{run['metadata']['name']}"}}
         stored = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", body)
-        time.sleep(2)  # an observation of the run already under way writes before the worker's status
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "compileruns", name, {
-            "status": {"phase": "Succeeded", "champion": champion, "completionTime": now,
+            "status": {"champion": champion,
                        "championSpecSha256": ForwardPassSpec.model_validate(stored["spec"]).digest()}})
-        time.sleep(3)
-        assert stored_status()["phase"] == "Succeeded", stored_status()
+        if finish:
+            pod = wait_until(lambda: [p for p in crds.core.list_namespaced_pod(
+                namespace, label_selector=f"shapeshift.dev/compile-run={name}").items if p.spec.node_name],
+                timeout_s=30, what="the compile pod")[0]
+            run_pod_locally(namespace, pod.metadata.name, extra_env={"PATH": worker_path}, timeout_s=60)
+        wait_until(lambda: stored_status().get("phase") == "Succeeded" and stored_status().get("completionTime"),
+                   timeout_s=30, what=f"CompileRun {name} Succeeded")
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
     import shapeshift.operator.handlers  # noqa: F401
@@ -136,21 +160,40 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         # A: compiled, its champion recorded
         run_a = wait_until(lambda: runs() or None, timeout_s=60 + 2 * tick, what="the CompileRun of regime A")
         assert len(run_a) == 1 and run_a[0]["metadata"]["annotations"]["shapeshift.dev/regime"] == KEY_A
+        send(engine_metrics, 40, 90, 120)  # A is still served while its compile finishes
         publish(run_a[0], "fp-a", "a" * 64)
         recorded = wait_until(lambda: regime(KEY_A).get("champion"), timeout_s=30 + 2 * tick,
                               what="fp-a recorded as regime A's champion")
         assert recorded["forwardPass"] == "fp-a" and recorded["sha256"] == "a" * 64
-        assert recorded["speedup"] == 1.3 and recorded["accelerator"] == "cpu"
+        assert recorded["speedup"] == SPEEDUP and recorded["accelerator"] == "cpu"
         assert recorded["compileRun"] == run_a[0]["metadata"]["name"]
-        # economics by hand: the run's Job times (copied from the real Job), one accelerator; one serving
-        # pod at x1.3 saves 1 - 1/1.3 accelerator-seconds per second
-        stored = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns",
-                                                     run_a[0]["metadata"]["name"])["status"]
-        wall = (datetime.fromisoformat(stored["completionTime"].replace("Z", "+00:00"))
-                - datetime.fromisoformat(stored["startTime"].replace("Z", "+00:00"))).total_seconds()
-        assert recorded["compileAcceleratorSeconds"] == pytest.approx(wall)
-        assert recorded["savedAcceleratorSecondsPerHour"] == pytest.approx(3600 * (1 - 1 / 1.3), rel=1e-4)
-        assert recorded["paybackSeconds"] == pytest.approx(wall / (1 - 1 / 1.3), rel=1e-3, abs=1e-3)
+        # economics by hand. Spent: one accelerator x the wall time of the real Job (the Job controller's
+        # times). Saved: the served output tokens/s, asked of Prometheus again at the time the operator
+        # asked it, keep rate / BASELINE accelerators busy at the old speed (at most the one serving
+        # accelerator), rate / BASELINE / SPEEDUP at the new one
+        run_name = run_a[0]["metadata"]["name"]
+        econ = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", run_name)["status"]["economics"]
+        job = crds.batch.read_namespaced_job(f"{run_name}-compile", namespace).status
+        wall = (job.completion_time - job.start_time).total_seconds()
+        assert econ["accelerators"] == 1 and wall > 0 and econ["acceleratorSeconds"] == pytest.approx(wall)
+        measured_at = datetime.fromisoformat(econ["measuredAt"].replace("Z", "+00:00"))
+        rate = float(server.api("query", time=measured_at.timestamp(), query=(
+            f'sum(rate(shapeshift_generated_tokens_total{{namespace="{namespace}",deployment="{NAME}"}}[60s]))'
+        ))["result"][0]["value"][1])
+        assert rate > 0 and econ["servedTokensPerSecond"] == pytest.approx(rate, rel=0.02)
+        busy = min(1.0, rate / BASELINE)
+        saved_per_second = busy - busy / SPEEDUP
+        assert econ["savedAcceleratorHoursPerDay"] == pytest.approx(24 * saved_per_second, rel=0.02)
+        assert econ["paybackHours"] == pytest.approx(wall / saved_per_second / 3600, rel=0.02)
+        # the champion in the library says the same, in seconds
+        assert recorded["compileAcceleratorSeconds"] == econ["acceleratorSeconds"]
+        assert recorded["savedAcceleratorSecondsPerHour"] == pytest.approx(econ["savedAcceleratorHoursPerDay"] * 150, abs=1e-3)
+        assert recorded["paybackSeconds"] == pytest.approx(econ["paybackHours"] * 3600, abs=1e-2)
+        header, row = crds.kubectl("get", "compileruns", run_name, "-n", namespace).stdout.splitlines()[:2]
+        starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]  # cells may be empty: cut by the header
+        columns = {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, starts[1:])}
+        assert float(columns["SPENT"]) == pytest.approx(econ["acceleratorSeconds"], rel=1e-3)
+        assert float(columns["PAYBACK"]) == pytest.approx(econ["paybackHours"], rel=1e-3)
 
         # B: compiled, its champion recorded
         send(engine_metrics, 100, 550, 700)
@@ -161,6 +204,7 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         assert len(runs()) == 2  # no second run for A while its champion waited to be rolled out
         # first as anyone allowed to create ForwardPasses writes it: without the run's uid on it, the
         # run's word is not the pass's, and the library records nothing
+        send(engine_metrics, 20, 550, 700)
         publish(run_b[0], "fp-b", "b" * 64, vouched=False)
         checked = (idep()["status"].get("drift") or {}).get("lastCheckTime")
         wait_until(lambda: (idep()["status"].get("drift") or {}).get("lastCheckTime") != checked,
@@ -170,7 +214,7 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "fp-b")
         wait_until(lambda: not any(fp["metadata"]["name"] == "fp-b" for fp in custom.list_namespaced_custom_object(
             GROUP, VERSION, namespace, "forwardpasses")["items"]), timeout_s=20, what="fp-b deleted")
-        publish(run_b[0], "fp-b", "b" * 64)
+        publish(run_b[0], "fp-b", "b" * 64, finish=False)
         wait_until(lambda: regime(KEY_B).get("champion"), timeout_s=30 + 2 * tick, what="fp-b recorded for B")
         assert current()["name"] == KEY_B
 
@@ -196,10 +240,29 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         assert blip["observedChecks"] == 1 and blip["forwardPass"] == "fp-a"
         wait_until(lambda: current().get("observed") == KEY_A and current(), timeout_s=30 + 4 * tick,
                    what="the next check observing A again")
-        time.sleep(12)  # one more check
-        after = current()
+
+        # C, a new regime, with a payback limit far below what the compiles so far take to pay back
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", NAME,
+                                              {"spec": {"compilation": {"maxPaybackHours": 0.001}}})
+        send(engine_metrics, 3000, 1600, 2000)
+        after = wait_until(lambda: current().get("observed") == KEY_C and current(), timeout_s=30 + 4 * tick,
+                           what="a check observing C")
+        # the check after the blip's: still A's champion, no switch
         assert (after["name"], after["forwardPass"], after["lastSwitchTime"]) == (KEY_A, "fp-a", last_switch)
-        assert len(runs()) == 2
+        skipped = wait_until(lambda: next((c for c in idep()["status"]["conditions"] if c["type"] == "Regime"
+                                           and c["reason"] == "PaybackTooLong"), None),
+                             timeout_s=30 + 4 * tick, what="the condition Regime saying PaybackTooLong")
+        # by hand: the mean spent over the mean saved of the champions recorded with their economics
+        costs = [r["champion"] for r in idep()["status"]["regimes"] if (r.get("champion") or {}).get(
+            "savedAcceleratorSecondsPerHour")]
+        assert costs and skipped["status"] == "False"
+        expected = (sum(c["compileAcceleratorSeconds"] for c in costs)
+                    / (sum(c["savedAcceleratorSecondsPerHour"] for c in costs) / 3600))
+        assert expected > 0.001 * 3600
+        assert (f"traffic settled in a new regime {KEY_C}" in skipped["message"] and
+                f"not compiled: the expected payback of a compile, {expected / 3600:.2f} h, is longer than "
+                "spec.compilation.maxPaybackHours 0.001 h" in skipped["message"]), skipped
+        assert len(runs()) == 2 and not regime(KEY_C).get("compileRun")
     assert runner.exception is None, runner.output[-4000:]
     events = [e for e in crds.core.list_namespaced_event(namespace).items
               if e.involved_object.kind == "InferenceDeployment"]
