@@ -312,16 +312,28 @@ def scrape_config(exporter: Exporter, namespace: str, deployments: list[str], in
 # ---- measurements ------------------------------------------------------------------------------
 
 
-def apiserver_requests(cluster) -> tuple[float, float]:
-    """(all requests, Shapeshift's API group's) the API server has counted (apiserver_request_total)."""
+def apiserver_requests(cluster) -> tuple[float, float, dict[str, float]]:
+    """(all requests, Shapeshift's API group's, by "verb resource[/subresource]") the API server has
+    counted (apiserver_request_total)."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
     total = ours = 0.0
+    by: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("apiserver_request_total{"):
             value = float(line.rsplit(" ", 1)[1])
             total += value
             ours += value if f'group="{GROUP}"' in line else 0.0
-    return total, ours
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            key = f"{labels.get('verb', '')} {labels.get('resource', '')}" + (
+                f"/{labels['subresource']}" if labels.get("subresource") else "")
+            by[key] = by.get(key, 0.0) + value
+    return total, ours, by
+
+
+def busiest(before: dict[str, float], after: dict[str, float], span: float, top: int = 8) -> dict[str, float]:
+    """The ``top`` request kinds by rate over ``span`` seconds."""
+    rates = {key: (after[key] - before.get(key, 0.0)) / span for key in after}
+    return {key: round(rate, 1) for key, rate in sorted(rates.items(), key=lambda kv: -kv[1])[:top] if rate > 0}
 
 
 def rss_mb(pid: int) -> float | None:
@@ -515,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "traffic_observed_conditions": observed,
         "api_requests_per_s": _round((api_after[0] - api_before[0]) / span, 1),
         "api_requests_per_s_shapeshift_group": _round((api_after[1] - api_before[1]) / span, 1),
+        "api_requests_per_s_busiest": busiest(api_before[2], api_after[2], span),
         "prometheus_queries_per_s": _round(queries / span, 1),
         "prometheus_drift_checks_per_s": _round(drift_queries / span, 2),
         "setup": timings,

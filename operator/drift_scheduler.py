@@ -7,7 +7,10 @@ without one check waiting for another.
           first status.drift.lastCheckTime + checkIntervalSeconds (now, when never checked), then
           the time of the check before + checkIntervalSeconds
     one background thread, every tick (SHAPESHIFT_DRIFT_BATCH_SECONDS, default 1 s):
-        the deployments that are due and whose previous check has ended
+        the deployments that are due and whose previous check has ended, most overdue first, at
+          most 1.5 times the checks due per second on average times the seconds since the round
+          before (at least one pool's worth): deployments registered together are spread over
+          the next rounds instead of queueing their applies behind each other
         --grouped by (Prometheus URL, window, timeout, allow-list, label layout); per group
           operator/prometheus_batch.observe_many, one PromQL query per series for the whole group
           (the outbound policy checked before anything is sent)--> each ObservedTraffic or
@@ -30,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,10 +84,15 @@ class _Slot:
 
 
 class DriftScheduler:
+    # A round takes at most this many times the checks that fall due per second on average, times
+    # the seconds since the round before (and at least `workers`): the most overdue first.
+    HEADROOM = 1.5
+
     def __init__(self, tick_seconds: float = 1.0, workers: int = 32, retry_seconds: float = 10.0,
                  on_failure: Callable[[Registration, BaseException], None] | None = None):
         self.tick_seconds = tick_seconds
         self.workers = workers
+        self._last_round: float | None = None
         self.retry_seconds = retry_seconds
         self.on_failure = on_failure
         self._slots: dict[str, _Slot] = {}
@@ -163,7 +172,9 @@ class DriftScheduler:
         with self._lock:
             for uid in [uid for uid, slot in self._slots.items() if not slot.running and slot.registration.stopped()]:
                 del self._slots[uid]
-            due = [slot for slot in self._slots.values() if not slot.running and slot.due <= clock]
+            due = sorted((slot for slot in self._slots.values() if not slot.running and slot.due <= clock),
+                         key=lambda slot: slot.due)[:self._round_size(clock)]
+            self._last_round = clock
             for slot in due:
                 slot.running = True
         if not due:
@@ -188,6 +199,16 @@ class DriftScheduler:
                 futures.append(pool.submit(self._check, slot, registration, results.get(registration.uid), at,
                                            shared.get(registration.shared_key), clock))
         return futures
+
+    def _round_size(self, clock: float) -> int:
+        """How many checks this round takes (the lock held). Deployments registered together fall
+        due together; a round of all of them would queue their applies behind each other for most
+        of an interval, so a burst is spread over the next rounds, most overdue first, and stays
+        spread: each one's next due time counts from its own round."""
+        since = self.tick_seconds if self._last_round is None else max(self.tick_seconds, clock - self._last_round)
+        rate = sum(1.0 / slot.registration.interval_seconds for slot in self._slots.values()
+                   if slot.registration.interval_seconds > 0)
+        return max(self.workers, math.ceil(round(self.HEADROOM * rate * since, 6)))
 
     def _check(self, slot: _Slot, registration: Registration, observed: Observed, at: datetime, shared: Any,
                clock: float) -> None:

@@ -6,7 +6,8 @@ status.drift.lastCheckTime; after a check it is due an interval after the round 
 it. A round submits its applies and returns without waiting for them: a deployment whose apply
 still runs is not observed again, the others are. A failed apply is due again after
 retry_seconds; the CompileRuns (read_shared) are read once per namespace per round; a
-registration whose timer stopped is dropped.
+registration whose timer stopped is dropped. A burst of deployments due at once is spread over the
+next rounds, most overdue first, and stays spread.
 """
 
 from __future__ import annotations
@@ -143,3 +144,33 @@ def test_the_thread_checks_a_registered_deployment_within_a_tick():
         assert done.wait(5)
     finally:
         scheduler.stop()
+
+
+
+def test_a_burst_is_spread_over_rounds_most_overdue_first_and_stays_spread(pool):
+    checked: dict[str, list[float]] = {}
+    scheduler = DriftScheduler(workers=2)
+
+    def apply(uid):
+        def run(observed, at, shared):
+            checked.setdefault(uid, []).append(at.timestamp())
+        return run
+
+    for index in range(40):  # 40 deployments every 20 s: 2 a second on average, rounds of at most 3
+        last = datetime.fromtimestamp(T0 - 20 - index / 10, timezone.utc)  # d39 the most overdue
+        scheduler.register(registration(f"d{index:02d}", apply(f"d{index:02d}"), last_check=last), start=False)
+    first = scheduler.run_once(pool, now=T0)
+    settle(first)
+    assert sorted(checked) == ["d37", "d38", "d39"]
+    for second in range(1, 60):
+        settle(scheduler.run_once(pool, now=T0 + second))
+    per_round: dict[float, int] = {}
+    for times in checked.values():
+        for at in times:
+            per_round[at] = per_round.get(at, 0) + 1
+    assert max(per_round.values()) <= 3
+    assert all(len(checked[f"d{index:02d}"]) >= 2 for index in range(40))
+    # the burst took 14 rounds (40 at 3 a round) and stays spread: every later gap is the interval
+    assert max(times[0] for times in checked.values()) == T0 + 13
+    gaps = [b - a for times in checked.values() for a, b in zip(times, times[1:])]
+    assert gaps and max(gaps) == min(gaps) == 20
