@@ -67,8 +67,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="context length in tokens (default: the model's max_position_embeddings, lowered to what "
                         "the KV cache holds; the log says what it chose and why)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="token budget per scheduler step (chunked prefill; "
-                        f"default: {engine_default['max_num_batched_tokens']})")
+                   help="token budget per scheduler step (chunked prefill; default 4096 on CUDA, 2048 on the CPU)")
     p.add_argument("--block-size", type=_positive_int, default=None, help=f"KV cache block size in tokens (default: {engine_default['block_size']})")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV cache blocks (default: sized from free memory)")

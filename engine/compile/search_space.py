@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shapeshift.engine.compile.candidate import canonical_json
+from shapeshift.engine.core.config import default_max_num_batched_tokens
 from shapeshift.engine.forward_pass.knobs import STOCK_KNOBS, stock_knob
 
 log = logging.getLogger(__name__)
@@ -418,7 +419,8 @@ def build_search_space(
     knobs.append(Knob("engine.max_num_seqs", tuple(seq_choices), default_seqs,
                       "max sequences per batch (continuous batching width)"))
     token_choices = tuple(t for t in (256, 512, 1024, 2048, 4096, 8192) if t <= max(2048, max_model_len * 4))
-    default_tokens = 2048 if 2048 in token_choices else token_choices[-1]
+    default_tokens = default_max_num_batched_tokens(cuda)  # what serve runs on this device
+    token_choices = tuple(sorted(set(token_choices) | {default_tokens}))
     if given.get("max_num_batched_tokens") is not None:
         default_tokens = int(given["max_num_batched_tokens"])
         token_choices = tuple(sorted(set(token_choices) | {default_tokens}))

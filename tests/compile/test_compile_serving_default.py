@@ -34,8 +34,8 @@ def test_the_serving_default_reads_engine_config_rather_than_copying_it():
     from shapeshift.engine.core.config import CUDA_DECODE_STEPS
 
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    resolved = {"cpu": {"decode_steps": 1, "overlap_decode": False},
-                "cuda": {"decode_steps": CUDA_DECODE_STEPS, "overlap_decode": True}}
+    resolved = {"cpu": {"decode_steps": 1, "overlap_decode": False, "max_num_batched_tokens": 2048},
+                "cuda": {"decode_steps": CUDA_DECODE_STEPS, "overlap_decode": True, "max_num_batched_tokens": 4096}}
     for device in ("cpu", "cuda"):
         expected = {f: resolved[device].get(f, defaults[f]) for f in SERVING_ENGINE_FIELDS}
         assert None not in expected.values()

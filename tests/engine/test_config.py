@@ -46,3 +46,22 @@ def test_model_config_from_presets_and_errors():
         llama.with_num_layers(17)
     with pytest.raises(ValueError, match="neither a preset"):
         resolve_model("no-such-model-or-folder")
+
+
+def test_the_token_budget_default_depends_on_the_device():
+    """4096 tokens a step on CUDA (the regime matrix's best static configuration on an H200),
+    2048 on the CPU; an explicit value wins everywhere; a wide batch alone raises the budget."""
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 2048
+    assert EngineConfig(device="cuda").max_num_batched_tokens == 4096
+    assert EngineConfig(device="cuda:1", max_num_batched_tokens=1024).max_num_batched_tokens == 1024
+    assert EngineConfig.fit_token_budget({"max_num_seqs": 64}) == {"max_num_seqs": 64}
+    assert EngineConfig.fit_token_budget({"max_num_seqs": 3000}) == {"max_num_seqs": 3000, "max_num_batched_tokens": 3000}
+
+
+def test_the_compile_space_defaults_to_the_token_budget_serve_runs():
+    from shapeshift.engine.compile.search_space import build_search_space
+
+    for device, tokens in (("cpu", 2048), ("cuda", 4096)):
+        space = build_search_space(device=device, max_model_len=256)
+        knob = next(k for k in space.knobs if k.name == "engine.max_num_batched_tokens")
+        assert knob.default == tokens and tokens in knob.values, (device, knob)
