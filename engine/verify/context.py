@@ -18,9 +18,7 @@ from shapeshift.engine.verify.agreement import score
 from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq
 # dtype -> (logprob absolute tolerance, logit difference relative to the reference logits'
 # standard deviation, near-tie margin in logits), shared with the hot-reload KV check.
-from shapeshift.engine.forward_pass.tolerances import TOLERANCES  # noqa: F401  (GateContext.tol)
-
-PRECISION_FACTOR = 2.0
+from shapeshift.engine.forward_pass.tolerances import PRECISION_FACTOR, TOLERANCES  # noqa: F401  (GateContext.tol)
 
 
 @dataclass

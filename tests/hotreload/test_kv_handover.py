@@ -160,3 +160,23 @@ def test_a_pass_that_raises_during_the_check_is_flushed(engine, tmp_path):
     assert (result.kv["outcome"], result.kv["reason"]) == ("flushed", "check_error")
     assert "cannot read a cached prefix" in result.kv["detail"]
     assert cached_tokens(engine, FOLLOW_UP) == 0
+
+
+def test_in_bfloat16_the_bound_is_the_readers_own_rounding_and_a_bad_reader_still_fails(tmp_path):
+    """Half precision: the check's bounds rise to twice what the incoming pass differs from its
+    own miss when it continues prefixes it wrote itself (the rounding of another schedule), so a
+    correct pass is kept; a pass that reads the outgoing pass's blocks wrongly is still flushed."""
+    from shapeshift.engine.core.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", dtype="bfloat16", max_num_seqs=4, max_model_len=256,
+                                    max_num_batched_tokens=256, num_kv_blocks=64))
+    serve(engine, "warm", PROMPT)
+    manager = ForwardPassManager(engine)
+    good = manager.reload(bundle(tmp_path, "good_fused_mlp")).kv
+    ev = good["evidence"]
+    assert (good["outcome"], good["reason"]) == ("kept", "verified"), good
+    assert "self_max_rel_logit_diff" in ev and ev["tolerance"][1] >= 0.05
+    assert ev["max_rel_logit_diff"] <= ev["tolerance"][1] and ev["max_logprob_diff"] <= ev["tolerance"][0]
+    bad = manager.reload(bundle(tmp_path, "kv_scaled_writes")).kv
+    assert (bad["outcome"], bad["reason"]) == ("flushed", "check_failed"), bad
+    assert bad["evidence"]["max_logprob_diff"] > bad["evidence"]["tolerance"][0]
