@@ -131,6 +131,23 @@ def test_sweep_tries_the_binding_knobs_first_when_the_slo_binds(tmp_path: Path, 
     assert slo_guidance(None) == ((), None) and slo_guidance({"slo_missed_ttft": 0.1})[0] == ()
 
 
+def test_a_sweep_line_starts_next_to_the_current_value(tmp_path: Path, space) -> None:
+    """The token budget's line around 2048 goes 1024, 4096, 512, 8192, ...: the nearest values
+    first, so a budget that ends inside the line has screened the likeliest ones."""
+    board = Board(tmp_path / "b.jsonl")
+    base = Candidate(space.default(), agent="baseline")
+    board.append("candidate", **base.to_entry())
+    board.append("result", trial_id="t0", digest=base.digest, tier="fast", status="ok",
+                 metrics={"throughput": 100.0, "slo_attainment": 0.5, "slo_missed_ttft": 0.4})
+    line = SweepAgent(space, board, seed=0).propose(1)
+    knob = space.knob("engine.max_num_batched_tokens")
+    values = list(knob.values)
+    here = values.index(space.default()["engine.max_num_batched_tokens"])
+    order = [values.index(c.recipe["engine.max_num_batched_tokens"]) for c in line]
+    assert [abs(i - here) for i in order] == sorted(abs(i - here) for i in order), order
+    assert order[0] == here - 1 and (here + 1 >= len(values) or order[1] == here + 1), (values, order)
+
+
 def test_evolve_recombines_the_best(tmp_path: Path, space) -> None:
     board = Board(tmp_path / "b.jsonl")
     rng = random.Random(0)
