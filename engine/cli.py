@@ -61,13 +61,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="name clients send as `model` (default: the engine's model name)")
     engine_default = _engine_config_defaults()
+    from shapeshift.engine.core.config import CPU_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_BATCHED_TOKENS  # torch-free
     p.add_argument("--max-num-seqs", type=_positive_int, default=None,
                    help=f"max sequences per batch (default: {engine_default['max_num_seqs']})")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings, lowered to what "
                         "the KV cache holds; the log says what it chose and why)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="token budget per scheduler step (chunked prefill; default 4096 on CUDA, 2048 on the CPU)")
+                   help=f"token budget per scheduler step (chunked prefill; default {CUDA_MAX_NUM_BATCHED_TOKENS} on "
+                        f"CUDA, {CPU_MAX_NUM_BATCHED_TOKENS} on the CPU)")
     p.add_argument("--block-size", type=_positive_int, default=None, help=f"KV cache block size in tokens (default: {engine_default['block_size']})")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV cache blocks (default: sized from free memory)")

@@ -419,11 +419,10 @@ def build_search_space(
     knobs.append(Knob("engine.max_num_seqs", tuple(seq_choices), default_seqs,
                       "max sequences per batch (continuous batching width)"))
     token_choices = tuple(t for t in (256, 512, 1024, 2048, 4096, 8192) if t <= max(2048, max_model_len * 4))
-    default_tokens = default_max_num_batched_tokens(cuda)  # what serve runs on this device
+    # the deployment's token budget, else what serve runs on this device; on the grid either way
+    default_tokens = int(given["max_num_batched_tokens"]) if given.get("max_num_batched_tokens") is not None \
+        else default_max_num_batched_tokens(cuda)
     token_choices = tuple(sorted(set(token_choices) | {default_tokens}))
-    if given.get("max_num_batched_tokens") is not None:
-        default_tokens = int(given["max_num_batched_tokens"])
-        token_choices = tuple(sorted(set(token_choices) | {default_tokens}))
     knobs.append(Knob("engine.max_num_batched_tokens", token_choices, default_tokens,
                       "chunked-prefill token budget per scheduler step"))
     default_prefix = bool(given.get("enable_prefix_caching", True))

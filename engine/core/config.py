@@ -183,7 +183,7 @@ class EngineConfig:
     # Token budget of one scheduler step (chunked prefill). None: 4096 on CUDA, 2048 on the CPU.
     # On an H200 (llama-3.2-1b-shape, the SLO goodput of the regime matrix against 2048, 5 pairs,
     # 95% bounds) 4096 gave chat 1.011x [1.005, 1.017], agentic-long-context 1.040x [1.022, 1.058],
-    # burst 1.002x [1.000, 1.004]; through the HTTP server 1.007x and 1.038x the output tokens/s
+    # burst 1.002x [1.000, 1.004]; through the HTTP server 1.004x and 1.036x the output tokens/s
     # and a lower p90 TTFT on both (docs/serving-performance.md, run K). Smaller budgets lost on
     # every regime (1024: 0.81x to 0.84x on the fast tier). On the CPU nothing measured beat 2048.
     max_num_batched_tokens: int | None = None

@@ -65,12 +65,13 @@ class SweepAgent(Agent):
         an H200 the token budget's line from the bottom spent three of four screens on 256, 512
         and 1024 (0.2x to 0.84x) before 4096 (docs/compile-loop.md M15)."""
         suffix = f" ({why})" if why else ""
-        values = list(knob.values)
-        here = next((i for i, v in enumerate(values) if v == base.get(knob.name)), 0)
+        def position(value: Any) -> int:
+            return next((i for i, v in enumerate(knob.values) if v == value), len(knob.values))
+
+        here = position(base.get(knob.name))
 
         def distance(recipe: dict) -> tuple[int, int]:
-            i = next((j for j, v in enumerate(values) if v == recipe[knob.name]), len(values))
-            return abs(i - here), i
+            return abs(position(recipe[knob.name]) - here), position(recipe[knob.name])
 
         options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best{suffix}",
                              parent) for r in sorted(self.space.neighbors(base, knob.name), key=distance)]
