@@ -119,10 +119,6 @@ class DriftScheduler:
         if start:
             self.start()
 
-    def forget(self, uid: str) -> None:
-        with self._lock:
-            self._slots.pop(uid, None)
-
     def registered(self) -> int:
         with self._lock:
             return len(self._slots)
