@@ -15,7 +15,8 @@ without one check waiting for another.
           operator/prometheus_batch.observe_many, one PromQL query per series for the whole group
           (the outbound policy checked before anything is sent)--> each ObservedTraffic or
           TrafficQueryError
-        --per shared key of the round (the namespace): read_shared() once (its CompileRuns)-->
+        --per shared key of the round (the namespace): read_shared() once (its CompileRuns), on
+          the pool beside the observation, so an API read never holds up the round-->
         --apply(result, now, shared) submitted to a pool of threads, in the context of the timer
           call that registered it (kopf's events post as they did from the timer), and not waited
           for: the next tick observes the next due deployments while these write
@@ -179,7 +180,7 @@ class DriftScheduler:
         groups: dict[tuple[Any, ...], list[_Slot]] = {}
         for slot in due:
             groups.setdefault(slot.registration.group(), []).append(slot)
-        shared = self._shared([slot.registration for slot in due])
+        shared = self._shared(pool, [slot.registration for slot in due])
         futures = []
         for slots in groups.values():
             registrations = [slot.registration for slot in slots]
@@ -206,11 +207,13 @@ class DriftScheduler:
                    if slot.registration.interval_seconds > 0)
         return max(self.workers, math.ceil(round(self.HEADROOM * rate * since, 6)))
 
-    def _check(self, slot: _Slot, registration: Registration, observed: Observed, at: datetime, shared: Any,
-               clock: float) -> None:
-        """One apply, in its timer call's context; its slot is free again when the future is done."""
+    def _check(self, slot: _Slot, registration: Registration, observed: Observed, at: datetime,
+               shared: concurrent.futures.Future | None, clock: float) -> None:
+        """One apply, in its timer call's context, with what its key's read_shared() gave (or
+        raised); its slot is free again when the future is done."""
         try:
-            registration.context.run(registration.apply, observed, at, shared)
+            value = None if shared is None else (shared.exception() or shared.result())
+            registration.context.run(registration.apply, observed, at, value)
         except BaseException as err:  # noqa: BLE001 - one deployment's failure is its own
             self._ended(slot, registration, clock, err)
             raise
@@ -228,16 +231,15 @@ class DriftScheduler:
             self.on_failure(registration, err)
 
     @staticmethod
-    def _shared(registrations: list[Registration]) -> dict[Hashable, Any]:
-        """One read_shared() per shared key of the round; what it raises is the value."""
-        out: dict[Hashable, Any] = {}
+    def _shared(pool: concurrent.futures.Executor,
+                registrations: list[Registration]) -> dict[Hashable, concurrent.futures.Future]:
+        """One read_shared() per shared key of the round, submitted to ``pool`` ahead of the round's
+        applies (which wait on it; the pool takes work in order, so a waiting apply's read has
+        started); what it raises is the value."""
+        out: dict[Hashable, concurrent.futures.Future] = {}
         for registration in registrations:
-            if registration.read_shared is None or registration.shared_key in out:
-                continue
-            try:
-                out[registration.shared_key] = registration.read_shared()
-            except Exception as err:  # noqa: BLE001 - each apply of the key raises it
-                out[registration.shared_key] = err
+            if registration.read_shared is not None and registration.shared_key not in out:
+                out[registration.shared_key] = pool.submit(registration.read_shared)
         return out
 
     @staticmethod

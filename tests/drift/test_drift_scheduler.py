@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from datetime import datetime, timezone
 
 import pytest
@@ -124,6 +125,29 @@ def test_compile_runs_are_read_once_per_namespace_per_round_and_a_failed_read_is
     assert sorted(reads) == ["team-a", "team-b"]
     assert got["a1"] == got["a2"] == got["a3"] == ["team-a-run"]
     assert isinstance(got["b1"], RuntimeError)
+
+
+def test_a_slow_compile_runs_read_does_not_hold_up_the_round(pool):
+    release = threading.Event()
+    got: dict[str, object] = {}
+
+    def slow_read():
+        release.wait(10)
+        return ["team-a-run"]
+
+    scheduler = DriftScheduler()
+    scheduler.register(registration("a1", lambda observed, at, shared: got.update(a1=shared),
+                                    read_shared=slow_read), start=False)
+    scheduler.register(registration("b1", lambda observed, at, shared: got.update(b1=shared), namespace="team-b",
+                                    read_shared=lambda: []), start=False)
+    began = time.monotonic()
+    futures = scheduler.run_once(pool, now=T0)
+    assert time.monotonic() - began < 5 and len(futures) == 2  # the round returned with the read still going
+    futures[1].result(timeout=10)
+    assert got == {"b1": []} and not futures[0].done()  # the other namespace's check did not wait for it
+    release.set()
+    settle(futures)
+    assert got == {"a1": ["team-a-run"], "b1": []}
 
 
 def test_a_stopped_registration_is_dropped(pool):
