@@ -26,7 +26,7 @@ import kopf
 from kubernetes.client import ApiException
 
 from shapeshift.operator import builders
-from shapeshift.operator.api import COMPILE_RUN, CompileEconomics, HardwareSpec, InferenceDeploymentSpec
+from shapeshift.operator.api import COMPILE_RUN, CompileEconomics, HardwareSpec, InferenceDeploymentSpec, parse_time
 from shapeshift.operator.drift_check import selector_for, thresholds_of
 from shapeshift.operator.kube import Kube
 from shapeshift.operator.prometheus import TrafficQueryError
@@ -38,12 +38,6 @@ from shapeshift.operator.status import StatusUpdate
 __all__ = ["baseline_per_accelerator", "champion_economics", "job_times", "of_record"]
 
 
-def _time(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        return value
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
-
-
 def job_times(job: Mapping[str, Any] | None, run_status: Mapping[str, Any]) -> tuple[datetime | None, datetime | None, str | None]:
     """(start, completion, note) of the run's compile Job: the Job's own status times (completion:
     status.completionTime, else its Complete condition's transition); the run's copies when the Job
@@ -52,8 +46,9 @@ def job_times(job: Mapping[str, Any] | None, run_status: Mapping[str, Any]) -> t
         st = job.get("status") or {}
         complete = next((c for c in st.get("conditions") or [] if c.get("type") == "Complete"
                          and c.get("status") == "True"), {})
-        return _time(st.get("startTime")), _time(st.get("completionTime") or complete.get("lastTransitionTime")), None
-    return (_time(run_status.get("startTime")), _time(run_status.get("completionTime")),
+        completed = st.get("completionTime") or complete.get("lastTransitionTime")
+        return parse_time(st.get("startTime")), parse_time(completed), None
+    return (parse_time(run_status.get("startTime")), parse_time(run_status.get("completionTime")),
             "the Job is gone: its times as the CompileRun's status copied them")
 
 

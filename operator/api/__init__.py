@@ -19,7 +19,7 @@ from shapeshift.operator.api.common import (DTYPES, ENV_LIST_SCHEMA, MAX_ENV_VAR
                                             RESERVED_ENV_NAMES, RESERVED_ENV_PREFIX, RESERVED_ENV_PREFIXES,
                                             EnvSecretKeyRef, EnvValueFrom, BuiltinTrafficProfile, Condition, Dtype, EnvVar,
                                             HardwareSpec, StatusModel, Toleration, WireModel, cel, get_condition,
-                                            now_utc, parse_spec, parse_status, set_condition, short_error)
+                                            now_utc, parse_spec, parse_status, parse_time, set_condition, short_error)
 from shapeshift.operator.api.compile_run import (COMPILE_RUN, TERMINAL_PHASES, AgentSpec, BaselineSpec, CompileBudget,
                                                  CompileEconomics,
                                                  CompileRunPhase, CompileRunSpec, CompileRunStatus, CompileSLO, CompileTrigger,
@@ -52,7 +52,7 @@ __all__ = [
     "WireModel", "StatusModel", "cel", "Condition", "set_condition", "get_condition", "Toleration", "HardwareSpec",
     "BuiltinTrafficProfile", "Dtype", "DTYPES", "EnvVar", "EnvValueFrom", "EnvSecretKeyRef",
     "OPERATOR_ENV_NAMES", "RESERVED_ENV_NAMES", "RESERVED_ENV_PREFIX", "RESERVED_ENV_PREFIXES", "MAX_ENV_VARS",
-    "ENV_LIST_SCHEMA", "parse_spec", "parse_status", "now_utc", "short_error",
+    "ENV_LIST_SCHEMA", "parse_spec", "parse_status", "parse_time", "now_utc", "short_error",
     # hardware
     "AcceleratorKind", "Accelerator", "ACCELERATORS", "accelerator", "accelerator_of_device",
     # InferenceDeployment

@@ -345,6 +345,13 @@ def now_utc() -> datetime:
     return datetime.now(timezone.utc).replace(microsecond=0)
 
 
+def parse_time(value: Any) -> datetime | None:
+    """A time as the API server writes it (``2026-12-01T12:00:00Z``), or one already parsed; None when empty."""
+    if isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
+
+
 def short_error(exc: Exception) -> str:
     """A pydantic ValidationError as one line per error, with the wire field path."""
     errors = getattr(exc, "errors", None)

@@ -39,6 +39,7 @@ from shapeshift.operator.api import (
     VERSION,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    parse_time,
 )
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.compile_economics import champion_economics
@@ -199,7 +200,7 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
             logger.info("regime %s: champion %s of CompileRun %s not recorded: %s", regime, champion,
                         run["metadata"]["name"], target.problem)
             continue
-        completed = _time(run["status"].get("completionTime"))
+        completed = parse_time(run["status"].get("completionTime"))
         # spent from the Job's times, saved from the served tokens/s in Prometheus; also the run's status.economics
         cost = champion_economics(kube, run, forward_pass, spec, body["metadata"]["name"], body["metadata"]["namespace"])
         library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost)
@@ -210,10 +211,6 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
                           f"{cost.saved_accelerator_hours_per_day} accelerator-hours a day at the served load, pays "
                           f"back after {cost.payback_hours} h)"[:1000])
     return library
-
-
-def _time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
 def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:
