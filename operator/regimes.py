@@ -343,13 +343,21 @@ def record_compile_run(library: RegimeLibrary, regime: str, compile_run: str, no
 
 @dataclass(frozen=True)
 class Economics:
-    """What a compile cost and when it pays for itself."""
+    """What a compile cost and when it pays for itself; per day and in hours as the CompileRun's
+    status.economics and its printer columns say them."""
 
     compile_accelerator_seconds: float | None
     saved_accelerator_seconds_per_hour: float | None
     payback_seconds: float | None
-    saved_accelerator_hours_per_day: float | None = None
-    payback_hours: float | None = None
+
+    @property
+    def saved_accelerator_hours_per_day(self) -> float | None:
+        saved = self.saved_accelerator_seconds_per_hour
+        return None if saved is None else round(saved * 24 / 3600, 6)
+
+    @property
+    def payback_hours(self) -> float | None:
+        return None if self.payback_seconds is None else round(self.payback_seconds / 3600, 6)
 
 
 def economics(*, started: datetime | None, completed: datetime | None, compile_accelerators: int,
@@ -380,8 +388,6 @@ def economics(*, started: datetime | None, completed: datetime | None, compile_a
         compile_accelerator_seconds=spent,
         saved_accelerator_seconds_per_hour=round(saved * 3600, 3) if saved is not None else None,
         payback_seconds=round(payback, 3) if payback is not None else None,
-        saved_accelerator_hours_per_day=round(saved * 24, 6) if saved is not None else None,
-        payback_hours=round(payback / 3600, 6) if payback is not None else None,
     )
 
 

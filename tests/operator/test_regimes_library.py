@@ -240,6 +240,9 @@ def test_compile_economics_by_hand():
     assert cost.saved_accelerator_hours_per_day == pytest.approx(38.4)
     assert cost.payback_seconds == pytest.approx(3600 / 1.6)  # 2250 s of serving in the regime
     assert cost.payback_hours == pytest.approx(2250 / 3600)
+    # the per-day and hourly figures are the same numbers in other units, never computed apart
+    assert cost.saved_accelerator_hours_per_day * 150 == pytest.approx(cost.saved_accelerator_seconds_per_hour)
+    assert cost.payback_hours * 3600 == pytest.approx(cost.payback_seconds)
     lib = record_champion(RegimeLibrary(), KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
     champion = lib.get(KEY_A).champion
     assert (champion.compile_accelerator_seconds, champion.payback_seconds) == (3600.0, 2250.0)
