@@ -100,10 +100,12 @@ class CheckLags:
 
     def quantile(self, q: float) -> float | None:
         """The nearest-rank quantile of the ratios."""
-        if not self.ratios:
-            return None
-        ordered = sorted(self.ratios)
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+        return nearest_rank(sorted(self.ratios), q)
+
+
+def nearest_rank(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile of ``ordered`` (sorted); None when empty."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else None
 
 
 def check_lags(checks: Mapping[str, Iterable[float]], deployments: Iterable[str], interval_s: float,
@@ -516,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         "p99_status_write_lag_ratio": _round(write_lags.quantile(0.99)),
         "p50_status_write_lag_ratio": _round(write_lags.quantile(0.5)),
         # seconds from a check's observation (lastCheckTime, whole seconds) to its status write
-        "observe_to_write_s": {"p50": _round(_nearest(delays, 0.5), 1), "p99": _round(_nearest(delays, 0.99), 1),
+        "observe_to_write_s": {"p50": _round(nearest_rank(delays, 0.5), 1),
+                               "p99": _round(nearest_rank(delays, 0.99), 1),
                                "max": _round(delays[-1] if delays else None, 1)},
         "operator_rss_mb": _round(max(rss) if rss else None, 1),
         "operator_rss_mb_end": _round(rss[-1] if rss else None, 1),
@@ -537,10 +540,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     print(f"wrote {args.out / (name + '.json')}")
     return 0
-
-
-def _nearest(ordered: list[float], q: float) -> float | None:
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else None
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

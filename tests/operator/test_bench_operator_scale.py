@@ -79,4 +79,8 @@ def test_status_writes_count_each_new_check_time_once():
     assert writes.received() == {"d0001": [100.0, 125.0]}
     base = bench._epoch("2026-12-02T01:00:00Z")
     assert [at for _, at in writes.writes["d0001"]] == [base, base + 20]
+    # observation to write, for the quantiles the result reports (nearest rank, as the check lags')
+    assert writes.delays(100.0, 125.0) == [100.0 - base, 125.0 - base - 20]
+    assert bench.nearest_rank([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0 and bench.nearest_rank([1.0, 2.0], 0.99) == 2.0
+    assert bench.nearest_rank([], 0.5) is None
 
