@@ -1,7 +1,7 @@
 """/metrics beyond the drift detector's series: the token counters, KV-cache usage,
 preemptions and request phases; `promtool check metrics` on the real output; and the
 vLLM-named set of `--metrics-compat vllm` checked against the series the KEDA recipe in
-docs/helm.md reads."""
+docs/helm.md reads and those autoscaling recipes written for vLLM read."""
 
 from __future__ import annotations
 
@@ -17,6 +17,19 @@ import yaml
 from server_harness import MODEL, ServerProcess, scrape, value
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "helm.md"
+
+# Series that autoscaling recipes written for vLLM query, with the label they select on:
+# KEDA's Prometheus scaler and HPA custom-metrics examples (num_requests_waiting/running,
+# kv_cache_usage_perc or the older gpu_cache_usage_perc), and the latency histograms SLO
+# planners (llm-d, Dynamo) read. docs/helm.md's own recipe uses a few of them (recipe_series).
+VLLM_RECIPE_SERIES = (
+    "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+)
 
 
 def recipe_series() -> list[str]:
@@ -100,6 +113,8 @@ def test_vllm_names_carry_model_name_and_follow_traffic(vllm_server):
     assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= set(wanted), wanted
     missing = [s for s in wanted if s not in names]
     assert not missing, f"series the docs/helm.md autoscaling recipe reads are absent: {missing}"
+    missing = [s for s in VLLM_RECIPE_SERIES if s not in names]
+    assert not missing, f"series autoscaling recipes read are absent: {missing}"
     for (name, labels), _ in after.items():
         if name.startswith("vllm:"):
             assert dict(labels).get("model_name") == MODEL, (name, labels)
