@@ -10,14 +10,14 @@ import re
 import yaml
 
 from chart_helpers import CHART, helm, one
+from harness import docs as doc_pages
 
 REPO = CHART.parents[1]
 DOC = REPO / "docs" / "helm.md"
 
 
 def yaml_documents() -> list[dict]:
-    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
-    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc]
+    return doc_pages.yaml_documents(DOC)
 
 
 def render_with(values: dict, tmp_path) -> list[dict]:
@@ -126,7 +126,7 @@ def test_operations_artifact_store_example_is_a_valid_spec_and_mounts_where_it_s
     from shapeshift.operator import builders
     from shapeshift.operator.api import ARTIFACT_MOUNT, InferenceDeploymentSpec
 
-    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", OPERATIONS.read_text(), re.S)]
+    blocks = [yaml.safe_load(b) for b in doc_pages.yaml_blocks(OPERATIONS)]
     fragment = next(b["spec"] for b in blocks if "artifacts" in (b or {}).get("spec", {}))
     spec = InferenceDeploymentSpec.model_validate({"model": {"preset": "tiny-llama"},
                                                    "hardware": {"accelerator": "cpu"}, **fragment})

@@ -12,7 +12,6 @@ cluster of a kubeconfig (here the test control plane), and the manifest that pag
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.docs import yaml_documents
 from shapeshift.operator import api as models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,8 +28,7 @@ DOC = REPO / "docs" / "local-operator.md"
 
 
 def doc_manifest() -> dict:
-    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.S)
-    docs = [yaml.safe_load(b) for b in blocks if "kind: InferenceDeployment" in b]
+    docs = [d for d in yaml_documents(DOC) if d.get("kind") == "InferenceDeployment"]
     assert len(docs) == 1, f"{DOC.name} should show one InferenceDeployment, found {len(docs)}"
     return docs[0]
 

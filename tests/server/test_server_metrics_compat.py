@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from harness.docs import yaml_documents
 from server_harness import MODEL, ServerProcess, scrape, value
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "helm.md"
@@ -34,8 +34,7 @@ VLLM_RECIPE_SERIES = (
 
 def recipe_series() -> list[str]:
     """The vLLM series the KEDA ScaledObject in docs/helm.md queries (its triggers' PromQL)."""
-    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
-    scaled = [d for block in blocks for d in yaml.safe_load_all(block) if d and d.get("kind") == "ScaledObject"]
+    scaled = [d for d in yaml_documents(DOC) if d.get("kind") == "ScaledObject"]
     assert scaled, f"no KEDA ScaledObject in {DOC}"
     queries = [t["metadata"]["query"] for so in scaled for t in so["spec"]["triggers"] if t["type"] == "prometheus"]
     return sorted({name for q in queries for name in re.findall(r"vllm:[a-zA-Z_:]+", q)})
