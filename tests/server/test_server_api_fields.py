@@ -44,14 +44,18 @@ def _complete(client, **kwargs):
 CLIENT_ONLY = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
 
 
-def _create_parameters(kind: str) -> dict[str, inspect.Parameter]:
-    """The request parameters of the installed openai package's chat or completions create()."""
+def _create_parameters(kind: str) -> dict[str, object]:
+    """The request parameters of the installed openai package's chat or completions create(), each
+    with the type that package declares for it."""
+    import typing_extensions
+
     if kind == "chat":
         from openai.resources.chat.completions import Completions
     else:
         from openai.resources.completions import Completions
     params = inspect.signature(Completions.create).parameters
-    return {name: p for name, p in params.items() if name not in CLIENT_ONLY and p.kind is p.KEYWORD_ONLY}
+    hints = typing_extensions.get_type_hints(Completions.create)
+    return {name: hints[name] for name, p in params.items() if name not in CLIENT_ONLY and p.kind is p.KEYWORD_ONLY}
 
 
 def _sample(tp):
@@ -95,8 +99,6 @@ def test_every_openai_request_parameter_is_a_field():
 
 
 def test_inert_openai_fields_are_accepted_and_change_nothing(server, openai_client):
-    import typing_extensions
-
     from shapeshift.engine.serving.protocol import INERT_FIELDS
 
     plain = _ids(_complete(openai_client).choices[0])
@@ -106,8 +108,7 @@ def test_inert_openai_fields_are_accepted_and_change_nothing(server, openai_clie
             "ignore_eos": True, "return_token_ids": True}
     base = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=30).json()
     # Each inert field at a value of the type the installed openai package gives it.
-    from openai.resources.chat.completions import completions as chat_module
-    hints = typing_extensions.get_type_hints(chat_module.Completions.create)
+    hints = _create_parameters("chat")
     sampled = {name: _sample(hints[name]) for name in INERT_FIELDS}
     assert sampled["prompt_cache_retention"] in ("in_memory", "24h") and sampled["prompt_cache_key"] == "x"
     chat_inert = {**chat, **sampled, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
@@ -120,10 +121,7 @@ def test_inert_openai_fields_are_accepted_and_change_nothing(server, openai_clie
 
 
 def test_moderation_is_refused_naming_the_field(server):
-    import typing_extensions
-    from openai.resources.chat.completions import completions as chat_module
-
-    moderation = _sample(typing_extensions.get_type_hints(chat_module.Completions.create)["moderation"])
+    moderation = _sample(_create_parameters("chat")["moderation"])
     assert moderation == {"model": "x"}  # the openai package's required keys
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "moderation": moderation}
