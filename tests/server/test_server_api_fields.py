@@ -14,6 +14,7 @@ import math
 import types
 
 import httpx
+import openai
 import pytest
 
 from server_harness import MODEL
@@ -118,9 +119,14 @@ def test_inert_openai_fields_are_accepted_and_change_nothing(server, openai_clie
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat_inert, timeout=30)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+    # the same request as the openai client itself sends it, each inert field as a create() argument
+    extensions = {"ignore_eos": True, "return_token_ids": True}
+    sent = openai_client.chat.completions.create(
+        **{k: v for k, v in chat_inert.items() if k not in extensions}, extra_body=extensions)
+    assert _ids(sent.choices[0]) == base["choices"][0]["token_ids"]
 
 
-def test_moderation_is_refused_naming_the_field(server):
+def test_moderation_is_refused_naming_the_field(server, openai_client):
     moderation = _sample(_create_parameters("chat")["moderation"])
     assert moderation == {"model": "x"}  # the openai package's required keys
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -129,6 +135,10 @@ def test_moderation_is_refused_naming_the_field(server):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "moderation" and "omit it" in error["message"]
+    # what the openai client raises when its own moderation argument is refused
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(**body)
+    assert refused.value.param == "moderation" and "omit it" in refused.value.message
 
 
 def test_content_parts_of_text_and_a_refusal_sent_back(openai_client):
