@@ -69,15 +69,22 @@ def test_capital_of_france_is_paris(engine):
     assert text == engine.tokenizer.decode(final.output_token_ids)
 
 
-def test_the_presets_config_is_what_the_import_writes(smollm2_folder):
+def test_the_presets_config_is_what_the_import_writes(smollm2_folder, tmp_path, monkeypatch):
     """serve reads the preset's config for its context length before the first import; it must be
-    the one the import then writes (every field the engine reads from it)."""
+    the one the import then writes (every field the engine reads from it), and the weight size
+    serve counts from it (for the GPU memory left to the KV cache) the size the import writes."""
     import json
 
     from shapeshift.engine.core.config import ModelConfig
     from shapeshift.engine.models.presets import PRESETS
+    from shapeshift.engine.serving.preflight import check_model
 
     written = json.loads((smollm2_folder / "config.json").read_text())
     preset = PRESETS["smollm2-135m"].hf_config
     assert preset["max_position_embeddings"] == written["max_position_embeddings"] == 8192
     assert ModelConfig.from_hf(preset) == ModelConfig.from_hf(written)
+    on_disk = sum(f.stat().st_size for f in smollm2_folder.glob("*.safetensors"))
+    monkeypatch.setenv("SHAPESHIFT_CACHE", str(tmp_path))  # as before the first import
+    before_import = check_model("smollm2-135m")
+    assert before_import.hf_config == preset
+    assert abs(before_import.weight_bytes - on_disk) < on_disk * 1e-3, (before_import.weight_bytes, on_disk)
