@@ -113,8 +113,9 @@ _MOE_MEDIUM = {
 }
 
 # What `shapeshift import-smollm2` writes into config.json (SmolLM2-135M-Instruct, read from the
-# GGUF's llama.* metadata), so the serve CLI knows the context length and cache size before the
-# first import; tests/engine/test_smollm2.py checks it against the imported config.json.
+# GGUF's llama.* metadata), as the engine reads it (the import nests rope_theta in rope_parameters),
+# so the serve CLI knows the context length and cache size before the first import;
+# tests/engine/test_smollm2.py checks it, and the weight size it gives, against the imported folder.
 _SMOLLM2_135M = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
