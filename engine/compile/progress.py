@@ -111,9 +111,8 @@ def agent_states(agents: list[dict[str, Any]]) -> str:
     return "agents: " + ", ".join(shown) if shown else ""
 
 
-def trial_text(loop: Any, status: dict[str, Any] | None = None) -> str:
-    """The terminal's trial line; `status` is the loop's status() the trial event carries (taken when absent)."""
-    st = status if status is not None else loop.status()
+def trial_text(loop: Any, st: dict[str, Any]) -> str:
+    """The terminal's trial line; `st` is the loop's status() the trial event carries."""
     parts = [where(loop), best(loop)]
     if loop.confirms:
         parts.append(f"{loop.confirms} confirmation" + ("s" if loop.confirms > 1 else ""))
@@ -153,12 +152,13 @@ class Progress:
                     detail.get("stop_reason", ""), detail.get("summary", ""))
             return
         if event == "trial":
+            st = detail.get("status") or loop.status()
             if self.tty:
-                self._line(loop, trial_text(loop, detail.get("status")))
+                self._line(loop, trial_text(loop, st))
             else:
                 from shapeshift.engine.compile.report import progress_line  # report.py imports the loop
 
-                log.info("%s", progress_line(detail.get("status") or loop.status()))
+                log.info("%s", progress_line(st))
             return
         text = phase_text(event, loop, detail)
         if text is None:
