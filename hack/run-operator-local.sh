@@ -47,7 +47,7 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 ]] || { echo "error: $1 needs a value" >&2; exit 2; }
       runner_opts+=("$1"); pods_args+=("$1" "$2"); shift 2 ;;
     --port-base=*|--workdir=*|--pool=*|--interval=*) runner_opts+=("${1%%=*}"); pods_args+=("$1"); shift ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) operator_args+=("$1"); shift ;;
   esac
 done
