@@ -15,8 +15,9 @@ pause (decode steps in flight already drained):
               reads (tails alternate between ``tail_tokens`` tokens, a prefill, and one, a decode
               step, the two ways served requests continue a cached prefix)
         miss: the incoming pass prefills prefix + tail from scratch on a private PagedDriver
-      --hit logits vs miss logits within the verifier's bounds (tolerances.TOLERANCES of the
-        engine's dtype: top-k logprobs, logits relative to their spread, no clear argmax flip)-->
+      --hit logits vs miss logits, the verifier's comparison within its bounds (tolerances.compare,
+        TOLERANCES of the engine's dtype: top-k logprobs, logits relative to their spread, no
+        clear argmax flip)-->
         kept (verified) | flushed (check_failed; check_error when the incoming pass raised)
 
 Only the tail slots of null blocks are written, so the check changes nothing a request can see.
@@ -109,7 +110,7 @@ def check_prefix_hits(engine: Any, writer: Any, reader: Any, s: KVCheckSettings)
     import torch
 
     from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq, step_inputs
-    from shapeshift.engine.forward_pass.tolerances import PRECISION_FACTOR, TOLERANCES
+    from shapeshift.engine.forward_pass.tolerances import PRECISION_FACTOR, TOLERANCES, compare
 
     bm, kv, cfg = engine.block_manager, engine.kv_cache, engine.model_config
     bs = kv.block_size
@@ -156,37 +157,16 @@ def check_prefix_hits(engine: Any, writer: Any, reader: Any, s: KVCheckSettings)
             seqs = [Seq(list(p.tokens)) for p in probes]
             own.step(reader, seqs)
             self_hit = continued([_Probe(own.kv, list(q.blocks), list(q.tokens), "own") for q in seqs])
-            noise = _agreement(miss, self_hit, (float("inf"), float("inf"), tol[2]), s.top_k)
+            noise = compare([miss], [self_hit], (float("inf"), float("inf"), tol[2]), s.top_k)
             floor = {"self_max_logprob_diff": noise["max_logprob_diff"],
                      "self_max_rel_logit_diff": noise["max_rel_logit_diff"]}
             tol = (max(tol[0], PRECISION_FACTOR * noise["max_logprob_diff"]),
                    max(tol[1], PRECISION_FACTOR * noise["max_rel_logit_diff"]), tol[2])
-        evidence = _agreement(miss, hit, tol, s.top_k)
+        evidence = compare([miss], [hit], tol, s.top_k)
     return {**evidence, **floor, "probes": len(probes), "cached": sum(p.source == "cached" for p in probes),
             "synthetic": sum(p.source == "synthetic" for p in probes),
             "prefix_tokens": sum(len(p.tokens) for p in probes), "tail_tokens": [len(t) for t in tails],
             "seed": seed, "tolerance": list(tol)}
-
-
-def _agreement(miss: Any, hit: Any, tol: tuple[float, float, float], top_k: int) -> dict[str, Any]:
-    """The verifier's comparison (engine/verify/context.compare) of one row per probe: logprobs of
-    the miss's top-k, logits relative to the miss's spread, argmax flips past the near-tie margin."""
-    import torch
-
-    atol, rtol, tie = tol
-    finite = bool(torch.isfinite(hit).all())
-    if not finite:
-        return {"ok": False, "finite": False, "max_logprob_diff": float("inf"), "max_rel_logit_diff": float("inf"),
-                "flips": 0}
-    lm, lh = torch.log_softmax(miss, -1), torch.log_softmax(hit, -1)
-    top = torch.topk(lm, min(top_k, lm.shape[-1]), dim=-1)
-    logprob_diff = float((lh.gather(-1, top.indices) - top.values).abs().max())
-    rel = float(((hit - miss).abs() / miss.std(dim=-1, keepdim=True).clamp_min(1e-12)).max())
-    mine, theirs = miss.argmax(-1, keepdim=True), hit.argmax(-1, keepdim=True)
-    margin = (miss.gather(-1, mine) - miss.gather(-1, theirs)).squeeze(-1)  # the miss's preference for its own
-    flips = int(((mine != theirs).squeeze(-1) & (margin > tie)).sum())
-    ok = flips == 0 and logprob_diff <= atol and rel <= rtol
-    return {"ok": ok, "finite": True, "max_logprob_diff": logprob_diff, "max_rel_logit_diff": rel, "flips": flips}
 
 
 def count(engine: Any, decision: KVDecision) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from shapeshift.engine.forward_pass.paged_driver import DEFAULT_BLOCK_SIZE, PagedDriver, Seq
+# score() lives with the comparison the gates and the hot-reload KV check share
+from shapeshift.engine.forward_pass.tolerances import score
 
 ERROR_FACTOR = 1.25  # candidate p99 / RMS logit error allowed over the control's
 ABS_SLACK = 1e-3  # logits: lets float32 paths (control error ~0) pass on summation order alone
@@ -51,28 +53,6 @@ def teacher_forced(fp: Any, model_config: Any, dtype: torch.dtype, device: torch
         for seq in seqs:
             driver.release(seq)
     return tokens, [torch.cat(rows) for rows in zip(*groups)]
-
-
-def score(ref: list[torch.Tensor], cand: list[torch.Tensor], clear_margin: float) -> dict[str, Any]:
-    """Per-position comparison of two logits lists (per step, [P, V]) on the same positions."""
-    if len(ref) != len(cand) or any(r.shape != c.shape for r, c in zip(ref, cand)):
-        raise ValueError("reference and candidate logits cover different positions")
-    r = torch.cat(ref).float()
-    c = torch.cat(cand).float().to(r.device)
-    top2 = r.topk(2, dim=-1).values
-    margin = top2[:, 0] - top2[:, 1]
-    deficit = top2[:, 0] - r.gather(1, c.argmax(-1, keepdim=True)).squeeze(1)  # 0 where the argmax agrees
-    flipped = deficit > 0
-    clear = margin > clear_margin
-    row_max = (c - r).abs().max(dim=-1).values
-    return {"positions": int(r.shape[0]), "argmax_equal": int((~flipped).sum()),
-            "clear_margin_logits": clear_margin, "clear_argmax_positions": int(clear.sum()),
-            "clear_argmax_flips": int((clear & flipped).sum()),
-            "largest_flipped_margin_logits": float(margin[flipped].max()) if bool(flipped.any()) else 0.0,
-            "worst_deficit_logits": float(deficit.max()),
-            "max_abs_logit_error": float(row_max.max()),
-            "p99_row_max_abs_logit_error": float(row_max.quantile(0.99)),
-            "rms_logit_error": float((c - r).square().mean().sqrt())}
 
 
 def judge(ref: list[torch.Tensor], cand: list[torch.Tensor], control: list[torch.Tensor],

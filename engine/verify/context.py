@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from shapeshift.engine.verify.agreement import score
 from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq
 # dtype -> (logprob absolute tolerance, logit difference relative to the reference logits'
-# standard deviation, near-tie margin in logits), shared with the hot-reload KV check.
-from shapeshift.engine.forward_pass.tolerances import PRECISION_FACTOR, TOLERANCES  # noqa: F401  (GateContext.tol)
+# standard deviation, near-tie margin in logits) and the comparison, shared with the hot-reload
+# KV check (which must not import the verifier: the package takes seconds to import).
+from shapeshift.engine.forward_pass.tolerances import PRECISION_FACTOR, TOLERANCES, compare  # noqa: F401
 
 
 @dataclass
@@ -120,43 +120,6 @@ class GateContext:
                 out += corpus[start:start + n - len(out)]
             return out
         return [self.rng.randrange(self.model_config.vocab_size) for _ in range(n)]
-
-
-def compare(ref: list[torch.Tensor], cand: list[torch.Tensor], tol: tuple[float, float, float],
-            top_k: int = 8) -> dict[str, Any]:
-    """Logits lists (per step, [B, V]) -> agreement, logprob and relative-logit evidence. A
-    position whose argmax differs is a flip when the reference's top-2 margin exceeds the
-    near-tie margin, else a forgiven near-tie (agreement.score counts them)."""
-    atol, rtol, tie = tol
-    max_diff = max_rel = sq_rel = 0.0
-    n_rel = steps = 0
-    finite = True
-    for r, c in zip(ref, cand, strict=True):
-        if tuple(r.shape) != tuple(c.shape):
-            return {"shape_mismatch": [tuple(r.shape), tuple(c.shape)], "ok": False, "finite": True}
-        c = c.float()
-        finite = finite and bool(torch.isfinite(c).all())
-        if not finite:
-            break
-        lr, lc = torch.log_softmax(r.float(), -1), torch.log_softmax(c, -1)
-        top = torch.topk(lr, min(top_k, lr.shape[-1]), dim=-1)
-        diff = (lc.gather(-1, top.indices) - top.values).abs().max().item()
-        max_diff = max(max_diff, diff)
-        spread = r.float().std(dim=-1, keepdim=True).clamp_min(1e-12)  # [B, 1]
-        rel = (c - r.float()).abs() / spread
-        max_rel = max(max_rel, rel.max().item())
-        sq_rel += rel.square().sum().item()
-        n_rel += rel.numel()
-        steps += 1
-    positions = (score(ref[:steps], cand[:steps], tie) if steps else
-                 {"positions": 0, "argmax_equal": 0, "clear_argmax_flips": 0, "max_abs_logit_error": 0.0})
-    total, flips = positions["positions"], positions["clear_argmax_flips"]
-    ok = finite and flips == 0 and max_diff <= atol and max_rel <= rtol
-    return {"ok": ok, "finite": finite, "tokens": total, "flips": flips,
-            "forgiven_near_ties": total - positions["argmax_equal"] - flips,
-            "max_logprob_diff": float(max_diff), "logprob_atol": atol, "max_rel_logit_diff": float(max_rel),
-            "logit_rtol": rtol, "rms_rel_logit_diff": (sq_rel / n_rel) ** 0.5 if n_rel else 0.0,
-            "max_abs_logit_diff": positions["max_abs_logit_error"], "tie_margin": tie}
 
 
 def run_pair(ctx: GateContext, prompts: list[list[int]], steps: int, setup: Callable[[PagedDriver, list[Seq]], None]
