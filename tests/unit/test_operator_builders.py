@@ -261,6 +261,14 @@ def test_metrics_compat_reaches_the_engine_command_line():
     # The flag is one the engine's own parser takes, with the value the CRD allows.
     from shapeshift.engine.cli import build_parser
     assert build_parser().parse_args(args).metrics_compat == "vllm"
+    # and the CRD allows exactly the values the engine's parser takes
+    import typing
+    from shapeshift.operator.api import EngineSettings
+    parser = build_parser()
+    command = next(a for a in parser._actions if a.choices and args[0] in a.choices).choices[args[0]]
+    choices = next(a.choices for a in command._actions if a.dest == "metrics_compat")
+    allowed = typing.get_args(typing.get_args(EngineSettings.model_fields["metrics_compat"].annotation)[0])
+    assert set(allowed) == set(choices), (allowed, choices)
     try:
         spec(engine={"metricsCompat": "prometheus"})
     except ValueError as err:
