@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shapeshift.engine.forward_pass.bundle import BundleError, declared_cache_format, stock_bundle_dir, verify_bundle, write_manifest
-from shapeshift.engine.forward_pass.kv_layout import layout_from_source
+from shapeshift.engine.forward_pass.bundle import BundleError, declared_kv, stock_bundle_dir, verify_bundle, write_manifest
 
 
 def main() -> int:
@@ -27,13 +26,14 @@ def main() -> int:
         except BundleError as exc:
             print(f"stale: {exc}; run python hack/gen_stock_manifest.py")
             return 1
-        if manifest.cache_format != declared_cache_format(folder):
+        layout, cache_format = declared_kv(folder)
+        if manifest.cache_format != cache_format:
             print(f"stale: {folder}/manifest.json names cache format {manifest.cache_format!r}, forward.py declares "
-                  f"{declared_cache_format(folder)!r}; run python hack/gen_stock_manifest.py")
+                  f"{cache_format!r}; run python hack/gen_stock_manifest.py")
             return 1
-        if manifest.kv_layout != layout_from_source(folder):
+        if manifest.kv_layout != layout:
             print(f"stale: {folder}/manifest.json names KV layout {manifest.kv_layout!r}, forward.py declares "
-                  f"{layout_from_source(folder)!r}; run python hack/gen_stock_manifest.py")
+                  f"{layout!r}; run python hack/gen_stock_manifest.py")
             return 1
         print(f"ok: stock bundle {manifest.digest}")
         return 0

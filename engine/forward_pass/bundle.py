@@ -195,11 +195,16 @@ def load_recipe(bundle_dir: str | Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ create / write
 
 
-def declared_cache_format(bundle_dir: str | Path) -> str | None:
-    """``kv_cache_tag`` of the layout forward.py declares (``kv_layout.layout_from_source``),
-    read without importing it; None when it declares none."""
+def declared_kv(bundle_dir: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The KV layout forward.py declares (``kv_layout.layout_from_source``) and its
+    ``kv_cache_tag``, read once without importing it; (None, None) when it declares none."""
     layout = layout_from_source(bundle_dir)
-    return kv_cache_tag(layout, "") if layout is not None else None
+    return layout, (kv_cache_tag(layout, "") if layout is not None else None)
+
+
+def declared_cache_format(bundle_dir: str | Path) -> str | None:
+    """``kv_cache_tag`` of the layout forward.py declares; None when it declares none."""
+    return declared_kv(bundle_dir)[1]
 
 
 def write_manifest(bundle_dir: str | Path, *, name: str | None = None, cache_format: str | None = None,
@@ -212,9 +217,9 @@ def write_manifest(bundle_dir: str | Path, *, name: str | None = None, cache_for
     files = hash_files(bundle_dir)
     if len(files) > MAX_BUNDLE_FILES:
         raise BundleError(f"{bundle_dir}: {len(files)} files, more than the limit {MAX_BUNDLE_FILES}")
+    layout, declared_format = declared_kv(bundle_dir)
     manifest = Manifest(name=name or bundle_dir.name, files=files, digest=compute_digest(files),
-                        cache_format=cache_format or declared_cache_format(bundle_dir),
-                        kv_layout=layout_from_source(bundle_dir), parent=parent,
+                        cache_format=cache_format or declared_format, kv_layout=layout, parent=parent,
                         description=description, created_unix=created_unix)
     (bundle_dir / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
@@ -441,8 +446,9 @@ def open_bundle(path: str | Path, expected_digest: str | None = None, *,
             if not (folder / ENTRY_NAME).is_file():
                 raise BundleError(f"{folder}: a bundle needs {ENTRY_NAME}")
             files = hash_files(folder)
+            layout, declared_format = declared_kv(folder)
             manifest = Manifest(name=folder.name, files=files, digest=compute_digest(files),
-                                cache_format=declared_cache_format(folder), kv_layout=layout_from_source(folder),
+                                cache_format=declared_format, kv_layout=layout,
                                 description="manifest computed at load time")
             if expected_digest is not None and manifest.digest != expected_digest:
                 raise BundleTamperedError(f"bundle {folder} has digest {manifest.digest}, expected {expected_digest}")

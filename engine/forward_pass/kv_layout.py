@@ -137,12 +137,15 @@ def layout_from_source(bundle_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def _module_constants(path: Path, stock_entry: Path, depth: int = 0) -> dict[str, Any]:
+def _module_constants(path: Path, stock_entry: Path | None) -> dict[str, Any]:
+    """Literal module-level CACHE_FORMAT_VERSION / KV_LAYOUT of ``path``; ``stock.<name>`` values
+    are read from ``stock_entry`` (parsed once, when first needed; None: not followed)."""
     try:
         tree = ast.parse(path.read_text(), str(path))
     except (OSError, SyntaxError):
         return {}
     stock_names: set[str] = set()
+    stock: dict[str, Any] | None = None
     found: dict[str, Any] = {}
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else (
@@ -157,8 +160,9 @@ def _module_constants(path: Path, stock_entry: Path, depth: int = 0) -> dict[str
             continue
         for name in (n for n in names if n in ("CACHE_FORMAT_VERSION", "KV_LAYOUT")):
             if (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
-                    and value.value.id in stock_names and depth == 0):
-                stock = _module_constants(stock_entry, stock_entry, depth + 1)
+                    and value.value.id in stock_names and stock_entry is not None):
+                if stock is None:
+                    stock = _module_constants(stock_entry, None)
                 if value.attr in stock:
                     found[name] = stock[value.attr]
                 continue
