@@ -209,19 +209,32 @@ class BlockManager:
         chains: list[list[int]] = []
         firsts: set[int] = set()
         spare: list[list[int]] = []
+        # block id -> the first blocks (at most max_blocks) of its chain, None where a parent was
+        # evicted (no lookup reaches the block): each block is walked once, however many of the
+        # scanned blocks sit on its chain (the latest registered are the tails of long prompts)
+        heads: dict[int, list[int] | None] = {}
         for looked, block_id in enumerate(reversed(self.hash_to_block.values())):
             if looked >= scan or len(chains) >= limit:
                 break
-            chain = [block_id]
-            while self.blocks[chain[-1]].parent is not None:
-                parent = self.hash_to_block.get(self.blocks[chain[-1]].parent)
-                if parent is None:  # its parent was evicted: no lookup reaches this block
-                    chain = []
+            path, head = [], None
+            node: int | None = block_id
+            while node is not None and node not in heads:
+                path.append(node)
+                parent = self.blocks[node].parent
+                if parent is None:  # the first block of its sequence
+                    head, node = [], None
                     break
-                chain.append(parent)
+                node = self.hash_to_block.get(parent)  # None: evicted, the chain is cut
+            if node is not None:
+                head = heads[node]
+            for node in reversed(path):  # from the first block on
+                if head is not None and len(head) < max_blocks:
+                    head = head + [node]
+                heads[node] = head
+            chain = heads[block_id]
             if not chain:
                 continue
-            chain = chain[::-1][:max_blocks]
+            chain = list(chain)
             (spare if chain[0] in firsts else chains).append(chain)
             firsts.add(chain[0])
         for chain in spare:

@@ -125,6 +125,51 @@ def test_tag_change_invalidates_hits_and_prefix_caching_can_be_off():
     assert off.prefix_cache_hit_tokens == 0 and b.num_cached_tokens == 0
 
 
+def chain_tokens(bm: BlockManager, chain: list[int]) -> list[int]:
+    return [t for b in chain for t in bm.blocks[b].token_ids]
+
+
+def test_cached_chains_are_prefixes_a_lookup_hits_and_forget_cut_ones():
+    """What the hot-swap KV check continues: each chain is the first blocks of a cached prefix,
+    exactly the blocks a request with its tokens would hit; a prefix whose parent was evicted
+    is left out; distinct first blocks come before more chains from the same first block."""
+    bm = BlockManager(num_blocks=32, block_size=2)
+    a = seq_of(list(range(10)) + [99], "a")  # 5 full blocks
+    b = seq_of([0, 1, 2, 3, 50, 51, 52, 53, 99], "b")  # a's first 2 blocks, then 2 of its own
+    c = seq_of([90, 91, 92, 93, 94, 95, 99], "c")  # 3 blocks of its own, registered last
+    for seq in (a, b, c):
+        compute_all(bm, seq)
+    chains = bm.cached_chains(3, max_blocks=3)
+    assert chains[:2] == [c.block_table[:3], b.block_table[:3]]  # the latest registered first, distinct firsts
+    assert chains[2][0] == c.block_table[0] and len(chains) == 3
+    for chain in chains:
+        assert bm.lookup(seq_of(chain_tokens(bm, chain) + [7], "probe")) == chain
+    tables = {seq.request_id: list(seq.block_table) for seq in (a, b, c)}
+    for seq in (a, b, c):
+        bm.deallocate(seq)
+    # a's second block evicted: a's and b's later blocks are unreachable, a's first is still a prefix
+    cut = tables["a"][1]
+    bm.free_cached.move_to_end(cut, last=False)
+    bm.free_uncached.clear()
+    bm._take_free_block()
+    assert bm.blocks[cut].hash is None
+    chains = bm.cached_chains(8, max_blocks=3)
+    assert chains and all(cut not in chain for chain in chains)
+    assert sorted(map(tuple, chains)) == sorted({tuple(tables["a"][:1]), tuple(tables["c"][:3]),
+                                                 tuple(tables["c"][:2]), tuple(tables["c"][:1])})
+    for chain in chains:
+        assert bm.lookup(seq_of(chain_tokens(bm, chain) + [7], "probe")) == chain
+    bm.flush()
+    assert bm.cached_chains(3, max_blocks=3) == [] and bm.num_cached_tokens(seq_of(list(range(10)), "x")) == 0
+
+
+def test_cached_chains_of_a_long_prompt_start_at_its_first_block():
+    bm = BlockManager(num_blocks=520, block_size=4)
+    long = seq_of(list(range(2048)) + [1], "long")  # 512 full blocks
+    compute_all(bm, long)
+    assert bm.cached_chains(3, max_blocks=4) == [long.block_table[:4]]  # the 64 scanned blocks share one prefix
+
+
 def test_factories_give_distinct_prompts():
     seqs = make_requests([3, 5], prefix=[1, 2])
     assert seqs[0].prompt_token_ids[:2] == seqs[1].prompt_token_ids[:2] == [1, 2]
