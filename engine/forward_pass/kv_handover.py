@@ -21,8 +21,8 @@ pause (decode steps in flight already drained):
         kept (verified) | flushed (check_failed; check_error when the incoming pass raised)
 
 Only the tail slots of null blocks are written, so the check changes nothing a request can see.
-The decision is counted in ``LLMEngine.kv_swaps`` ((outcome, reason) -> count), which the
-server exports as shapeshift_kv_swaps_total.
+The swap (swap.py) counts the decision in ``LLMEngine.kv_swaps`` ((outcome, reason) -> count),
+which the server exports as shapeshift_kv_swaps_total.
 """
 
 from __future__ import annotations
@@ -167,10 +167,3 @@ def check_prefix_hits(engine: Any, writer: Any, reader: Any, s: KVCheckSettings)
             "synthetic": sum(p.source == "synthetic" for p in probes),
             "prefix_tokens": sum(len(p.tokens) for p in probes), "tail_tokens": [len(t) for t in tails],
             "seed": seed, "tolerance": list(tol)}
-
-
-def count(engine: Any, decision: KVDecision) -> None:
-    """Add the decision to ``engine.kv_swaps`` (engines without the counter are left alone)."""
-    swaps = getattr(engine, "kv_swaps", None)
-    if swaps is not None:
-        swaps[(decision.outcome, decision.reason)] += 1

@@ -38,7 +38,7 @@ from shapeshift.engine.forward_pass.bundle import BundleError, read_engine_setti
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
 from shapeshift.engine.forward_pass.identity import ActiveForwardPass
 from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError, load_bundle
-from shapeshift.engine.forward_pass.kv_handover import KVCheckSettings, KVDecision, count, decide
+from shapeshift.engine.forward_pass.kv_handover import KVCheckSettings, KVDecision, decide
 from shapeshift.engine.forward_pass.smoke import smoke_check
 from shapeshift.engine.forward_pass.weights_guard import fingerprint_diff, weights_fingerprint
 
@@ -163,9 +163,7 @@ class ForwardPassManager:
             loaded = load_bundle(path, expected_digest=expected_digest)
             timings["import"] = time.perf_counter() - t0
             try:
-                kv_context = getattr(self.engine, "kv_context", None)  # resolves the pass's KV layout
-                identity = ActiveForwardPass.of(loaded, str(path), resource,
-                                                kv=kv_context() if kv_context is not None else None)
+                identity = ActiveForwardPass.of(loaded, str(path), resource, kv=self.engine.kv_context())
                 record, runner = self._build_and_check(loaded, timings, identity)
                 record.engine_settings = read_engine_settings(loaded.bundle.folder)
             except BundleError as exc:
@@ -299,7 +297,7 @@ class ForwardPassManager:
                 eng.block_manager.flush()  # same tag, so installing the pass would keep them
         eng.install_forward_pass(record.loaded, record.forward_pass, record.identity, runner=runner)
         self._apply_engine_settings(record)
-        count(eng, kv)
+        eng.kv_swaps[(kv.outcome, kv.reason)] += 1
         who = record.identity
         logger.info("forward pass %s (%s) active; KV cache %s (%s): %s; %d running sequence(s) preempted, "
                     "check %.1f ms", who.name, who.digest[:12], kv.outcome, kv.reason, kv.detail, preempted,

@@ -377,9 +377,7 @@ class RolloutAgent:
             raise AttemptFailed(RESULT_REFUSED, f"{source}: {exc}") from exc
         result = self._on_engine_thread(lambda: self.manager.commit(prepared))
         return (f"loaded from {source} in {sum(result.timings_s.values()):.2f} s "
-                f"(KV cache {result.kv.get('outcome', 'flushed' if result.flushed_kv else 'kept')}"
-                f"{' (' + result.kv['reason'] + ')' if result.kv.get('reason') else ''}, preempted={result.preempted})",
-                True)
+                f"(KV cache {result.kv['outcome']} ({result.kv['reason']}), preempted={result.preempted})", True)
 
     def _activate_held(self, digest: str, resource: str | None) -> tuple[str, bool] | None:
         """On the engine thread: the active pass, or one in the manager's history, if its digest
