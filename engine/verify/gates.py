@@ -57,7 +57,7 @@ import torch
 
 from shapeshift.engine.verify import anticheat  # noqa: F401  (first: captures clocks and function identities before any candidate)
 from shapeshift.engine.forward_pass.deadline import DeadlineExceeded, run_with_deadline
-from shapeshift.engine.forward_pass.bundle import Bundle, open_bundle
+from shapeshift.engine.forward_pass.bundle import STOCK_BUNDLE_DIR, Bundle, declared_cache_format, open_bundle
 from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError, load_bundle
 from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline, fingerprint_diff, weights_fingerprint
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
@@ -130,7 +130,9 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         stock = load_stock_isolated()
         reference = stock.module.build(model_config, weights, dict(stock.recipe))
         reference_cache_format = stock.cache_format
-    reference_cache_format = reference_cache_format or "kv-format-1"
+    # A reference given without its format: the stock pass's tag (what "kv-format-1" was before
+    # tags carried the layout's hash), so a candidate declaring the stock layout is swap-checked.
+    reference_cache_format = reference_cache_format or declared_cache_format(STOCK_BUNDLE_DIR)
 
     opened: Bundle | None = None
     loaded: LoadedBundle | None = None

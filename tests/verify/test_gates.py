@@ -88,6 +88,23 @@ def test_bad_candidate_rejected_by_its_gate(model, name, gate):
         assert report.gate("smoke").passed  # it is a working pass, caught by the specific check
 
 
+def test_a_reference_given_without_its_format_is_taken_as_the_stock_layout(model):
+    """verify_candidate(reference=...) without reference_cache_format: the reference is taken
+    to write the stock layout, so a candidate declaring it still gets the swap check."""
+    from shapeshift.engine.forward_pass.importer import build_forward_pass, load_stock
+
+    cfg, weights = model
+    stock = load_stock()
+    try:
+        reference = build_forward_pass(stock, cfg, weights)
+        report = verify_candidate(CANDIDATES / "kv_scaled_writes", cfg, weights, reference=reference,
+                                  settings=settings(), only=("smoke", "kv.swap_compatibility"))
+    finally:
+        stock.unload()
+    swap = report.gate("kv.swap_compatibility")
+    assert not swap.passed and not swap.skipped and "cache_formats" not in swap.evidence, swap
+
+
 @pytest.fixture(scope="module")
 def model_bf16(model):
     cfg, weights = model
