@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from shapeshift.engine.core.config import EngineConfig
 from shapeshift.engine.core.sampling import SamplingParams
@@ -30,9 +31,10 @@ def engine():
                                   num_kv_blocks=64))
 
 
-def bundle(tmp_path: Path, name: str, text_edit=None) -> Path:
+def bundle(tmp_path: Path, name: str, text_edit=None, source: str | None = None) -> Path:
+    """A bundle of the fixture ``source`` (default ``name``), its forward.py edited by ``text_edit``."""
     src = tmp_path / f"{name}-src"
-    shutil.copytree(CANDIDATES / name if (CANDIDATES / name).is_dir() else CANDIDATES / "kv_scaled_writes", src)
+    shutil.copytree(CANDIDATES / (source or name), src)
     if text_edit is not None:
         (src / "forward.py").write_text(text_edit((src / "forward.py").read_text()))
     create_bundle(src, None, tmp_path / name, name=name)
@@ -53,6 +55,12 @@ def serve(engine, rid: str, prompt: list[int], max_tokens: int = 6) -> tuple[lis
     return tokens, logprobs, cached
 
 
+def served_kv(engine) -> list:
+    """A copy of every KV block a request can read (all but the null block)."""
+    null = engine.kv_cache.null_block
+    return [t[:null].clone() for t in (*engine.kv_cache.k, *engine.kv_cache.v)]
+
+
 def cached_tokens(engine, prompt: list[int]) -> int:
     probe = Sequence(request_id="probe", prompt_token_ids=list(prompt), params=SamplingParams(max_tokens=1))
     return engine.block_manager.num_cached_tokens(probe)
@@ -62,10 +70,13 @@ def test_a_compatible_swap_keeps_the_cache_and_a_prefix_hit_after_it_equals_a_mi
     serve(engine, "warm", PROMPT)  # the stock pass writes PROMPT's blocks
     assert cached_tokens(engine, FOLLOW_UP) == 48
     manager = ForwardPassManager(engine)
+    before = served_kv(engine)
     with caplog.at_level(logging.INFO, logger="shapeshift.engine.forward_pass.swap"):
         result = manager.reload(bundle(tmp_path, "good_fused_mlp"))
     kv = result.kv
     assert not result.flushed_kv and (kv["outcome"], kv["reason"]) == ("kept", "verified"), kv
+    # the check read the cached blocks in place and wrote only the null block's slots
+    assert all(torch.equal(a, b) for a, b in zip(before, served_kv(engine), strict=True))
     assert kv["evidence"]["cached"] >= 1 and kv["evidence"]["max_logprob_diff"] <= kv["evidence"]["tolerance"][0]
     assert "KV cache kept (verified)" in caplog.text
     assert result.to_dict()["kvCache"] == kv
@@ -113,8 +124,9 @@ def test_a_layout_change_is_flushed_without_a_check(engine, tmp_path):
     serve(engine, "warm", PROMPT)
     manager = ForwardPassManager(engine)
     # The same doubled writes, declared honestly: another layout, another tag.
-    declared = bundle(tmp_path, "kv_scaled_declared", lambda text: text.replace(
-        "KV_SCALE = 2.0", 'KV_SCALE = 2.0\nKV_LAYOUT = {"k_scale": KV_SCALE, "v_scale": KV_SCALE}'))
+    honest = 'KV_SCALE = 2.0\nKV_LAYOUT = {"k_scale": KV_SCALE, "v_scale": KV_SCALE}'
+    declared = bundle(tmp_path, "kv_scaled_declared", lambda text: text.replace("KV_SCALE = 2.0", honest),
+                      source="kv_scaled_writes")
     result = manager.reload(declared)
     kv = result.kv
     assert (kv["outcome"], kv["reason"]) == ("flushed", "layout_changed"), kv
