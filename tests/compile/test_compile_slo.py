@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -99,9 +100,14 @@ def test_an_slo_moves_to_another_tier_by_the_same_pass_speed_on_both():
 
 
 def test_the_fast_tier_screens_at_the_slo_scaled_to_the_stock_pass_there(tmp_path):
-    """tiny-llama's fast tier is one layer of its full depth, several times faster per user: an
-    SLO at the full tier's scale would be met by everything there. Calibrated, the fast tier's
-    thresholds follow the stock pass's measured speed, and its screens are scored by them."""
+    """The fast tier is fewer layers than the full model, so the stock pass's speed differs
+    there: an SLO at the full tier's scale would bind differently. Calibrated, the fast tier's
+    thresholds follow the stock pass's speed measured there against the full tier, and its screens
+    are scored by them. (Which way tiny-llama's one layer of two moves the figures on a 2-core CPU
+    is noise-dominated, per-step overhead outweighing a layer: the test checks the scaling applied
+    to what was measured, not a direction; the H200 figures are in calibrate_tier_slo.)"""
+    from shapeshift.engine.compile.tier_slo import slo_scaled_to_tier
+
     slo = SLO(30.0, 1.0)
     ev = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
         model="tiny-llama", device="cpu", work_dir=str(tmp_path / "work"), screen_requests=8, screen_repeats=1,
@@ -109,11 +115,20 @@ def test_the_fast_tier_screens_at_the_slo_scaled_to_the_stock_pass_there(tmp_pat
     stock = Candidate(ev.space().default(), None, "baseline", "")
     assert ev.tier_slo("fast") == slo and ev.describe()["fast_tier_slo"] is None
     full = ev.confirm(stock)
+    replays = []  # the calibration's own replay, read as it returns (the real call, not replaced)
+    interleaved = ev._interleaved
+    ev._interleaved = lambda *a, **k: replays.append((a, k, interleaved(*a, **k))) or replays[-1][2]
     scaled = ev.calibrate_tier_slo(stock, full)
+    del ev._interleaved
     assert scaled is not None and ev.tier_slo("fast") == scaled and ev.tier_slo("full") == slo
-    # fewer layers: faster per user and a sooner first token, so a stricter promise on both sides
-    assert scaled.per_user_tokens_per_s_p90 > slo.per_user_tokens_per_s_p90
-    assert scaled.ttft_p90_s < slo.ttft_p90_s
+    [(args, kwargs, [fast])] = replays
+    assert args[0] == "fast" and kwargs == {"scored": False} and fast.ok and full.ok
+    # each threshold moved by the stock pass's own ratio between the tiers, both figures measured
+    assert scaled == slo_scaled_to_tier(slo, fast, full)
+    speed = statistics.fmean(fast.per_user_p90) / statistics.fmean(full.per_user_p90)
+    wait = statistics.fmean(fast.ttft_p90) / statistics.fmean(full.ttft_p90)
+    assert scaled.per_user_tokens_per_s_p90 == pytest.approx(1.0 * speed) and speed > 0
+    assert scaled.ttft_p90_s == pytest.approx(30.0 * wait) and wait > 0
     assert ev.describe()["fast_tier_slo"] == scaled.to_dict()
     # a promise no fast-tier request can keep now fails the screen, where the full tier's own would not
     ev.set_tier_slo("fast", SLO(1e-9, 0.0))
