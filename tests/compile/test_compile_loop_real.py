@@ -55,12 +55,16 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> Non
     assert len(paired) == 12 and all(len(r["metrics"]["samples"]) == 3 for r in paired)
     assert report["drift"]["fast"]["measurements"] >= 2 and "drift (fast tier)" in (out / "report.md").read_text()
     # The full tier's baseline comes first; its figures set the fast tier's SLO, written once and
-    # reported (the fast tier is a quarter of the layers deep, faster per user than the full one).
+    # reported. (tiny-llama's fast tier is one layer of two: which way that moves each threshold on
+    # a 2-core CPU is noise-dominated, so the test asks that both were scaled; test_compile_slo
+    # checks the scaling against the measured figures.)
     baselines = [r["tier"] for r in board.entries("result") if r.get("role") == "baseline"]
     assert baselines == ["full", "fast"]
     [calibrated] = [n for n in board.entries("note") if n.get("fast_tier_slo")]
     assert report["evaluator"]["fast_tier_slo"] == calibrated["fast_tier_slo"]
-    assert calibrated["fast_tier_slo"]["per_user_tokens_per_s_p90"] > report["evaluator"]["slo"]["per_user_tokens_per_s_p90"]
+    objective = report["evaluator"]["slo"]
+    for threshold in ("per_user_tokens_per_s_p90", "ttft_p90_s"):
+        assert 0 < calibrated["fast_tier_slo"][threshold] != objective[threshold], (calibrated, objective)
     assert "The fast tier screens at" in (out / "report.md").read_text()
     stock_row = [r for r in report["leaderboard"] if r["agent"] == "baseline"]
     assert not stock_row or stock_row[0]["speedup"] == pytest.approx(1.0)
