@@ -82,6 +82,9 @@ class SearchSpace:
     knobs: list[Knob]
     constraints: list[tuple[str, Constraint]] = field(default_factory=list)
     device: str = "cpu"
+    # the traffic's requests in flight the space was built for (None: not known); the sweep reads
+    # it against a recipe's batch width (agents/sweep.py queue_guidance)
+    concurrency: int | None = None
 
     def __post_init__(self) -> None:
         names = [k.name for k in self.knobs]
@@ -503,7 +506,7 @@ def build_search_space(
         if kknobs:
             knobs.extend(kknobs)
             constraints.append(("kernels", _constraint_kernels_need_backend))
-    return SearchSpace(knobs=knobs, constraints=constraints, device=device)
+    return SearchSpace(knobs=knobs, constraints=constraints, device=device, concurrency=concurrency)
 
 
 def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

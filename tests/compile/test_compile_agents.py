@@ -148,6 +148,33 @@ def test_a_sweep_line_starts_next_to_the_current_value(tmp_path: Path, space) ->
     assert order[0] == here - 1 and (here + 1 >= len(values) or order[1] == here + 1), (values, order)
 
 
+def test_a_batch_narrower_than_the_traffic_is_swept_first_wider_first(tmp_path: Path) -> None:
+    """Traffic that keeps 8 requests in flight at a deployment serving batches of 2 queues whatever
+    the code does: the sweep's first line is the batch width, from the narrowest width that admits
+    all 8 outward, narrower than now last, each note saying why; once the best admits the whole
+    concurrency the space's order (code paths first) is back."""
+    from shapeshift.engine.compile.agents.sweep import queue_guidance
+
+    narrow = build_search_space(device="cpu", concurrency=8, max_model_len=256, engine_defaults={"max_num_seqs": 2})
+    board = Board(tmp_path / "b.jsonl")
+    post(board, Candidate(narrow.default(), agent="baseline"), 100.0)
+    line = SweepAgent(narrow, board, seed=0).propose(1)
+    widths = [c.recipe["engine.max_num_seqs"] for c in line]
+    assert widths == [8, 4, 16, 32, 64], widths
+    assert all({k for k in c.recipe if c.recipe[k] != narrow.default()[k]} == {"engine.max_num_seqs"} for c in line)
+    assert all("the traffic keeps 8 in flight, the batch takes 2" in c.note for c in line)
+    # the best now admits everyone: no queue, the sweep goes on in the space's order
+    wide = {**narrow.default(), "engine.max_num_seqs": 8}
+    post(board, Candidate(wide, agent="sweep"), 150.0)
+    assert queue_guidance(narrow, wide) is None
+    after = SweepAgent(narrow, board, seed=0).propose(1)
+    assert after and not any(k.startswith("engine.") for c in after for k in c.recipe if c.recipe[k] != wide[k])
+    # no concurrency known, or a batch already as wide as the traffic: no queue guidance
+    assert queue_guidance(build_search_space(device="cpu", concurrency=8), narrow.default() | {"engine.max_num_seqs": 64}) is None
+    from shapeshift.engine.compile.search_space import Knob, SearchSpace
+    assert queue_guidance(SearchSpace([Knob("engine.max_num_seqs", (2, 8), 2)]), {"engine.max_num_seqs": 2}) is None
+
+
 def test_evolve_recombines_the_best(tmp_path: Path, space) -> None:
     board = Board(tmp_path / "b.jsonl")
     rng = random.Random(0)

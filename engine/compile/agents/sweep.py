@@ -5,8 +5,11 @@ neighbours along the next knob in turn -> candidates. When every knob of the cur
 has been swept with nothing new, the sweep has converged and proposes nothing (it wakes
 up again when another agent posts a better point).
 
-Which knob comes first depends on the traffic, read from the best result's SLO misses
-(engine/replay/slo.py): where more requests than the SLO's p90 allows stream too slowly, the
+Which knob comes first depends on the traffic. Where the traffic keeps more requests in flight
+than the best recipe's batch takes (the space's concurrency against its engine.max_num_seqs),
+requests queue whatever the code does: the batch width goes first, wider values first, from the
+one that admits the whole traffic's concurrency down (queue_guidance). Otherwise it is read
+from the best result's SLO misses (engine/replay/slo.py): where more requests than the SLO's p90 allows stream too slowly, the
 batch width and the prefill chunk go first (a narrower batch gives each user more of a step, a
 smaller chunk stalls decodes less); where first tokens come late, the chunk, the batch width
 and prefix caching go first (more admitted, prefills finished sooner). Where the SLO is met
@@ -41,6 +44,18 @@ def slo_guidance(metrics: dict[str, Any] | None) -> tuple[tuple[str, ...], str |
     return KNOBS_FOR_LATE_FIRST_TOKENS, f"SLO binds: {late:.0%} of requests got their first token late"
 
 
+BATCH_WIDTH = "engine.max_num_seqs"
+
+
+def queue_guidance(space: Any, recipe: dict) -> str | None:
+    """Why the batch width goes first for `recipe`, or None: the traffic the space was built for
+    keeps more requests in flight than its engine.max_num_seqs admits, so some always wait."""
+    concurrency, width = getattr(space, "concurrency", None), recipe.get(BATCH_WIDTH)
+    if not concurrency or not isinstance(width, int) or width >= concurrency:
+        return None
+    return f"requests queue: the traffic keeps {concurrency} in flight, the batch takes {width}"
+
+
 def result_metrics(board: Any, digest: str, tier: str = SCREEN_TIER) -> dict[str, Any] | None:
     """The metrics of `digest`'s best ok result on `tier` (the one scored() ranked it by)."""
     best = None
@@ -73,8 +88,18 @@ class SweepAgent(Agent):
         def distance(recipe: dict) -> tuple[int, int]:
             return abs(position(recipe[knob.name]) - here), position(recipe[knob.name])
 
+        order = distance
+        if knob.name == BATCH_WIDTH and queue_guidance(self.space, base):
+            # wider than now first, nearest the narrowest width that admits the whole concurrency
+            # (fewer rows cost less per step where nobody waits), narrower than now last
+            target = position(next((v for v in knob.values if v >= self.space.concurrency), knob.values[-1]))
+
+            def order(recipe: dict) -> tuple[bool, int, int]:
+                at = position(recipe[knob.name])
+                return at <= here, abs(at - target), at
+
         options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best{suffix}",
-                             parent) for r in sorted(self.space.neighbors(base, knob.name), key=distance)]
+                             parent) for r in sorted(self.space.neighbors(base, knob.name), key=order)]
         return self.fresh(options, seen)
 
     def propose(self, n: int = 1) -> list[Candidate]:
@@ -82,7 +107,11 @@ class SweepAgent(Agent):
         base = results[0].recipe if results else self.space.default()
         parent = results[0].digest if results else None
         seen = proposed_digests(self.board)
-        first, why = slo_guidance(result_metrics(self.board, parent)) if parent else ((), None)
+        queued = queue_guidance(self.space, base)
+        if queued:
+            first, why = (BATCH_WIDTH,), queued
+        else:
+            first, why = slo_guidance(result_metrics(self.board, parent)) if parent else ((), None)
         by_name = {k.name: k for k in self.space.knobs}
         for name in first:
             if name in by_name:
