@@ -288,6 +288,11 @@ def run(job: CompileJob, cluster: Any = None) -> int:
             seeds.append(type(cand)(project_recipe(cand.recipe, space), cand.source, "registry", cand.note, cand.parent))
         log.info("seeding with %d champion(s): %s", len(seeds), ", ".join(e.name for e in nearest))
 
+    # Settings of the pass to beat that the traffic does not fit (a batch narrower than its
+    # concurrency, a token budget shorter than its prompts): the least that fits, measured first.
+    from shapeshift.engine.compile.agents.sweep import first_fitting
+
+    seeds.extend(first_fitting(space))
     if job.recipe_seeds:
         seeds.extend(recipe_seeds(space))
 

@@ -312,6 +312,7 @@ class EngineEvaluator:
         return build_search_space(device=str(eng.device), model_family=eng.model_config.family,
                                   stock_recipe=stock_recipe,
                                   concurrency=self.profile.concurrency,
+                                  prompt_tokens_p90=int(self._profile().prompt_length.p90),
                                   max_model_len=self.settings.max_model_len,
                                   engine_defaults=self.settings.engine_base,
                                   qk_norm=bool(getattr(eng.model_config, "qk_norm", False)),

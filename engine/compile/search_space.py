@@ -82,9 +82,11 @@ class SearchSpace:
     knobs: list[Knob]
     constraints: list[tuple[str, Constraint]] = field(default_factory=list)
     device: str = "cpu"
-    # the traffic's requests in flight the space was built for (None: not known); the sweep reads
-    # it against a recipe's batch width (agents/sweep.py queue_guidance)
+    # the traffic the space was built for (None: not known): its requests in flight and its p90
+    # prompt length (within the context); the sweep reads them against a recipe's batch width and
+    # token budget (agents/sweep.py traffic_guidance)
     concurrency: int | None = None
+    prompt_tokens_p90: int | None = None
 
     def __post_init__(self) -> None:
         names = [k.name for k in self.knobs]
@@ -374,6 +376,7 @@ def build_search_space(
     model_family: str = "llama",
     stock_recipe: Mapping[str, Any] | None = None,
     concurrency: int = 32,
+    prompt_tokens_p90: int | None = None,
     max_model_len: int = 2048,
     include_kernels: bool | None = None,
     include_source_edits: bool = True,
@@ -384,6 +387,8 @@ def build_search_space(
     """The space for one model family on one device.
 
     ``concurrency`` (the traffic's requests in flight) bounds the batch sizes worth trying;
+    ``prompt_tokens_p90`` (the traffic's, None: unknown) is kept, within ``max_model_len``, for
+    the sweep to read against the token budget;
     ``stock_recipe`` gives the defaults of the recipe knobs (the stock bundle's recipe.yaml; a knob
     it leaves out starts at the first of its values, for integers the first of its grid);
     ``engine_defaults`` (EngineConfig field -> value, e.g. the deployment's engine.yaml) become
@@ -506,7 +511,9 @@ def build_search_space(
         if kknobs:
             knobs.extend(kknobs)
             constraints.append(("kernels", _constraint_kernels_need_backend))
-    return SearchSpace(knobs=knobs, constraints=constraints, device=device, concurrency=concurrency)
+    prompts = min(int(prompt_tokens_p90), max_model_len) if prompt_tokens_p90 else None
+    return SearchSpace(knobs=knobs, constraints=constraints, device=device, concurrency=concurrency,
+                       prompt_tokens_p90=prompts)
 
 
 def split_recipe(recipe: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

@@ -148,12 +148,15 @@ def test_a_sweep_line_starts_next_to_the_current_value(tmp_path: Path, space) ->
     assert order[0] == here - 1 and (here + 1 >= len(values) or order[1] == here + 1), (values, order)
 
 
-def test_a_batch_narrower_than_the_traffic_is_swept_first_wider_first(tmp_path: Path) -> None:
+def test_settings_the_traffic_does_not_fit_are_swept_first_wider_first(tmp_path: Path) -> None:
     """Traffic that keeps 8 requests in flight at a deployment serving batches of 2 queues whatever
     the code does: the sweep's first line is the batch width, from the narrowest width that admits
     all 8 outward, narrower than now last, each note saying why; once the best admits the whole
-    concurrency the space's order (code paths first) is back."""
-    from shapeshift.engine.compile.agents.sweep import queue_guidance
+    concurrency the space's order (code paths first) is back. Prompts longer than the step's token
+    budget likewise put the budget first; where both misfit, the worse (needed over set) goes first;
+    the pass to beat's least fitting settings are the seeds measured before anything else."""
+    from shapeshift.engine.compile.agents.sweep import first_fitting, traffic_guidance
+    from shapeshift.engine.compile.search_space import Knob, SearchSpace
 
     narrow = build_search_space(device="cpu", concurrency=8, max_model_len=256, engine_defaults={"max_num_seqs": 2})
     board = Board(tmp_path / "b.jsonl")
@@ -163,16 +166,30 @@ def test_a_batch_narrower_than_the_traffic_is_swept_first_wider_first(tmp_path: 
     assert widths == [8, 4, 16, 32, 64], widths
     assert all({k for k in c.recipe if c.recipe[k] != narrow.default()[k]} == {"engine.max_num_seqs"} for c in line)
     assert all("the traffic keeps 8 in flight, the batch takes 2" in c.note for c in line)
+    [seed] = first_fitting(narrow)
+    assert seed.recipe == {**narrow.default(), "engine.max_num_seqs": 8} and seed.agent == "traffic"
     # the best now admits everyone: no queue, the sweep goes on in the space's order
     wide = {**narrow.default(), "engine.max_num_seqs": 8}
     post(board, Candidate(wide, agent="sweep"), 150.0)
-    assert queue_guidance(narrow, wide) is None
+    assert traffic_guidance(narrow, wide) == []
     after = SweepAgent(narrow, board, seed=0).propose(1)
     assert after and not any(k.startswith("engine.") for c in after for k in c.recipe if c.recipe[k] != wide[k])
-    # no concurrency known, or a batch already as wide as the traffic: no queue guidance
-    assert queue_guidance(build_search_space(device="cpu", concurrency=8), narrow.default() | {"engine.max_num_seqs": 64}) is None
-    from shapeshift.engine.compile.search_space import Knob, SearchSpace
-    assert queue_guidance(SearchSpace([Knob("engine.max_num_seqs", (2, 8), 2)]), {"engine.max_num_seqs": 2}) is None
+    # no traffic known, or settings already as wide as it: no guidance, no seeds
+    assert traffic_guidance(SearchSpace([Knob("engine.max_num_seqs", (2, 8), 2)]), {"engine.max_num_seqs": 2}) == []
+    assert first_fitting(build_search_space(device="cpu", concurrency=8, prompt_tokens_p90=512)) == []
+    # prompts of 195 tokens (p90) at a step of 16 tokens and 8 in flight at a batch of 2: the token
+    # budget misfits 12x, the batch 4x, so the budget's line comes first, from 256 (the first >= 195)
+    both = build_search_space(device="cpu", concurrency=8, prompt_tokens_p90=195, max_model_len=256,
+                              engine_defaults={"max_num_seqs": 2, "max_num_batched_tokens": 16})
+    assert [k for k, _, _ in traffic_guidance(both, both.default())] == ["engine.max_num_batched_tokens",
+                                                                         "engine.max_num_seqs"]
+    budget = SweepAgent(both, Board(tmp_path / "c.jsonl"), seed=0).propose(1)
+    assert [c.recipe["engine.max_num_batched_tokens"] for c in budget][:2] == [256, 512]
+    assert "p90 prompts are 195 tokens, a step takes 16" in budget[0].note
+    assert [(c.recipe["engine.max_num_batched_tokens"], c.recipe["engine.max_num_seqs"]) for c in first_fitting(both)] \
+        == [(256, 2), (16, 8)]
+    # a p90 prompt beyond the context is read within it
+    assert build_search_space(device="cpu", prompt_tokens_p90=100_000, max_model_len=1024).prompt_tokens_p90 == 1024
 
 
 def test_evolve_recombines_the_best(tmp_path: Path, space) -> None:

@@ -5,10 +5,12 @@ neighbours along the next knob in turn -> candidates. When every knob of the cur
 has been swept with nothing new, the sweep has converged and proposes nothing (it wakes
 up again when another agent posts a better point).
 
-Which knob comes first depends on the traffic. Where the traffic keeps more requests in flight
-than the best recipe's batch takes (the space's concurrency against its engine.max_num_seqs),
-requests queue whatever the code does: the batch width goes first, wider values first, from the
-one that admits the whole traffic's concurrency down (queue_guidance). Otherwise it is read
+Which knob comes first depends on the traffic. Where the traffic the space was built for does
+not fit the best recipe's engine settings, those settings go first, the worst misfit first
+(traffic_guidance): more requests in flight than engine.max_num_seqs admits (some always wait),
+prompts longer than engine.max_num_batched_tokens (each prefill takes several steps). Such a line
+goes wider first, from the narrowest value that fits the traffic outward, narrower than now
+last. Otherwise the order is read
 from the best result's SLO misses (engine/replay/slo.py): where more requests than the SLO's p90 allows stream too slowly, the
 batch width and the prefill chunk go first (a narrower batch gives each user more of a step, a
 smaller chunk stalls decodes less); where first tokens come late, the chunk, the batch width
@@ -44,16 +46,41 @@ def slo_guidance(metrics: dict[str, Any] | None) -> tuple[tuple[str, ...], str |
     return KNOBS_FOR_LATE_FIRST_TOKENS, f"SLO binds: {late:.0%} of requests got their first token late"
 
 
-BATCH_WIDTH = "engine.max_num_seqs"
+BATCH_WIDTH, TOKEN_BUDGET = "engine.max_num_seqs", "engine.max_num_batched_tokens"
 
 
-def queue_guidance(space: Any, recipe: dict) -> str | None:
-    """Why the batch width goes first for `recipe`, or None: the traffic the space was built for
-    keeps more requests in flight than its engine.max_num_seqs admits, so some always wait."""
-    concurrency, width = getattr(space, "concurrency", None), recipe.get(BATCH_WIDTH)
-    if not concurrency or not isinstance(width, int) or width >= concurrency:
-        return None
-    return f"requests queue: the traffic keeps {concurrency} in flight, the batch takes {width}"
+def traffic_guidance(space: Any, recipe: dict) -> list[tuple[str, int, str]]:
+    """(knob, the least value that fits the traffic, why) for each engine setting of `recipe` that
+    the traffic the space was built for does not fit, the worst misfit (needed over set) first:
+    more requests in flight than the batch width admits, a p90 prompt longer than the step's
+    token budget. Empty where the space knows no traffic or everything fits."""
+    misfits = []
+    for knob, needed, says in (
+            (BATCH_WIDTH, getattr(space, "concurrency", None),
+             "requests queue: the traffic keeps {needed} in flight, the batch takes {now}"),
+            (TOKEN_BUDGET, getattr(space, "prompt_tokens_p90", None),
+             "prefills take several steps: p90 prompts are {needed} tokens, a step takes {now}")):
+        now = recipe.get(knob)
+        if needed and isinstance(now, int) and 0 < now < needed:
+            misfits.append((needed / now, knob, int(needed), says.format(needed=needed, now=now)))
+    return [(knob, needed, why) for _, knob, needed, why in sorted(misfits, reverse=True)]
+
+
+def first_fitting(space: Any) -> list[Any]:
+    """For the space's default (the pass to beat), the first value of each traffic_guidance line:
+    the least setting that fits the traffic, as candidates to measure before anything else (the
+    CLI's seeds, ahead of the named recipes)."""
+    from shapeshift.engine.compile.candidate import Candidate as _Candidate
+
+    base = space.default()
+    out = []
+    for name, needed, why in traffic_guidance(space, base):
+        knob = space.knob(name)
+        value = next((v for v in knob.values if v >= needed), knob.values[-1])
+        recipe = {**base, name: value}
+        if value != base[name] and space.is_valid(recipe):
+            out.append(_Candidate(recipe, None, "traffic", f"{name}={value!r} fits the traffic ({why})", None))
+    return out
 
 
 def result_metrics(board: Any, digest: str, tier: str = SCREEN_TIER) -> dict[str, Any] | None:
@@ -74,29 +101,25 @@ class SweepAgent(Agent):
         super().__init__(*args, **kwargs)
         self.cursor = 0
 
-    def _line(self, base: dict, knob: Any, parent: str | None, seen: set[str], why: str | None) -> list[Candidate]:
+    def _line(self, base: dict, knob: Any, parent: str | None, seen: set[str], why: str | None,
+              needed: int | None = None) -> list[Candidate]:
         """One coordinate's untried values, nearest the current one first (one step down, one up,
         two down, ...): a budget that ends inside the line has screened the likeliest values. On
         an H200 the token budget's line from the bottom spent three of four screens on 256, 512
-        and 1024 (0.2x to 0.84x) before 4096 (docs/compile-loop.md M15)."""
+        and 1024 (0.2x to 0.84x) before 4096 (docs/compile-loop.md M15). `needed`: the least
+        value the traffic fits (traffic_guidance): wider than now first, nearest the first value
+        at least that, narrower than now last."""
         suffix = f" ({why})" if why else ""
         def position(value: Any) -> int:
             return next((i for i, v in enumerate(knob.values) if v == value), len(knob.values))
 
         here = position(base.get(knob.name))
+        target = here if needed is None else \
+            position(next((v for v in knob.values if v >= needed), knob.values[-1]))
 
-        def distance(recipe: dict) -> tuple[int, int]:
-            return abs(position(recipe[knob.name]) - here), position(recipe[knob.name])
-
-        order = distance
-        if knob.name == BATCH_WIDTH and queue_guidance(self.space, base):
-            # wider than now first, nearest the narrowest width that admits the whole concurrency
-            # (fewer rows cost less per step where nobody waits), narrower than now last
-            target = position(next((v for v in knob.values if v >= self.space.concurrency), knob.values[-1]))
-
-            def order(recipe: dict) -> tuple[bool, int, int]:
-                at = position(recipe[knob.name])
-                return at <= here, abs(at - target), at
+        def order(recipe: dict) -> tuple[bool, int, int]:
+            at = position(recipe[knob.name])
+            return needed is not None and at <= here, abs(at - target), at
 
         options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best{suffix}",
                              parent) for r in sorted(self.space.neighbors(base, knob.name), key=order)]
@@ -107,12 +130,13 @@ class SweepAgent(Agent):
         base = results[0].recipe if results else self.space.default()
         parent = results[0].digest if results else None
         seen = proposed_digests(self.board)
-        queued = queue_guidance(self.space, base)
-        if queued:
-            first, why = (BATCH_WIDTH,), queued
-        else:
-            first, why = slo_guidance(result_metrics(self.board, parent)) if parent else ((), None)
         by_name = {k.name: k for k in self.space.knobs}
+        for name, needed, why in traffic_guidance(self.space, base):
+            if name in by_name:
+                fresh = self._line(base, by_name[name], parent, seen, why, needed)
+                if fresh:
+                    return fresh
+        first, why = slo_guidance(result_metrics(self.board, parent)) if parent else ((), None)
         for name in first:
             if name in by_name:
                 fresh = self._line(base, by_name[name], parent, seen, why)
