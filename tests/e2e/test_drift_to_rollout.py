@@ -1,8 +1,8 @@
 """Drift to rollout in one chain: traffic drifts, the operator compiles, verifies and rolls the winner out.
 
 Data flow under test:
-    test: InferenceDeployment (tiny-llama, CPU pool, 2 replicas, policy OnDrift, artifact store,
-          HotReload canary 1) -> the operator (in-process kopf, admin kubeconfig) -> engine Deployment
+    test: InferenceDeployment (tiny-llama, CPU pool, 2 replicas, a prefill step of 32 tokens, policy
+          OnDrift, artifact store, HotReload canary 1) -> the operator (in-process kopf, admin kubeconfig) -> engine Deployment
       -> kube-controller-manager, kube-scheduler, kwok -> 2 Running pods
       -> harness.kubelet (run_pod_locally, background) -> one real `shapeshift serve` per pod on its own
          loopback port, the artifact claim mapped to one shared folder
@@ -11,23 +11,23 @@ Data flow under test:
          records that observation as what the running pass was compiled for (status.compiledFor, as a
          finished rollout writes it) -> the next checks are Stable
     long-prompt requests -> the drift timer: Drifting, then Compile -> exactly one CompileRun, owned by
-         the deployment, carrying the long-prompt snapshot (its concurrency: what the burst kept in flight
-         at the engines, not the window's average) and spec.compilation.template (agents, tiers,
+         the deployment, carrying the long-prompt snapshot and spec.compilation.template (agents, tiers,
          baseline) -> Job -> pod bound on the CPU pool
       -> harness.kubelet runs the pod's own `shapeshift compile --compile-run ns/run` with a token of the
          pod's ServiceAccount; ConfigMap/emptyDir volumes as folders, the artifact claim as the shared folder
-      -> the worker searches, replaying as many requests in flight as the burst kept at each engine (more than
-         the deployment's batch of 2), so its engine.max_num_seqs candidates meet a real queue; a candidate
-         that is faster overall and not slower per user (the compile loop's p90 veto) is verified and
-         published as a ForwardPass into the store
+      -> the worker replays the long prompts against the deployment's own settings (the pass to beat):
+         the 32-token step that suited 12-24-token prompts takes each 140-200-token prefill in 5 to 7
+         steps, so the traffic's first seed is the least token budget that fits the p90 prompt
+         (engine/compile/agents/sweep.py traffic_guidance); faster beyond the noise by the template's
+         1.05 and not slower per user (the p90 veto), it is verified and published as a ForwardPass
+         into the store
       -> the run Succeeds; the rollout timer takes its champion: canary pod annotated -> that engine
          hot-reloads (sha256 checked) -> Prometheus analysis under load -> promoted to every pod,
          each pod's /metrics reporting the new sha256.
 
-If the worker honestly finds no champion, the chain is asserted up to the run's Succeeded status and the
-agreement of its status with the (absent) ForwardPass objects, and the rollout part is skipped, saying so.
-On a CPU that is the usual outcome: a wider batch raises throughput (about 1.1x) but every sequence in a
-step costs its own compute there, so each user decodes slower and the per-user veto keeps the stock pass.
+The test never skips: a run that publishes no champion fails it with the run's own message. (It used
+to wait for a wider batch to win over a batch of 2, which on this CPU it rarely did: every sequence in a
+step costs its own compute here, so each user decoded slower and the per-user veto kept the stock pass.)
 """
 
 from __future__ import annotations
@@ -58,21 +58,19 @@ GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 VENV_BIN = Path(sys.executable).parent
 NAME, MODEL, CLAIM, SUB_PATH = "llama", "tiny-llama", "artifacts", "llama"
 REPLICAS = 2
-DEPLOYED_BATCH = 2  # narrow on purpose: fewer than the burst keeps in flight, so max_num_seqs meets a queue
+DEPLOYED_BATCH = 2
+# Prefill tokens per scheduler step: enough for the short prompts, five to seven steps for each long one.
+DEPLOYED_TOKEN_BUDGET = 16
+TTFT_SLO_S = 0.04  # on the worker's clock (the measuring thread's CPU time)
 CHECK_INTERVAL = 10  # the smallest check interval the CRD allows
 SHORT_PROMPT, LONG_PROMPT, OUTPUT = (12, 24), (140, 200), 8
-# The long prompts' answers: long enough that each request spends most of its time in the engine, not in
-# the HTTP round trip, so the burst's 8 client threads keep more requests in flight at the engines than the
-# deployed batch takes (with 8-token answers the engines see about 2).
-LONG_OUTPUT = 48
-TRIALS = 16  # the sweep reaches the engine knobs (after recipe knobs and source edits) within it
+TRIALS = 16
 # What every automatic CompileRun of the deployment runs with (spec.compilation.template): the coordinate
-# sweep alone, which walks the recipe knobs and source edits, then engine.max_num_seqs (the batch width);
-# tiers sized for this 2-core CPU (5 paired repeats: with 3, one noisy pair in the final comparison
-# with the stock pass widened its 95% bounds below 1 and withdrew a 1.16x champion), and a champion
-# only when it is clearly faster than the stock pass.
+# sweep alone (after the traffic's seeds and the named recipes); tiers sized for this 2-core CPU (5 paired
+# repeats: with 3, one noisy pair in the final comparison with the stock pass widened its 95% bounds below 1
+# and withdrew a 1.16x champion), and a champion only when it is clearly faster than the stock pass.
 TEMPLATE = {"agents": [{"kind": "coordinate-sweep"}], "tiers": {"replayRequests": 48, "repeats": 5},
-            "baseline": {"minSpeedup": 1.05}}
+            "baseline": {"minSpeedup": 1.05}, "slo": {"ttftP90Seconds": TTFT_SLO_S}}
 
 
 # ---- reading the cluster and the engines -----------------------------------------------------
@@ -153,7 +151,8 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": NAME},
         "spec": {
             "model": {"preset": MODEL}, "hardware": {"accelerator": "cpu"}, "replicas": REPLICAS,
-            "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16},
+            "engine": {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": DEPLOYED_BATCH, "kvBlockSize": 16,
+                       "maxNumBatchedTokens": DEPLOYED_TOKEN_BUDGET},
             "artifacts": {"pvc": {"claimName": CLAIM, "subPath": SUB_PATH}},
             "compilation": {"policy": "OnDrift", "cooldownSeconds": 3600,
                             "budget": {"trials": TRIALS, "wallClockSeconds": 150, "deadlineGraceSeconds": 120},
@@ -189,12 +188,9 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert listed(cluster, namespace, "compileruns") == []
 
         # ---- long prompts: drift within two checks, one CompileRun ----------------------------
-        # A burst of them, 16 in flight over the 2 pods (8 at each): more than the deployment's batch of
-        # 2 can take at once. The snapshot's concurrency is per pod, as the worker replays on one engine,
-        # and the 0.9 quantile of the window's busy moments: the burst must outlast a tenth of them, the
-        # one-at-a-time short prompts still in the window included (120 requests sometimes did not).
+        # A burst of them, 16 in flight over the 2 pods, enough that the window's median is theirs.
         started_burst = time.monotonic()
-        send(list(urls.values()), 360, LONG_PROMPT, concurrency=16, max_tokens=LONG_OUTPUT)
+        send(list(urls.values()), 240, LONG_PROMPT, concurrency=16)
         say(f"long-prompt burst took {time.monotonic() - started_burst:.1f}s")
         (run,) = wait_until(lambda: listed(cluster, namespace, "compileruns"), 3 * CHECK_INTERVAL + 20,
                             "a drift-triggered CompileRun")
@@ -207,11 +203,11 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert run["spec"]["agents"] == [{"kind": "coordinate-sweep", "replicas": 1}], run["spec"]
         assert {k: run["spec"]["tiers"][k] for k in TEMPLATE["tiers"]} == TEMPLATE["tiers"], run["spec"]["tiers"]
         assert run["spec"]["baseline"] == TEMPLATE["baseline"], run["spec"]
-        # Compiled for the burst: more in flight than the deployed batch takes at once.
-        replayed = run["spec"]["traffic"]["inline"]["concurrency"]
-        say(f"drift snapshot: concurrency {replayed}, prompt p50 "
-            f"{run['spec']['traffic']['inline']['promptLength']['p50']}")
-        assert replayed > DEPLOYED_BATCH, run["spec"]["traffic"]["inline"]
+        # Compiled for prompts the deployed step takes in several goes.
+        snapshot = run["spec"]["traffic"]["inline"]
+        say(f"drift snapshot: concurrency {snapshot['concurrency']}, prompt p50 {snapshot['promptLength']['p50']}, "
+            f"p90 {snapshot['promptLength']['p90']}")
+        assert snapshot["promptLength"]["p90"] > DEPLOYED_TOKEN_BUDGET, snapshot
         # The run is created first, the deployment's status follows in the same check.
         st = wait_until(lambda: (lambda s: s if s.get("lastCompileRun") else None)(idep_status(cluster, namespace)),
                         10, "status.lastCompileRun")
@@ -254,18 +250,14 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         say(f"run {run_name}: {run_st['message']}; leaderboard {run_st.get('leaderboard')}")
         fps = listed(cluster, namespace, "forwardpasses")
         assert len(listed(cluster, namespace, "compileruns")) == 1  # cooldown and in-progress: no second run
-        if not run_st.get("champion"):
-            assert fps == [] and "bestSpeedup" not in run_st, (fps, run_st)
-            assert run_st["message"].startswith("no verified improvement"), run_st["message"]
-            assert not list(artifact_store.rglob("*.tar.gz"))
-            pytest.skip(f"the compile worker published no champion ({run_st['message']}); rollout not exercised")
-
+        assert run_st.get("champion"), f"the compile worker published no champion: {run_st['message']}"
         (fp,) = fps
         assert fp["metadata"]["name"] == run_st["champion"]
         spec = fp["spec"]
         digest = spec["artifact"]["sha256"]
         assert digest != stock
         assert spec["verification"]["passed"] is True and spec["compileRun"] == f"{namespace}/{run_name}"
+        say(f"champion recipe's engine settings: { {k: v for k, v in spec['recipe'].items() if k.startswith('engine.')} }")
         assert spec["metrics"]["speedup"] == pytest.approx(run_st["bestSpeedup"]) and run_st["bestSpeedup"] > 1.0
         archive = Path(urllib.parse.unquote(urllib.parse.urlparse(spec["artifact"]["uri"]).path))
         assert archive.is_relative_to(artifact_store.resolve()) and archive.is_file(), spec["artifact"]
