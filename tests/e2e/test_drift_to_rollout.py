@@ -1,7 +1,7 @@
 """Drift to rollout in one chain: traffic drifts, the operator compiles, verifies and rolls the winner out.
 
 Data flow under test:
-    test: InferenceDeployment (tiny-llama, CPU pool, 2 replicas, a prefill step of 32 tokens, policy
+    test: InferenceDeployment (tiny-llama, CPU pool, 2 replicas, a prefill step of 16 tokens, policy
           OnDrift, artifact store, HotReload canary 1) -> the operator (in-process kopf, admin kubeconfig) -> engine Deployment
       -> kube-controller-manager, kube-scheduler, kwok -> 2 Running pods
       -> harness.kubelet (run_pod_locally, background) -> one real `shapeshift serve` per pod on its own
@@ -16,11 +16,14 @@ Data flow under test:
       -> harness.kubelet runs the pod's own `shapeshift compile --compile-run ns/run` with a token of the
          pod's ServiceAccount; ConfigMap/emptyDir volumes as folders, the artifact claim as the shared folder
       -> the worker replays the long prompts against the deployment's own settings (the pass to beat):
-         the 32-token step that suited 12-24-token prompts takes each 140-200-token prefill in 5 to 7
+         the 16-token step that suited 12-24-token prompts takes each 140-200-token prefill in 9 to 13
          steps, so the traffic's first seed is the least token budget that fits the p90 prompt
-         (engine/compile/agents/sweep.py traffic_guidance); faster beyond the noise by the template's
-         1.05 and not slower per user (the p90 veto), it is verified and published as a ForwardPass
-         into the store
+         (engine/compile/agents/sweep.py traffic_guidance). The replay is open loop at the observed
+         arrival rate (scaled to 0.9 of the deployed settings' capacity), where output tokens/s is
+         bound by the arrivals for every candidate; what the wider step changes is the wait for a
+         first token, which the template's SLO (TTFT_SLO_S) judges: a goodput of requests that
+         meet it faster beyond the noise by the template's 1.05 and not slower per user (the p90
+         veto), the seed is verified and published as a ForwardPass into the store
       -> the run Succeeds; the rollout timer takes its champion: canary pod annotated -> that engine
          hot-reloads (sha256 checked) -> Prometheus analysis under load -> promoted to every pod,
          each pod's /metrics reporting the new sha256.
