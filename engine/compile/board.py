@@ -8,7 +8,8 @@ Entry kinds (field ``kind``):
     run           a compile run started or resumed (settings, seed)
     candidate     an agent proposed something (recipe, source, agent, note, parent)
     trial         the loop started measuring a candidate (trial_id, digest, tier)
-    result        a measurement finished (trial_id, digest, tier, status, metrics, noise)
+    result        a measurement finished (trial_id, digest, tier, status, metrics, noise); status
+                  ok, missed-slo (ran, no request met the SLO) or failed
     verification  the gates' verdict on a confirmed winner (digest, passed, report)
     incumbent     a verified candidate became the incumbent (digest, speedup)
     note          free text: why an agent did something, an agent error, garbage it returned

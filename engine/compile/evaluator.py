@@ -490,6 +490,7 @@ class EngineEvaluator:
                             if not run.goodput_tokens_per_s > 0:  # a measured outcome, not a crash: the engine stays
                                 m.error = (f"no request met the SLO ({slo.describe()}): goodput 0; "
                                            "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")
+                                m.missed_slo = True
                         m.samples.append(run.output_tokens_per_s if slo is None
                                          else run.goodput_tokens_per_s)
                         m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))

@@ -50,7 +50,7 @@ from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.job import Budget
 from shapeshift.engine.compile.progress import ProgressCallback, default_progress
 from shapeshift.engine.compile.measure import (FAST, FULL, Evaluator, Measurement, Verification, beats, beats_paired, drift_summary,
-                                               paired_gain, per_user_not_worse)
+                                               paired_gain, per_user_not_worse, result_status)
 from shapeshift.engine.compile.search_space import SearchSpace
 from shapeshift.engine.compile.tier_slo import calibrate_fast_tier_slo
 
@@ -265,7 +265,7 @@ class CompileLoop:
         if speedup is not None and m.ok:
             metrics["speedup"] = speedup  # over the stock pass, chained through paired comparisons
         self.board.append("result", trial_id=trial_id, digest=cand.digest, tier=tier, agent=cand.agent,
-                          status="ok" if m.ok else "failed", metrics=metrics,
+                          status=result_status(m), metrics=metrics,
                           error=m.error, text=(f"{cand.agent} {cand.short}: {m.error}" if m.error else None),
                           role=role, **({"routing": m.details["routing"]} if m.details.get("routing") else {}))
 

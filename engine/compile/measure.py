@@ -47,7 +47,10 @@ class Measurement:
     e2e_per_user_p90: list[float] = field(default_factory=list)
     ttft_p50: list[float] = field(default_factory=list)  # seconds, per repeat
     ttft_p90: list[float] = field(default_factory=list)
-    error: str | None = None  # the candidate failed: crash, NaN, refused by the smoke check
+    error: str | None = None  # the candidate failed: crash, NaN, refused by the smoke check, or missed the SLO
+    # the error is a measured outcome, not a fault: it ran, and no request of a repeat met the SLO
+    # (goodput 0). Counted among the rejected candidates, not the failed ones.
+    missed_slo: bool = False
     seconds: float = 0.0  # wall time spent measuring
     noise_floor: float = DEFAULT_NOISE_FLOOR
     details: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +88,8 @@ class Measurement:
             per_user_p90=self.per_user_p90 + more.per_user_p90,
             e2e_per_user_p90=self.e2e_per_user_p90 + more.e2e_per_user_p90,
             ttft_p50=self.ttft_p50 + more.ttft_p50, ttft_p90=self.ttft_p90 + more.ttft_p90,
-            error=self.error or more.error, seconds=self.seconds + more.seconds, noise_floor=self.noise_floor,
+            error=self.error or more.error, missed_slo=self.missed_slo or more.missed_slo,
+            seconds=self.seconds + more.seconds, noise_floor=self.noise_floor,
             details=dict(self.details))
 
     def per_user_p90_mean(self) -> float | None:
@@ -129,6 +133,17 @@ class Measurement:
             if metrics.get(name) is not None:
                 getattr(m, name).append(float(metrics[name]))
         return m
+
+
+MISSED_SLO = "missed-slo"  # a result's status where no request of a repeat met the SLO
+
+
+def result_status(m: Measurement) -> str:
+    """A result's status on the board: "ok"; MISSED_SLO (it ran, and met the SLO for no request of
+    a repeat: rejected by the SLO, like a failed gate); "failed" (crashed, hung, refused, did not build)."""
+    if m.ok:
+        return "ok"
+    return MISSED_SLO if m.missed_slo else "failed"
 
 
 def beats(candidate: Measurement, incumbent: Measurement) -> bool:

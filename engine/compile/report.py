@@ -14,6 +14,7 @@ from typing import Any
 
 from shapeshift.engine.compile.board import Board, format_leaderboard
 from shapeshift.engine.compile.loop import FAST, CompileLoop, CompileResult
+from shapeshift.engine.compile.measure import MISSED_SLO
 
 
 def run_status(loop: CompileLoop, phase: str = "Running") -> dict[str, Any]:
@@ -29,8 +30,10 @@ def run_status(loop: CompileLoop, phase: str = "Running") -> dict[str, Any]:
         "phase": phase,
         "trials": loop.trials,
         "improved": len(loop.board.entries("incumbent")),
-        "rejected": len([v for v in loop.board.entries("verification") if not v.get("passed")]),
-        "failed": len([r for r in results if r.get("status") != "ok" and not r.get("role")]),
+        # rejected by a check: a failed verification, or a replay in which no request met the SLO
+        "rejected": len([v for v in loop.board.entries("verification") if not v.get("passed")])
+        + len([r for r in results if r.get("status") == MISSED_SLO and not r.get("role")]),
+        "failed": len([r for r in results if r.get("status") not in ("ok", MISSED_SLO) and not r.get("role")]),
         "trials_budget": loop.budget.max_trials,
         "confirms": loop.confirms,
         "verifications": loop.verifications,

@@ -25,8 +25,9 @@ class FakeEvaluatorForOrchestrationTests:
     """Speeds are a table lookup plus seeded noise; verification verdicts are scripted."""
 
     def __init__(self, speed: dict[str, float], fails_verification: set[str] = frozenset(), crashes: set[str] = frozenset(),
-                 noise: float = 0.002, seed: int = 0):
+                 noise: float = 0.002, seed: int = 0, misses_slo: set[str] = frozenset()):
         self.speed, self.fails, self.crashes = speed, set(fails_verification), set(crashes)
+        self.misses_slo = set(misses_slo)
         self.rng = random.Random(seed)
         self.noise = noise
         self.calls: list[tuple[str, str]] = []
@@ -38,6 +39,9 @@ class FakeEvaluatorForOrchestrationTests:
         key = self._key(c)
         if key in self.crashes:
             return Measurement(error="crashed in forward()")
+        if key in self.misses_slo:  # ran; no request met the SLO, as the real evaluator reports it
+            return Measurement(samples=[0.0] * n, error="no request met the SLO (p90 TTFT <= 0.04 s): goodput 0",
+                               missed_slo=True)
         base = self.speed[key]
         return Measurement(samples=[base * (1 + self.rng.uniform(-self.noise, self.noise)) for _ in range(n)],
                            per_user_p90=[base / 10] * n)
@@ -194,6 +198,21 @@ def test_crashing_candidate_is_a_failed_trial_and_the_run_goes_on(tmp_path: Path
     assert len(failed) == 1 and "crashed" in failed[0]["error"]
     assert result.champion is not None and result.champion.recipe["variant"] == "fast"
     assert result.trials == 2
+
+
+def test_a_candidate_that_meets_the_slo_for_nobody_is_rejected_not_failed(tmp_path: Path) -> None:
+    """It ran: a measured outcome (goodput 0), counted among the rejected candidates; "failed"
+    stays for candidates that crashed, hung or did not build."""
+    from shapeshift.engine.compile.measure import MISSED_SLO, result_status
+
+    result, board, _, statuses = run_loop(tmp_path, {"stock": 100, "fast": 150}, ["wrong", "crash", "fast"],
+                                          crashes={"crash"}, misses_slo={"wrong"})
+    by_status = {r["status"]: r for r in board.entries("result") if not r.get("role")}
+    assert by_status[MISSED_SLO]["error"].startswith("no request met the SLO") and "crashed" in by_status["failed"]["error"]
+    assert statuses[-1]["failed"] == 1 and statuses[-1]["rejected"] == 1, statuses[-1]
+    assert result.champion is not None and result.champion.recipe["variant"] == "fast" and result.trials == 3
+    assert result_status(Measurement([0.0], error="no request met the SLO", missed_slo=True)) == MISSED_SLO
+    assert result_status(Measurement(error="crashed")) == "failed" and result_status(Measurement([1.0])) == "ok"
 
 
 def test_resume_counts_each_trial_once(tmp_path: Path) -> None:

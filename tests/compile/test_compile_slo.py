@@ -82,6 +82,7 @@ def test_an_slo_nobody_meets_is_a_failed_measurement_naming_the_flags(tmp_path):
         cpu_threads=1, slo=SLO(1e-9, 0.0)))
     m = ev.screen(Candidate(ev.space().default(), None, "baseline", ""))
     assert not m.ok and "no request met the SLO" in m.error and "--slo-ttft-p90" in m.error
+    assert m.missed_slo  # it ran: rejected by the SLO, not failed (engine/compile/measure.py result_status)
 
 
 def test_an_slo_moves_to_another_tier_by_the_same_pass_speed_on_both():

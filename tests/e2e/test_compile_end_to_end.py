@@ -46,6 +46,7 @@ from harness.controlplane import POOL_LABEL, free_port
 from harness.operator_process import operator_healthy, start_operator, stop_operator
 from harness.pod_environment import emulate_volumes, pod_token_kubeconfig
 
+from shapeshift.engine.compile.board import Board
 from shapeshift.engine.forward_pass.bundle import verify_bundle
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -55,8 +56,8 @@ VENV_BIN = Path(sys.executable).parent
 RUN, DEPLOYMENT = "tiny-run", "tiny"
 CLAIM, SUB_PATH, ARTIFACT_MOUNT = "artifacts", "tiny", "/var/lib/shapeshift-artifacts"
 TRIALS = 10
-# A deployment that batches narrowly for its chat traffic (32 requests in flight): the search
-# has a real gain to find in engine.max_num_seqs, and the stock candidate must be measured at 4.
+# A deployment that batches narrowly for its chat traffic (32 requests in flight): the stock
+# candidate must be measured at 4, and the traffic's first seed is a batch of 32.
 DEPLOYED_BATCH = 4
 
 
@@ -178,7 +179,11 @@ def test_compile_run_end_to_end_on_the_cpu_pool(crds, namespace, operator_proces
     assert status["trials"]["failed"] == 0, (status["trials"], output[-3000:])
     board = status["leaderboard"]
     assert board and all(row["candidate"] and row.get("tokensPerSecond", 0) > 0 for row in board), board
-    assert {row["agent"] for row in board} <= {"baseline", "recipes", "sweep", "bayes"}, board
+    # the agents asked for, the named recipes, and the traffic's seed: the deployment's batch of 4
+    # admits fewer than chat's 32 requests in flight, so a batch of 32 is measured first
+    assert {row["agent"] for row in board} <= {"baseline", "traffic", "recipes", "sweep", "bayes"}, board
+    [seed] = [row for row in Board(out_dir / "board.jsonl").entries("candidate") if row["agent"] == "traffic"]
+    assert seed["recipe"]["engine.max_num_seqs"] == 32 and "the batch takes 4" in seed["note"], seed
 
     fps = forward_passes(cluster, namespace)
     if status.get("champion"):
