@@ -33,7 +33,7 @@ def run_status(loop: CompileLoop, phase: str = "Running") -> dict[str, Any]:
         # rejected by a check: a failed verification, or a replay in which no request met the SLO
         "rejected": len([v for v in loop.board.entries("verification") if not v.get("passed")])
         + len([r for r in results if r.get("status") == MISSED_SLO and not r.get("role")]),
-        "failed": len([r for r in results if r.get("status") not in ("ok", MISSED_SLO) and not r.get("role")]),
+        "failed": len([r for r in results if r.get("status") == "failed" and not r.get("role")]),
         "trials_budget": loop.budget.max_trials,
         "confirms": loop.confirms,
         "verifications": loop.verifications,

@@ -10,10 +10,10 @@ not fit the best recipe's engine settings, those settings go first, the worst mi
 (traffic_guidance): more requests in flight than engine.max_num_seqs admits (some always wait),
 prompts longer than engine.max_num_batched_tokens (each prefill takes several steps). Such a line
 goes wider first, from the narrowest value that fits the traffic outward, narrower than now
-last. Otherwise the order is read
-from the best result's SLO misses (engine/replay/slo.py): where more requests than the SLO's p90 allows stream too slowly, the
-batch width and the prefill chunk go first (a narrower batch gives each user more of a step, a
-smaller chunk stalls decodes less); where first tokens come late, the chunk, the batch width
+last. Otherwise the order is read from the best result's SLO misses (engine/replay/slo.py):
+where more requests than the SLO's p90 allows stream too slowly, the batch width and the
+prefill chunk go first (a narrower batch gives each user more of a step, a smaller chunk stalls
+decodes less); where first tokens come late, the chunk, the batch width
 and prefix caching go first (more admitted, prefills finished sooner). Where the SLO is met
 (or there is none), the objective is throughput and the knobs go in the space's order, code
 paths before engine settings. Each proposal's note says which it was.
@@ -56,9 +56,9 @@ def traffic_guidance(space: Any, recipe: dict) -> list[tuple[str, int, str]]:
     token budget. Empty where the space knows no traffic or everything fits."""
     misfits = []
     for knob, needed, says in (
-            (BATCH_WIDTH, getattr(space, "concurrency", None),
+            (BATCH_WIDTH, space.concurrency,
              "requests queue: the traffic keeps {needed} in flight, the batch takes {now}"),
-            (TOKEN_BUDGET, getattr(space, "prompt_tokens_p90", None),
+            (TOKEN_BUDGET, space.prompt_tokens_p90,
              "prefills take several steps: p90 prompts are {needed} tokens, a step takes {now}")):
         now = recipe.get(knob)
         if needed and isinstance(now, int) and 0 < now < needed:
@@ -66,20 +66,22 @@ def traffic_guidance(space: Any, recipe: dict) -> list[tuple[str, int, str]]:
     return [(knob, needed, why) for _, knob, needed, why in sorted(misfits, reverse=True)]
 
 
-def first_fitting(space: Any) -> list[Any]:
+def least_fitting(knob: Any, needed: int) -> Any:
+    """The knob's first value at least `needed` (its values ascend), else its largest."""
+    return next((v for v in knob.values if v >= needed), knob.values[-1])
+
+
+def first_fitting(space: Any) -> list[Candidate]:
     """For the space's default (the pass to beat), the first value of each traffic_guidance line:
     the least setting that fits the traffic, as candidates to measure before anything else (the
     CLI's seeds, ahead of the named recipes)."""
-    from shapeshift.engine.compile.candidate import Candidate as _Candidate
-
     base = space.default()
     out = []
     for name, needed, why in traffic_guidance(space, base):
-        knob = space.knob(name)
-        value = next((v for v in knob.values if v >= needed), knob.values[-1])
+        value = least_fitting(space.knob(name), needed)
         recipe = {**base, name: value}
         if value != base[name] and space.is_valid(recipe):
-            out.append(_Candidate(recipe, None, "traffic", f"{name}={value!r} fits the traffic ({why})", None))
+            out.append(Candidate(recipe, None, "traffic", f"{name}={value!r} fits the traffic ({why})", None))
     return out
 
 
@@ -114,8 +116,7 @@ class SweepAgent(Agent):
             return next((i for i, v in enumerate(knob.values) if v == value), len(knob.values))
 
         here = position(base.get(knob.name))
-        target = here if needed is None else \
-            position(next((v for v in knob.values if v >= needed), knob.values[-1]))
+        target = here if needed is None else position(least_fitting(knob, needed))
 
         def order(recipe: dict) -> tuple[bool, int, int]:
             at = position(recipe[knob.name])
