@@ -261,6 +261,8 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         assert digest != stock
         assert spec["verification"]["passed"] is True and spec["compileRun"] == f"{namespace}/{run_name}"
         say(f"champion recipe's engine settings: { {k: v for k, v in spec['recipe'].items() if k.startswith('engine.')} }")
+        # what the drift asked for: a step that takes more of a long prompt than the deployed 16 tokens
+        assert spec["recipe"]["engine.max_num_batched_tokens"] > DEPLOYED_TOKEN_BUDGET, spec["recipe"]
         assert spec["metrics"]["speedup"] == pytest.approx(run_st["bestSpeedup"]) and run_st["bestSpeedup"] > 1.0
         archive = Path(urllib.parse.unquote(urllib.parse.urlparse(spec["artifact"]["uri"]).path))
         assert archive.is_relative_to(artifact_store.resolve()) and archive.is_file(), spec["artifact"]
