@@ -29,7 +29,8 @@ Data flow under test:
          each pod's /metrics reporting the new sha256.
 
 A run that publishes no champion is checked up to its Succeeded status and the agreement of its status
-with the (absent) ForwardPass objects, and the rollout part is skipped, saying so: in 5 runs here, 4 kept
+with the (absent) ForwardPass objects, and the rollout part is skipped, saying so: of 6 runs here that reached the
+compile, 5 kept
 the token-budget seed as champion and rolled it out, one lost it at the screen and kept nothing. (Before
 the traffic seeds it waited for a wider batch to win over a batch of 2, which on this CPU it rarely did.)
 """
@@ -255,7 +256,7 @@ def test_long_prompts_compile_verify_and_roll_out_to_every_pod(crds, namespace, 
         fps = listed(cluster, namespace, "forwardpasses")
         assert len(listed(cluster, namespace, "compileruns")) == 1  # cooldown and in-progress: no second run
         if not run_st.get("champion"):
-            # 1 run in 5 here: the seed's screen lost to a batch-width candidate that the closing
+            # 1 run in 6 here: the seed's screen lost to a batch-width candidate that the closing
             # comparison withdrew (1.017x). The run's status must still agree with the cluster.
             assert fps == [] and "bestSpeedup" not in run_st, (fps, run_st)
             assert run_st["message"].startswith("no verified improvement"), run_st["message"]
