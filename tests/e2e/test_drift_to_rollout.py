@@ -29,9 +29,9 @@ Data flow under test:
          each pod's /metrics reporting the new sha256.
 
 A run that publishes no champion is checked up to its Succeeded status and the agreement of its status
-with the (absent) ForwardPass objects, and the rollout part is skipped, saying so: of 6 runs here that reached the
-compile, 5 kept
-the token-budget seed as champion and rolled it out, one lost it at the screen and kept nothing. (Before
+with the (absent) ForwardPass objects, and the rollout part is skipped, saying so: of 6 runs here that
+reached the compile, 5 kept the token-budget seed as champion and rolled it out, one lost it at the
+screen and kept nothing. (Before
 the traffic seeds it waited for a wider batch to win over a batch of 2, which on this CPU it rarely did.)
 """
 
