@@ -83,6 +83,9 @@ CONFIGS["chains-end-at-admissions"] = {"chain_across_admissions": False}
 # engine setting moved from serve's default.
 for _recipe in ("gemv", "fast"):
     CONFIGS[f"recipe-{_recipe}"] = {"forward_pass_recipe": dict(NAMED_RECIPES[_recipe])}
+# A mixture-of-experts model's experts through kernels.moe's grouped GEMM (moe_backend), on serve's
+# recipe for such a model (`triton`).
+CONFIGS["moe-grouped-experts"] = {"forward_pass_recipe": {**NAMED_RECIPES["triton"], "moe_backend": "triton"}}
 CONFIGS["decode-steps-16"] = {"decode_steps": 16}
 CONFIGS["batched-tokens-1024"] = {"max_num_batched_tokens": 1024}
 CONFIGS["batched-tokens-4096"] = {"max_num_batched_tokens": 4096}

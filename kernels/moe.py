@@ -418,8 +418,33 @@ def fused_moe(
     if tuple(w2.shape) != (E, H, two_inner // 2):
         raise ValueError(f"{op}: w2 must be [E={E}, H={H}, I={two_inner // 2}], got {tuple(w2.shape)}")
     check_tensor(op, "router_logits", router_logits, shape=(x.shape[0], E), device=x.device)
-    T = x.shape[0]
     weights, ids = topk_routing(router_logits, top_k, renormalize)
+    return fused_moe_routed(x, w13, w2, weights, ids, config=config)
+
+
+def fused_moe_routed(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """The expert half of `fused_moe`, for a caller that routed already (the engine routes in
+    torch and counts the choices): x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights
+    float32 [T, k] and expert ids [T, k] (any integer dtype, each in 0..E-1) -> [T, H].
+    `config` is the grouped GEMM's tile config for both projections (None: the registry's
+    default for T tokens on this device)."""
+    op = "fused_moe_routed"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    E, two_inner, H = w13.shape
+    T = x.shape[0]
+    top_k = ids.shape[1]
+    check_tensor(op, "ids", ids, shape=(T, top_k), device=x.device)
+    check_tensor(op, "weights", weights, shape=(T, top_k), dtypes=(torch.float32,), device=x.device)
+    ids = ids.to(torch.int32).contiguous()
+    weights = weights.contiguous()
     if config is None:
         config = MOE_GEMM_SPEC.default_config({"tokens": T, "top_k": top_k, "experts": E, "n": two_inner, "k": H,
                                                "dtype": dtype_name(x.dtype)}, x.device)

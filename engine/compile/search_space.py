@@ -259,7 +259,8 @@ def _constraint_graph_buckets(recipe: Mapping[str, Any]) -> str | None:
 
 # kernel.<op> knob -> the stock recipe knob that switches that op to its Triton kernel
 KERNEL_BACKEND_KNOB = {"kernel.rmsnorm": "norm_backend", "kernel.decode_attention": "attention_backend",
-                       "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend"}
+                       "kernel.rotary_kv_write": "rotary_backend", "kernel.silu_and_mul": "activation_backend",
+                       "kernel.moe_grouped_gemm": "moe_backend"}
 # the forward pass's recipe knob that carries the kernel.<op> tile configs: {op: KernelConfig dict}
 KERNEL_CONFIGS_KNOB = "kernel_configs"
 # row-limit knob -> (the recipe knob whose path it limits, the value that turns that path on)
@@ -507,7 +508,9 @@ def build_search_space(
     if include_kernels:
         switched = [knob.split(".", 1)[1] for knob, backend in KERNEL_BACKEND_KNOB.items()
                     if any(k.name == backend and "triton" in k.values for k in knobs)]
-        kknobs = kernel_knobs(tuple(switched))
+        kknobs = kernel_knobs(tuple(op for op in switched if op != "moe_grouped_gemm"))
+        if "moe_grouped_gemm" in switched:  # its tiles that fit an SM's shared memory at 2-byte elements
+            kknobs += kernel_knobs(("moe_grouped_gemm",), problem={"dtype": "bfloat16"})
         if kknobs:
             knobs.extend(kknobs)
             constraints.append(("kernels", _constraint_kernels_need_backend))

@@ -68,6 +68,8 @@ STOCK_KNOBS: tuple[RecipeKnob, ...] = (
     _backend("norm_backend", "RMSNorm fused with the residual add (kernels.rmsnorm)"),
     _backend("rotary_backend", "rotary fused with the KV-cache write (kernels.rotary)"),
     _backend("activation_backend", "SiLU-and-mul (kernels.activation); needs fuse_gate_up; a no-op on MoE experts"),
+    _backend("moe_backend", "MoE experts, prefill and decode, through the grouped expert GEMM (kernels.moe: tokens "
+                            "sorted by expert, static shapes, no host sync); a no-op on dense models"),
     _backend("linear_backend", "projections and lm_head on <= gemv_max_rows rows through the weight-streaming GEMV "
                                "(kernels.gemv, float32 logits straight from lm_head); F.linear above"),
     RecipeKnob("gemv_max_rows", int, None, "the most decode rows that take the GEMV and its fusions (unset: the "

@@ -77,7 +77,8 @@ def _all_kernels_tuned(space) -> dict:
 
 def test_cuda_space_has_kernel_knobs_and_declared_recipe_knobs_only(evaluator, cuda_space) -> None:
     kernel_names = sorted(n for n in cuda_space.names if n.startswith("kernel."))
-    assert kernel_names == sorted(KERNEL_BACKEND_KNOB), kernel_names
+    # every kernel knob but the MoE experts' (a dense model has no moe_backend)
+    assert kernel_names == sorted(k for k, b in KERNEL_BACKEND_KNOB.items() if b != "moe_backend"), kernel_names
     declared = set(STOCK_KNOB_BY_NAME)
     assert "kernel_configs" in declared
     for cand_recipe in (cuda_space.default(), _all_kernels_tuned(cuda_space)):
@@ -219,3 +220,33 @@ def test_random_points_of_the_cuda_space_are_valid_and_move(cuda_space) -> None:
         assert cuda_space.validate(point) == [], point
         assert point != default
     assert len({json.dumps(p, sort_keys=True, default=str) for p in points}) == len(points)
+
+
+def test_moe_space_searches_the_grouped_expert_gemm_and_it_reaches_the_pass(evaluator) -> None:
+    """On a mixture-of-experts model the CUDA space has moe_backend and its tile knob; a tuned tile
+    reaches the pass's expert launcher as config=; a dense space has neither; the CPU space no triton."""
+    engine = LLMEngine(EngineConfig(model="tiny-moe", device="cpu", dtype="float32", max_num_seqs=4,
+                                    max_model_len=64, block_size=4, max_num_batched_tokens=16))
+    stock = load_recipe(evaluator.stock_dir)
+    space = build_search_space(device="cuda:0", model_family="moe", stock_recipe=stock, concurrency=32,
+                               max_model_len=2048)
+    assert space.knob("moe_backend").values == ("torch", "triton")
+    tiles = space.knob("kernel.moe_grouped_gemm").values
+    assert tiles[0] == "default" and len(tiles) > 2
+    # every searched tile fits an SM's shared memory at bf16 (pipelined A and W tiles)
+    assert all(t["num_stages"] * (t["BLOCK_M"] + t["BLOCK_N"]) * t["BLOCK_K"] * 2 <= 227 * 1024 for t in tiles[1:])
+    tuned = {**space.default(), "moe_backend": "triton", "kernel.moe_grouped_gemm": tiles[-1]}
+    assert space.validate(tuned) == []
+    assert any("kernel.moe_grouped_gemm" in p
+               for p in space.validate({**tuned, "moe_backend": "torch"}))
+    recipe, fp = _build(evaluator, engine, Candidate(tuned, None, "kernels"))
+    assert recipe["moe_backend"] == "triton" and "moe_grouped_gemm" in recipe["kernel_configs"]
+    assert isinstance(fp._fused_moe, functools.partial)
+    assert fp._fused_moe.keywords["config"] == KernelConfig.from_dict(tiles[-1])
+    _, fp = _build(evaluator, engine, Candidate(space.default(), None, "baseline", "stock"))
+    assert fp._fused_moe is None  # the torch experts: the default
+    dense = build_search_space(device="cuda:0", model_family="llama", stock_recipe=stock, concurrency=32,
+                               max_model_len=2048)
+    assert "moe_backend" not in dense.names and "kernel.moe_grouped_gemm" not in dense.names
+    cpu = build_search_space(device="cpu", model_family="moe", stock_recipe=stock, concurrency=32, max_model_len=2048)
+    assert cpu.knob("moe_backend").values == ("torch",) and "kernel.moe_grouped_gemm" not in cpu.names

@@ -251,6 +251,11 @@ class StockForwardPass:
                                  "rotary_backend: triton on a model without q/k norm")
             self._decode_attention_rope = _kernel("decode_attention", "decode_attention_rope",
                                                   "fuse_rotary_into_attention")
+        # MoE experts through the grouped GEMM (routing stays in torch: count_routing reads its ids);
+        # like activation_backend on MoE experts, a no-op on a dense model.
+        self._fused_moe = None
+        if _choice(self.recipe, "moe_backend") == "triton" and cfg.family == "moe":
+            self._fused_moe = _kernel("moe", "fused_moe_routed", "moe_backend")
         self._apply_kernel_configs(self.recipe.get("kernel_configs") or {})
         self.moe_gather_max_rows = int(self.recipe.get("moe_decode_gather_max_rows", cfg.num_experts))
         # Per-call state of forward() read by attention(); thread-local because the hot-reload
@@ -519,6 +524,8 @@ class StockForwardPass:
             return self.linear(F.silu(gate) * up, layer.down_proj)
         weights, ids = route(x, layer.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         self.count_routing(layer, ids)
+        if self._fused_moe is not None:
+            return self._fused_moe(x, layer.experts_gate_up, layer.experts_down, weights, ids)
         if ctx.is_prefill:
             return moe_sparse(x, weights, ids, layer.experts_gate_up, layer.experts_down)
         if x.shape[0] * self.cfg.num_experts_per_tok <= self.moe_gather_max_rows:
@@ -619,7 +626,8 @@ class StockForwardPass:
 KERNEL_CONFIG_OPS = {"rmsnorm": ("_triton_rmsnorm", "norm_backend"),
                      "decode_attention": ("_decode_attention", "attention_backend"),
                      "rotary_kv_write": ("_rotary_kv_write", "rotary_backend"),
-                     "silu_and_mul": ("_silu_and_mul", "activation_backend")}
+                     "silu_and_mul": ("_silu_and_mul", "activation_backend"),
+                     "moe_grouped_gemm": ("_fused_moe", "moe_backend")}
 
 
 def _prefetch_regions(layer: LayerWeights, budget: int) -> tuple[tuple[torch.Tensor, int], ...]:
