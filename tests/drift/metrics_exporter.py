@@ -4,7 +4,8 @@ Run as a process: ``python metrics_exporter.py PORT MODEL``. It owns one
 ``shapeshift.engine.serving.metrics.EngineMetrics`` (the engine server's own metric
 definitions, names and buckets) and serves it on ``GET /metrics``.
 ``POST /observe`` with ``{"prompt_tokens": n, "generation_tokens": m,
-"cached_tokens": k}`` records one finished request the way the engine does:
+"cached_tokens": k}`` records one finished request the way the engine does
+(``"count": c`` records ``c`` such requests at once):
 the prompt and generation histograms observe ``n`` and ``m``, the generated-tokens
 counter advances by ``m``, the prefix-cache counters advance by ``n`` queried and
 ``k`` hit tokens, and ``requests_total{status="stop"}`` counts it. ``POST /in-flight`` with
@@ -71,19 +72,23 @@ def make_handler(metrics: EngineMetrics, lock: threading.Lock) -> type[BaseHTTPR
                 self.end_headers()
                 return
             prompt, generated = int(data["prompt_tokens"]), int(data["generation_tokens"])
-            cached = int(data.get("cached_tokens", 0))
+            cached, count = int(data.get("cached_tokens", 0)), int(data.get("count", 1))
             if not 0 <= cached <= prompt:
                 self.send_error(400, f"cached_tokens must be in [0, prompt_tokens], got {cached}")
                 return
+            if count < 1:
+                self.send_error(400, f"count must be at least 1, got {count}")
+                return
             with lock:
-                metrics.prompt_tokens.observe(prompt)
-                metrics.generation_tokens.observe(generated)
-                metrics.generation_tokens_total.inc(generated)
-                queried["tokens"] += prompt
-                queried["hits"] += cached
+                for _ in range(count):
+                    metrics.prompt_tokens.observe(prompt)
+                    metrics.generation_tokens.observe(generated)
+                    metrics.count_request("stop")
+                metrics.generation_tokens_total.inc(generated * count)
+                queried["tokens"] += prompt * count
+                queried["hits"] += cached * count
                 stats = _Stats(queried["tokens"], queried["hits"], **flight)
                 metrics.update_from_stats(stats)
-                metrics.count_request("stop")
             self.send_response(204)
             self.end_headers()
 
@@ -118,10 +123,10 @@ def exporter_process(model: str) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-def observe(target: str, prompt_tokens: int, generation_tokens: int, cached_tokens: int) -> None:
-    """Record one finished request in the exporter at ``target``."""
+def observe(target: str, prompt_tokens: int, generation_tokens: int, cached_tokens: int, count: int = 1) -> None:
+    """Record one finished request (``count`` alike ones) in the exporter at ``target``."""
     body = json.dumps({"prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens,
-                       "cached_tokens": cached_tokens}).encode()
+                       "cached_tokens": cached_tokens, "count": count}).encode()
     request = urllib.request.Request(f"http://{target}/observe", data=body, method="POST")
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 204

@@ -1,8 +1,9 @@
 """The regime library on the real control plane, with a real Prometheus and the operator in-process.
 
-An InferenceDeployment (policy OnDrift, drift and switches after two checks, no cooldowns) whose
-status says its forward pass was compiled for very short prompts; its engine's series come from
-tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations) scraped by Prometheus.
+An InferenceDeployment (policy OnDrift, drift and switches after two checks, no cooldowns until the
+last leg) whose status says its forward pass was compiled for very short prompts; its engine's
+series come from tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations)
+scraped by Prometheus.
 
     traffic A (prompts ~100 tokens)  -> a CompileRun for regime A; its champion fp-a is published as
                                         a compile worker publishes it (the run vouches for it), the
@@ -20,6 +21,12 @@ tests/drift/metrics_exporter.py (the engine's EngineMetrics, real observations) 
     traffic C (prompts ~1800 tokens) -> with spec.compilation.maxPaybackHours below what the compiles
       with a payback limit              so far take to pay back: no CompileRun, the condition Regime
                                         says why (PaybackTooLong, the expected payback by hand)
+    B, A, B, one check each          -> with spec.regimes.switchCooldownSeconds an hour (set during C)
+      (flapping, each settled:          and switchChecks 1, B's checks would switch to fp-b: no switch
+      switchChecks 1)                   (fp-a and its switch time stay, one RegimeSwitched event in
+                                        all), no CompileRun, the visits counted in status.regimes, the
+                                        condition Regime SwitchCoolingDown saying when the next switch
+                                        is allowed (an hour after the switch to fp-a)
 
 Each phase sends more requests than the Prometheus window still holds from the one before, so the
 window's median is the new phase's.
@@ -30,8 +37,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -55,9 +63,11 @@ def engine_metrics():
 
 
 def send(target: str, count: int, low: int, high: int) -> None:
-    """``count`` finished requests with prompts spread over [low, high) tokens, no prefix hits."""
+    """``count`` finished requests with prompts spread over [low, high) tokens, no prefix hits
+    (one exporter call per prompt length, with the requests of that length)."""
+    lengths = Counter(low + (i * 37) % (high - low) for i in range(count))
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: observe(target, low + (i * 37) % (high - low), 16, 0), range(count)))
+        list(pool.map(lambda item: observe(target, item[0], 16, 0, count=item[1]), lengths.items()))
 
 
 def stand_in_worker(folder) -> str:
@@ -111,6 +121,11 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
 
     def current() -> dict:
         return (idep().get("status") or {}).get("currentRegime") or {}
+
+    def observing(key: str) -> dict | None:
+        """The deployment, if its last check observed regime ``key``."""
+        body = idep()
+        return body if ((body.get("status") or {}).get("currentRegime") or {}).get("observed") == key else None
 
     worker_path = stand_in_worker(tmp_path / "stand-in")
 
@@ -249,6 +264,12 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
                            what="a check observing C")
         # the check after the blip's: still A's champion, no switch
         assert (after["name"], after["forwardPass"], after["lastSwitchTime"]) == (KEY_A, "fp-a", last_switch)
+        # the switch cooldown of the last leg, an hour (the leg takes well under a minute), and a switch
+        # on the first check in a regime, so that only the cooldown can hold a switch there. Set now, a
+        # check before the leg's traffic: the operator's drift registration takes the spec at its next
+        # timer tick, and C has no champion, so neither setting changes what C's checks decide
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", NAME,
+                                              {"spec": {"regimes": {"switchChecks": 1, "switchCooldownSeconds": 3600}}})
         skipped = wait_until(lambda: next((c for c in idep()["status"]["conditions"] if c["type"] == "Regime"
                                            and c["reason"] == "PaybackTooLong"), None),
                              timeout_s=30 + 4 * tick, what="the condition Regime saying PaybackTooLong")
@@ -263,10 +284,34 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
                 f"not compiled: the expected payback of a compile, {expected / 3600:.2f} h, is longer than "
                 "spec.compilation.maxPaybackHours 0.001 h" in skipped["message"]), skipped
         assert len(runs()) == 2 and not regime(KEY_C).get("compileRun")
+
+        # flapping between A and B, each settled on its check, inside the cooldown of the switch to fp-a:
+        # B would switch to fp-b without the cooldown; no switch, no CompileRun, the condition says why
+        until = (datetime.fromisoformat(last_switch.replace("Z", "+00:00")) + timedelta(seconds=3600)).isoformat()
+        visits = {key: regime(key)["visits"] for key in (KEY_A, KEY_B)}
+        prompts = f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})'
+        # each phase outnumbers what the window still holds on the other side of the median
+        for key, count, low, high in [(KEY_B, 6000, 550, 700), (KEY_A, 15000, 90, 120), (KEY_B, 20000, 550, 700)]:
+            sent = float(server.query(prompts)[0]["value"][1]) + count
+            send(engine_metrics, count, low, high)
+            server.wait_for(prompts, lambda v: v >= sent)  # scraped before the next check reads the window
+            seen = wait_until(lambda: observing(key), timeout_s=20 + 2 * tick, what=f"a check observing {key}")
+            now, held = seen["status"]["currentRegime"], {c["type"]: c for c in seen["status"]["conditions"]}["Regime"]
+            assert (now["forwardPass"], now["sha256"], now["lastSwitchTime"]) == ("fp-a", "a" * 64, last_switch), now
+            if key == KEY_B:
+                assert (held["status"], held["reason"]) == ("False", "SwitchCoolingDown"), held
+                assert (f"traffic settled in regime {KEY_B} (champion fp-b); next switch allowed after {until}"
+                        == held["message"]), held
+        assert (regime(KEY_A)["visits"], regime(KEY_B)["visits"]) == (visits[KEY_A] + 1, visits[KEY_B] + 2)
+        assert len(runs()) == 2
+        assert (regime(KEY_A)["compileRun"], regime(KEY_B)["compileRun"]) == (
+            run_a[0]["metadata"]["name"], run_b[0]["metadata"]["name"])
+        assert ((idep()["status"].get("rollout") or {}).get("desired") or {}).get("name") == "fp-a"
     assert runner.exception is None, runner.output[-4000:]
     events = [e for e in crds.core.list_namespaced_event(namespace).items
               if e.involved_object.kind == "InferenceDeployment"]
     reasons = [e.reason for e in events]
+    # one switch in all, the one to fp-a the cooldown leg's hour counts from
     assert reasons.count("RegimeSwitched") == 1 and reasons.count("CompileRunCreated") == 2, reasons
     assert reasons.count("RegimeChampionRecorded") == 2, reasons
     message = next(e.message for e in events if e.reason == "RegimeSwitched")
