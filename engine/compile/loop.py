@@ -153,6 +153,9 @@ class CompileLoop:
         self.vs_plain: dict[str, Any] | None = None
         self.experiments: queue.Queue[Candidate] = queue.Queue(maxsize=max(1, self.config.queue_size))
         self.pending: collections.deque[tuple[Candidate, str | None]] = collections.deque()  # (cand, trial id)
+        # (cand, its fast-tier screen): screens of an earlier attempt that beat the incumbent and
+        # that the budget left unconfirmed; a resumed loop confirms them before screening more
+        self.unconfirmed: list[tuple[Candidate, Measurement]] = []
         self.stop = threading.Event()
         self.workers: list[AgentWorker] = []
         self.trials = 0
@@ -242,6 +245,20 @@ class CompileLoop:
         for digest, c in cands.items():
             if digest not in seen_trial_digests and c.get("agent") != "baseline":
                 self.pending.append((Candidate.from_entry(c), None))
+        # Screens that beat the incumbent of their time but were left unconfirmed for want of budget
+        # (an over_budget note, no full-tier result since, no new incumbent since): confirmed first.
+        confirmed = {r["digest"] for r in finished.values() if r.get("tier") == FULL and not r.get("role")}
+        waiting: dict[str, Candidate] = {}
+        for entry in self.board.entries(("note", "incumbent")):
+            if entry["kind"] == "incumbent":
+                waiting.clear()
+            elif entry.get("over_budget") and entry.get("digest") in cands and entry["digest"] not in confirmed:
+                waiting.setdefault(entry["digest"], Candidate.from_entry(cands[entry["digest"]]))
+        for digest, cand in waiting.items():
+            screens = [r for r in finished.values() if r["digest"] == digest and r["tier"] == FAST
+                       and not r.get("role") and r.get("status") == "ok"]
+            if screens:
+                self.unconfirmed.append((cand, meas(screens[-1])))
         incumbents = self.board.entries("incumbent")
         if incumbents and self.baseline_fast is not None:
             last = incumbents[-1]
@@ -420,10 +437,11 @@ class CompileLoop:
             return full, inc_full  # the first round's verdict stands
         return full.extended(more), inc_full.extended(inc_more)
 
-    def _consider(self, cand: Candidate, fast: Measurement) -> None:
-        """Confirm and verify a screened candidate that beats the incumbent beyond noise."""
+    def _consider(self, cand: Candidate, fast: Measurement, screened_against_incumbent: bool = False) -> None:
+        """Confirm and verify a screened candidate that beats the incumbent beyond noise
+        (`screened_against_incumbent`: an earlier attempt found that it did, against this incumbent)."""
         assert self.incumbent is not None
-        if not self._promising(fast):
+        if not screened_against_incumbent and not self._promising(fast):
             return
         if self.config.max_confirms is not None and self.confirms >= self.config.max_confirms:
             self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier but the confirm cap is reached")
@@ -597,6 +615,12 @@ class CompileLoop:
                 stop_reason = self._budget_left() or self._screening_closed() or ""
                 if stop_reason:
                     break
+                if self.unconfirmed:
+                    cand, fast = self.unconfirmed.pop(0)
+                    self.board.note("loop", f"{cand.short} beat the incumbent on the fast tier in an earlier attempt "
+                                    "that had no budget left to confirm it: confirming it now", digest=cand.digest)
+                    self._consider(cand, fast, screened_against_incumbent=True)
+                    continue
                 nxt = self._next_candidate()
                 if nxt is None:
                     stop_reason = self._budget_left() or "agents have nothing new to propose"

@@ -508,6 +508,8 @@ def build_search_space(
     if include_kernels:
         switched = [knob.split(".", 1)[1] for knob, backend in KERNEL_BACKEND_KNOB.items()
                     if any(k.name == backend and "triton" in k.values for k in knobs)]
+        if model_family == "moe":  # the experts never call the recipe's silu_and_mul launcher: no tile of it to tune
+            switched = [op for op in switched if op != "silu_and_mul"]
         kknobs = kernel_knobs(tuple(op for op in switched if op != "moe_grouped_gemm"))
         if "moe_grouped_gemm" in switched:  # its tiles that fit an SM's shared memory at 2-byte elements
             kknobs += kernel_knobs(("moe_grouped_gemm",), problem={"dtype": "bfloat16"})

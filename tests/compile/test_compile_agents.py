@@ -185,6 +185,18 @@ def test_settings_the_traffic_does_not_fit_are_swept_first_wider_first(tmp_path:
                                                                          "engine.max_num_seqs"]
     budget = SweepAgent(both, Board(tmp_path / "c.jsonl"), seed=0).propose(1)
     assert [c.recipe["engine.max_num_batched_tokens"] for c in budget][:2] == [256, 512]
+    # once the wider values are on the board, the line proposes no narrower one: those fit the
+    # traffic worse still (on an H200, 2048 down to 256 after a winning 8192: 0.03x to 0.61x)
+    mid = build_search_space(device="cpu", concurrency=8, prompt_tokens_p90=3000, max_model_len=4096,
+                             engine_defaults={"max_num_seqs": 8, "max_num_batched_tokens": 512})
+    wider_seen = Board(tmp_path / "d.jsonl")
+    post(wider_seen, Candidate(mid.default(), agent="baseline"), 100.0)
+    line = SweepAgent(mid, wider_seen, seed=0).propose(1)
+    assert [c.recipe["engine.max_num_batched_tokens"] for c in line] == [4096, 2048, 8192, 1024]  # no 256
+    for c in line:
+        post(wider_seen, c, 90.0)
+    after_wider = SweepAgent(mid, wider_seen, seed=0).propose(1)
+    assert after_wider and not any("p90 prompts are 3000 tokens" in c.note for c in after_wider)
     assert "p90 prompts are 195 tokens, a step takes 16" in budget[0].note
     assert [(c.recipe["engine.max_num_batched_tokens"], c.recipe["engine.max_num_seqs"]) for c in first_fitting(both)] \
         == [(256, 2), (16, 8)]
@@ -274,6 +286,27 @@ def test_failing_and_garbage_agents_are_logged_and_go_on(tmp_path: Path, space) 
     assert any("does not parse" in t for t in garbage_notes)
     with pytest.raises(GarbageCandidate):
         check_candidate(space, Candidate({"no_such_knob": 1}))
+
+
+def test_agents_rank_by_the_paired_speedup_not_by_a_lucky_remeasure(tmp_path: Path, space) -> None:
+    """The baseline is re-measured beside every paired screen; on a drifting machine its best draw
+    can beat a candidate's one raw figure although the paired speedup says the candidate is faster
+    (on an H200, an 8192-token budget at 1.112x lost the sweep's base to the default that way).
+    Agents see the leaderboard's order: paired speedup first, then throughput."""
+    board = Board(tmp_path / "b.jsonl")
+    base = Candidate(space.default(), agent="baseline")
+    board.append("candidate", **base.to_entry())
+    for i, tput in enumerate((100.0, 104.0, 118.0)):  # the last one a lucky draw
+        board.append("result", trial_id=f"t{i}", digest=base.digest, tier="fast", status="ok",
+                     metrics={"throughput": tput, "speedup": 1.0})
+    better = Candidate({**space.default(), "fuse_qkv": True}, agent="sweep")
+    board.append("candidate", **better.to_entry())
+    board.append("result", trial_id="t9", digest=better.digest, tier="fast", status="ok",
+                 metrics={"throughput": 112.0, "speedup": 1.11})
+    rows = scored(board, space)
+    assert [r.digest for r in rows] == [better.digest, base.digest], rows
+    assert rows[0].rank > rows[1].rank and rows[1].throughput == 118.0
+    assert board.leaderboard("fast")[0].digest == better.digest  # the same order as the report's
 
 
 def test_scored_view_marks_failures(tmp_path: Path, space) -> None:

@@ -235,6 +235,8 @@ def test_moe_space_searches_the_grouped_expert_gemm_and_it_reaches_the_pass(eval
     assert space.knob("moe_backend").values == ("torch", "triton")
     tiles = space.knob("kernel.moe_grouped_gemm").values
     assert tiles[0] == "default" and len(tiles) > 2
+    # the experts keep their torch SiLU (activation_backend is a no-op there): no tile of it to search
+    assert "kernel.silu_and_mul" not in space.names and "kernel.rmsnorm" in space.names
     # every searched tile fits an SM's shared memory at bf16 (pipelined A and W tiles)
     assert all(t["num_stages"] * (t["BLOCK_M"] + t["BLOCK_N"]) * t["BLOCK_K"] * 2 <= 227 * 1024 for t in tiles[1:])
     tuned = {**space.default(), "moe_backend": "triton", "kernel.moe_grouped_gemm": tiles[-1]}

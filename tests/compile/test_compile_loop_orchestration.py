@@ -350,6 +350,38 @@ def test_no_confirmation_starts_that_would_overrun_the_time_budget(tmp_path: Pat
     assert not [n for n in board.entries("note") if n.get("over_budget")]
 
 
+def test_a_resumed_loop_confirms_first_what_an_earlier_attempt_left_unconfirmed(tmp_path: Path) -> None:
+    """An attempt whose budget could not confirm a screen that beat the incumbent leaves it on the
+    board (an over-budget note); the next attempt on that board, given time, confirms it before it
+    screens anything new, and it becomes the champion. A screen confirmed (or judged) meanwhile is
+    not confirmed again."""
+    board_path = tmp_path / "board.jsonl"
+    sp = space()
+    first = SlowFullTierEvaluator({"stock": 100, "fast": 130}, full_s=40)
+    board = Board(board_path)
+    CompileLoop(first, sp, board, [ListAgent(sp, board, ["fast"])], Budget(max_trials=None, max_seconds=60),
+                LoopConfig(deterministic=True)).run()
+    assert [n for n in board.entries("note") if n.get("over_budget")] and ("compare", "fast") not in first.calls
+    second = SlowFullTierEvaluator({"stock": 100, "fast": 130, "same": 100}, full_s=40)
+    board = Board(board_path)
+    result = CompileLoop(second, sp, board, [ListAgent(sp, board, ["same"])],
+                         Budget(max_trials=None, max_seconds=600), LoopConfig(deterministic=True)).run()
+    # fast's confirmation comes before the new candidate's screen; fast is not screened again
+    assert second.calls.index(("compare", "fast")) < second.calls.index(("screen", "same")), second.calls
+    assert ("screen", "fast") not in second.calls
+    assert result.champion is not None and result.champion.recipe["variant"] == "fast"
+    def earlier(board: Board) -> list[str]:
+        return [n["text"] for n in board.entries("note") if "in an earlier attempt" in n["text"]]
+
+    assert len(earlier(board)) == 1
+    # A third attempt: fast is the incumbent now, nothing is left unconfirmed.
+    third = SlowFullTierEvaluator({"stock": 100, "fast": 130, "same": 100}, full_s=40)
+    board = Board(board_path)
+    result = CompileLoop(third, sp, board, [ListAgent(sp, board, [])], Budget(max_trials=None, max_seconds=600),
+                         LoopConfig(deterministic=True)).run()
+    assert len(earlier(board)) == 1 and result.champion is not None
+
+
 class ClockedEvaluator(FakeEvaluatorForOrchestrationTests):
     """Every measurement advances a simulated clock by what it says it took (screens `screen_s`
     each pass, full-tier replays `full_s`), so the loop's wall-clock budget runs out in a test

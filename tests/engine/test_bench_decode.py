@@ -83,7 +83,7 @@ def test_recipe_overrides_parse_and_reject_bad_specs():
     assert {n for n, k in bench.RECIPES.items() if bench.needs_triton(k)} == {"triton", "gemv", "fast"}
     assert not bench.needs_triton(bench.recipe_with_overrides("fast+attention_backend=torch+norm_backend=torch"
                                                               "+rotary_backend=torch+activation_backend=torch"
-                                                              "+linear_backend=torch"))
+                                                              "+linear_backend=torch+moe_backend=torch"))
     with pytest.raises(ValueError, match="unknown recipe 'fastest'"):
         bench.recipe_with_overrides("fastest+fuse_qkv=true")
     with pytest.raises(ValueError, match="not knob=value"):

@@ -40,6 +40,15 @@ class Scored:
     throughput: float  # 0.0 for a candidate that failed (crashed, NaN, refused)
     failed: bool
     agent: str
+    # over the stock pass, chained through paired comparisons (None where the board recorded none)
+    speedup: float | None = None
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """The leaderboard's order (Board.leaderboard): the paired speedup where recorded, then
+        throughput. Raw throughput alone ranks a pass measured often (the baseline, re-measured
+        beside every paired screen) by its luckiest draw on a drifting machine."""
+        return (-1.0 if self.speedup is None else float(self.speedup), self.throughput)
 
 
 def scored(board: Board, space: SearchSpace, tier: str = SCREEN_TIER) -> list[Scored]:
@@ -51,12 +60,14 @@ def scored(board: Board, space: SearchSpace, tier: str = SCREEN_TIER) -> list[Sc
             continue
         c = cands[r["digest"]]
         ok = r.get("status") == "ok"
-        tput = float((r.get("metrics") or {}).get("throughput") or 0.0) if ok else 0.0
+        metrics = r.get("metrics") or {}
+        tput = float(metrics.get("throughput") or 0.0) if ok else 0.0
+        speedup = metrics.get("speedup") if ok else None
         s = Scored(r["digest"], space.complete(c.get("recipe") or {}), c.get("source"), tput, not ok,
-                   c.get("agent", "?"))
-        if r["digest"] not in best or s.throughput > best[r["digest"]].throughput:
+                   c.get("agent", "?"), None if speedup is None else float(speedup))
+        if r["digest"] not in best or s.rank > best[r["digest"]].rank:
             best[r["digest"]] = s
-    return sorted(best.values(), key=lambda s: (-s.throughput, s.digest))
+    return sorted(best.values(), key=lambda s: (-s.rank[0], -s.rank[1], s.digest))
 
 
 def proposed_digests(board: Board) -> set[str]:

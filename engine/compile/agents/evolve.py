@@ -22,7 +22,7 @@ class EvolveAgent(Agent):
 
     def _tournament(self, pool):
         a, b = self.rng.sample(pool, 2) if len(pool) >= 2 else (pool[0], pool[0])
-        return a if a.throughput >= b.throughput else b
+        return a if a.rank >= b.rank else b
 
     def propose(self, n: int = 1) -> list[Candidate]:
         pool = [s for s in scored(self.board, self.space) if not s.failed][: self.population]

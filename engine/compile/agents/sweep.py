@@ -9,8 +9,8 @@ Which knob comes first depends on the traffic. Where the traffic the space was b
 not fit the best recipe's engine settings, those settings go first, the worst misfit first
 (traffic_guidance): more requests in flight than engine.max_num_seqs admits (some always wait),
 prompts longer than engine.max_num_batched_tokens (each prefill takes several steps). Such a line
-goes wider first, from the narrowest value that fits the traffic outward, narrower than now
-last. Otherwise the order is read from the best result's SLO misses (engine/replay/slo.py):
+goes wider only, from the narrowest value that fits the traffic outward (narrower values fit
+worse still: they wait for the knob's ordinary turn). Otherwise the order is read from the best result's SLO misses (engine/replay/slo.py):
 where more requests than the SLO's p90 allows stream too slowly, the batch width and the
 prefill chunk go first (a narrower batch gives each user more of a step, a smaller chunk stalls
 decodes less); where first tokens come late, the chunk, the batch width
@@ -109,8 +109,10 @@ class SweepAgent(Agent):
         two down, ...): a budget that ends inside the line has screened the likeliest values. On
         an H200 the token budget's line from the bottom spent three of four screens on 256, 512
         and 1024 (0.2x to 0.84x) before 4096 (docs/compile-loop.md M15). `needed`: the least
-        value the traffic fits (traffic_guidance): wider than now first, nearest the first value
-        at least that, narrower than now last."""
+        value the traffic fits (traffic_guidance): only values wider than now, nearest the first
+        value at least that first. The narrower ones fit the traffic worse still, and wait for the
+        knob's ordinary turn: on an H200 the line 2048 / 1024 / 512 / 256 after a winning 8192
+        spent four screens at 0.03x to 0.61x (docs/compile-loop.md M16)."""
         suffix = f" ({why})" if why else ""
         def position(value: Any) -> int:
             return next((i for i, v in enumerate(knob.values) if v == value), len(knob.values))
@@ -118,12 +120,13 @@ class SweepAgent(Agent):
         here = position(base.get(knob.name))
         target = here if needed is None else position(least_fitting(knob, needed))
 
-        def order(recipe: dict) -> tuple[bool, int, int]:
+        def order(recipe: dict) -> tuple[int, int]:
             at = position(recipe[knob.name])
-            return needed is not None and at <= here, abs(at - target), at
+            return abs(at - target), at
 
+        line = [r for r in self.space.neighbors(base, knob.name) if needed is None or position(r[knob.name]) > here]
         options = [Candidate(r, None, self.name, f"sweep {knob.name}={r[knob.name]!r} around the best{suffix}",
-                             parent) for r in sorted(self.space.neighbors(base, knob.name), key=order)]
+                             parent) for r in sorted(line, key=order)]
         return self.fresh(options, seen)
 
     def propose(self, n: int = 1) -> list[Candidate]:
