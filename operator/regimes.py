@@ -296,12 +296,18 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
     if pinned_champion is not None and champion is None:
         problem = f"its pinned champion {pinned_champion} has not been verified by a CompileRun of this deployment"
     usable = champion if problem is None else None
+    cooldown_until = (current.last_switch_time + timedelta(seconds=policy.switch_cooldown_seconds)
+                      if current.last_switch_time is not None else None)
+    cooling = cooldown_until is not None and now < cooldown_until
     if key == current.name:
         published_since = (usable is not None and usable.verified_at is not None
                            and current.last_switch_time is not None and usable.verified_at > current.last_switch_time)
         if (usable is not None and not _serving(library, usable, active_forward_pass) and current.forward_pass
                 and not published_since):  # a champion published after the last switch is the target already
-            # the library chose another champion for this regime before: come back to this one
+            # the library chose another champion for this regime before: come back to this one, a
+            # switch like any other (the cooldown bounds every switch, docs/regimes.md)
+            if cooling:
+                return _cooling_down(library, key, usable, cooldown_until)
             return _switch(library, key, usable, now, f"traffic in regime {key}; its champion "
                                                       f"{usable.forward_pass} is not the one served")
         if usable is None and problem is not None:
@@ -319,20 +325,23 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
         if entry is None or (entry.champion is None and entry.compile_run is None):
             reason = f"traffic settled in a new regime {key} (from {current.name})"
         return _compile(library, spec, key, reason, name=key, since=now)
-    cooldown = timedelta(seconds=policy.switch_cooldown_seconds)
-    if current.last_switch_time is not None and now - current.last_switch_time < cooldown:
-        until = current.last_switch_time + cooldown
-        return _with_reason("CoolingDown", key, library, (
-            f"traffic settled in regime {key} (champion {usable.forward_pass}); next switch allowed after "
-            f"{until.isoformat()}"), usable, blocks=True)
+    # Served already (the regime came back before anything switched away): no switch to hold.
     if _serving(library, usable, active_forward_pass) and current.forward_pass == usable.forward_pass:
         return _with_reason("Stay", key, library, f"traffic back in regime {key}, its champion "
                                                   f"{usable.forward_pass} is served", usable, blocks=True, name=key,
                                                   since=now)
+    if cooling:
+        return _cooling_down(library, key, usable, cooldown_until)
     speed = f" (x{usable.speedup:.2f} over the shipped default)" if usable.speedup else ""
     return _switch(library, key, usable, now, f"traffic settled in regime {key} (from {current.name}) for "
                                               f"{current.observed_checks} checks: switching to its verified "
                                               f"champion {usable.forward_pass}{speed}, no CompileRun")
+
+
+def _cooling_down(library: RegimeLibrary, key: str, champion: Any, until: datetime) -> RegimeDecision:
+    return _with_reason("CoolingDown", key, library, (
+        f"traffic settled in regime {key} (champion {champion.forward_pass}); next switch allowed after "
+        f"{until.isoformat()} (spec.regimes.switchCooldownSeconds)"), champion, blocks=True)
 
 
 def record_compile_run(library: RegimeLibrary, regime: str, compile_run: str, now: datetime) -> RegimeLibrary:

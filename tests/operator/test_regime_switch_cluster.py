@@ -300,8 +300,11 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
             assert (now["forwardPass"], now["sha256"], now["lastSwitchTime"]) == ("fp-a", "a" * 64, last_switch), now
             if key == KEY_B:
                 assert (held["status"], held["reason"]) == ("False", "SwitchCoolingDown"), held
-                assert (f"traffic settled in regime {KEY_B} (champion fp-b); next switch allowed after {until}"
-                        == held["message"]), held
+                assert (f"traffic settled in regime {KEY_B} (champion fp-b); next switch allowed after {until} "
+                        "(spec.regimes.switchCooldownSeconds)" == held["message"]), held
+            else:  # back in A, whose champion is served: nothing to switch, so nothing the cooldown holds
+                assert (held["reason"], held["message"]) == (
+                    "InRegime", f"traffic back in regime {KEY_A}, its champion fp-a is served"), held
         assert (regime(KEY_A)["visits"], regime(KEY_B)["visits"]) == (visits[KEY_A] + 1, visits[KEY_B] + 2)
         assert len(runs()) == 2
         assert (regime(KEY_A)["compileRun"], regime(KEY_B)["compileRun"]) == (

@@ -159,6 +159,31 @@ def test_a_cooldown_separates_two_switches():
     assert lib.current.forward_pass == "fp-b"
 
 
+def test_inside_a_cooldown_a_regime_whose_champion_is_served_stays_and_every_switch_waits():
+    """Back in the served regime during a cooldown: Stay (no switch to hold, so no CoolingDown);
+    traffic in the current regime whose champion is not the one served (the library moved off it
+    before): a switch like any other, held by the cooldown until it ends."""
+    lib = library_with_champions()
+    s = spec(regimes={"switchCooldownSeconds": 600, "switchChecks": 1})
+    at = T0 + 10 * CHECK
+    d = run(lib, A, at, s=s, active="fp-b")
+    assert d.kind == "Switch" and d.library.current.forward_pass == "fp-a"
+    lib = d.library
+    d = run(lib, B, at + CHECK, s=s, active="fp-a")  # settled in B, inside the cooldown
+    assert d.kind == "CoolingDown" and "spec.regimes.switchCooldownSeconds" in d.reason
+    lib = d.library
+    d = run(lib, A, at + 2 * CHECK, s=s, active="fp-a")  # back in A: fp-a is served
+    assert d.kind == "Stay" and d.library.current.forward_pass == "fp-a", (d.kind, d.reason)
+    lib = d.library
+    # The current regime is A, but (a rollout put) fp-b in service: the way back to fp-a is a switch
+    # the cooldown holds, and once it ends, the switch happens.
+    served = replace(lib, current=lib.current.model_copy(update={"forward_pass": "fp-b", "sha256": SHA_B}))
+    d = run(served, A, at + 3 * CHECK, s=s, active="fp-b")
+    assert d.library.current.name == KEY_A and d.kind == "CoolingDown", (d.kind, d.reason)
+    d = run(served, A, at + 11 * CHECK, s=s, active="fp-b")
+    assert d.kind == "Switch" and d.library.current.forward_pass == "fp-a", (d.kind, d.reason)
+
+
 @pytest.mark.parametrize("over, fragment", [
     ({"accelerator": "nvidia-h100"}, "verified on nvidia-h100"),
     ({"dtype": "bfloat16"}, "verified in bfloat16"),
