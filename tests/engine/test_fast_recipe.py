@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+from harness.case_processes import CaseProcesses, selected_cases
 
 pytest.importorskip("triton")
 
@@ -115,18 +116,34 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset,fuse_norm,fuse_rope,tail,whole,into_tail,max_rows,norm_rows", CASES)
-def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows, norm_rows):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+ARGNAMES = ("preset", "fuse_norm", "fuse_rope", "tail", "whole", "into_tail", "max_rows", "norm_rows")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _command(case):
+    preset, *flags, max_rows, norm_rows = case
+    return [sys.executable, "-c", SCRIPT, preset, DEVICE, *("1" if flag else "0" for flag in flags), str(max_rows),
+            str(norm_rows)]
+
+
+@pytest.fixture(scope="module")
+def case_processes(request):
+    """The selected cases' subprocesses, side by side (one a core): each is one Python interpreting
+    kernels for minutes on the CPU. Each test waits for its own (harness/case_processes.py)."""
     env = dict(os.environ, PYTHONSAFEPATH="1")
-    if device == "cpu":
+    if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device, "1" if fuse_norm else "0",
-                           "1" if fuse_rope else "0", "1" if tail else "0", "1" if whole else "0",
-                           "1" if into_tail else "0", str(max_rows), str(norm_rows)],
-                          capture_output=True, text=True,
-                          env=env, timeout=600)
+    runs = CaseProcesses(_command, selected_cases(request, "test_fast_recipe_matches_stock", ARGNAMES), env,
+                         timeout=600)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(",".join(ARGNAMES), CASES)
+def test_fast_recipe_matches_stock(preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows, norm_rows,
+                                   case_processes):
+    proc = case_processes.result((preset, fuse_norm, fuse_rope, tail, whole, into_tail, max_rows, norm_rows))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["uses_gemv"] and result["gated"] and result["fused_rope"] == fuse_rope
