@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from harness.case_processes import CaseProcesses, selected_cases
 
 pytest.importorskip("triton")
 
@@ -38,17 +39,30 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-moe"])
-def test_triton_knobs_match_torch_reference(preset):
+def _device():
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def case_processes(request):
+    """The selected presets' subprocesses, side by side (one a core): each is one Python
+    interpreting kernels on the CPU. Each test waits for its own (harness/case_processes.py)."""
+    device = _device()
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, preset, device], capture_output=True, text=True,
-                          env=env, timeout=600)
+    cases = selected_cases(request, "test_triton_knobs_match_torch_reference", ["preset"])
+    runs = CaseProcesses(lambda case: [sys.executable, "-c", SCRIPT, case[0], device], cases, env, timeout=600)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-moe"])
+def test_triton_knobs_match_torch_reference(preset, case_processes):
+    proc = case_processes.result((preset,))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["ref"]
