@@ -6,9 +6,13 @@ failure) regime A was compiled, its first seed (256 tokens a step) verified at 1
 1.014..1.322) and rolled out to every pod; regime B's run found no champion: its first seed, a batch of
 16 for the 10 requests its snapshot kept in flight, met the SLO for the same share as the batch of 2
 (0.97 on the full tier). On this CPU every row of a step costs its own compute, so at the same load a
-wider batch waits no less; B needs a misfit this CPU pays for (the token budget is the one measured to,
-e.g. prompts that A's champion's step takes in many goes). When run, it never skips: a stage without a
-champion fails with the run's message.
+wider batch waits no less; B needs a misfit this CPU pays for. Prompts longer than A's champion's step
+are not one: with B at 520-720-token prompts, one at a time per pod (maxModelLen 1024), A's champion
+verified at 1.116x and rolled out, and B's run measured A's champion at 2.529x the deployed settings
+and steps of 512 and 2048 tokens at 2.528x: above 256 tokens a step, the number of chunks costs this
+CPU nothing. B's CompileRun then came 4 checks after the last Stable one, 2 after the first check
+whose window's median was B's (B's requests are slower to serve than A's, so the 60 s window moved
+late). When run, it never skips: a stage without a champion fails with the run's message.
 
 Data flow under test:
     test: InferenceDeployment llama (tiny-llama, CPU pool, 2 replicas, policy OnDrift, artifact store,
