@@ -22,8 +22,8 @@ Data flow:
 
 Restart: the board is the state. A resumed loop reads it back: finished trials are not
 measured or counted again, a trial that was started but never finished is re-run under
-its own id, candidates that were proposed but never started are measured first, and the
-latest incumbent (with its measurements) is restored.
+its own id, candidates proposed but never started are measured first, screens that beat the incumbent
+with no budget left to confirm them are confirmed first, and the incumbent is restored.
 
 Deterministic mode (``LoopConfig.deterministic``) drives the agents in rounds from the
 loop's own thread instead of concurrently: every agent proposes against the same board,
