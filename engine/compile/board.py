@@ -188,8 +188,7 @@ class Board:
         where recorded (chained through paired comparisons, so the machine's drift between
         screens does not rank a pass against itself), else by throughput."""
         def rank(metrics: dict[str, Any]) -> tuple[float, float]:
-            speedup = metrics.get("speedup")
-            return (-1.0 if speedup is None else float(speedup), float(metrics["throughput"]))
+            return ranking(metrics.get("speedup"), float(metrics["throughput"]))
 
         best: dict[str, dict[str, Any]] = {}
         for e in self.results(tier):
@@ -218,6 +217,14 @@ class Board:
             ))
         rows.sort(key=lambda r: (-(r.speedup if r.speedup is not None else -1.0), -r.throughput, r.digest))
         return rows if k is None else rows[:k]
+
+
+def ranking(speedup: float | None, throughput: float) -> tuple[float, float]:
+    """The board's order, leaderboard and agents alike: the speedup over the stock pass where
+    recorded (chained through paired comparisons), then throughput. Raw throughput alone ranks a
+    pass measured often (the baseline, re-measured beside every paired screen) by its luckiest
+    draw on a drifting machine."""
+    return (-1.0 if speedup is None else float(speedup), throughput)
 
 
 def format_leaderboard(rows: list[LeaderRow]) -> str:

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from shapeshift.engine.compile.board import Board
+from shapeshift.engine.compile.board import Board, ranking
 from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.search_space import SearchSpace
 
@@ -45,10 +45,8 @@ class Scored:
 
     @property
     def rank(self) -> tuple[float, float]:
-        """The leaderboard's order (Board.leaderboard): the paired speedup where recorded, then
-        throughput. Raw throughput alone ranks a pass measured often (the baseline, re-measured
-        beside every paired screen) by its luckiest draw on a drifting machine."""
-        return (-1.0 if self.speedup is None else float(self.speedup), self.throughput)
+        """The leaderboard's order (board.ranking)."""
+        return ranking(self.speedup, self.throughput)
 
 
 def scored(board: Board, space: SearchSpace, tier: str = SCREEN_TIER) -> list[Scored]:
