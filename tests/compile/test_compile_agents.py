@@ -52,9 +52,9 @@ def test_space_validity_sampling_and_walks(space) -> None:
     assert len({tuple(sorted(p.items())) for p in points}) == 40
     for r in space.neighbors(default, "engine.max_num_seqs"):
         assert {k for k in r if r[k] != default[k]} == {"engine.max_num_seqs"}
-    recipe, engine, edits = split_recipe({**default, "edit.split_mixed_attention": True, "fuse_qkv": True,
+    recipe, engine, edits = split_recipe({**default, "edit.index_select_gather": True, "fuse_qkv": True,
                                           "engine.max_num_seqs": 16})
-    assert edits == ["split_mixed_attention"] and recipe["fuse_qkv"] is True and engine["max_num_seqs"] == 16 and "attention_backend" in recipe
+    assert edits == ["index_select_gather"] and recipe["fuse_qkv"] is True and engine["max_num_seqs"] == 16 and "attention_backend" in recipe
 
 
 def test_constraints_reject_conflicting_values() -> None:

@@ -4,6 +4,7 @@ replay, the verification suite): honest outcomes, resume after a kill, determini
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -32,12 +33,19 @@ def _incumbent_entries_are_verified(board: Board) -> None:
         assert inc["digest"] in verified, "an incumbent without a passing verification"
 
 
-def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys) -> None:
+def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys, caplog) -> None:
     """`shapeshift compile --budget-trials 12` with every other setting at its embedded default."""
     out = tmp_path / "out"
+    caplog.set_level(logging.DEBUG, logger="shapeshift.engine.forward_pass.swap")
     rc = main(["--budget-trials", "12", "--out", str(out), "--registry", str(tmp_path / "registry")])
     assert rc == 0
     printed = capsys.readouterr().out
+    # The candidates' hot reloads are debug chatter in a compile run; one leaderboard, and the
+    # last line says what was found and where the report is.
+    swaps = [r for r in caplog.records if r.name == "shapeshift.engine.forward_pass.swap" and "active" in r.message]
+    assert swaps and all(r.levelno == logging.DEBUG for r in swaps)
+    assert printed.count("Leaderboard") == 1, printed
+    assert "report" in printed.strip().splitlines()[-1]
     report = json.loads((out / "report.json").read_text())
     board = Board(out / "board.jsonl")
     assert report["model"] == "tiny-llama" and report["profile"] == "chat"

@@ -88,8 +88,8 @@ def test_the_matrix_measures_every_configuration_on_every_regimes_traffic(evalua
     pairs a cell, their tokens compared."""
     space = evaluator.space()
     default = Candidate(space.default(), None, "baseline", "")
-    recipe = {**space.default(), "edit.split_mixed_attention": True}
-    champ = Candidate(recipe, None, "sweep", "split mixed attention")
+    recipe = {**space.default(), "edit.index_select_gather": True}
+    champ = Candidate(recipe, None, "sweep", "index_select gather")
     run = tmp_path / "chat"
     exported = evaluator.export(champ, run / "champion")
     (run / "report.json").write_text(json.dumps({"champion": champ.digest, "champion_recipe": recipe, "speedup": 1.2,

@@ -64,8 +64,25 @@ class BayesAgent(Agent):
                 continue
             completed = len(self.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
             cand = Candidate(recipe, None, self.name, f"TPE suggestion after {completed} observed results")
+            if cand.digest in seen:
+                # TPE exploits: on a small space it keeps suggesting measured points. Try the
+                # suggestion's one-knob neighbours instead, so each call still proposes something.
+                cand = self._unseen_neighbour(recipe, seen, completed) or cand
             fresh = self.fresh([cand], seen)
             if fresh:
                 seen.add(cand.digest)
                 out.extend(fresh)
         return out
+
+    def _unseen_neighbour(self, recipe: dict, seen: set[str], completed: int) -> Candidate | None:
+        knobs = [k.name for k in self.space.knobs]
+        self.rng.shuffle(knobs)
+        for knob in knobs:
+            options = self.space.neighbors(recipe, knob)
+            self.rng.shuffle(options)
+            for other in options:
+                cand = Candidate(other, None, self.name,
+                                 f"TPE suggestion after {completed} observed results, {knob} moved (the suggestion was measured)")
+                if cand.digest not in seen:
+                    return cand
+        return None
