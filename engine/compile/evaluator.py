@@ -623,7 +623,23 @@ class EngineEvaluator:
                                        weights_baseline=self._weights.get(FULL),
                                        traffic_prompt_lens=(int(lengths.p50), int(lengths.p90), int(lengths.p99)))
         verdict.seconds = time.perf_counter() - t0
+        self._discard_damaged(verdict)
         return verdict
+
+    def _discard_damaged(self, verdict: Verification) -> None:
+        """Weights the gates found written and could not restore (the loop's baseline keeps no copy,
+        and on CUDA the candidate's process maps the engine's own tensors) leave the full tier's
+        engine damaged: the candidate fails and the engine is discarded (rebuilt from the checkpoint)."""
+        gate = next((g for g in verdict.report.get("gates", []) if g.get("name") == "anti_cheat.inputs_unchanged"), {})
+        left = (gate.get("evidence") or {}).get("not_restored") or []
+        if not (gate.get("evidence") or {}).get("discard_engine"):
+            return
+        verdict.passed = False
+        verdict.gates["anti_cheat.inputs_unchanged"] = False
+        verdict.report["engine_discarded"] = (f"the candidate changed the engine's weights ({', '.join(left[:4])}) "
+                                              "and they could not be restored; the engine is discarded")
+        log.warning("verification: %s", verdict.report["engine_discarded"])
+        self._recover(FULL)
 
     def export(self, candidate: Candidate, out_dir: Path) -> dict[str, Any]:
         from shapeshift.engine.forward_pass.bundle import verify_bundle

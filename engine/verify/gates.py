@@ -106,7 +106,10 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
 
     ``weights_baseline``: the weights' fingerprint from before the candidate was first loaded
     (the compile loop takes it before measuring); without one it is taken here, with a copy to
-    restore from. Weights found changed fail anti_cheat.inputs_unchanged and are restored.
+    restore from. Weights found changed fail anti_cheat.inputs_unchanged and are restored; where
+    they cannot be (a baseline without a copy, as the compile loop's on CUDA, where the candidate's
+    process maps the engine's own tensors), that gate's evidence says ``discard_engine``: the
+    caller must drop the engine that holds them (EngineEvaluator.verify does).
     """
     settings = settings or GateSettings()
     first = next(iter(weights.values()))
@@ -218,22 +221,29 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         # copy is what it could write.
         written = fingerprint_diff(_contents(weights_before), _contents(weights_fingerprint(shared)))
         late = sorted(set(early) | set(written))
+        reached = bool(early)  # the caller's tensors: damaged only before verification
     else:
         late = sorted(set(early) | set(baseline.changed(weights)))
+        reached = bool(late)
     if late:
         restored = sorted(set(early_restored) | (set(baseline.restore(weights)) if shared is weights else set()))
+        # What of the caller's weights is still not what it was (no copy to restore from, a tensor
+        # added or reshaped): the engine holding them must be discarded, not served or measured.
+        left = baseline.changed(weights) if reached else []
         i = next((k for k, r in enumerate(reports) if r.name == "anti_cheat.inputs_unchanged"), None)
         failed = GateReport("anti_cheat.inputs_unchanged", False,
                             {"reason": "the shared weights differ from their contents before the candidate ran",
                              "weights": late[:8], "restored": restored[:8],
                              **({"before_verification": early[:8]} if early else {}),
-                             **({"discard_engine": True} if early and not early_restored else {})})
+                             **({"discard_engine": True, "not_restored": left[:8]} if left else {})})
         if i is None:
             reports.append(failed)
         elif reports[i].passed or reports[i].skipped:
             reports[i] = failed
         else:
             reports[i].evidence["restored"] = restored[:8]
+            if left:
+                reports[i].evidence.update(discard_engine=True, not_restored=left[:8])
     if session is not None:
         isolation = {"process": "the candidate's own (forked from a clean zygote)",
                      "start_s": round(session.start_s, 3), "share_weights_s": round(session.share_s, 3),

@@ -190,3 +190,28 @@ def test_promotion_draws_gate_prompts_from_the_replay_text(evaluator):
     verdict = evaluator.verify(Candidate(evaluator.space().default(), evaluator.stock_source, "test", "stock"))
     assert verdict.passed, verdict.report["failed"]
     assert verdict.report["isolation"]["process"].startswith("the candidate's own")
+
+
+def test_damage_left_after_verification_without_a_copy_discards_the_engine(evaluator, monkeypatch):
+    """Where the candidate's process writes the engine's own tensors (CUDA: they cross by IPC; here
+    the in-process path, forced) and the loop's baseline keeps no copy to restore from, the gates
+    say discard_engine, the verification fails and the evaluator drops the engine: the next one is
+    rebuilt from the checkpoint with the pristine weights."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
+    from shapeshift.engine.verify import gates
+
+    eng = evaluator._engine("full", {})
+    before = {k: v[1:] for k, v in weights_fingerprint(eng.weights).items()}
+    monkeypatch.setattr(gates, "_isolation_problem", lambda device: "forced: the candidate shares this process")
+    source = (CANDIDATES / "weights_swap_keeps_sum" / "forward.py").read_text()
+    verdict = evaluator.verify(Candidate(evaluator.space().default(), source, "test", "tamper"))
+    assert not verdict.passed and not verdict.gates["anti_cheat.inputs_unchanged"]
+    gate = next(g for g in verdict.report["gates"] if g["name"] == "anti_cheat.inputs_unchanged")
+    assert gate["evidence"]["discard_engine"] and gate["evidence"]["restored"] == []
+    assert gate["evidence"]["not_restored"] == ["model.embed_tokens.weight"]
+    assert "the engine is discarded" in verdict.report["engine_discarded"]
+    assert "full" not in evaluator._engines  # dropped, not measured or served again
+    rebuilt = evaluator._engine("full", {})
+    assert rebuilt is not eng
+    assert {k: v[1:] for k, v in weights_fingerprint(rebuilt.weights).items()} == before
