@@ -17,8 +17,8 @@ Cluster fixtures (tests marked `cluster`):
                    pvc_dirs={"claim": folder} mounts a claim as that local folder.
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
-  crds             session: crds/shapeshift.dev_*.yaml applied and served by discovery;
-                   yields the cluster.
+  crds             session: crds/shapeshift.dev_*.yaml applied and served by discovery (pytest's
+                   temporary root added to the artifact roots); yields the cluster.
   artifact_store   per test: a ReadWriteMany claim `artifacts` in the test's namespace bound to
                    a local folder (harness.kubelet.local_claim); yields the folder, which
                    run_pod_locally(..., pvc_dirs={"artifacts": folder}) mounts.
@@ -96,6 +96,46 @@ def pytest_configure(config):
     problem = editable_install_problem()
     if problem:
         raise pytest.UsageError(problem)
+    # Local processes stand a pytest folder in for a pod's artifact store and work folder, and the
+    # worker records that folder's path in a ForwardPass: accept paths under pytest's temporary root
+    # (the models read this at validation, the crds fixture generates its CRDs with it).
+    os.environ.setdefault("SHAPESHIFT_ARTIFACT_ROOTS", _pytest_temp_root(config))
+
+
+def _pytest_temp_root(config) -> str:
+    """The folder pytest's tmp_path folders lie in (as pytest's tmpdir plugin chooses it)."""
+    import getpass
+    import tempfile
+    from pathlib import Path
+
+    given = config.getoption("basetemp", None)
+    if given:
+        return str(Path(given).resolve())
+    try:
+        user = getpass.getuser()
+    except (ImportError, KeyError, OSError):
+        user = "unknown"
+    temproot = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()).resolve()
+    return str(temproot / f"pytest-of-{user}")
+
+
+# Session fixtures that cost a model load or a control plane: under pytest-xdist (hack/test.sh
+# runs two workers, `--dist loadgroup`) every test that uses one runs on the same worker, so each
+# is set up once per run; every other test runs with the rest of its file (module fixtures once).
+_SHARED_SESSION_FIXTURES = (("cluster", "cluster"), ("server", "model-server"), ("reference_engine", "model-server"))
+
+
+def xdist_group_of(nodeid: str, fixturenames) -> str:
+    """The worker group of a test: one per costly session fixture, else its file."""
+    for fixture, group in _SHARED_SESSION_FIXTURES:
+        if fixture in fixturenames:
+            return group
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid, getattr(item, "fixturenames", ()))))
 
 
 @pytest.fixture(scope="session")
@@ -172,11 +212,16 @@ def prometheus(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def crds(cluster):
-    from pathlib import Path
+def crds(cluster, tmp_path_factory):
+    """crds/ as the generator writes it, with pytest's temporary root as a further artifact root
+    (SHAPESHIFT_ARTIFACT_ROOTS, set in pytest_configure); nothing else differs."""
+    from shapeshift.operator.crdgen import render_all
 
-    for path in sorted((Path(__file__).resolve().parents[1] / "crds").glob("shapeshift.dev_*.yaml")):
-        cluster.apply(path)  # waits until discovery serves each kind
+    folder = tmp_path_factory.mktemp("crds")
+    roots = tuple(r for r in os.environ.get("SHAPESHIFT_ARTIFACT_ROOTS", "").split(",") if r)
+    for name, text in sorted(render_all(roots).items()):
+        (folder / name).write_text(text)
+        cluster.apply(folder / name)  # waits until discovery serves each kind
     return cluster
 
 
