@@ -269,13 +269,16 @@ class EnvVar(WireModel):
         cel(f"!(self.name in {_cel_list(OPERATOR_ENV_NAMES)}) && "
             f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')",
             "spec.engine.env: this name is set by the operator itself"),
-        cel(f"self.name in {_cel_list(engine_env.PERFORMANCE_ENV)} || "
+        cel(f"self.name in {_cel_list(tuple(engine_env.PERFORMANCE_ENV) + engine_env.SECRET_ONLY_NAMES)} || "
             f"(!(self.name in {_cel_list(RESERVED_ENV_NAMES)}) && "
+            f"!self.name.matches('{engine_env.PROXY_NAME_PATTERN}') && "
             + " && ".join(f"!self.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES) + ")",
             "spec.engine.env[].name is reserved: the engine, the compile worker, the Kubernetes client, "
-            "the loader (LD_*), Python (PYTHON*) or the device runtimes (CUDA_*, NVIDIA_*, NEURON_RT_*, "
-            "NCCL plugins) read it; of the SHAPESHIFT_ names only the performance switches "
-            + ", ".join(engine_env.PERFORMANCE_ENV) + " may be set"),
+            "the loader (LD_*), Python (PYTHON*), the device runtimes (CUDA_*, NVIDIA_*, NEURON_RT_*, "
+            "NCCL plugins), the libraries the engine imports (TRITON_*, TORCH*, HF_* but HF_TOKEN from a Secret, "
+            "TRANSFORMERS_*), the compilers (CC, CXX), the HTTP clients' proxies (*_PROXY, any case) or trust "
+            "stores (SSL_CERT_FILE, SSL_CERT_DIR, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE) read it; of the "
+            "SHAPESHIFT_ names only the performance switches " + ", ".join(engine_env.PERFORMANCE_ENV) + " may be set"),
         cel(f"!self.name.matches('{engine_env.SECRET_NAME_PATTERN}') || "
             "(has(self.valueFrom) && self.value == '')",
             "spec.engine.env[].valueFrom.secretKeyRef: a credential (a name with TOKEN, SECRET, PASSWORD, "

@@ -67,6 +67,14 @@ def rejected(cluster, namespace, plural, body) -> str:
      ["spec.engine.env[].name is reserved", "the loader (LD_*)"]),
     ("interpreter path (CEL)", lambda s: s.update(engine={"env": [{"name": "PYTHONPATH", "value": "/tmp"}]}),
      ["spec.engine.env[].name is reserved"]),
+    *[(f"{name} reserved (CEL)", lambda s, name=name: s.update(engine={"env": [{"name": name, "value": "/tmp/x"}]}),
+       ["spec.engine.env[].name is reserved", fragment])
+      for name, fragment in [("TRITON_CACHE_DIR", "TRITON_*"), ("TORCHINDUCTOR_CACHE_DIR", "TORCH*"),
+                             ("HF_ENDPOINT", "HF_*"), ("TRANSFORMERS_CACHE", "TRANSFORMERS_*"),
+                             ("HTTPS_PROXY", "*_PROXY, any case"), ("https_proxy", "*_PROXY, any case"),
+                             ("No_Proxy", "*_PROXY, any case"), ("SSL_CERT_FILE", "trust stores"),
+                             ("REQUESTS_CA_BUNDLE", "trust stores"), ("CC", "the compilers (CC, CXX)"),
+                             ("LD_LIBRARY_PATH", "the loader (LD_*)")]],
     ("literal credential (CEL)", lambda s: s.update(engine={"env": [{"name": "HF_TOKEN", "value": "hf_abc"}]}),
      ["spec.engine.env[].valueFrom.secretKeyRef: a credential"]),
     ("value and valueFrom (CEL)", lambda s: s.update(engine={"env": [
@@ -103,6 +111,14 @@ def test_bad_inference_deployment_is_rejected(crds, namespace, case, mutate, exp
     message = rejected(crds, namespace, "inferencedeployments", body)
     for fragment in expect:
         assert fragment in message, f"{case}: {fragment!r} not in {message}"
+
+
+def test_names_outside_the_reserved_families_and_hf_token_from_a_secret_are_accepted(crds, namespace):
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+           {"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "PROXY_MODE", "value": "1"},
+           {"name": "SHAPESHIFT_PDL", "value": "0"}]
+    stored = create(crds, namespace, "inferencedeployments", idep(name="env-ok", engine={"env": env}))
+    assert [e["name"] for e in stored["spec"]["engine"]["env"]] == ["HF_TOKEN", "NCCL_DEBUG", "PROXY_MODE", "SHAPESHIFT_PDL"]
 
 
 def test_placement_that_narrows_the_pool_or_is_widened_explicitly_is_accepted(crds, namespace):
