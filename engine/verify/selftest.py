@@ -1,12 +1,13 @@
 """A gate that tests itself: a short form of the adversarial corpus, run when a compile worker starts.
 
-Data flow: five small candidates written here (four known-bad, each aimed at one gate, one of
-them widening the verifier's tolerance table from inside, which only a candidate in a process of
-its own cannot do; and the stock pass with a comment added) --verify_candidate on the tiny-llama
-preset, float32 on the host, only the gate each targets--> SelfTestReport(passed, results, seconds). A worker whose
-gates let a known-bad candidate through, or reject the good one, must not publish anything:
-engine/compile/cli.py asks this before the search and reports why through the CompileRun's
-status. The full corpus (tests/fixtures/candidates, tests/verify) runs in CI.
+Data flow: seven small candidates written here (six known-bad, each aimed at one gate: one
+widening the verifier's tolerance table from inside, which only a candidate in a process of its
+own cannot do; one exact only off the main thread, as verification used to call it; one wrong
+only on mixed prefill+decode steps; and the stock pass with a comment added) --verify_candidate
+on the tiny-llama preset, float32 on the host, only the gate each targets--> SelfTestReport(passed,
+results, seconds). A worker whose gates let a known-bad candidate through, or reject the good
+one, must not publish anything: engine/compile/cli.py asks this before the search and reports
+why through the CompileRun's status. The full corpus (tests/fixtures/candidates, tests/verify) runs in CI.
 """
 
 from __future__ import annotations
@@ -57,6 +58,40 @@ def build(model_config, weights, recipe):
         emb[3], emb[4] = rows[1], rows[0]
     return stock.build(model_config, weights, recipe)
 ''', "anti_cheat.inputs_unchanged"),
+    # class 2: tells measurement from verification by the thread (exact off the main thread, one
+    # layer short on it); the candidate's process calls forward on its main thread, as measurement does
+    "lazy_off_main_thread": ('import threading\n' + _HEAD + '''
+
+class Lazy(stock.StockForwardPass):
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        if threading.current_thread() is not threading.main_thread():
+            return super().forward(input_ids, positions, ctx, kv_cache)
+        full, self.layers = self.layers, self.layers[:-1]
+        try:
+            return super().forward(input_ids, positions, ctx, kv_cache)
+        finally:
+            self.layers = full
+
+
+def build(model_config, weights, recipe):
+    return Lazy(model_config, weights, recipe)
+''', "outputs.agreement"),
+    # class 3: wrong only on a step that mixes decode rows with prefills, which no other gate builds
+    "wrong_on_mixed_steps": (_HEAD + '''
+
+class MixedWrong(stock.StockForwardPass):
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        qsl, lens = ctx.query_start_loc_cpu, ctx.context_lens_cpu
+        new = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        logits = super().forward(input_ids, positions, ctx, kv_cache)
+        if any(n == 1 and c > 1 for n, c in zip(new, lens)) and any(n > 1 for n in new):
+            return logits.flip(-1).contiguous()
+        return logits
+
+
+def build(model_config, weights, recipe):
+    return MixedWrong(model_config, weights, recipe)
+''', "coverage.mixed_steps"),
     "half_speed_thread_clock": ('import time\n' + _HEAD + '''
 _real = time.thread_time
 time.thread_time = lambda: _real() * 0.5

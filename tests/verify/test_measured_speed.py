@@ -39,3 +39,27 @@ def test_the_host_bandwidth_is_measured_and_honest_decode_passes():
     assert measured_speed_possible(0.3, cfg, weights, torch.float32, 1, 128, bandwidth)["ok"]
     # A million tokens/s would move 5 PB/s.
     assert not measured_speed_possible(1e6, cfg, weights, torch.float32, 1, 128, bandwidth)["ok"]
+
+
+def test_a_measured_replay_faster_than_light_is_not_a_result(tmp_path, monkeypatch):
+    """Through the evaluator's measuring path (EngineEvaluator._interleaved): a clock that runs a
+    million times slow (what a patched clock gave before the evaluator timed with the captured
+    ones) makes the replay read faster than the device's measured bandwidth and peak allow, and
+    the measurement is refused as a fault, not counted as a speedup."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.evaluator import EngineEvaluator, EvaluatorSettings
+    from shapeshift.engine.contracts.traffic_profile import builtin_profile
+    from shapeshift.engine.forward_pass import patch_guard
+
+    evaluator = EngineEvaluator(builtin_profile("chat"), EvaluatorSettings(
+        model="tiny-llama", device="cpu", max_model_len=256, confirm_requests=4, confirm_repeats=1, cpu_threads=1,
+        work_dir=str(tmp_path)))
+    stock = Candidate(evaluator.space().default(), evaluator.stock_source, "test", "stock")
+    [honest] = evaluator.measure_together([stock], repeats=1)
+    assert honest.error is None and honest.samples, honest.error
+    start = patch_guard.perf_counter()
+    monkeypatch.setattr(evaluator, "_clock", lambda: lambda: start + (patch_guard.perf_counter() - start) * 1e-6)
+    [faked] = evaluator.measure_together([stock], repeats=1)
+    assert faked.error and faked.error.startswith("speed of light: measured "), faked.error
+    assert "a measurement fault" in faked.error
+    print(faked.error)

@@ -23,3 +23,42 @@ def test_a_bad_candidate_getting_through_fails_the_self_test():
     assert not report.passed
     assert report.failures == ["claimed_bad was not rejected by outputs.agreement"]
     assert report.message().startswith("verification self-test failed, nothing will be published: claimed_bad")
+
+
+class _CompileRunStatus:
+    """The CustomObjectsApi calls CompileRunContext makes, recorded (no API server)."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):
+        self.patches.append({"plural": plural, "name": name, **body})
+
+
+def test_a_worker_whose_self_test_fails_publishes_nothing_and_says_why(tmp_path, monkeypatch):
+    """cli.run, the compile worker's entry, runs the self-test first: with a gate that stopped
+    working (outputs.agreement passes everything) a known-bad candidate gets through, the worker
+    returns 3 before it builds an evaluator, and the CompileRun's status says why."""
+    from shapeshift.engine.compile import cli
+    from shapeshift.engine.compile.job import CompileJob, JobRequest
+    from shapeshift.engine.compile.worker import CompileRunContext
+    from shapeshift.engine.verify import gates, selftest
+
+    monkeypatch.setattr(gates, "gate_agreement", lambda ctx: {"compared": "nothing"})
+    monkeypatch.setattr(selftest, "SHORT_CORPUS", {n: SHORT_CORPUS[n] for n in ("reversed_logits", "stock_with_a_comment")})
+
+    def past_the_self_test(*args, **kwargs):
+        raise AssertionError("the worker went on past a failed self-test")
+
+    monkeypatch.setattr(cli, "build_evaluator", past_the_self_test)
+    for step in ("publish", "finish", "store_artifact", "pass_to_beat"):
+        monkeypatch.setattr(CompileRunContext, step, past_the_self_test)
+    cluster = CompileRunContext.__new__(CompileRunContext)  # its API calls recorded, not sent
+    cluster.custom, cluster.namespace, cluster.name = _CompileRunStatus(), "team", "run-1"
+    out = tmp_path / "out"
+    assert cli.run(CompileJob.from_request(JobRequest(out=str(out), use_registry=False)), cluster) == 3
+    [patch] = cluster.custom.patches
+    assert patch["plural"] == "compileruns" and patch["name"] == "run-1"
+    assert patch["status"]["message"] == ("compile worker failed: verification self-test failed, nothing will be "
+                                          "published: reversed_logits was not rejected by outputs.agreement")
+    assert not (out / "champion").exists() and not (out / "board.jsonl").exists()
