@@ -34,11 +34,11 @@ import math
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from shapeshift.engine.forward_pass import patch_guard  # first: the clocks, before any candidate
 from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
 from shapeshift.engine.replay.driver import ReplayRun, run_once
 from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
@@ -52,6 +52,10 @@ from shapeshift.engine.compile.search_space import SearchSpace, build_search_spa
 from shapeshift.engine.compile.source_edits import SourceEditError, apply_edits
 
 log = logging.getLogger(__name__)
+# What a candidate hot-reloaded into this process could patch to pass or to look faster, besides the
+# verifier's modules: guarded by patch_guard (checked and put back after every measurement).
+HARNESS_MODULES = ("shapeshift.engine.compile.evaluator", "shapeshift.engine.compile.promotion",
+                   "shapeshift.engine.compile.measure", "shapeshift.engine.replay.driver")
 
 
 
@@ -124,7 +128,7 @@ def fit_profile(profile: TrafficProfile, max_model_len: int, scale: float | None
 
 
 def replay(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
-           clock: Callable[[], float] = time.perf_counter, slo: SLO | None = None) -> ReplayRun:
+           clock: Callable[[], float] = patch_guard.perf_counter, slo: SLO | None = None) -> ReplayRun:
     """One run (closed loop: `concurrency` requests in flight; None: open loop at the requests'
     arrival times; greedy, fixed lengths) through the
     engine's replay driver, shapeshift.engine.replay.driver.run_once. `clock` times everything
@@ -198,6 +202,9 @@ class EngineEvaluator:
         # scaled by calibrate_tier_slo to the stock pass's speed on that tier)
         self._tier_slo: dict[str, SLO] = {}
         self._bandwidth: float | None = None  # bytes/s of a device copy, measured before any candidate ran
+        from shapeshift.engine.verify.anticheat import HARNESS_MODULES as VERIFIER
+
+        patch_guard.capture_harness(VERIFIER + HARNESS_MODULES)  # before any candidate is hot-reloaded here
 
     # ------------------------------------------------------------------ engines
     def _base_config(self, tier: str, overrides: dict[str, Any], gpu_memory_utilization: float | None = None):
@@ -360,7 +367,10 @@ class EngineEvaluator:
         return self.fitted
 
     def _clock(self) -> Any:
-        return {"wall": time.perf_counter, "process": time.process_time, "thread": time.thread_time}[self.timer()]
+        # The clocks captured before any candidate loaded (patch_guard): a candidate that patches
+        # time.* cannot speed up its own measurement, nor leave a later one timed by its clock.
+        return {"wall": patch_guard.perf_counter, "process": patch_guard.process_time,
+                "thread": patch_guard.thread_time}[self.timer()]
 
     def timer(self) -> str:
         timer = self.settings.timer
@@ -445,7 +455,8 @@ class EngineEvaluator:
                 m = out[i]
                 if m.error is not None:
                     continue
-                t0 = time.perf_counter()
+                self._guard(None)  # a reference patched since the last check is put back, no one's fault
+                t0 = patch_guard.perf_counter()
                 try:
                     eng = self._activate(tier, cand)
                 except (SourceEditError, ValueError, RuntimeError, TimeoutError, OSError, ImportError,
@@ -453,7 +464,8 @@ class EngineEvaluator:
                     self._loaded[tier] = None
                     m.error = f"refused at load: {type(exc).__name__}: {exc}"
                     self._check_weights(tier, m)
-                    spent[i] += time.perf_counter() - t0
+                    self._guard(m)
+                    spent[i] += patch_guard.perf_counter() - t0
                     continue
                 if prompts is None:
                     if profile.arrival_rate and self.settings.open_loop_load and tier not in self._arrival_scale:
@@ -506,7 +518,8 @@ class EngineEvaluator:
                     self._recover(tier)
                     m.error = f"failed during replay: {type(exc).__name__}: {exc}"
                 self._check_weights(tier, m)
-                spent[i] += time.perf_counter() - t0
+                self._guard(m)
+                spent[i] += patch_guard.perf_counter() - t0
             check_measured_outputs(out, tokens, getattr(self._engines.get(tier), "dtype", None))
         for m, sec, checks in zip(out, spent, routing_checks):
             m.seconds = sec
@@ -596,6 +609,17 @@ class EngineEvaluator:
                        "the engine is discarded")
             self._recover(tier)
 
+    def _guard(self, m: Measurement | None) -> list[str]:
+        """The clocks, math functions and harness captured before any candidate loaded, checked and
+        put back (patch_guard.put_back); what had changed. With `m`, its measurement is no result."""
+        patched = patch_guard.put_back()
+        if patched and m is not None:
+            m.error = (f"{m.error}; " if m.error else "") + ("measured.no_patching: the candidate replaced "
+                                                             f"{', '.join(patched[:8])} in the measuring process")
+        elif patched:
+            log.warning("put back %s, patched outside any measurement", ", ".join(patched[:6]))
+        return patched
+
     def _recover(self, tier: str) -> None:
         """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
         self._weights.pop(tier, None)
@@ -613,33 +637,25 @@ class EngineEvaluator:
 
     # ------------------------------------------------------------------ verification
     def verify(self, candidate: Candidate) -> Verification:
+        t0 = patch_guard.perf_counter()
+        path = self.materialize(candidate)
+        patched = self._guard(None)  # what a measured candidate left patched: put back before the verifier runs
         from shapeshift.engine.compile.promotion import verify_for_promotion
 
-        t0 = time.perf_counter()
-        path = self.materialize(candidate)
         eng = self._engine(FULL, {})
         lengths = self._profile().prompt_length
         verdict = verify_for_promotion(eng, path, prompts=self.settings.verify_prompts, steps=self.settings.verify_steps,
                                        weights_baseline=self._weights.get(FULL),
                                        traffic_prompt_lens=(int(lengths.p50), int(lengths.p90), int(lengths.p99)))
-        verdict.seconds = time.perf_counter() - t0
-        self._discard_damaged(verdict)
+        patched += self._guard(None)  # the in-process path (CUDA without IPC): the candidate ran here
+        verdict.seconds = patch_guard.perf_counter() - t0
+        if verdict.report.get("discard_engine"):  # the weights could not be restored (promotion.py)
+            log.warning("verification: %s", verdict.report["discard_engine"])
+            self._recover(FULL)
+        if patched:
+            verdict.passed, verdict.gates["anti_cheat.no_patching"] = False, False
+            verdict.report["patched"] = patched[:8]
         return verdict
-
-    def _discard_damaged(self, verdict: Verification) -> None:
-        """Weights the gates found written and could not restore (the loop's baseline keeps no copy,
-        and on CUDA the candidate's process maps the engine's own tensors) leave the full tier's
-        engine damaged: the candidate fails and the engine is discarded (rebuilt from the checkpoint)."""
-        gate = next((g for g in verdict.report.get("gates", []) if g.get("name") == "anti_cheat.inputs_unchanged"), {})
-        left = (gate.get("evidence") or {}).get("not_restored") or []
-        if not (gate.get("evidence") or {}).get("discard_engine"):
-            return
-        verdict.passed = False
-        verdict.gates["anti_cheat.inputs_unchanged"] = False
-        verdict.report["engine_discarded"] = (f"the candidate changed the engine's weights ({', '.join(left[:4])}) "
-                                              "and they could not be restored; the engine is discarded")
-        log.warning("verification: %s", verdict.report["engine_discarded"])
-        self._recover(FULL)
 
     def export(self, candidate: Candidate, out_dir: Path) -> dict[str, Any]:
         from shapeshift.engine.forward_pass.bundle import verify_bundle

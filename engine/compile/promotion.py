@@ -5,7 +5,8 @@ candidate bundle --shapeshift.engine.verify.verify_candidate--> the engine's gat
 (smoke, outputs.finite, outputs.agreement, KV contamination, coverage, anti-cheat), each on
 fresh random prompts against the stock pass built over the same weights; the candidate runs in
 a process of its own (engine/verify/isolated.py), the reference and the verdict in this one
---> Verification(passed, gates={name: passed}, report={the suite's report, its isolation}).
+--> Verification(passed, gates={name: passed}, report={the suite's report, its isolation; and
+discard_engine, why, when the candidate left the engine's weights damaged beyond restoring}).
 
 The compile loop owns no checks of its own: one suite decides, for the loop, the admin API
 and the tests alike.
@@ -39,7 +40,16 @@ def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, st
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,
                               device=engine.device, settings=settings, weights_baseline=weights_baseline)
     gates = {g.name: bool(g.passed) for g in report.gates}
-    return Verification(passed=bool(report.passed) and bool(gates), gates=gates, report=report.to_dict())
+    verdict = Verification(passed=bool(report.passed) and bool(gates), gates=gates, report=report.to_dict())
+    evidence = report.gate("anti_cheat.inputs_unchanged").evidence if "anti_cheat.inputs_unchanged" in gates else {}
+    if evidence.get("discard_engine"):
+        # Weights written and not restored (the loop's baseline keeps no copy; on CUDA the candidate's
+        # process maps the engine's own tensors): the engine holding them must be discarded.
+        verdict.passed, verdict.gates["anti_cheat.inputs_unchanged"] = False, False
+        verdict.report["discard_engine"] = (f"the candidate changed the engine's weights ("
+                                            f"{', '.join(evidence.get('not_restored', [])[:4])}) and they could "
+                                            "not be restored; the engine is discarded")
+    return verdict
 
 
 def _replay_text(engine: Any) -> tuple[int, ...] | None:

@@ -22,6 +22,19 @@ import torch
 from shapeshift.engine.forward_pass.patch_guard import (_REFERENCE, PATCH_TARGETS, TENSOR_METHODS, _cuda_synchronize,  # noqa: F401
                                                         patched_functions, perf_counter, restore_patched)
 
+# The verifier's own modules. A process that measures candidates in itself (the compile worker
+# hot-reloads each one it measures) captures them with patch_guard.capture_harness before any
+# candidate loads, and checks and puts them back after every measurement: a candidate must not
+# widen the tolerances, lower the measured-output thresholds or replace verify_candidate there.
+HARNESS_MODULES = (
+    "shapeshift.engine.verify", "shapeshift.engine.verify.gates", "shapeshift.engine.verify.outputs",
+    "shapeshift.engine.verify.kv_isolation", "shapeshift.engine.verify.anti_cheat_gates",
+    "shapeshift.engine.verify.context", "shapeshift.engine.verify.agreement", "shapeshift.engine.verify.report",
+    "shapeshift.engine.verify.anticheat", "shapeshift.engine.verify.measured", "shapeshift.engine.verify.isolated",
+    "shapeshift.engine.verify.selftest", "shapeshift.engine.forward_pass.tolerances",
+    "shapeshift.engine.forward_pass.weights_guard", "shapeshift.engine.forward_pass.patch_guard",
+)
+
 def foreign_threads(before: set[int]) -> list[str]:
     """Threads started since ``before`` (thread idents) that are not the harness's own
     (deadline.HARNESS_THREADS, by identity: a name proves nothing)."""

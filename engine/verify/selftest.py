@@ -135,12 +135,14 @@ def run_self_test(corpus: dict[str, tuple[str, str | None]] | None = None) -> Se
     from shapeshift.engine.core.config import ModelConfig
     from shapeshift.engine.models.loader import random_weights
     from shapeshift.engine.models.presets import PRESETS
-    from shapeshift.engine.verify import anticheat
+    from shapeshift.engine.forward_pass import patch_guard
+    from shapeshift.engine.verify.anticheat import HARNESS_MODULES
     from shapeshift.engine.verify.context import GateSettings
     from shapeshift.engine.verify.gates import verify_candidate
 
     from shapeshift.engine.verify.isolated import prewarm
 
+    patch_guard.capture_harness(HARNESS_MODULES)  # the verifier as it is before any candidate ran here
     t0 = time.perf_counter()
     prewarm()  # the zygote every candidate's process is forked from: started once, kept warm
     startup_s = time.perf_counter() - t0
@@ -151,7 +153,7 @@ def run_self_test(corpus: dict[str, tuple[str, str | None]] | None = None) -> Se
     settings = GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0, steps=8, max_model_len=160)
     results = []
     with tempfile.TemporaryDirectory(prefix="shapeshift-selftest-") as tmp:
-        for name, (source, gate) in (corpus or SHORT_CORPUS).items():
+        for name, (source, gate) in list((corpus or SHORT_CORPUS).items()):
             folder = Path(tmp) / name
             folder.mkdir()
             (folder / "forward.py").write_text(source)
@@ -163,7 +165,7 @@ def run_self_test(corpus: dict[str, tuple[str, str | None]] | None = None) -> Se
                                 f"{type(exc).__name__}: {exc}"})
                 continue
             finally:
-                anticheat.restore_patched()
+                patch_guard.put_back()  # a candidate run here (no process of its own) changes nothing after it
             entry: dict[str, Any] = {"candidate": name, "gate": gate, "passed": report.passed}
             if gate is None and not report.passed:
                 entry["problem"] = f"{name} (a correct pass) was rejected by {', '.join(report.failed)}"

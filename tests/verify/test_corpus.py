@@ -3,7 +3,10 @@ class of hole: each known-bad candidate must be rejected by the gate named here,
 
 Class 1 (tampering with the verifier from inside its process) is closed by running every
 candidate in a process of its own (engine/verify/isolated.py): what the candidate edits there
-is not what judges it.
+is not what judges it. The compile worker still imports each candidate it measures (hot reload):
+there the evaluator times with the clocks captured before any candidate loaded and, after every
+measurement, checks and puts back the verifier's functions, thresholds and tables
+(forward_pass/patch_guard.py, `measured.no_patching`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ CANDIDATES = Path(__file__).resolve().parents[1] / "fixtures" / "candidates"
 CORPUS = {
     "tamper_tolerances": (1, "outputs.agreement"),
     "tamper_reference": (1, "outputs.agreement"),
+    "tamper_verify_candidate": (1, "measured.no_patching"),
+    "tamper_measured_thresholds": (1, "measured.no_patching"),
     "lazy_off_gate_thread": (2, "measured.outputs"),
     "lazy_off_verifier_stack": (2, "measured.outputs"),
     "long_context_window": (3, "coverage.long_context"),
@@ -39,6 +44,8 @@ CORPUS = {
 }
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
+# Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
+PATCHING = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.no_patching")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,7 @@ def _verify(name: str, cfg, weights):
                             weights_baseline=baseline)
 
 
-@pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED)))
+@pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED) - set(PATCHING)))
 def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     cfg, weights = model
     weights = {k: w.clone() for k, w in weights.items()}  # weights tampering stays in this copy
@@ -198,20 +205,86 @@ def test_damage_left_after_verification_without_a_copy_discards_the_engine(evalu
     say discard_engine, the verification fails and the evaluator drops the engine: the next one is
     rebuilt from the checkpoint with the pristine weights."""
     from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass import patch_guard
     from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
     from shapeshift.engine.verify import gates
 
     eng = evaluator._engine("full", {})
     before = {k: v[1:] for k, v in weights_fingerprint(eng.weights).items()}
-    monkeypatch.setattr(gates, "_isolation_problem", lambda device: "forced: the candidate shares this process")
+    def forced(device):
+        return "forced: the candidate shares this process"
+
+    monkeypatch.setattr(gates, "_isolation_problem", forced)
+    # The evaluator puts back what changed in the verifier before it verifies: the stand-in counts as the original.
+    monkeypatch.setitem(patch_guard._HARNESS, (f"{gates.__name__}._isolation_problem", gates, "_isolation_problem"),
+                        forced)
     source = (CANDIDATES / "weights_swap_keeps_sum" / "forward.py").read_text()
     verdict = evaluator.verify(Candidate(evaluator.space().default(), source, "test", "tamper"))
     assert not verdict.passed and not verdict.gates["anti_cheat.inputs_unchanged"]
     gate = next(g for g in verdict.report["gates"] if g["name"] == "anti_cheat.inputs_unchanged")
     assert gate["evidence"]["discard_engine"] and gate["evidence"]["restored"] == []
     assert gate["evidence"]["not_restored"] == ["model.embed_tokens.weight"]
-    assert "the engine is discarded" in verdict.report["engine_discarded"]
+    assert "the engine is discarded" in verdict.report["discard_engine"] and "patched" not in verdict.report
     assert "full" not in evaluator._engines  # dropped, not measured or served again
     rebuilt = evaluator._engine("full", {})
     assert rebuilt is not eng
     assert {k: v[1:] for k, v in weights_fingerprint(rebuilt.weights).items()} == before
+
+
+@pytest.mark.parametrize("name", PATCHING)
+def test_tampering_with_the_measuring_process_is_caught_and_undone(evaluator, name):
+    """Hot-reloaded into the evaluator to be measured, the candidate patches the verifier, the
+    measured-output thresholds, the tolerance table or the clocks there: its measurement is no
+    result, everything is put back (the incumbent measured after it is timed and judged as
+    before), and the real verification then refuses it."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass import patch_guard
+    from shapeshift.engine.verify import measured
+
+    space = evaluator.space()
+    stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
+    cand = Candidate(space.default(), (CANDIDATES / name / "forward.py").read_text(), "test", name)
+    tolerances = dict(verify_context.TOLERANCES)
+    [honest] = evaluator.measure_together([stock], repeats=1)
+    cand_m, stock_m = evaluator.compare(cand, stock, repeats=1)
+    assert cand_m.error and cand_m.error.startswith("measured.no_patching: the candidate replaced "), cand_m.error
+    assert not cand_m.samples  # refused after its warm-up: no measured repeat counts
+    if name == "tamper_verify_candidate":
+        assert "shapeshift.engine.verify.verify_candidate" in cand_m.error
+    else:
+        for what in ("measured.MIN_FIRST_TOKEN_AGREEMENT", "TOLERANCES (contents)", "time.perf_counter"):
+            assert what in cand_m.error, what
+    print(f"{name}: {cand_m.error}")
+    assert patch_guard.put_back() == [] and verify_context.TOLERANCES == tolerances
+    assert measured.MIN_FIRST_TOKEN_AGREEMENT == 0.9
+    # The incumbent, measured after it: judged and timed as before (no error, a like rate).
+    assert stock_m.error is None and stock_m.samples, stock_m.error
+    assert 0.2 < stock_m.samples[0] / honest.samples[0] < 5, (stock_m.samples, honest.samples)
+    verdict = evaluator.verify(cand)
+    assert not verdict.passed and not verdict.gates["outputs.agreement"], verdict.gates
+    assert "patched" not in verdict.report  # nothing was left to put back before verification
+
+
+def test_the_evaluator_times_with_the_captured_clocks(evaluator, monkeypatch):
+    """A clock a candidate replaced (here a thousand times slow) neither times a replay nor fails
+    the next measurement: the evaluator's clock is the one captured first, and the patch is put back
+    before the next candidate is activated, no one's fault."""
+    import time
+
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.compile.evaluator import replay
+    from shapeshift.engine.forward_pass import patch_guard
+
+    stock = Candidate(evaluator.space().default(), evaluator.stock_source, "test", "stock")
+    eng = evaluator._activate("full", stock)
+    prompts = evaluator._fresh_prompts(evaluator._profile(), eng, 4)
+    honest = replay(eng, prompts, 4, evaluator._clock()).output_tokens_per_s
+    for clock in ("perf_counter", "process_time", "thread_time"):
+        monkeypatch.setattr(time, clock, lambda real=getattr(time, clock): real() * 1e-3)
+    assert evaluator._clock() in (patch_guard.perf_counter, patch_guard.process_time, patch_guard.thread_time)
+    evaluator._fresh_cache(eng)
+    timed = replay(eng, evaluator._fresh_prompts(evaluator._profile(), eng, 4), 4, evaluator._clock())
+    assert 0.2 < timed.output_tokens_per_s / honest < 5, (timed.output_tokens_per_s, honest)
+    [m] = evaluator.measure_together([stock], repeats=1)
+    assert m.error is None and m.samples, m.error
+    assert time.perf_counter is patch_guard.perf_counter  # put back before the measurement

@@ -42,8 +42,10 @@ def test_a_worker_whose_self_test_fails_publishes_nothing_and_says_why(tmp_path,
     from shapeshift.engine.compile import cli
     from shapeshift.engine.compile.job import CompileJob, JobRequest
     from shapeshift.engine.compile.worker import CompileRunContext
-    from shapeshift.engine.verify import gates, selftest
+    from shapeshift.engine.forward_pass import patch_guard
+    from shapeshift.engine.verify import anticheat, gates, selftest
 
+    patch_guard.capture_harness(anticheat.HARNESS_MODULES)  # the real gates are the reference, not the stand-in
     monkeypatch.setattr(gates, "gate_agreement", lambda ctx: {"compared": "nothing"})
     monkeypatch.setattr(selftest, "SHORT_CORPUS", {n: SHORT_CORPUS[n] for n in ("reversed_logits", "stock_with_a_comment")})
 
