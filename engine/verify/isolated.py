@@ -88,6 +88,19 @@ class SharedKVDriver(PagedDriver):
 # ------------------------------------------------------------------ the zygote
 
 
+def _shadows_stdlib(folder: str) -> bool:
+    """Whether ``folder`` holds a package named like a standard-library module (the repository
+    root's operator/, on the path under pytest): on a child's PYTHONPATH, ahead of the standard
+    library, it would replace it (Python's site start-up then fails where a .pth imports it)."""
+    if os.path.realpath(folder).startswith(os.path.realpath(sys.base_prefix) + os.sep):
+        return False  # the interpreter's own library
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n in sys.stdlib_module_names and os.path.isfile(os.path.join(folder, n, "__init__.py")) for n in names)
+
+
 class _Zygote:
     """A clean process that forks one child per candidate (started with spawn: it inherits
     nothing of the verifier; it never runs candidate code, so every fork starts clean)."""
@@ -95,7 +108,7 @@ class _Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p) and not _shadows_stdlib(p))
         # The verifier and the candidate take turns on the same cores: idle OpenMP workers that
         # spin would take the core the other side needs (measured 1.6 s vs 2.6 s a verification
         # of tiny-llama on 2 shared cores).

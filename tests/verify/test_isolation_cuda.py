@@ -63,3 +63,19 @@ def test_bad_candidates_are_refused_across_cuda_ipc(model, name, gate):
     target = report.gate(gate)
     assert not report.passed and not target.passed and not target.skipped, f"{gate} did not refuse {name}: {target}"
     assert report.gate("smoke").passed
+
+
+def test_weights_written_across_cuda_ipc_without_a_copy_say_discard_the_engine(model):
+    """The child maps this process's tensors: a sum-keeping swap through .data is found by the device
+    digest, and with the compile loop's baseline (no copy to restore from) the gate says discard_engine."""
+    from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline
+
+    cfg, weights = model
+    weights = {k: w.clone() for k, w in weights.items()}
+    report = verify_candidate(CANDIDATES / "weights_swap_keeps_sum", cfg, weights, settings=SETTINGS,
+                              weights_baseline=WeightsBaseline(weights),
+                              only=("smoke", "anti_cheat.inputs_unchanged"))
+    assert report.isolation["process"].startswith("the candidate's own"), report.isolation
+    gate = report.gate("anti_cheat.inputs_unchanged")
+    assert not gate.passed and "model.embed_tokens.weight" in gate.evidence["weights"], gate
+    assert gate.evidence["discard_engine"] and gate.evidence["not_restored"] == ["model.embed_tokens.weight"]
