@@ -156,7 +156,7 @@ def test_measured_outputs_checked_against_the_incumbent(evaluator, name):
         return
     assert cand_m.error and cand_m.error.startswith("measured.outputs: measured outputs diverge"), cand_m.error
     assert not ev["ok"] and ev["first_token_agreement"] < 0.9
-    print(f"{name}: measured.outputs: {cand_m.error}")
+    print(f"{name}: {cand_m.error}")
     cfg = evaluator.model_config()
     weights = evaluator._engine("full", {}).weights
     report = verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=30.0))

@@ -83,6 +83,7 @@ def test_bad_candidate_rejected_by_its_gate(model, name, gate):
     target = report.gate(gate)
     assert not target.passed and not target.skipped, f"{gate} did not reject {name}: {target}"
     assert target.evidence.get("reason")
+    print(f"{name}: {gate}: {target.evidence['reason']}")
     assert not anticheat.patched_functions()  # a cheating candidate never leaves the process patched
     if gate != "smoke":
         assert report.gate("smoke").passed  # it is a working pass, caught by the specific check

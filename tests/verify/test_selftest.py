@@ -12,6 +12,8 @@ def test_short_corpus_passes_on_working_gates():
     assert report.passed, report.message()
     assert {r["candidate"] for r in report.results} == set(SHORT_CORPUS)
     assert all(r.get("reason") for r in report.results if r["gate"])
+    for r in report.results:
+        print(f"{r['candidate']}: {r['gate'] or 'passes'}: {r.get('reason') or 'passed'}")
     assert report.seconds < 30  # the corpus; starting the zygote is apart (startup_s, once a worker)
     assert report.startup_s >= 0 and "candidate processes ready in" in report.message()
 
