@@ -3,8 +3,11 @@
 
     shapeshift.operator.api --crdgen.render_all()--> crds/shapeshift.dev_<plural>.yaml
 
-Usage: hack/gen_crds.py [--check] [--out DIR]
+Usage: hack/gen_crds.py [--check] [--out DIR] [--artifact-root FOLDER ...]
   --check  write nothing; exit 1 and name the stale files when crds/ differs.
+  --artifact-root  a further folder a ForwardPass's local artifact path may lie in (a control plane
+           whose pods run as local processes; operator/api/forward_pass.py SHAPESHIFT_ARTIFACT_ROOTS);
+           only with --out: the committed CRDs accept the artifact store's mount path only.
 Run it with PYTHONSAFEPATH=1 (hack/lib.sh sets it) so the repo's operator/
 folder does not shadow the standard library.
 """
@@ -24,9 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail when crds/ is stale, write nothing")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: crds/)")
+    parser.add_argument("--artifact-root", action="append", default=[], metavar="FOLDER",
+                        help="a further folder local artifact paths may lie in (needs --out)")
     args = parser.parse_args(argv)
+    if args.artifact_root and args.out.resolve() == DEFAULT_OUT.resolve():
+        parser.error("--artifact-root needs --out: the committed CRDs accept the artifact store's mount path only")
 
-    wanted = render_all()
+    wanted = render_all(tuple(args.artifact_root))
     stale = []
     for name, text in wanted.items():
         path = args.out / name

@@ -7,7 +7,8 @@
 #   hack/run-operator-local.sh --kubeconfig ~/.kube/kind.yaml --prometheus-url http://127.0.0.1:9090
 #   hack/run-operator-local.sh --local-pods               # hack/cluster.sh up: its CPU pods run here too
 # Steps: set up the Python environment (hack/setup.sh), check that the API server answers,
-# apply the CRDs in crds/ (kubectl apply --server-side) and wait until they are Established,
+# apply the CRDs in crds/ (kubectl apply --server-side; with --local-pods generated with the runner's
+# folder as a further artifact root) and wait until they are Established,
 # then exec `shapeshift operator --standalone` with the remaining flags. Ctrl-C stops it.
 #   --kubeconfig PATH      use this kubeconfig (default: $KUBECONFIG, then ~/.kube/config)
 #   --prometheus-url URL   where the drift detector reads traffic (SHAPESHIFT_PROMETHEUS_URL;
@@ -88,9 +89,34 @@ if [[ "$liveness" == 0 ]]; then
   operator_args+=(--liveness "http://127.0.0.1:${SHAPESHIFT_OPERATOR_HEALTH_PORT:-18080}/healthz")
 fi
 
+# With --local-pods the runner's folders stand in for the pods' artifact store and work folder, and
+# the compile worker records their local paths in the ForwardPasses it publishes: the operator, the
+# runner's processes and the CRDs applied here accept local artifact paths under that folder too
+# (SHAPESHIFT_ARTIFACT_ROOTS, operator/api/forward_pass.py); crds/ itself names the pods' mounts only.
+if [[ "$local_pods" == 1 ]]; then
+  workdir="$SHAPESHIFT_CACHE/local-pods"
+  for ((i = 0; i < ${#pods_args[@]}; i++)); do
+    case "${pods_args[i]}" in
+      --workdir) workdir="${pods_args[i+1]}" ;;
+      --workdir=*) workdir="${pods_args[i]#*=}" ;;
+    esac
+  done
+  export SHAPESHIFT_ARTIFACT_ROOTS="${SHAPESHIFT_ARTIFACT_ROOTS:+$SHAPESHIFT_ARTIFACT_ROOTS,}$(realpath -m "$workdir")"
+fi
+
 if [[ "$apply_crds" == 1 ]]; then
-  log "applying the CRDs in crds/ to context '$context'"
-  "$kubectl" apply --server-side --force-conflicts -f "$REPO_ROOT/crds/" >/dev/null
+  crd_dir="$REPO_ROOT/crds"
+  if [[ -n "${SHAPESHIFT_ARTIFACT_ROOTS:-}" ]]; then
+    crd_dir="$SHAPESHIFT_CACHE/crds-local"
+    roots=()
+    IFS=',' read -ra parts <<< "$SHAPESHIFT_ARTIFACT_ROOTS"
+    for root in "${parts[@]}"; do roots+=(--artifact-root "$root"); done
+    "$VENV/bin/python" "$REPO_ROOT/hack/gen_crds.py" --out "$crd_dir" "${roots[@]}" >/dev/null
+    log "applying the CRDs of crds/, local artifact paths also under $SHAPESHIFT_ARTIFACT_ROOTS, to context '$context'"
+  else
+    log "applying the CRDs in crds/ to context '$context'"
+  fi
+  "$kubectl" apply --server-side --force-conflicts -f "$crd_dir/" >/dev/null
   "$kubectl" wait --for=condition=Established --timeout=60s \
     crd/inferencedeployments.shapeshift.dev crd/compileruns.shapeshift.dev crd/forwardpasses.shapeshift.dev >/dev/null
 fi

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import Field, model_validator
 
@@ -46,6 +47,88 @@ ARTIFACT_URI_PREFIXES = ("/", "file:///", "file://localhost/", "https://", "http
 _USERINFO = r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/]*@"
 _DOT_DOT = r"(^|/)[.][.](/|$)"
 
+# Where a local path may point: the artifact store (spec.artifacts.pvc, mounted at
+# inference_deployment.ARTIFACT_MOUNT in compile and engine pods) and a compile pod's own work
+# folder (operator/builders.py WORK_MOUNT), where the worker leaves a pass when no store is set; such
+# a pass is annotated not durable and the rollout refuses it (ArtifactNotDurable). Anything else in an
+# engine pod (/etc, /proc, the ServiceAccount token) is no bundle of ours.
+STORE_ROOT = "/var/lib/shapeshift-artifacts/"
+COMPILE_WORK_ROOT = "/var/lib/shapeshift/"
+DEFAULT_ARTIFACT_ROOTS = (STORE_ROOT, COMPILE_WORK_ROOT)
+# Further roots, comma-separated absolute folders: for a control plane whose pods run as local
+# processes (the test suite, hack/run-pods-local.py), where a local folder stands in for the mount and
+# the worker records that folder's path. The operator and the compile worker read it when they
+# validate; the API server knows the roots its CRDs were generated with (hack/gen_crds.py
+# --artifact-root; the committed CRDs and the chart's carry the defaults only).
+ARTIFACT_ROOTS_ENV = "SHAPESHIFT_ARTIFACT_ROOTS"
+_ROOT = re.compile(r"^/[A-Za-z0-9._+/-]*$")
+
+# http(s) hosts the engine must not be sent to: link-local and cloud metadata addresses (169.254.0.0/16,
+# fe80::/10, fd00:ec2::254, IPv4-mapped forms, Alibaba's 100.100.100.200, metadata.google.internal) and
+# the numeric spellings a resolver also reads as an address (2852039166, 0xa9fea9fe, 0251.0376.0251.0376,
+# 169.16689662). A name that resolves to such an address is past what a static rule can see. RE2 and
+# Python alike; in CEL its backslashes are doubled (_cel_string).
+_FORBIDDEN_HOST = (r"(?i)^https?://("
+                   r"169\.254\.[0-9.]*"
+                   r"|100\.100\.100\.200\.?"
+                   r"|metadata\.google\.internal\.?"
+                   r"|\[(fe[89ab][0-9a-f]*:[^\]]*|[0-9a-f:]*:(169\.254\.[0-9.]*|a9fe:[0-9a-f]*)|fd00:ec2::254)\]"
+                   r"|[0-9]+|0x[0-9a-f]+|[0-9]+\.[0-9]+(\.[0-9]+)?"
+                   r"|([0-9a-fx]*\.)*0[0-9x][0-9a-fx]*(\.[0-9a-fx]*)*"
+                   r")(:[0-9]*)?(/|$)")
+_FORBIDDEN_HOST_MESSAGE = ("spec.artifact.uri: an http(s) host must not be a link-local or cloud metadata address "
+                           "(169.254.0.0/16, fe80::/10, fd00:ec2::254, 100.100.100.200, metadata.google.internal) "
+                           "or a numeric spelling of an address other than a.b.c.d")
+
+
+def _cel_string(pattern: str) -> str:
+    """`pattern` inside a single-quoted CEL string literal (CEL reads \\ as one backslash)."""
+    return pattern.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def parse_artifact_roots(text: str) -> tuple[str, ...]:
+    """SHAPESHIFT_ARTIFACT_ROOTS' folders, each ending in '/' (ValueError on one that is not absolute,
+    has '..' segments or characters other than letters, digits and ._+-/)."""
+    roots = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if not _ROOT.match(item) or re.search(_DOT_DOT, item) or item == "/":
+            raise ValueError(f"{ARTIFACT_ROOTS_ENV}: {item!r} is not an absolute folder below / "
+                             "(letters, digits, ._+-/ and no '..')")
+        roots.append(item.rstrip("/") + "/")
+    return tuple(dict.fromkeys(roots))
+
+
+def artifact_roots(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The folders a local artifact path may lie in: the defaults and SHAPESHIFT_ARTIFACT_ROOTS."""
+    env = os.environ if env is None else env
+    return tuple(dict.fromkeys(DEFAULT_ARTIFACT_ROOTS + parse_artifact_roots(env.get(ARTIFACT_ROOTS_ENV, ""))))
+
+
+def artifact_root_message(roots: tuple[str, ...]) -> str:
+    return ("spec.artifact.uri: a local path (/path or file:///path) must lie inside the artifact store "
+            f"{STORE_ROOT} (spec.artifacts.pvc) or a compile pod's own {COMPILE_WORK_ROOT}"
+            + (f" or {', '.join(r for r in roots if r not in DEFAULT_ARTIFACT_ROOTS)}"
+               if set(roots) - set(DEFAULT_ARTIFACT_ROOTS) else "")
+            + ", with no %-escapes")
+
+
+def artifact_root_rule(roots: tuple[str, ...] = DEFAULT_ARTIFACT_ROOTS) -> dict[str, str]:
+    """The CEL rule of Artifact confining local paths to `roots` (crdgen.render_all swaps it for the
+    roots it is given)."""
+    inside = " || ".join(f"self.uri.startsWith('{form}{root}')"
+                         for root in roots for form in ("", "file://", "file://localhost"))
+    return cel(f"!(self.uri.startsWith('/') || self.uri.startsWith('file:')) || "
+               f"(!self.uri.contains('%') && ({inside}))", artifact_root_message(roots))
+
+
+def _local_path_problem(uri: str, roots: tuple[str, ...]) -> str | None:
+    if not uri.startswith(("/", "file:")):
+        return None
+    inside = any(uri.startswith(form + root) for root in roots for form in ("", "file://", "file://localhost"))
+    return None if inside and "%" not in uri else artifact_root_message(roots)
+
 
 class Artifact(WireModel):
     """Where the bundle lives."""
@@ -59,14 +142,18 @@ class Artifact(WireModel):
             "(the URI is copied into pod annotations that anyone who may get pods reads)"),
         cel(f"!self.uri.matches('{_DOT_DOT}')",
             "spec.artifact.uri must not contain '..' segments: a path stays inside the folder it names"),
+        artifact_root_rule(),
+        cel(f"!self.uri.matches('{_cel_string(_FORBIDDEN_HOST)}')", _FORBIDDEN_HOST_MESSAGE),
     )
     uri: str = Field(
         min_length=1, max_length=2048,
-        description="Location of the bundle, one of the locations the engine fetches: an absolute path on a volume "
-                    "the engine pods mount (the artifact store of spec.artifacts.pvc, mounted at "
-                    "/var/lib/shapeshift-artifacts), the same as file:///path, or an http(s):// URL of a .tar.gz "
-                    "it downloads. No other scheme. No user:password@, query string or fragment (the URI is copied "
-                    "into pod annotations), no '..' segments.")
+        description="Location of the bundle, one of the locations the engine fetches: an absolute path inside the "
+                    "artifact store the engine pods mount (spec.artifacts.pvc, mounted at "
+                    "/var/lib/shapeshift-artifacts/; a compile pod's own /var/lib/shapeshift/ is accepted too, "
+                    "and never rolled out), the same as file:///path, or an http(s):// URL of a .tar.gz it "
+                    "downloads from a host that is not a link-local or cloud metadata address. No other scheme. "
+                    "No user:password@, query string or fragment (the URI is copied into pod annotations), no "
+                    "'..' segments or %-escapes in a path.")
     sha256: str = Field(pattern=r"^[a-f0-9]{64}$", max_length=64,
                         description="Bundle digest (the manifest digest, independent of packing) the engine checks before loading.")
     size_bytes: int | None = Field(default=None, ge=0, description="Size of the bundle.")
@@ -82,6 +169,11 @@ class Artifact(WireModel):
         if re.search(_DOT_DOT, self.uri):
             raise ValueError("spec.artifact.uri must not contain '..' segments: a path stays inside the folder it "
                              "names")
+        problem = _local_path_problem(self.uri, artifact_roots())
+        if problem is not None:
+            raise ValueError(problem)
+        if re.search(_FORBIDDEN_HOST, self.uri):
+            raise ValueError(_FORBIDDEN_HOST_MESSAGE)
         return self
 
 

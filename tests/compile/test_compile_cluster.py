@@ -19,6 +19,8 @@ pytestmark = pytest.mark.cluster
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 
+STORE = "file:///var/lib/shapeshift-artifacts"  # the artifact store's mount in compile and engine pods
+
 
 def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) -> None:
     cluster = crds
@@ -32,8 +34,8 @@ def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) ->
                           verification={"passed": True, "gates": {"smoke": True}},
                           metrics={"tokens_per_second": 10.0 * speedup, "baseline_tokens_per_second": 10.0},
                           profile=builtin_profile(profile).to_dict(), notes=[{"agent": "sweep", "note": "why"}])
-        reg.publish(e, f"file:///bundles/{digest[:8]}.tar.gz", 1234)
-        assert reg.publish(e, f"file:///bundles/{digest[:8]}.tar.gz")["metadata"]["name"] == name  # idempotent
+        reg.publish(e, f"{STORE}/{digest[:8]}.tar.gz", 1234)
+        assert reg.publish(e, f"{STORE}/{digest[:8]}.tar.gz")["metadata"]["name"] == name  # idempotent
     obj = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "forwardpasses", "tiny-chat")
     assert obj["spec"]["recipe"]["engine.max_num_seqs"] == 32 and obj["spec"]["metrics"]["speedup"] == 1.3
     nearest = reg.nearest_champions(sig, "cpu", builtin_profile("chat"), k=2, family="llama")
@@ -42,7 +44,7 @@ def test_cluster_registry_publishes_and_finds_forward_passes(crds, namespace) ->
     clash = ChampionEntry(name="tiny-chat", signature=sig, model="m", family="llama", hardware="cpu",
                           regime=nearest[0].regime, bundle_digest="c" * 64, recipe={})
     with pytest.raises(ValueError, match="another bundle"):
-        reg.publish(clash, "file:///x.tar.gz")
+        reg.publish(clash, f"{STORE}/x.tar.gz")
 
 
 def worker_kubeconfig(cluster, namespace: str, run: str, tmp_path: Path) -> Path:

@@ -16,6 +16,8 @@ from shapeshift.engine.models.presets import PRESETS
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile, builtin_profile
 from shapeshift.operator.api import ForwardPassSpec
 
+STORE = "file:///var/lib/shapeshift-artifacts"  # the artifact store's mount in compile and engine pods
+
 
 def cfg(name: str) -> ModelConfig:
     return ModelConfig.from_hf(PRESETS[name].hf_config)
@@ -92,7 +94,7 @@ def test_cluster_object_validates_against_the_crd_model() -> None:
     e.verification = {"passed": True, "gates": {"smoke": True, "outputs.agreement": True}}
     e.metrics = {"tokens_per_second": 12.5, "baseline_tokens_per_second": 10.0, "per_user_p90": 1.0, "dtype": "float32"}
     e.profile = builtin_profile("chat").to_dict()
-    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///bundles/x.tar.gz")
+    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, f"{STORE}/x.tar.gz")
     assert obj["metadata"]["name"] == "tiny-llama-chat-1"
     assert obj["spec"]["artifact"]["sha256"] == "a" * 64
     assert obj["spec"]["verification"]["gates"][0] == {"name": "smoke", "passed": True}
@@ -113,9 +115,9 @@ def test_cluster_object_records_the_engine_env_it_was_measured_under() -> None:
     assert engine_env({}) is None and engine_env({"SHAPESHIFT_ENGINE_ENV_NAMES": ""}) == []
     e = entry("tiny/chat", model_signature(cfg("tiny-llama")), digest="b" * 64)
     e.verification = {"passed": True, "gates": {"smoke": True}}
-    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///b.tar.gz", engine_env=recorded)
+    obj = ClusterRegistry(api=None, namespace="ns").to_object(e, f"{STORE}/b.tar.gz", engine_env=recorded)
     assert obj["spec"]["engine"] == {"env": recorded}
-    empty = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///b.tar.gz", engine_env=[])
+    empty = ClusterRegistry(api=None, namespace="ns").to_object(e, f"{STORE}/b.tar.gz", engine_env=[])
     assert empty["spec"]["engine"] == {"env": []}
 
 
@@ -130,11 +132,11 @@ def test_forward_pass_object_is_built_from_the_crd_model_and_round_trips() -> No
     e.parent, e.compile_run = "Parent Pass/v1", "ns/run-1"
     env = [{"name": "SHAPESHIFT_PDL", "value": "0"}]
     obj = ClusterRegistry(api=None, namespace="ns").to_object(
-        e, "file:///b.tar.gz", size_bytes=99, annotations={"shapeshift.dev/artifact-durable": "true"}, engine_env=env)
+        e, f"{STORE}/b.tar.gz", size_bytes=99, annotations={"shapeshift.dev/artifact-durable": "true"}, engine_env=env)
 
     spec = obj["spec"]
     assert ForwardPassSpec.model_validate(spec).model_dump(mode="json", by_alias=True, exclude_none=True) == spec
-    assert spec == forward_pass_spec(e, "file:///b.tar.gz", 99, env).to_wire()
+    assert spec == forward_pass_spec(e, f"{STORE}/b.tar.gz", 99, env).to_wire()
     assert obj["apiVersion"] == "shapeshift.dev/v1alpha1" and obj["kind"] == "ForwardPass"
     assert obj["metadata"] == {
         "name": "tiny-llama-chat-1", "namespace": "ns",
@@ -147,7 +149,7 @@ def test_forward_pass_object_is_built_from_the_crd_model_and_round_trips() -> No
     assert spec["hardware"] == {"accelerator": "nvidia-h100", "count": 1}  # the GPU name, in the closed set
     assert spec["traffic"] == TrafficProfile.model_validate(e.profile).model_dump(mode="json", by_alias=True,
                                                                                    exclude_none=True)
-    assert spec["artifact"] == {"uri": "file:///b.tar.gz", "sha256": "c" * 64, "sizeBytes": 99}
+    assert spec["artifact"] == {"uri": f"{STORE}/b.tar.gz", "sha256": "c" * 64, "sizeBytes": 99}
     assert spec["recipe"] == {"fuse_qkv": True}
     assert spec["metrics"] == {"tokensPerSecond": 12.5, "baselineTokensPerSecond": 10.0, "speedup": 1.2,
                                "perUserTokensPerSecondP50": 0.5, "perUserTokensPerSecondP90": 1.0,
@@ -164,10 +166,10 @@ def test_a_minimal_entry_leaves_the_optional_fields_out_and_a_bad_one_is_refused
     from pydantic import ValidationError
 
     e = entry("tiny/chat", model_signature(cfg("tiny-llama")), digest="d" * 64, speedup=None)
-    spec = ClusterRegistry(api=None, namespace="ns").to_object(e, "file:///d.tar.gz", size_bytes=0)["spec"]
+    spec = ClusterRegistry(api=None, namespace="ns").to_object(e, f"{STORE}/d.tar.gz", size_bytes=0)["spec"]
     assert spec == {"model": {"name": "m", "architecture": "llama", "dtype": "bfloat16"},
                     "hardware": {"accelerator": "cpu", "count": 1},
-                    "artifact": {"uri": "file:///d.tar.gz", "sha256": "d" * 64},
+                    "artifact": {"uri": f"{STORE}/d.tar.gz", "sha256": "d" * 64},
                     "recipe": {"fuse_qkv": True}, "metrics": {},
                     "verification": {"passed": False, "gates": [], "artifactSha256": "d" * 64}}
     with pytest.raises(ValidationError, match="sha256"):  # always validated against the CRD's model

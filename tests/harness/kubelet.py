@@ -73,7 +73,10 @@ from shapeshift.engine.contracts.pod_annotations import format_downward_api_map
 
 # The process environment a workload starts from, before the pod's own env. A real
 # container gets only the image's env; locally the tools must still be found.
-INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SHAPESHIFT_CACHE", "VIRTUAL_ENV", "PYTHONSAFEPATH")
+# SHAPESHIFT_ARTIFACT_ROOTS: the local folders standing in for the mounts are where the worker's
+# ForwardPasses point (operator/api/forward_pass.py).
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SHAPESHIFT_CACHE", "VIRTUAL_ENV", "PYTHONSAFEPATH",
+                 "SHAPESHIFT_ARTIFACT_ROOTS")
 EXIT_CODE_SIGTERM, EXIT_CODE_SIGKILL = 143, 137  # what container runtimes report: 128 + signal
 
 _VAR_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")

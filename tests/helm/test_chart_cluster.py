@@ -69,6 +69,11 @@ def test_helm_install_and_the_service_account_is_enough_but_no_more(cluster, nam
     release = f"ss-{uuid.uuid4().hex[:6]}"
     fullname = f"{release}-shapeshift"
     args = ["install", release, str(CHART), "--namespace", namespace]
+    installed = {c.metadata.name for c in cluster.apiextensions.list_custom_resource_definition().items}
+    if set(CRD_NAMES) <= installed:
+        # the crds fixture's, generated with the test session's artifact roots: Helm's server-side
+        # apply of the chart's copy would conflict with them
+        args.append("--skip-crds")
     for key, value in namespaced_values(namespace).items():
         args += ["--set-json", f"{key}={value}"]
     helm(*args, kubeconfig=cluster.kubeconfig)

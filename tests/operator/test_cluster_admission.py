@@ -284,7 +284,7 @@ def test_a_bad_compile_run_template_is_rejected(crds, namespace):
 def test_a_valid_forward_pass_is_accepted_and_immutable(crds, namespace):
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-1"},
             "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "nvidia-h200"},
-                     "artifact": {"uri": "file:///bundles/fp-1.tar", "sha256": "a" * 64},
+                     "artifact": {"uri": "file:///var/lib/shapeshift-artifacts/fp-1.tar", "sha256": "a" * 64},
                      "verification": {"passed": True, "gates": [{"name": "greedy", "passed": True}]},
                      "recipe": {"attention": "triton", "tiles": {"m": 64, "n": 128}},
                      "metrics": {"speedup": 1.31}}}
@@ -302,7 +302,7 @@ def test_a_verification_report_that_contradicts_itself_or_its_artifact_is_reject
     def body(verification):
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ForwardPass", "metadata": {"name": "fp-bad"},
                 "spec": {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
-                         "artifact": {"uri": "/bundles/fp.tar.gz", "sha256": "a" * 64},
+                         "artifact": {"uri": "/var/lib/shapeshift-artifacts/fp.tar.gz", "sha256": "a" * 64},
                          "verification": verification}}
     message = rejected(crds, namespace, "forwardpasses", body(
         {"passed": True, "gates": [{"name": "kv-isolation", "passed": False}, {"name": "greedy", "passed": True}]}))
@@ -320,6 +320,13 @@ def test_a_verification_report_that_contradicts_itself_or_its_artifact_is_reject
     ("https://user:hunter2@store.example/fp.tar.gz", "spec.artifact.uri must carry no credentials"),
     ("https://store.example/fp.tar.gz?X-Amz-Signature=abc", "no user:password@, query string or fragment"),
     ("/var/lib/shapeshift-artifacts/../../etc/fp.tar.gz", "spec.artifact.uri must not contain '..' segments"),
+    ("/etc/shadow", "spec.artifact.uri: a local path (/path or file:///path) must lie inside the artifact store"),
+    ("file:///proc/self/environ", "must lie inside the artifact store /var/lib/shapeshift-artifacts/"),
+    ("file:///var/lib/shapeshift-artifacts/%2e%2e/%2e%2e/etc/shadow", "with no %-escapes"),
+    ("http://169.254.169.254/latest/meta-data/fp.tar.gz", "must not be a link-local or cloud metadata address"),
+    ("http://[fd00:ec2::254]/fp.tar.gz", "must not be a link-local or cloud metadata address"),
+    ("https://metadata.google.internal/fp.tar.gz", "must not be a link-local or cloud metadata address"),
+    ("http://2852039166/fp.tar.gz", "a numeric spelling of an address"),
 ])
 def test_an_artifact_uri_the_engine_cannot_fetch_or_that_carries_credentials_is_rejected(crds, namespace, uri,
                                                                                          fragment):

@@ -135,7 +135,8 @@ def rollout_operator(request, crds, namespace, monkeypatch, tmp_path):
     kubeconfig = Path(crds.kubeconfig)
     if request.param == "chart-service-account":
         release = f"ss-{uuid.uuid4().hex[:6]}"
-        subprocess.run([str(tools.helm()), "install", release, str(CHART), "--namespace", namespace,
+        # --skip-crds: the crds fixture's are installed (with the test session's artifact roots)
+        subprocess.run([str(tools.helm()), "install", release, str(CHART), "--namespace", namespace, "--skip-crds",
                         "--set-json", "watch.allNamespaces=false", "--set-json",
                         f"watch.namespaces={json.dumps([namespace])}", f"--kubeconfig={crds.kubeconfig}"],
                        check=True, capture_output=True, text=True, timeout=180)

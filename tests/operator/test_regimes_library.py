@@ -44,7 +44,7 @@ def spec(**extra) -> InferenceDeploymentSpec:
 def forward_pass(name: str, sha: str, accelerator: str = "cpu", dtype: str = "float32", env=None) -> dict:
     body = {"metadata": {"name": name}, "spec": {
         "model": {"name": "tiny-llama", "dtype": dtype}, "hardware": {"accelerator": accelerator},
-        "artifact": {"uri": f"/store/{sha}.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.4}}}
+        "artifact": {"uri": f"/var/lib/shapeshift-artifacts/{sha}.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.4}}}
     if env is not None:
         body["spec"]["engine"] = {"env": env}
     return body

@@ -20,7 +20,7 @@ NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 def published(name="fp-1", run="run-1", uid="uid-1", **spec_over):
     spec = {"model": {"name": "tiny-llama"}, "hardware": {"accelerator": "cpu"},
-            "artifact": {"uri": "/shared/x.tar.gz", "sha256": SHA}, "recipe": {"block": 64},
+            "artifact": {"uri": "/var/lib/shapeshift-artifacts/x.tar.gz", "sha256": SHA}, "recipe": {"block": 64},
             "compileRun": f"team-a/{run}",
             "verification": {"passed": True, "gates": [{"name": "greedy-match", "passed": True}],
                              "artifactSha256": SHA}}

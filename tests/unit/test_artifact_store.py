@@ -191,8 +191,8 @@ def test_a_late_resync_does_not_replace_the_workers_report():
 
 # ---- ForwardPass status from the rollout -------------------------------------------------------
 
-A = ForwardPassIdentity("fp-a", "a" * 64, "/store/a.tar.gz")
-B = ForwardPassIdentity("fp-b", "b" * 64, "/store/b.tar.gz")
+A = ForwardPassIdentity("fp-a", "a" * 64, "/var/lib/shapeshift-artifacts/a.tar.gz")
+B = ForwardPassIdentity("fp-b", "b" * 64, "/var/lib/shapeshift-artifacts/b.tar.gz")
 
 
 def test_relations_follow_the_rollout_outcome():

@@ -99,7 +99,7 @@ def test_forward_pass_requires_a_real_sha256():
     spec = {
         "model": {"name": "tiny-llama"},
         "hardware": {"accelerator": "nvidia-h200"},
-        "artifact": {"uri": "file:///b.tar", "sha256": "ab" * 32},
+        "artifact": {"uri": "file:///var/lib/shapeshift-artifacts/b.tar", "sha256": "ab" * 32},
         "verification": {"passed": True},
         "recipe": {"attention": "triton", "tiles": {"m": 64}},
     }

@@ -27,7 +27,7 @@ from shapeshift.operator.rollout_tick import (
 from shapeshift.operator.settings import OperatorSettings
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-FAST = ForwardPassIdentity("fp-2", "b" * 64, "/shared/fp-2.tar.gz")
+FAST = ForwardPassIdentity("fp-2", "b" * 64, "/var/lib/shapeshift-artifacts/fp-2.tar.gz")
 CHAT = builtin_profile("chat").to_dict()
 
 
@@ -41,7 +41,7 @@ def forward_pass(passed=True, accelerator="cpu", sha="b" * 64):
     """A ForwardPass as a compile worker publishes it (see run_of for the run that vouches for it)."""
     return {"metadata": {"name": "fp-2", "annotations": {COMPILE_RUN_UID_ANNOTATION: "uid-run-1"}}, "spec": {
         "model": {"name": "tiny-llama"}, "hardware": {"accelerator": accelerator},
-        "artifact": {"uri": "/shared/fp-2.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.3},
+        "artifact": {"uri": "/var/lib/shapeshift-artifacts/fp-2.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.3},
         "traffic": CHAT, "compileRun": "default/run-1",
         "verification": {"passed": passed, "gates": [{"name": "greedy-match", "passed": passed}],
                          "artifactSha256": sha}}}
@@ -103,7 +103,7 @@ def test_policy_comes_from_the_spec():
 
 def test_target_is_a_verified_forward_pass_for_the_deployments_accelerator():
     target = resolve("fp-2", forward_pass(), spec())
-    assert target.identity == FAST and target.identity.artifact == "/shared/fp-2.tar.gz"
+    assert target.identity == FAST and target.identity.artifact == "/var/lib/shapeshift-artifacts/fp-2.tar.gz"
     assert target.speedup == 1.3 and target.traffic == CHAT and target.problem is None
     assert resolve(None, None, spec()) == Target(None)
     assert "not found" in resolve("fp-9", None, spec()).problem
@@ -156,7 +156,7 @@ def test_completion_records_the_active_pass_and_what_it_was_compiled_for():
                                    target=Target(FAST, speedup=1.3, traffic={"name": "chat"}), views=views,
                                    wanted={"e-0": FAST, "e-1": FAST})
     assert update.fields["activeForwardPass"] == {"name": "fp-2", "sha256": "b" * 64,
-                                                  "artifact": "/shared/fp-2.tar.gz", "speedup": 1.3}
+                                                  "artifact": "/var/lib/shapeshift-artifacts/fp-2.tar.gz", "speedup": 1.3}
     assert update.fields["compiledFor"] == {"name": "chat"}
     assert [p["name"] for p in update.fields["pods"]] == ["e-0", "e-1"]
     assert update.fields["pods"][0] == {"name": "e-0", "forwardPass": "fp-2", "sha256": "b" * 64,
