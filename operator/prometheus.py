@@ -17,9 +17,11 @@ Data flow:
 
 Nothing is ever invented: Prometheus unreachable or answering with an error
 raises ``PrometheusUnreachable``; a window without traffic (no series, or
-series that did not move) raises ``NoTrafficData``. Both are
-``TrafficQueryError``, so the drift timer can say why in a condition and not
-compile.
+series that did not move) raises ``NoTrafficData``. A redirect (3xx) is not
+followed (the outbound policy checked the configured address, not where a
+redirect points): it raises ``PrometheusRedirected`` (reason OutboundRefused),
+naming the Location's scheme, host and path. All are ``TrafficQueryError``, so
+the drift timer can say why in a condition and not compile.
 
 The expert-routing histogram (mixture-of-experts models) is each layer's routed tokens per
 expert over the window (the counter's rate times the window, summed over the pods), as shares
@@ -48,6 +50,7 @@ Their label names are configurable for clusters that name them otherwise.
 from __future__ import annotations
 
 import math
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
@@ -75,6 +78,7 @@ __all__ = [
     "NoTrafficData",
     "ObservedTraffic",
     "PrometheusAnswerMalformed",
+    "PrometheusRedirected",
     "PrometheusRefused",
     "PrometheusTraffic",
     "PrometheusUnreachable",
@@ -103,6 +107,38 @@ class PrometheusRefused(TrafficQueryError):
     """The outbound policy (operator/outbound.py) refuses the address; nothing was sent."""
 
     reason = "OutboundRefused"
+
+
+class PrometheusRedirected(TrafficQueryError):
+    """Prometheus answered with a redirect (3xx). The operator does not follow it: the outbound policy
+    checked the configured address only, and a redirect could lead anywhere (a metadata address,
+    another host given the request's headers)."""
+
+    reason = "OutboundRefused"
+
+
+class _Redirect(Exception):
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(status, location)
+        self.status, self.location = status, location
+
+
+def _refuse_redirects(response: requests.Response, *args: Any, **kwargs: Any) -> None:
+    """A requests response hook: a 3xx answer ends the request before requests follows it."""
+    if 300 <= response.status_code < 400:
+        location = response.headers.get("Location", "")
+        response.close()
+        raise _Redirect(response.status_code, location)
+
+
+def _location_of(location: str) -> str:
+    """A redirect's target for messages: scheme, host and path, never userinfo, query or fragment."""
+    parts = urllib.parse.urlsplit(location)
+    if not location:
+        return "(no Location header)"
+    if parts.scheme and parts.netloc:
+        return f"{parts.scheme}://{host_of(location)}{parts.path}"
+    return parts.path or "(no path)"
 
 
 class PrometheusAnswerMalformed(TrafficQueryError):
@@ -196,9 +232,14 @@ class PrometheusTraffic:
         self._refused = outbound_problem(self.url, allowed_cidrs, what="the Prometheus address")
         # One quick attempt: the drift timer retries on its own schedule, and a
         # check stuck in urllib3's backoff would delay the NoData condition.
+        # Redirects are not followed (_refuse_redirects): a 3xx is an error naming where it pointed.
+        session = requests.Session()
+        session.verify = not disable_ssl
+        session.max_redirects = 0
+        session.hooks["response"].append(_refuse_redirects)
         self._client = PrometheusConnect(
-            url=self.url, headers=headers, disable_ssl=disable_ssl,
-            retry=Retry(total=0, connect=0, read=0, status=0), timeout=timeout_seconds,
+            url=self.url, headers=headers, disable_ssl=disable_ssl, session=session,
+            retry=Retry(total=0, connect=0, read=0, status=0, redirect=0), timeout=timeout_seconds,
         )
 
     def close(self) -> None:
@@ -219,6 +260,12 @@ class PrometheusTraffic:
         params = {"time": f"{at.timestamp():.3f}"} if at is not None else None
         try:
             result = self._client.custom_query(promql, params=params)
+        except _Redirect as err:
+            raise PrometheusRedirected(
+                f"Prometheus at {self.host} answered HTTP {err.status} redirecting to {_location_of(err.location)}; "
+                "the operator does not follow redirects: set the Prometheus address (chart value prometheus.url or "
+                "spec.prometheusUrl) to the address that answers"
+            ) from None
         except requests.RequestException as err:
             raise PrometheusUnreachable(
                 f"Prometheus at {self.host} cannot be reached ({_short_cause(err)}); check the "

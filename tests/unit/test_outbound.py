@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from shapeshift.operator.api import CompileRunSpec, InferenceDeploymentSpec
 from shapeshift.operator.outbound import host_of, outbound_problem
-from shapeshift.operator.prometheus import (PrometheusAnswerMalformed, PrometheusRefused, PrometheusTraffic,
-                                            PrometheusUnreachable, SeriesSelector)
+from shapeshift.operator.prometheus import (PrometheusAnswerMalformed, PrometheusRedirected, PrometheusRefused,
+                                            PrometheusTraffic, PrometheusUnreachable, SeriesSelector)
 from shapeshift.operator.settings import OperatorSettings
 
 
@@ -54,11 +54,15 @@ def test_a_refused_prometheus_gets_no_request():
 
 
 @contextlib.contextmanager
-def answering(status: int, payload):
+def answering(status: int, payload, headers=None, seen=None):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
+            if seen is not None:
+                seen.append(self.path)
             body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -73,6 +77,38 @@ def answering(status: int, payload):
     finally:
         server.shutdown()
         server.server_close()
+
+
+VECTOR = {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "7"]}]}}
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+def test_a_redirect_is_an_error_naming_its_location_and_is_not_followed(status):
+    """A loopback Prometheus answering 3xx towards another loopback server that would answer: the
+    operator asks nothing there, and the error names where the redirect pointed (no credentials, no
+    query string)."""
+    followed: list[str] = []
+    with answering(200, VECTOR, seen=followed) as target:
+        location = target.replace("http://", "http://u:hunter2@") + "/elsewhere/api/v1/query?token=abc"
+        with answering(status, b"", headers={"Location": location}) as url, PrometheusTraffic(url) as prom:
+            with pytest.raises(PrometheusRedirected) as info:
+                prom.scalar("up")
+    message = str(info.value)
+    assert info.value.reason == "OutboundRefused" and followed == []
+    assert f"answered HTTP {status} redirecting to {target}/elsewhere/api/v1/query" in message, message
+    assert "does not follow redirects" in message and "hunter2" not in message and "token" not in message
+    with answering(200, VECTOR) as url, PrometheusTraffic(url) as prom:
+        assert prom.scalar("up") == 7.0  # the same client reads a plain answer
+
+
+def test_a_redirect_to_a_metadata_address_is_refused_without_a_request_there():
+    with answering(302, b"", headers={"Location": "http://169.254.169.254/latest/meta-data"}) as url, \
+            PrometheusTraffic(url) as prom:
+        with pytest.raises(PrometheusRedirected, match="redirecting to http://169.254.169.254/latest/meta-data"):
+            prom.query("up")
+    with answering(302, b"", headers={"Location": "/prometheus/api/v1/query"}) as url, PrometheusTraffic(url) as prom:
+        with pytest.raises(PrometheusRedirected, match="redirecting to /prometheus/api/v1/query"):
+            prom.query("up")
 
 
 @pytest.mark.parametrize("payload", [
