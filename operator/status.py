@@ -213,6 +213,25 @@ def newly_unschedulable(before: list[Condition] | None, update: StatusUpdate) ->
     return scheduled[3] if prior is None or prior.status != "False" else None
 
 
+# The conditions whose bad state posts a Warning event: type -> the status that is bad.
+FAILURE_CONDITIONS: dict[str, str] = {"PodsCreated": "False", "PodsHealthy": "False", "PodFailed": "True"}
+
+
+def newly_failing(before: list[Condition] | None, update: StatusUpdate) -> list[tuple[str, str]]:
+    """(reason, message) of each FAILURE_CONDITIONS condition the update puts in its bad state
+    where the stored one was not already bad with that message: a Warning event each, posted once
+    per distinct failure, not on every resync that finds it still there."""
+    events = []
+    for type_, bad in FAILURE_CONDITIONS.items():
+        condition = update.condition(type_)
+        if not condition or condition[1] != bad:
+            continue
+        prior = next((c for c in before or [] if c.type == type_), None)
+        if prior is None or prior.status != bad or prior.message != condition[3]:
+            events.append((condition[2], condition[3]))
+    return events
+
+
 # ---- CompileRun ----------------------------------------------------------------------------
 
 

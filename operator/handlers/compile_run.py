@@ -35,7 +35,8 @@ from shapeshift.operator.handlers.errors import api_errors, parse_or_fail
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.outbound import outbound_problem
 from shapeshift.operator.settings import OperatorSettings, registered_timers
-from shapeshift.operator.status import StatusUpdate, compile_run_event, compile_run_status, newly_unschedulable
+from shapeshift.operator.status import (StatusUpdate, compile_run_event, compile_run_status, newly_failing,
+                                        newly_unschedulable)
 
 CRUN = (GROUP, VERSION, COMPILE_RUN.plural)
 RESYNC_SECONDS = registered_timers().resync_seconds
@@ -141,6 +142,8 @@ def _observe_run(body: kopf.Body, kube: Kube) -> None:
     unschedulable = newly_unschedulable(current.conditions, update)
     if unschedulable:
         kopf.warn(body, reason="Unschedulable", message=unschedulable)
+    for reason, message in newly_failing(current.conditions, update):
+        kopf.warn(body, reason=reason, message=message[:1000])  # PodFailed: a retried attempt's pod failed
     event = compile_run_event(current.phase, after)
     if event is not None:
         kind, reason, message = event

@@ -27,7 +27,7 @@ from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.rollout import RolloutState
 from shapeshift.operator.rollout_tick import identity_of, state_from_status
 from shapeshift.operator.settings import registered_timers
-from shapeshift.operator.status import StatusUpdate, engine_status, newly_unschedulable
+from shapeshift.operator.status import StatusUpdate, engine_status, newly_failing, newly_unschedulable
 
 IDEP = (GROUP, VERSION, INFERENCE_DEPLOYMENT.plural)
 RESYNC_SECONDS = registered_timers().resync_seconds
@@ -92,6 +92,8 @@ def _observe_engine(body: kopf.Body, spec: InferenceDeploymentSpec, kube: Kube,
     unschedulable = newly_unschedulable(before.conditions, update)
     if changed and unschedulable:
         kopf.warn(body, reason="Unschedulable", message=unschedulable)
+    for reason, message in newly_failing(before.conditions, update) if changed else ():
+        kopf.warn(body, reason=reason, message=message[:1000])  # PodsCreated / PodsHealthy turned False
 
 
 @kopf.on.resume(*IDEP)

@@ -121,3 +121,115 @@ def test_compile_run_phase_changes_post_one_event():
     assert compile_run_event("Pending", {"phase": "Scheduled"}) == ("Normal", "Scheduled", "")
     assert compile_run_event("Running", {"phase": "Running", "message": "x"}) is None
     assert compile_run_event("Running", {"phase": "Verifying"}) is None
+
+
+class _StatusStore:
+    """The few Kube calls the observe handlers make, with a status that merges like the API's."""
+
+    def __init__(self, pods, deployment=None, job=None):
+        self.pods, self.deployment, self.job = pods, deployment, job
+        self.status: dict = {}
+
+    def list(self, kind, namespace, selector):
+        return self.pods
+
+    def get(self, kind, namespace, name):
+        return self.job
+
+    def get_custom(self, kind, namespace, name):
+        return {"metadata": {"name": name, "namespace": namespace, "uid": "uid-run", "generation": 1},
+                "status": self.status}
+
+    def write_status(self, kind, namespace, name, update, generation=None, read=None):
+        before = self.status
+        conditions = {c["type"]: c for c in before.get("conditions", [])}
+        for type_, status, reason, message in update.conditions:
+            conditions[type_] = {"type": type_, "status": status, "reason": reason, "message": message}
+        fields = {k: v for k, v in update.fields.items() if v is not None}
+        self.status = {**before, **fields, "conditions": list(conditions.values())}
+        return self.status != before, self.status
+
+
+def _crashing(name, code, message):
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"nodeName": "gpu-0"},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "engine", "state": {"terminated": {
+                "exitCode": code, "reason": "Error", "message": message}}}]}}
+
+
+def test_pods_healthy_and_pods_created_turning_false_post_one_warning_per_message(monkeypatch):
+    """The resync's Warning events: one when PodsHealthy or PodsCreated turns False, one more when
+    the failure's message changes, none on the ticks that find the same failure again."""
+    import kopf
+
+    from shapeshift.operator.api import InferenceDeploymentSpec
+    from shapeshift.operator.handlers import deployment as handler
+
+    warned: list[tuple[str, str]] = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append((reason, message)))
+    spec = InferenceDeploymentSpec.model_validate({"model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}})
+    engine = {"metadata": {"name": "llama-engine", "generation": 1},
+              "status": {"observedGeneration": 1, "replicas": 1, "conditions": []}}
+    kube = _StatusStore([_crashing("p1", 3, "CUDA error: no kernel image")])
+
+    def tick():
+        body = {"metadata": {"name": "llama", "namespace": "ns", "generation": 1}, "status": kube.status}
+        handler._observe_engine(body, spec, kube, (None, engine))
+
+    tick()
+    tick()
+    assert [(r, "exit code 3" in m) for r, m in warned] == [("PodsFailing", True)]
+    kube.pods = [_crashing("p1", 4, "out of memory")]
+    tick()
+    tick()
+    assert [r for r, _ in warned] == ["PodsFailing", "PodsFailing"] and "exit code 4" in warned[1][1]
+    kube.pods = []
+    engine["status"]["conditions"] = [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                       "message": "exceeded quota: gpus"}]
+    tick()
+    tick()
+    assert warned[2:] == [("ReplicaFailure", "Deployment llama-engine cannot create pods: exceeded quota: gpus")]
+    engine["status"]["conditions"] = []
+    tick()
+    assert len(warned) == 3  # recovered: no event
+
+
+def test_a_failed_compile_attempt_posts_one_pod_failed_warning_per_failure(monkeypatch):
+    import kopf
+
+    from shapeshift.operator.handlers import compile_run as handler
+
+    warned: list[tuple[str, str]] = []
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: warned.append((reason, message)))
+    monkeypatch.setattr(kopf, "info", lambda body, reason, message: None)
+    job = {"metadata": {"name": "run-compile", "ownerReferences": [{"uid": "uid-run"}]},
+           "status": {"startTime": "2026-01-01T00:00:00Z", "active": 1}}
+    first = _crashing("p1", 137, "worker out of memory")
+    first["status"]["phase"] = "Failed"
+    retry = {"metadata": {"name": "p2", "creationTimestamp": "2026-01-01T00:01:00Z"}, "spec": {"nodeName": "gpu-0"},
+             "status": {"phase": "Running", "containerStatuses": [{"name": "engine", "state": {"running": {}}}]}}
+    kube = _StatusStore([first, retry], job=job)
+    kube.status = {"phase": "Running"}
+    body = {"metadata": {"name": "run", "namespace": "ns"}}
+    handler._observe_run(body, kube)
+    handler._observe_run(body, kube)
+    assert [r for r, _ in warned] == ["ContainerFailed"] and "exit code 137" in warned[0][1]
+    second = _crashing("p2", 2, "bad recipe")
+    second["metadata"]["creationTimestamp"] = "2026-01-01T00:01:00Z"
+    kube.pods = [first, second, dict(retry, metadata={"name": "p3", "creationTimestamp": "2026-01-01T00:02:00Z"})]
+    handler._observe_run(body, kube)
+    handler._observe_run(body, kube)
+    assert [r for r, _ in warned] == ["ContainerFailed", "ContainerFailed"] and "bad recipe" in warned[1][1]
+
+
+def test_newly_failing_is_news_once_per_message():
+    from shapeshift.operator.status import newly_failing
+
+    update = StatusUpdate({}, [("PodsHealthy", "False", "PodsFailing", "pod p1: exit code 3"),
+                               ("PodsCreated", "True", "Created", "ok"), ("PodFailed", "False", "NoFailure", "")])
+    assert newly_failing(None, update) == [("PodsFailing", "pod p1: exit code 3")]
+    same = [Condition(type="PodsHealthy", status="False", reason="PodsFailing", message="pod p1: exit code 3")]
+    assert newly_failing(same, update) == []
+    other = [Condition(type="PodsHealthy", status="False", reason="PodsFailing", message="pod p0: exit code 1")]
+    assert newly_failing(other, update) == [("PodsFailing", "pod p1: exit code 3")]
+    healthy = [Condition(type="PodsHealthy", status="True", reason="NoFailures", message="pod p1: exit code 3")]
+    assert newly_failing(healthy, update) == [("PodsFailing", "pod p1: exit code 3")]
