@@ -136,18 +136,49 @@ class Toleration(WireModel):
 
 NVIDIA_KINDS = tuple(k for k, a in ACCELERATORS.items() if a.resource_name == "nvidia.com/gpu")
 NEURON_KINDS = tuple(k for k, a in ACCELERATORS.items() if a.resource_name == "aws.amazon.com/neuron")
-# Taints of the accelerator pools: a CPU pod that tolerates one may land on an accelerator node.
+# Taints of the accelerator pools: a pod that tolerates another pool's may land on that pool's nodes.
 POOL_TAINT_KEYS = tuple(dict.fromkeys(t["key"] for a in ACCELERATORS.values() for t in a.tolerations))
 INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+# node.kubernetes.io/instance-type prefixes of the clouds' GPU machine families, which a CPU
+# deployment may not select (it would hold a GPU node and use none of it): AWS P and G families,
+# Google Cloud's A2/A3/A4/G2, Azure's NC/ND/NV series. Not every GPU type there is: a selector of a
+# type outside these families is the user's word. Trainium's trn* has its own rule.
+GPU_INSTANCE_TYPE_PREFIXES = (
+    "p3.", "p3dn.", "p4d.", "p4de.", "p5.", "p5e.", "p5en.", "p6-", "p6e-",
+    "g4dn.", "g4ad.", "g5.", "g5g.", "g6.", "g6e.", "g6f.", "gr6.",
+    "a2-", "a3-", "a4-", "g2-",
+    "Standard_NC", "Standard_ND", "Standard_NV",
+)
 
 
 def _cel_kinds(kinds) -> str:
     return "[" + ", ".join(f"'{k}'" for k in kinds) + "]"
 
 
+def other_pool_taint_keys(kind: str) -> tuple[str, ...]:
+    """The accelerator pools' taint keys that `kind`'s own pool does not carry."""
+    own = {t["key"] for t in ACCELERATORS[kind].tolerations}
+    return tuple(k for k in POOL_TAINT_KEYS if k not in own)
+
+
+def _toleration_message(kind: str) -> str:
+    if kind == "cpu":
+        return ("spec.hardware.tolerations: a CPU deployment may not tolerate every taint (no key) or an "
+                "accelerator pool's taint unless spec.hardware.widenTolerations is true")
+    return (f"spec.hardware.tolerations: a deployment on {kind} may not tolerate every taint (no key) or another "
+            f"accelerator pool's taint ({', '.join(other_pool_taint_keys(kind))}) unless "
+            "spec.hardware.widenTolerations is true")
+
+
+_GPU_INSTANCE_MESSAGE = ("spec.hardware.nodeSelector['node.kubernetes.io/instance-type'] names a GPU instance type "
+                         "(" + ", ".join(p.rstrip(".-") for p in GPU_INSTANCE_TYPE_PREFIXES) + "); a cpu "
+                         "deployment would hold a GPU node and use none of it")
+
+
 def _pool_rules() -> list[dict[str, str]]:
-    """Placement rules: a user's node selector may narrow the pool, never contradict it; wildcard
-    or accelerator-taint tolerations only when spec.hardware.widenTolerations says so (CPU pods)."""
+    """Placement rules: a user's node selector may narrow the pool, never contradict it nor name
+    another pool's nodes; wildcard or other-pool tolerations only when spec.hardware.widenTolerations
+    says so (every accelerator)."""
     rules = []
     for kind, acc in ACCELERATORS.items():
         for key, value in acc.node_selector.items():
@@ -165,11 +196,15 @@ def _pool_rules() -> list[dict[str, str]]:
                      f"!self.nodeSelector['{INSTANCE_TYPE}'].startsWith('trn')))",
                      "spec.hardware.nodeSelector: Trainium (trn*) instance types and aws.amazon.com/neuron labels "
                      "are only for accelerator trainium2"))
-    rules.append(cel("self.accelerator != 'cpu' || self.widenTolerations || !has(self.tolerations) || "
-                     "self.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in "
-                     + "[" + ", ".join(f"'{k}'" for k in POOL_TAINT_KEYS) + "]))",
-                     "spec.hardware.tolerations: a CPU deployment may not tolerate every taint (no key) or an "
-                     "accelerator pool's taint unless spec.hardware.widenTolerations is true"))
+    gpu_types = _cel_kinds(GPU_INSTANCE_TYPE_PREFIXES)
+    rules.append(cel(f"self.accelerator != 'cpu' || !has(self.nodeSelector) || "
+                     f"!('{INSTANCE_TYPE}' in self.nodeSelector) || "
+                     f"!{gpu_types}.exists(p, self.nodeSelector['{INSTANCE_TYPE}'].startsWith(p))", _GPU_INSTANCE_MESSAGE))
+    for kind in ACCELERATORS:
+        others = other_pool_taint_keys(kind)
+        keyed = "has(t.key) && t.key != ''" + (f" && !(t.key in {_cel_kinds(others)})" if others else "")
+        rules.append(cel(f"self.accelerator != '{kind}' || self.widenTolerations || !has(self.tolerations) || "
+                         f"self.tolerations.all(t, {keyed})", _toleration_message(kind)))
     return rules
 
 
@@ -188,10 +223,11 @@ def _pool_problem(hw: "HardwareSpec") -> str | None:
                                                or selector.get(INSTANCE_TYPE, "").startswith("trn")):
         return ("spec.hardware.nodeSelector: Trainium (trn*) instance types and aws.amazon.com/neuron labels are "
                 "only for accelerator trainium2")
-    if hw.accelerator == "cpu" and not hw.widen_tolerations and any(
-            not t.key or t.key in POOL_TAINT_KEYS for t in hw.tolerations or []):
-        return ("spec.hardware.tolerations: a CPU deployment may not tolerate every taint (no key) or an "
-                "accelerator pool's taint unless spec.hardware.widenTolerations is true")
+    if hw.accelerator == "cpu" and selector.get(INSTANCE_TYPE, "").startswith(GPU_INSTANCE_TYPE_PREFIXES):
+        return _GPU_INSTANCE_MESSAGE
+    others = other_pool_taint_keys(hw.accelerator)
+    if not hw.widen_tolerations and any(not t.key or t.key in others for t in hw.tolerations or []):
+        return _toleration_message(hw.accelerator)
     return None
 
 
@@ -207,16 +243,17 @@ class HardwareSpec(WireModel):
     node_selector: dict[str, str] | None = Field(
         default=None, max_length=32, description="Extra node labels that narrow the pool: they may not contradict "
                                                  "the pool's own labels, nor name another pool's (nvidia.com/ for a "
-                                                 "non-NVIDIA accelerator, trn* instance types but for trainium2)."
+                                                 "non-NVIDIA accelerator, trn* instance types but for trainium2, "
+                                                 "a GPU instance type of AWS, Google Cloud or Azure for cpu)."
     )
     tolerations: list[Toleration] | None = Field(
-        default=None, max_length=32, description="Extra tolerations, added to the pool's. For cpu, none that "
-                                                 "matches every taint or an accelerator pool's taint unless "
-                                                 "widenTolerations is true."
+        default=None, max_length=32, description="Extra tolerations, added to the pool's: none that matches every "
+                                                 "taint (no key) or another accelerator pool's taint (for cpu: any "
+                                                 "accelerator pool's) unless widenTolerations is true."
     )
     widen_tolerations: bool = Field(
-        default=False, description="Let a cpu deployment tolerate every taint or an accelerator pool's taint "
-                                   "(it may then land on accelerator nodes).")
+        default=False, description="Let the deployment tolerate every taint or another accelerator pool's taint "
+                                   "(its pods may then land on that pool's nodes).")
     cpu: str | None = Field(default=None, max_length=32, description="CPU request per pod, e.g. '8'.")
     memory: str | None = Field(default=None, max_length=32, description="Memory request and limit per pod, e.g. '64Gi'.")
 

@@ -99,6 +99,21 @@ def rejected(cluster, namespace, plural, body) -> str:
     ("CPU tolerating the GPU taint (CEL)", lambda s: s.update(hardware={
         "accelerator": "cpu", "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
      ["unless spec.hardware.widenTolerations is true"]),
+    ("H200 with a wildcard toleration (CEL)", lambda s: s.update(hardware={
+        "accelerator": "nvidia-h200", "tolerations": [{"operator": "Exists"}]}),
+     ["spec.hardware.tolerations: a deployment on nvidia-h200 may not tolerate every taint (no key)"]),
+    ("H100 tolerating the Neuron taint (CEL)", lambda s: s.update(hardware={
+        "accelerator": "nvidia-h100", "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists"}]}),
+     ["another accelerator pool's taint (aws.amazon.com/neuron)", "widenTolerations"]),
+    ("Trainium tolerating the GPU taint (CEL)", lambda s: s.update(hardware={
+        "accelerator": "trainium2", "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}),
+     ["a deployment on trainium2 may not tolerate", "(nvidia.com/gpu)"]),
+    ("CPU on a p5 instance type (CEL)", lambda s: s.update(hardware={
+        "accelerator": "cpu", "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"}}),
+     ["spec.hardware.nodeSelector['node.kubernetes.io/instance-type'] names a GPU instance type"]),
+    ("CPU on an a3 machine type (CEL)", lambda s: s.update(hardware={
+        "accelerator": "cpu", "nodeSelector": {"node.kubernetes.io/instance-type": "a3-highgpu-8g"}}),
+     ["names a GPU instance type", "a cpu deployment would hold a GPU node"]),
     ("env name not an identifier", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT-PDL", "value": "0"}]}),
      ["spec.engine.env[0].name", "should match"]),
     ("env name twice", lambda s: s.update(engine={"env": [{"name": "SHAPESHIFT_PDL", "value": "0"},
@@ -125,7 +140,13 @@ def test_placement_that_narrows_the_pool_or_is_widened_explicitly_is_accepted(cr
     for name, hardware in [("narrow", {"accelerator": "nvidia-h200", "nodeSelector": {"zone": "a",
                                                                                       "nvidia.com/gpu.product": "NVIDIA-H200"}}),
                            ("wide", {"accelerator": "cpu", "widenTolerations": True,
-                                     "tolerations": [{"operator": "Exists"}]})]:
+                                     "tolerations": [{"operator": "Exists"}]}),
+                           ("wide-gpu", {"accelerator": "nvidia-h200", "widenTolerations": True,
+                                         "tolerations": [{"operator": "Exists"}]}),
+                           ("own-taint", {"accelerator": "trainium2", "tolerations": [
+                               {"key": "aws.amazon.com/neuron", "operator": "Exists"}, {"key": "spot", "operator": "Exists"}]}),
+                           ("cpu-type", {"accelerator": "cpu",
+                                         "nodeSelector": {"node.kubernetes.io/instance-type": "m7i.2xlarge"}})]:
         create(crds, namespace, "inferencedeployments", idep(name=name, hardware=hardware))
 
 

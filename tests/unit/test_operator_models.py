@@ -143,7 +143,12 @@ def test_placement_may_narrow_the_pool_never_contradict_it():
     HardwareSpec(accelerator="nvidia-h200", node_selector={"zone": "a", "nvidia.com/gpu.product": "NVIDIA-H200"})
     HardwareSpec(accelerator="cpu", node_selector={"node.kubernetes.io/instance-type": "m7i.large"})
     HardwareSpec(accelerator="cpu", widen_tolerations=True, tolerations=[{"operator": "Exists"}])
-    HardwareSpec(accelerator="nvidia-h100", tolerations=[{"operator": "Exists"}])
+    HardwareSpec(accelerator="nvidia-h100", widen_tolerations=True, tolerations=[{"operator": "Exists"}])
+    HardwareSpec(accelerator="nvidia-h200", tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"},
+                                                         {"key": "spot", "operator": "Exists"}])
+    HardwareSpec(accelerator="trainium2", tolerations=[{"key": "aws.amazon.com/neuron", "operator": "Exists"}])
+    HardwareSpec(accelerator="cpu", node_selector={"node.kubernetes.io/instance-type": "c7g.4xlarge"})
+    HardwareSpec(accelerator="nvidia-h200", node_selector={"node.kubernetes.io/instance-type": "p5e.48xlarge"})
     for hardware, message in [
         ({"accelerator": "nvidia-h200", "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
          "spec.hardware.nodeSelector['nvidia.com/gpu.product'] must be 'NVIDIA-H200'"),
@@ -156,6 +161,20 @@ def test_placement_may_narrow_the_pool_never_contradict_it():
         ({"accelerator": "cpu", "tolerations": [{"operator": "Exists"}]}, "may not tolerate every taint"),
         ({"accelerator": "cpu", "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists"}]},
          "widenTolerations"),
+        # every accelerator: no wildcard, no other pool's taint, unless widened
+        ({"accelerator": "nvidia-h100", "tolerations": [{"operator": "Exists"}]},
+         "a deployment on nvidia-h100 may not tolerate every taint (no key)"),
+        ({"accelerator": "nvidia-h200", "tolerations": [{"key": "", "operator": "Exists", "effect": "NoSchedule"}]},
+         "a deployment on nvidia-h200 may not tolerate every taint"),
+        ({"accelerator": "nvidia-h200", "tolerations": [{"key": "aws.amazon.com/neuron", "operator": "Exists"}]},
+         "another accelerator pool's taint (aws.amazon.com/neuron) unless spec.hardware.widenTolerations is true"),
+        ({"accelerator": "trainium2", "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+         "a deployment on trainium2 may not tolerate every taint (no key) or another accelerator pool's taint "
+         "(nvidia.com/gpu)"),
+        # a cpu deployment on a GPU instance type
+        *[({"accelerator": "cpu", "node_selector": {"node.kubernetes.io/instance-type": t}},
+           "names a GPU instance type") for t in ("p4d.24xlarge", "p5.48xlarge", "g5.xlarge", "g6e.12xlarge",
+                                                   "a2-highgpu-1g", "a3-megagpu-8g", "Standard_ND96asr_v4")],
     ]:
         with pytest.raises(ValidationError, match=re.escape(message)):
             HardwareSpec.model_validate(hardware)
