@@ -136,16 +136,66 @@ def test_operations_artifact_store_example_is_a_valid_spec_and_mounts_where_it_s
     assert {"name": "artifacts", "mountPath": ARTIFACT_MOUNT, "subPath": "chat", "readOnly": True} in mounts
 
 
-def test_operations_names_only_reasons_the_operator_writes():
-    """Every CamelCase reason in the conditions table is a string the operator's code writes."""
-    source = "\n".join(p.read_text() for p in (REPO / "operator").glob("*.py"))
+CONDITION_TYPES = {"Ready", "ChildrenApplied", "PodsCreated", "PodsHealthy", "Scheduled", "TrafficObserved",
+                   "Drifted", "Regime", "ForwardPassRolledOut", "DeploymentFound", "Complete", "Failed", "PodFailed"}
+
+
+def _condition_tables() -> str:
     text = OPERATIONS.read_text()
-    table = text[text.index("| condition | reasons |"):].split("\n\n")[0]
-    reasons = set(re.findall(r"`([A-Z][A-Za-z]+)`", table)) - {"Unknown", "Ready", "Scheduled", "TrafficObserved",
-                                                                  "Drifted", "ForwardPassRolledOut"}
-    assert len(reasons) > 15, reasons
+    starts = [m.start() for m in re.finditer(r"\| condition \| reasons \|", text)]
+    assert len(starts) == 2, "the InferenceDeployment and CompileRun conditions tables"
+    return "\n".join(text[i:].split("\n\n")[0] for i in starts)
+
+
+def _operator_source() -> str:
+    return "\n".join(p.read_text() for p in (REPO / "operator").rglob("*.py"))
+
+
+def test_operations_names_only_reasons_the_operator_writes():
+    """Every CamelCase reason in the conditions tables is a string the operator's code writes."""
+    source = _operator_source()
+    job_controllers = {"BackoffLimitExceeded", "DeadlineExceeded"}  # the Job's own reasons, passed through
+    reasons = (set(re.findall(r"`([A-Z][A-Za-z]+)`", _condition_tables())) - CONDITION_TYPES - job_controllers
+               - {"Unknown", "False"})
+    assert len(reasons) > 30, reasons
     missing = sorted(r for r in reasons if f'"{r}"' not in source)
     assert not missing, f"docs/operations.md names reasons the operator never writes: {missing}"
+
+
+def test_operations_lists_every_condition_and_reason_the_operator_writes():
+    """The other way round: each condition type and literal reason of a condition the operator writes
+    (a ("Type", "True|False|Unknown", "Reason", ...) tuple, and the reason tables of the drift,
+    regime and rollout code) is in the conditions tables."""
+    from shapeshift.operator import drift_check, rollout_target, rollout_tick
+
+    source = _operator_source()
+    written = set(re.findall(r'\(\s*"([A-Z][A-Za-z]+)",\s*"(?:True|False|Unknown)",\s*"([A-Z][A-Za-z]+)"', source))
+    types = {t for t, _ in written} | {drift_check.CONDITION_TRAFFIC, drift_check.CONDITION_DRIFT,
+                                       drift_check.CONDITION_REGIME, rollout_tick.CONDITION, "ChildrenApplied"}
+    reasons = ({r for _, r in written} | set(drift_check.REGIME_REASONS.values()) | set(drift_check.TRAFFIC_REASONS)
+               | set(rollout_tick.EVENT_REASONS.values()) | set(rollout_target.REJECTION_REASONS)
+               | {"Applied", "ChildRefused", "NoBaseline", "PrometheusUnavailable"})
+    tables = _condition_tables()
+    assert types <= CONDITION_TYPES
+    missing = sorted(name for name in types | reasons if f"`{name}`" not in tables)
+    assert not missing, f"conditions or reasons the operator writes that docs/operations.md does not list: {missing}"
+
+
+def test_helm_page_lists_every_chart_value():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    whole = {"resources", "podSecurityContext", "securityContext"}  # documented as one value each
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and key not in whole:
+                yield from leaves(value, path + ".")
+            else:
+                yield path
+
+    text = DOC.read_text()
+    missing = [key for key in leaves(values) if f"`{key}`" not in text]
+    assert not missing, f"chart values docs/helm.md does not describe: {missing}"
 
 
 def test_vllm_metrics_deployment_passes_the_flag_to_the_engine():
