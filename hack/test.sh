@@ -20,7 +20,7 @@ rc=0
 workers="${SHAPESHIFT_TEST_WORKERS:-2}"
 parallel=()
 if [[ "$workers" -gt 1 && " $* " != *" -n "* && " $* " != *" -n="* ]]; then
-  parallel=(-n "$workers" --dist loadgroup)
+  parallel=(-n "$workers")
 fi
 "$VENV/bin/pytest" "${parallel[@]}" "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then

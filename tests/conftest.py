@@ -120,8 +120,11 @@ def _pytest_temp_root(config) -> str:
 
 
 # Session fixtures that cost a model load or a control plane: under pytest-xdist (hack/test.sh
-# runs two workers, `--dist loadgroup`) every test that uses one runs on the same worker, so each
-# is set up once per run; every other test runs with the rest of its file (module fixtures once).
+# runs two workers) every test that uses one runs on the same worker, so each is set up once per
+# run; every other test runs with the rest of its file (module fixtures once). xdist's own
+# `--dist loadgroup` cannot be used for this: it tags node ids through Item._nodeid, which pytest
+# 9.2 no longer reads. Instead each worker writes the group of every test it collected
+# (fixtures are known there) and the controller's scheduler (GroupScheduling) reads them.
 _SHARED_SESSION_FIXTURES = (("cluster", "cluster"), ("server", "model-server"), ("reference_engine", "model-server"))
 
 
@@ -133,9 +136,59 @@ def xdist_group_of(nodeid: str, fixturenames) -> str:
     return nodeid.split("::", 1)[0]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # xdist, on the controller: where the workers write their groups
+    node.workerinput["shapeshift_groups_dir"] = _groups_dir(node.config)
+
+
+def _groups_dir(config) -> str:
+    if not hasattr(config, "_shapeshift_groups_dir"):
+        import tempfile
+
+        config._shapeshift_groups_dir = tempfile.mkdtemp(prefix="shapeshift-xdist-groups-")
+    return config._shapeshift_groups_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_shapeshift_groups_dir", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid, getattr(item, "fixturenames", ()))))
+    folder = getattr(config, "workerinput", {}).get("shapeshift_groups_dir")
+    if folder:
+        import json
+
+        groups = {item.nodeid: xdist_group_of(item.nodeid, getattr(item, "fixturenames", ())) for item in items}
+        with open(os.path.join(folder, f"{config.workerinput['workerid']}.json"), "w") as out:
+            json.dump(groups, out)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """Whole groups (tests/conftest.py xdist_group_of) to one worker at a time; groups are read
+        once every worker has collected (schedule runs after that)."""
+
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                import glob
+                import json
+
+                self._groups = {}
+                for path in glob.glob(os.path.join(_groups_dir(config), "*.json")):
+                    with open(path) as f:
+                        self._groups.update(json.load(f))
+            return self._groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
