@@ -75,19 +75,25 @@ class ServingTarget:
     dtype: str
     accelerator: str
     engine_env_sha256: str
+    engine_image: str | None = None  # spec.engine.image
+    # The digest of the model config it serves, as far as the operator knows: the one its newest
+    # recorded champion was verified for (the operator reads no config.json; None: none recorded).
+    model_config_sha256: str | None = None
 
     @classmethod
-    def of(cls, spec: InferenceDeploymentSpec) -> "ServingTarget":
+    def of(cls, spec: InferenceDeploymentSpec, library: "RegimeLibrary | None" = None) -> "ServingTarget":
         names = {spec.model.display_name}
         if spec.model.preset:
             names.add(spec.model.preset)
         env = [{"name": e.name, "value": getattr(e, "value", None)} for e in spec.engine.env or []]
-        return cls(frozenset(names), spec.engine.dtype, spec.hardware.accelerator, engine_env_sha256(env))
+        return cls(frozenset(names), spec.engine.dtype, spec.hardware.accelerator, engine_env_sha256(env),
+                   spec.engine.image, library.model_config_sha256() if library is not None else None)
 
 
 def champion_problem(champion: RegimeChampion | None, target: ServingTarget, now: datetime,
                      max_age: timedelta | None) -> str | None:
-    """Why ``champion`` cannot serve ``target`` now (None: it can)."""
+    """Why ``champion`` cannot serve ``target`` now (None: it can). The model config digest and the
+    engine image are compared where the champion records one and the target knows one."""
     if champion is None:
         return "it has no verified champion"
     name = champion.forward_pass
@@ -98,10 +104,18 @@ def champion_problem(champion: RegimeChampion | None, target: ServingTarget, now
         return f"its champion {name} was verified on {champion.accelerator}, the deployment runs on {target.accelerator}"
     if champion.model not in target.models:
         return f"its champion {name} was verified for model {champion.model}, the deployment serves {sorted(target.models)[0]}"
+    if (champion.model_config_sha256 and target.model_config_sha256
+            and champion.model_config_sha256 != target.model_config_sha256):
+        return (f"its champion {name} was verified for another config of model {champion.model} "
+                f"(configSha256 {champion.model_config_sha256[:12]}, the deployment's newest champion was verified "
+                f"for {target.model_config_sha256[:12]})")
     if champion.dtype != target.dtype:
         return f"its champion {name} was verified in {champion.dtype}, the deployment runs {target.dtype}"
     if champion.engine_env_sha256 != target.engine_env_sha256:
         return f"its champion {name} was measured under another spec.engine.env"
+    if champion.engine_image and target.engine_image and champion.engine_image != target.engine_image:
+        return (f"its champion {name} was recorded under engine image {champion.engine_image}, the deployment "
+                f"runs {target.engine_image} (spec.engine.image)")
     if max_age is not None and champion.verified_at is not None and now - champion.verified_at > max_age:
         return (f"its champion {name} is stale (verified {champion.verified_at.isoformat()}, more than "
                 f"{int(max_age.total_seconds())}s ago)")
@@ -133,6 +147,13 @@ class RegimeLibrary:
             oldest = min(victims, key=lambda r: r.last_seen or never)
             kept.remove(oldest)
         return replace(self, regimes=tuple(kept))
+
+    def model_config_sha256(self) -> str | None:
+        """The model config digest of the newest champion that records one (None: none does)."""
+        never = datetime.min.replace(tzinfo=timezone.utc)
+        recorded = [r.champion for r in self.regimes if r.champion is not None and r.champion.model_config_sha256]
+        newest = max(recorded, key=lambda c: c.verified_at or never, default=None)
+        return newest.model_config_sha256 if newest is not None else None
 
     def to_wire(self) -> dict[str, Any]:
         return {"regimes": [r.to_wire() for r in self.regimes], "currentRegime": self.current.to_wire()}
@@ -262,7 +283,7 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
            now: datetime, interval: timedelta, active_forward_pass: str | None = None) -> RegimeDecision:
     """One check's regime decision (``profile`` None: the check observed no traffic)."""
     policy = _policy(spec)
-    target = ServingTarget.of(spec)
+    target = ServingTarget.of(spec, library)
     max_age = timedelta(seconds=policy.champion_max_age_seconds) if policy.champion_max_age_seconds else None
     if profile is None:
         return RegimeDecision("NoData", library.current.observed, "no traffic observed", library, blocks_compile=False)
@@ -414,9 +435,11 @@ def record_rollback(library: RegimeLibrary, forward_pass: str, when: datetime, w
 
 
 def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[str, Any], compile_run: str,
-                    completed: datetime | None, cost: Economics | None = None) -> RegimeLibrary:
+                    completed: datetime | None, cost: Economics | None = None,
+                    engine_image: str | None = None) -> RegimeLibrary:
     """The library after ``forward_pass`` (a ForwardPass object the rollout's trust rules accepted)
-    was published by ``compile_run`` for ``regime``; ``cost``: what that compile cost and saves."""
+    was published by ``compile_run`` for ``regime``; ``cost``: what that compile cost and saves;
+    ``engine_image``: the deployment's spec.engine.image it was recorded under."""
     spec = forward_pass.get("spec") or {}
     engine = spec.get("engine")
     champion = RegimeChampion(
@@ -426,6 +449,8 @@ def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[s
         accelerator=(spec.get("hardware") or {}).get("accelerator"),
         model=(spec.get("model") or {}).get("name"),
         dtype=(spec.get("model") or {}).get("dtype"),
+        model_config_sha256=(spec.get("model") or {}).get("configSha256"),
+        engine_image=engine_image,
         # a pass that recorded no engine env was measured with none set
         engine_env_sha256=engine_env_sha256((engine or {}).get("env")),
         compile_run=compile_run,

@@ -75,6 +75,7 @@ class ChampionEntry:
     parent: str | None = None
     compile_run: str | None = None
     created_unix: float = 0.0
+    config_sha256: str | None = None  # the model config's digest (engine/contracts/model_config.py)
 
     def candidate(self) -> Candidate:
         return Candidate(dict(self.recipe), self.base_source, "registry",
@@ -188,7 +189,7 @@ def forward_pass_spec(entry: ChampionEntry, artifact_uri: str, size_bytes: int |
     dtype = metrics.get("dtype")
     return ForwardPassSpec(
         model=ModelSignature(name=entry.model, architecture=entry.family,
-                             dtype=dtype if dtype in DTYPES else "bfloat16"),
+                             dtype=dtype if dtype in DTYPES else "bfloat16", config_sha256=entry.config_sha256),
         hardware=ForwardPassHardware(accelerator=accelerator_of_device(entry.hardware), count=1),
         traffic=entry.profile or None,
         artifact=Artifact(uri=artifact_uri, sha256=entry.bundle_digest, size_bytes=size_bytes or None),
@@ -277,7 +278,7 @@ class ClusterRegistry:
                 bundle_digest=spec.get("artifact", {}).get("sha256", ""), recipe=spec.get("recipe", {}) or {},
                 bundle_path=spec.get("artifact", {}).get("uri", ""), speedup=spec.get("metrics", {}).get("speedup"),
                 verification=spec.get("verification", {}), profile=spec.get("traffic"), parent=spec.get("parent"),
-                compile_run=spec.get("compileRun")))
+                compile_run=spec.get("compileRun"), config_sha256=spec.get("model", {}).get("configSha256")))
         return out
 
     def nearest_champions(self, signature: str, hardware: str, profile: TrafficProfile, k: int = 3,

@@ -234,6 +234,7 @@ def run(job: CompileJob, cluster: Any = None) -> int:
     from shapeshift.engine.compile.loop import CompileLoop, LoopConfig
     from shapeshift.engine.compile.report import print_outcome, write_report
     from shapeshift.engine.compile.champions import ChampionEntry, LocalRegistry, TrafficRegime, model_signature, project_recipe
+    from shapeshift.engine.models.presets import model_config_sha256
 
     profile = job.profile
     out = job.out
@@ -337,7 +338,8 @@ def run(job: CompileJob, cluster: Any = None) -> int:
                          "noise": inc.full.cv if inc.full else None, "dtype": str(settings.dtype or "")},
                 verification={"passed": inc.verification.passed, "gates": inc.verification.gates} if inc.verification else {},
                 profile=profile.to_dict(), notes=[{"agent": result.champion.agent, "note": result.champion.note}],
-                parent=result.champion.parent, compile_run=job.compile_run)
+                parent=result.champion.parent, compile_run=job.compile_run,
+                config_sha256=model_config_sha256(job.model))
             registry.publish(entry, out / "champion")
             context["registry_entry"] = entry.name
             if cluster is not None:

@@ -9,10 +9,13 @@ presets without loading anything.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shapeshift.engine.contracts.model_config import config_sha256
 
 # Byte-level tokenizer of random presets: 256 bytes + 3 specials; "<|endoftext|>" = 256.
 RANDOM_PRESET_EOS = 256
@@ -171,3 +174,30 @@ def resolve_model(name_or_path: str) -> Preset | Path:
     raise ValueError(
         f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder "
         "with config.json and safetensors weights")
+
+
+def preset_config_sha256(name: str | None) -> str | None:
+    """The config digest of a random preset (its config is fixed here); None for an imported
+    preset, whose folder's config.json wins, and for a name that is no preset."""
+    preset = PRESETS.get(name or "")
+    return config_sha256(preset.hf_config) if preset is not None and preset.is_random else None
+
+
+def model_config_sha256(name_or_path: str) -> str | None:
+    """The config digest of the model a process serves or measures: a random preset's, else the
+    config.json of its folder (an imported preset's, or a model folder); None when there is none."""
+    digest = preset_config_sha256(name_or_path)
+    if digest is not None:
+        return digest
+    try:
+        model = resolve_model(name_or_path)
+    except ValueError:
+        return None
+    folder = model.folder() if isinstance(model, Preset) else model
+    path = folder / "config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return config_sha256(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None

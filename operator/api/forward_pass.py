@@ -33,7 +33,7 @@ class ModelSignature(WireModel):
     architecture: str | None = Field(default=None, max_length=128, description="e.g. LlamaForCausalLM.")
     dtype: Dtype = Field(default="bfloat16", description="Dtype it was verified in.")
     config_sha256: str | None = Field(default=None, max_length=64, pattern=r"^[a-f0-9]{64}$",
-                                      description="sha256 of the model's config.json.")
+                                      description="sha256 of the model's config.json in canonical JSON (sorted keys, no spaces).")
 
 
 class ForwardPassHardware(WireModel):

@@ -428,6 +428,12 @@ class RegimeChampion(StatusModel):
     accelerator: str | None = Field(default=None, max_length=64, description="Accelerator it was verified on.")
     model: str | None = Field(default=None, max_length=253, description="Model it was verified for.")
     dtype: str | None = Field(default=None, max_length=32, description="Dtype it was verified in.")
+    model_config_sha256: str | None = Field(
+        default=None, max_length=64, description="Digest of the model config it was verified for (its ForwardPass's "
+                                                 "spec.model.configSha256; absent: not recorded).")
+    engine_image: str | None = Field(
+        default=None, max_length=512, description="The deployment's engine image when it was recorded (absent: not "
+                                                  "recorded); another spec.engine.image does not switch to it.")
     engine_env_sha256: str | None = Field(default=None, max_length=64,
                                           description="Digest of the engine performance switches it was measured under.")
     compile_run: str | None = Field(default=None, max_length=253, description="The CompileRun that published it.")

@@ -203,7 +203,8 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
         completed = parse_time(run["status"].get("completionTime"))
         # spent from the Job's times, saved from the served tokens/s in Prometheus; also the run's status.economics
         cost = champion_economics(kube, run, forward_pass, spec, body["metadata"]["name"], body["metadata"]["namespace"])
-        library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost)
+        library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost,
+                                  engine_image=spec.engine.image)
         kopf.info(body, reason="RegimeChampionRecorded",
                   message=f"regime {regime}: champion {champion} of CompileRun {run['metadata']['name']} "
                           f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')}; compile "

@@ -41,9 +41,11 @@ def spec(**extra) -> InferenceDeploymentSpec:
         **extra})
 
 
-def forward_pass(name: str, sha: str, accelerator: str = "cpu", dtype: str = "float32", env=None) -> dict:
+def forward_pass(name: str, sha: str, accelerator: str = "cpu", dtype: str = "float32", env=None,
+                 config: str | None = None) -> dict:
+    model = {"name": "tiny-llama", "dtype": dtype, **({"configSha256": config} if config else {})}
     body = {"metadata": {"name": name}, "spec": {
-        "model": {"name": "tiny-llama", "dtype": dtype}, "hardware": {"accelerator": accelerator},
+        "model": model, "hardware": {"accelerator": accelerator},
         "artifact": {"uri": f"/var/lib/shapeshift-artifacts/{sha}.tar.gz", "sha256": sha}, "metrics": {"speedup": 1.4}}}
     if env is not None:
         body["spec"]["engine"] = {"env": env}
@@ -466,3 +468,90 @@ def test_a_champion_the_rollout_rolled_back_is_not_switched_to_again_and_its_reg
     assert recorded["champion"]["rolledBackAt"].startswith("2026-12-01T12:10:00")
     assert "canary regressed" in recorded["champion"]["rolledBackReason"]
     assert checked.update.condition("Regime")[1] == "False"
+
+
+CONFIG_1, CONFIG_2 = "1" * 64, "2" * 64
+
+
+def test_a_champion_of_another_config_of_the_same_name_is_refused_naming_the_field():
+    from shapeshift.operator.regimes import ServingTarget, champion_problem
+
+    # A's champion verified for config 1; B's, newer, for config 2 (the model folder was replaced)
+    lib = RegimeLibrary()
+    lib = run(lib, A, T0).library
+    lib = record_champion(lib, KEY_A, forward_pass("fp-a", SHA_A, config=CONFIG_1), "run-a", T0 + CHECK)
+    for i in range(2):
+        lib = run(lib, B, T0 + (2 + i) * CHECK).library
+    lib = record_champion(lib, KEY_B, forward_pass("fp-b", SHA_B, config=CONFIG_2), "run-b", T0 + 4 * CHECK)
+    assert lib.get(KEY_A).champion.model_config_sha256 == CONFIG_1
+    assert lib.model_config_sha256() == CONFIG_2  # the newest champion's
+    target = ServingTarget.of(spec(), lib)
+    assert target.model_config_sha256 == CONFIG_2 and target.engine_image == "shapeshift/engine:0.1.0"
+    problem = champion_problem(lib.get(KEY_A).champion, target, T0, None)
+    assert problem is not None and "configSha256" in problem and "another config of model tiny-llama" in problem
+    assert champion_problem(lib.get(KEY_B).champion, target, T0, None) is None
+    # a champion that records no config (published before it was recorded) is not compared
+    bare = lib.get(KEY_A).champion.model_copy(update={"model_config_sha256": None})
+    assert champion_problem(bare, target, T0, None) is None
+    # back to A: compiled again, not switched to
+    at = T0 + 10 * CHECK
+    for i in range(2):
+        d = run(lib, A, at + i * CHECK, active="fp-b")
+        lib = d.library
+    assert d.kind == "Compile" and "configSha256" in d.reason and not d.blocks_compile
+    # all of one config: the switch as before
+    same = library_with_champions(config=CONFIG_2)
+    for i in range(2):
+        d = run(same, A, at + i * CHECK, active="fp-b")
+        same = d.library
+    assert d.kind == "Switch" and d.champion.forward_pass == "fp-a"
+
+
+def test_a_champion_recorded_under_another_engine_image_is_refused_naming_the_field():
+    from shapeshift.operator.regimes import ServingTarget, champion_problem
+
+    lib = RegimeLibrary()
+    lib = run(lib, A, T0).library
+    lib = record_champion(lib, KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0 + CHECK,
+                          engine_image="shapeshift/engine:0.0.9")
+    champion = lib.get(KEY_A).champion
+    assert champion.engine_image == "shapeshift/engine:0.0.9"
+    problem = champion_problem(champion, ServingTarget.of(spec()), T0, None)
+    assert problem is not None and "spec.engine.image" in problem and "shapeshift/engine:0.0.9" in problem
+    assert champion_problem(champion, ServingTarget.of(spec(engine={"dtype": "float32", "image":
+                                                                    "shapeshift/engine:0.0.9"})), T0, None) is None
+    # a champion that records no image is not compared
+    assert champion_problem(champion.model_copy(update={"engine_image": None}), ServingTarget.of(spec()),
+                            T0, None) is None
+    # the wire form keeps both fields
+    wire = lib.to_wire()["regimes"][0]["champion"]
+    assert wire["engineImage"] == "shapeshift/engine:0.0.9" and "modelConfigSha256" not in wire
+
+
+def test_the_compile_worker_records_the_model_config_digest():
+    from shapeshift.engine.compile.champions import ChampionEntry, forward_pass_spec
+    from shapeshift.engine.contracts.model_config import config_sha256
+    from shapeshift.engine.models.presets import PRESETS, model_config_sha256
+
+    digest = model_config_sha256("tiny-llama")
+    assert digest == config_sha256(PRESETS["tiny-llama"].hf_config) and len(digest) == 64
+    assert model_config_sha256("tiny-qwen3") != digest and model_config_sha256("no-such-model") is None
+    entry = ChampionEntry(name="c", signature="s", model="tiny-llama", family="llama", hardware="cpu",
+                          regime={"prompt": 0, "hit": 0, "concurrency": 1}, bundle_digest=SHA_A, recipe={},
+                          config_sha256=digest)
+    wire = forward_pass_spec(entry, f"/var/lib/shapeshift-artifacts/{SHA_A}.tar.gz").to_wire()
+    assert wire["model"]["configSha256"] == digest
+    lib = record_champion(RegimeLibrary(), KEY_A, {"metadata": {"name": "c"}, "spec": wire}, "run", T0)
+    assert lib.get(KEY_A).champion.model_config_sha256 == digest
+
+
+def test_a_model_folders_config_digest_ignores_formatting(tmp_path):
+    import json
+
+    from shapeshift.engine.models.presets import model_config_sha256
+
+    (tmp_path / "config.json").write_text(json.dumps({"b": 1, "a": [1, 2]}, indent=4))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"a":[1,2],"b":1}')
+    assert model_config_sha256(str(tmp_path)) == model_config_sha256(str(other)) is not None
