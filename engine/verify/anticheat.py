@@ -31,7 +31,8 @@ HARNESS_MODULES = (
     "shapeshift.engine.verify.kv_isolation", "shapeshift.engine.verify.anti_cheat_gates",
     "shapeshift.engine.verify.context", "shapeshift.engine.verify.agreement", "shapeshift.engine.verify.report",
     "shapeshift.engine.verify.anticheat", "shapeshift.engine.verify.measured", "shapeshift.engine.verify.isolated",
-    "shapeshift.engine.verify.selftest", "shapeshift.engine.forward_pass.tolerances",
+    "shapeshift.engine.verify.selftest", "shapeshift.engine.verify.sampling_gate",
+    "shapeshift.engine.forward_pass.tolerances",
     "shapeshift.engine.forward_pass.weights_guard", "shapeshift.engine.forward_pass.patch_guard",
 )
 

@@ -58,6 +58,10 @@ class GateSettings:
     # tokenizer): each gate prompt is then a span of it from a fresh random offset, as served
     # traffic is text; None: random token ids. The canary stays random (a secret, not a phrase).
     prompt_tokens: tuple[int, ...] | None = None
+    # outputs.sampling: one row each (temperature, top_p, top_k), seeded afresh every run, decoded
+    # in one batch; the temperature-0 row is greedy beside the sampled ones, as the engine batches.
+    sampling: tuple[tuple[float, float, int], ...] = ((0.7, 1.0, 0), (1.0, 0.9, 0), (0.8, 1.0, 40),
+                                                      (1.2, 0.95, 20), (0.0, 1.0, 0))
 
     def decode_batch_sizes(self) -> list[int]:
         if self.batch_sizes is not None:

@@ -1,6 +1,7 @@
 """Verification gates: named checks that a candidate forward pass must pass before it is served;
-this module runs them in order (the gates themselves live in outputs.py, kv_isolation.py and
-anti_cheat_gates.py, their common ground in context.py, the report types in report.py).
+this module runs them in order (the gates themselves live in outputs.py, sampling_gate.py,
+kv_isolation.py and anti_cheat_gates.py, their common ground in context.py, the report types
+in report.py).
 
 Data flow:
 
@@ -19,6 +20,10 @@ Gates (names are stable; reports and tests refer to them):
                               tokens; a flip is forgiven only at a near-tie) and logprob tolerance
                               (in half precision the bounds and the near-tie margin calibrated on
                               the reference's own rounding error)
+  outputs.sampling            seeded sampled decoding (temperature, top-p, top-k, a seed per row)
+                              through the engine's samplers gives the reference's tokens: the
+                              candidate teacher-forced on the reference's sampled tokens, drawn
+                              with the same noise (a flip forgiven only at a near-tie of the race)
   kv.prefix_hit_equals_miss   a prompt computed over a shared cached prefix == computed fresh
   kv.batched_equals_alone     each sequence's outputs do not depend on its batch mates
   kv.canary_isolation         a canary secret in one request never reaches another: outputs of a
@@ -68,6 +73,7 @@ from shapeshift.engine.verify.kv_isolation import gate_batched_alone, gate_canar
 from shapeshift.engine.verify.outputs import (calibrate, gate_agreement, gate_coverage, gate_finite, gate_long_context,
                                              gate_mixed_steps, gate_smoke)
 from shapeshift.engine.verify.report import GATE_NAMES, GateReport, GateSuiteReport
+from shapeshift.engine.verify.sampling_gate import gate_sampling
 
 
 def _run_gate(name: str, fn: Callable[[], dict[str, Any]], timeout_s: float) -> GateReport:
@@ -183,6 +189,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         ("smoke", lambda: gate_smoke(ctx)),
         ("outputs.finite", lambda: gate_finite(ctx)),
         ("outputs.agreement", lambda: gate_agreement(ctx)),
+        ("outputs.sampling", lambda: gate_sampling(ctx)),
         ("kv.prefix_hit_equals_miss", lambda: gate_prefix_hit(ctx)),
         ("kv.batched_equals_alone", lambda: gate_batched_alone(ctx)),
         ("kv.canary_isolation", lambda: gate_canary(ctx)),

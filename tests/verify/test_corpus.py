@@ -37,11 +37,14 @@ CORPUS = {
     "long_context_window": (3, "coverage.long_context"),
     "odd_batch_sizes": (3, "coverage.shapes"),
     "mixed_step": (3, "coverage.mixed_steps"),
+    "sampling_off_greedy_path": (3, "outputs.sampling"),
     "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
+# Caught by their gate and by no other: every other gate passes them.
+ONLY_THEIR_GATE = {"sampling_off_greedy_path"}
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 # Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
@@ -94,6 +97,8 @@ def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     target = report.gate(gate)
     assert not target.passed and not target.skipped and target.evidence.get("reason"), str(target)
     assert report.gate("smoke").passed
+    if name in ONLY_THEIR_GATE:
+        assert report.failed == [gate], f"{name} failed {report.failed}, not only {gate}"
     print(f"{name}: {gate}: {target.evidence['reason']}")
 
 
