@@ -155,8 +155,25 @@ class RegimeLibrary:
         newest = max(recorded, key=lambda c: c.verified_at or never, default=None)
         return newest.model_config_sha256 if newest is not None else None
 
+    def with_economics(self) -> "RegimeLibrary":
+        """status.currentRegime with the economics of the current regime's champion (the printer
+        columns Saved/Day and Payback read them there: a column cannot pick an entry of
+        status.regimes); none where that champion has none or the regime has no champion."""
+        entry = self.get(self.current.name)
+        champ = entry.champion if entry is not None else None
+        saved = champ.saved_accelerator_seconds_per_hour if champ is not None else None
+        payback = champ.payback_seconds if champ is not None else None
+        current = self.current.model_copy(update={
+            "saved_accelerator_hours_per_day": None if saved is None else round(saved / 150, 6),
+            "payback_hours": None if payback is None else round(payback / 3600, 6)})
+        return replace(self, current=current)
+
     def to_wire(self) -> dict[str, Any]:
-        return {"regimes": [r.to_wire() for r in self.regimes], "currentRegime": self.current.to_wire()}
+        current = self.with_economics().current
+        # explicit nulls: the status is merge-patched, so a figure the new current regime lacks is removed
+        economics = {"savedAcceleratorHoursPerDay": current.saved_accelerator_hours_per_day,
+                     "paybackHours": current.payback_hours}
+        return {"regimes": [r.to_wire() for r in self.regimes], "currentRegime": {**current.to_wire(), **economics}}
 
 
 @dataclass(frozen=True)

@@ -483,6 +483,13 @@ class CurrentRegime(StatusModel):
     sha256: str | None = Field(default=None, max_length=64, description="Its bundle digest.")
     last_switch_time: datetime | None = Field(default=None, description="When the last switch happened.")
     reason: str | None = Field(default=None, max_length=1024, description="Why the library did what it did last.")
+    saved_accelerator_hours_per_day: float | None = Field(
+        default=None, ge=0, description="What the champion of the current regime saves: accelerator-hours a day at "
+                                        "the load served when it was recorded (its savedAcceleratorSecondsPerHour / "
+                                        "150).")
+    payback_hours: float | None = Field(
+        default=None, ge=0, description="Serving hours in the current regime after which its champion's compile paid "
+                                        "for itself (its paybackSeconds / 3600).")
 
 
 class InferenceDeploymentStatus(StatusModel):
@@ -530,9 +537,12 @@ INFERENCE_DEPLOYMENT = Kind(
         printer_column("Forward-Pass", ".status.activeForwardPass.name", description="Forward pass the pods run."),
         printer_column("Speedup", ".status.activeForwardPass.speedup", "number", description="Over the stock forward pass."),
         printer_column("Drift", ".status.drift.score", "number", description="Last drift score."),
-        printer_column("Regime", ".status.currentRegime.name", priority=1,
-                       description="Traffic regime the deployment serves."),
+        printer_column("Regime", ".status.currentRegime.name", description="Traffic regime the deployment serves."),
         printer_column("Rollout", ".status.rollout.phase", description="Idle, Canary, Analyzing, Promoting, Complete, RolledBack."),
+        printer_column("Saved/Day", ".status.currentRegime.savedAcceleratorHoursPerDay", "number", priority=1,
+                       description="Accelerator-hours a day the current regime's champion saves at its recorded load."),
+        printer_column("Payback", ".status.currentRegime.paybackHours", "number", priority=1,
+                       description="Hours of serving after which the current regime's champion paid for its compile."),
         printer_column("Policy", ".spec.compilation.policy", priority=1),
         printer_column("Last-Compile", ".status.lastCompileRun", priority=1),
         printer_column("Message", ".status.message", priority=1),

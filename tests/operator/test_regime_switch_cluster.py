@@ -11,7 +11,8 @@ scraped by Prometheus.
                                         kubelet), and fp-a is recorded in status.regimes; the run's
                                         status.economics (and the champion's) against a hand
                                         calculation from the Job's real times and the served rate
-                                        asked of Prometheus again; `kubectl get compileruns` shows them
+                                        asked of Prometheus again; `kubectl get compileruns` shows them,
+                                        `kubectl get infd -o wide` the current regime's
     traffic B (prompts ~600 tokens)  -> a CompileRun for regime B; fp-b written by hand (no run vouches
                                         for it) is not recorded; published by the run, it is
     traffic A again                  -> a switch to fp-a within two checks, no CompileRun, an event
@@ -208,6 +209,13 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]  # cells may be empty: cut by the header
         columns = {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, starts[1:])}
         assert float(columns["SPENT"]) == pytest.approx(econ["acceleratorSeconds"], rel=1e-3)
+        assert float(columns["PAYBACK"]) == pytest.approx(econ["paybackHours"], rel=1e-3)
+        # and `kubectl get infd -o wide` the current regime (A) and its champion's
+        header, row = crds.kubectl("get", "infd", NAME, "-n", namespace, "-o", "wide").stdout.splitlines()[:2]
+        starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
+        columns = {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, starts[1:])}
+        assert columns["REGIME"] == KEY_A, columns
+        assert float(columns["SAVED/DAY"]) == pytest.approx(econ["savedAcceleratorHoursPerDay"], rel=1e-3)
         assert float(columns["PAYBACK"]) == pytest.approx(econ["paybackHours"], rel=1e-3)
 
         # B: compiled, its champion recorded

@@ -555,3 +555,48 @@ def test_a_model_folders_config_digest_ignores_formatting(tmp_path):
     other.mkdir()
     (other / "config.json").write_text('{"a":[1,2],"b":1}')
     assert model_config_sha256(str(tmp_path)) == model_config_sha256(str(other)) is not None
+
+
+def test_the_printer_columns_show_the_current_regime_and_its_champions_economics():
+    """`kubectl get infd` shows the regime (REGIME), `-o wide` also the current regime's champion's
+    economics (SAVED/DAY, PAYBACK): status.currentRegime carries them, since a printer column cannot
+    pick the current regime's entry out of status.regimes."""
+    from shapeshift.operator.api import INFERENCE_DEPLOYMENT
+    from shapeshift.operator.crdgen import build_crd
+    from shapeshift.operator.regimes import economics
+
+    version = build_crd(INFERENCE_DEPLOYMENT)["spec"]["versions"][0]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert columns["Regime"]["jsonPath"] == ".status.currentRegime.name" and "priority" not in columns["Regime"]
+    assert (columns["Saved/Day"]["jsonPath"], columns["Saved/Day"]["type"], columns["Saved/Day"]["priority"]) == (
+        ".status.currentRegime.savedAcceleratorHoursPerDay", "number", 1)
+    assert (columns["Payback"]["jsonPath"], columns["Payback"]["type"], columns["Payback"]["priority"]) == (
+        ".status.currentRegime.paybackHours", "number", 1)
+    names = list(columns)
+    assert names.index("Regime") < names.index("Saved/Day") < names.index("Payback") < names.index("Age")
+    current = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["currentRegime"]
+    assert {"savedAcceleratorHoursPerDay", "paybackHours"} <= set(current["properties"])
+
+    def cell(wire: dict, path: str):
+        for part in path.strip(".").split(".")[1:]:  # below .status
+            wire = (wire or {}).get(part)
+        return wire
+
+    # A's champion: 1 accelerator-hour spent, 1.6 accelerators saved a second: 38.4 h a day, 2250 s payback
+    cost = economics(started=T0, completed=T0 + timedelta(hours=1), compile_accelerators=1, speedup=1.25,
+                     served_tokens_per_second=4000.0, baseline_tokens_per_second_per_accelerator=500.0,
+                     serving_accelerators=8)
+    lib = run(RegimeLibrary(), A, T0).library
+    lib = record_champion(lib, KEY_A, forward_pass("fp-a", SHA_A), "run-a", T0, cost)
+    wire = lib.to_wire()
+    assert cell(wire, columns["Regime"]["jsonPath"]) == KEY_A
+    assert cell(wire, columns["Saved/Day"]["jsonPath"]) == pytest.approx(cost.saved_accelerator_hours_per_day)
+    assert cell(wire, columns["Payback"]["jsonPath"]) == pytest.approx(2250 / 3600)
+    # the status reads back to the same library, and a write carries the figures again
+    assert RegimeLibrary.of(InferenceDeploymentStatus.model_validate(wire)).to_wire() == wire
+    # traffic settles in B, which has no champion: the figures go (explicit nulls: the status is merge-patched)
+    for i in range(2):
+        lib = run(lib, B, T0 + (1 + i) * CHECK, active="fp-a").library
+    wire = lib.to_wire()
+    assert cell(wire, columns["Regime"]["jsonPath"]) == KEY_B
+    assert wire["currentRegime"]["savedAcceleratorHoursPerDay"] is None and wire["currentRegime"]["paybackHours"] is None
