@@ -1,6 +1,6 @@
 """Verification gates for candidate forward passes (gates.py: the list, the data flow and the run;
-outputs.py, sampling_gate.py, kv_isolation.py, anti_cheat_gates.py: the gates; context.py,
-report.py: their common types).
+outputs.py, sampling_gate.py, kv_isolation.py, concurrency.py, anti_cheat_gates.py: the gates;
+context.py, report.py: their common types).
 
 Importing this package captures the anti-cheat references (clocks, math functions) first,
 so import it before any candidate code runs.

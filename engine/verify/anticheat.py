@@ -32,7 +32,7 @@ HARNESS_MODULES = (
     "shapeshift.engine.verify.context", "shapeshift.engine.verify.agreement", "shapeshift.engine.verify.report",
     "shapeshift.engine.verify.anticheat", "shapeshift.engine.verify.measured", "shapeshift.engine.verify.isolated",
     "shapeshift.engine.verify.selftest", "shapeshift.engine.verify.sampling_gate",
-    "shapeshift.engine.forward_pass.tolerances",
+    "shapeshift.engine.verify.concurrency", "shapeshift.engine.forward_pass.tolerances",
     "shapeshift.engine.forward_pass.weights_guard", "shapeshift.engine.forward_pass.patch_guard",
 )
 

@@ -4,7 +4,8 @@ loop that answers the verifier (engine/verify/isolated.py holds the verifier's s
 Data flow: zygote_main (started with spawn; imports torch and the engine, warms the host's
 kernels, never runs candidate code) --fork per request--> child_main: init (map the weights,
 load_bundle, build) | kv (map a KV cache) | forward (inputs -> fp.forward -> logits, the inputs it
-changed, the previous output if it changed, seconds) | observe (patched functions, new threads,
+changed, the previous output if it changed, seconds) | forward_concurrently (several calls, each in
+a thread of its own released at one barrier -> their logits) | observe (patched functions, new threads,
 replaced weights) | probe (CUDA IPC check); every reply JSON + raw bytes (engine/verify/wire.py).
 """
 
@@ -176,8 +177,17 @@ class _Child:
             self.buffers.move_to_end(key)
         return buf
 
-    def forward(self, h: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    @staticmethod
+    def context(h: dict[str, Any], bufs: dict[str, torch.Tensor]) -> Any:
         from shapeshift.engine.core.attention import AttentionContext
+
+        s = h["scalars"]
+        return AttentionContext(is_prefill=bool(s["is_prefill"]), max_query_len=int(s["max_query_len"]),
+                                max_context_len=int(s["max_context_len"]),
+                                query_start_loc_cpu=s["query_start_loc_cpu"], context_lens_cpu=s["context_lens_cpu"],
+                                **{f: bufs[f] for f in CTX_TENSORS})
+
+    def forward(self, h: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
         from shapeshift.engine.forward_pass.patch_guard import perf_counter
 
         kv = self.kvs[h["kv"]]
@@ -189,11 +199,7 @@ class _Child:
             if tuple(new.shape) == tuple(self.last.shape):
                 self.last.copy_(new.to(self.last.device))
                 self.last_sent = self.last.detach().clone()
-        s = h["scalars"]
-        actx = AttentionContext(is_prefill=bool(s["is_prefill"]), max_query_len=int(s["max_query_len"]),
-                                max_context_len=int(s["max_context_len"]),
-                                query_start_loc_cpu=s["query_start_loc_cpu"], context_lens_cpu=s["context_lens_cpu"],
-                                **{f: bufs[f] for f in CTX_TENSORS})
+        actx = self.context(h, bufs)
         self.sync()
         t0 = perf_counter()
         out = self.fp.forward(bufs["input_ids"], bufs["positions"], actx, kv)
@@ -219,6 +225,42 @@ class _Child:
             reply["not_tensor"] = type(out).__name__
             self.last = self.last_sent = None
         return reply, back
+
+    def forward_concurrently(self, h: dict[str, Any], blobs: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        """Each call in a thread of its own, all released together at a barrier (two callers of one
+        served pass: the engine's loop and a hot reload's smoke check on the incumbent, say)."""
+        calls = []
+        for c in h["calls"]:
+            bufs = {name: unpack(d, blobs).to(self.device) for name, d in c["tensors"].items()}
+            calls.append((bufs, self.context(c, bufs), self.kvs[c["kv"]]))
+        start = threading.Barrier(len(calls))
+        outs: list[Any] = [None] * len(calls)
+        errors: list[str] = []
+
+        def run(i: int) -> None:
+            bufs, actx, kv = calls[i]
+            with torch.inference_mode():  # thread-local: as the serve loop's
+                try:
+                    if self.device.type == "cuda":
+                        torch.cuda.set_device(self.device)  # the current device is per thread too
+                    start.wait()
+                    outs[i] = self.fp.forward(bufs["input_ids"], bufs["positions"], actx, kv)
+                except BaseException as exc:  # noqa: BLE001 - the candidate's error, reported as text
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    start.abort()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.sync()
+        self.last = self.last_sent = None
+        if errors:
+            return {"ok": False, "error": errors[0]}, []
+        back: list[bytes] = []
+        logits = [pack(o, back) if isinstance(o, torch.Tensor) else {"not_tensor": type(o).__name__} for o in outs]
+        return {"ok": True, "logits": logits}, back
 
     def observe(self) -> dict[str, Any]:
         from shapeshift.engine.forward_pass.patch_guard import patched_functions
@@ -258,6 +300,10 @@ def child_main(fd: int, threads: int) -> None:
                     for i in h.get("drop_kv", []):
                         child.kvs.pop(i, None)
                     reply, back = child.forward(h, blobs)
+                elif op == "forward_concurrently":
+                    for i in h.get("drop_kv", []):
+                        child.kvs.pop(i, None)
+                    reply, back = child.forward_concurrently(h, blobs)
                 elif op == "observe":
                     reply = child.observe()
                 elif op == "probe":  # CUDA IPC works here: read the verifier's tensor, write it

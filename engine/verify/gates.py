@@ -1,7 +1,7 @@
 """Verification gates: named checks that a candidate forward pass must pass before it is served;
 this module runs them in order (the gates themselves live in outputs.py, sampling_gate.py,
-kv_isolation.py and anti_cheat_gates.py, their common ground in context.py, the report types
-in report.py).
+kv_isolation.py, concurrency.py and anti_cheat_gates.py, their common ground in context.py, the
+report types in report.py).
 
 Data flow:
 
@@ -38,6 +38,9 @@ Gates (names are stable; reports and tests refer to them):
                               upper half), over a KV pool they fill
   coverage.mixed_steps        decode rows next to prefills and prefill chunks in one step; a prefix
                               donor batched with the child sharing its blocks, re-checked after
+  coverage.concurrent_calls   two request groups decoded by the candidate on two KV caches, their
+                              calls interleaved and then overlapping (two threads at once) ==
+                              each group decoded alone by the reference
   anti_cheat.fresh_inputs     reused input buffers with new contents, same tokens in new contexts
   anti_cheat.poisoned_outputs returned logits are not changed after return; poisoned previous
                               outputs never leak into new ones
@@ -67,6 +70,7 @@ from shapeshift.engine.forward_pass.importer import LoadedBundle, ReloadError, l
 from shapeshift.engine.forward_pass.weights_guard import WeightsBaseline, fingerprint_diff, weights_fingerprint
 from shapeshift.engine.verify.anti_cheat_gates import (gate_fresh_inputs, gate_inputs_unchanged, gate_no_patching,
                                                      gate_poisoned_outputs, gate_speed_of_light)
+from shapeshift.engine.verify.concurrency import gate_concurrent_calls
 from shapeshift.engine.verify.context import GateContext, GateFailure, GateSettings
 from shapeshift.engine.verify.isolated import CandidateDied, IsolatedCandidate, cuda_ipc_problem
 from shapeshift.engine.verify.kv_isolation import gate_batched_alone, gate_canary, gate_prefix_hit, gate_swap
@@ -197,6 +201,7 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         ("coverage.shapes", lambda: gate_coverage(ctx)),
         ("coverage.long_context", lambda: gate_long_context(ctx)),
         ("coverage.mixed_steps", lambda: gate_mixed_steps(ctx)),
+        ("coverage.concurrent_calls", lambda: gate_concurrent_calls(ctx)),
         ("anti_cheat.fresh_inputs", lambda: gate_fresh_inputs(ctx)),
         ("anti_cheat.poisoned_outputs", lambda: gate_poisoned_outputs(ctx)),
         ("anti_cheat.inputs_unchanged", lambda: gate_inputs_unchanged(ctx, weights_before, by_content=True)),

@@ -18,6 +18,8 @@ Data flow:
       driver(): PagedDriver whose KVCache lives in shared memory (memfd / CUDA IPC)
       forward(input_ids, positions, ctx, kv) --JSON + raw bytes--> fp.forward on the same KV
         <-- logits, inputs it changed, the previous output if it changed, seconds
+      forward_concurrently([calls]) ------------------------> each call in a thread, all at once
+        <-- their logits
       observe() <-- patched functions, threads it started, weights it replaced
 
 Nothing crosses back but JSON and raw tensor bytes of an allowed dtype (no pickle): the
@@ -377,18 +379,22 @@ class IsolatedCandidate:
                     os.close(fd)
         return kv_id
 
+    def _call_header(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any, kv_cache: Any,
+                     blobs: list[bytes]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """One forward call's header (its tensors packed into ``blobs``) and the tensors it sent."""
+        kv_id = self._attach(kv_cache)
+        tensors = {"input_ids": input_ids, "positions": positions, **{f: getattr(ctx, f) for f in CTX_TENSORS}}
+        return {"kv": kv_id, "tensors": {n: {**pack(t, blobs), "key": t.data_ptr()} for n, t in tensors.items()},
+                "scalars": {"is_prefill": bool(ctx.is_prefill), "max_query_len": int(ctx.max_query_len),
+                            "max_context_len": int(ctx.max_context_len), "query_start_loc_cpu": ctx.query_start_loc_cpu,
+                            "context_lens_cpu": ctx.context_lens_cpu}}, tensors
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any, kv_cache: Any) -> Any:
         if self.dead:
             raise CandidateDied(self.dead)
-        kv_id = self._attach(kv_cache)
         blobs: list[bytes] = []
-        tensors = {"input_ids": input_ids, "positions": positions, **{f: getattr(ctx, f) for f in CTX_TENSORS}}
-        header: dict[str, Any] = {
-            "op": "forward", "kv": kv_id,
-            "tensors": {n: {**pack(t, blobs), "key": t.data_ptr()} for n, t in tensors.items()},
-            "scalars": {"is_prefill": bool(ctx.is_prefill), "max_query_len": int(ctx.max_query_len),
-                        "max_context_len": int(ctx.max_context_len),
-                        "query_start_loc_cpu": ctx.query_start_loc_cpu, "context_lens_cpu": ctx.context_lens_cpu}}
+        call, tensors = self._call_header(input_ids, positions, ctx, kv_cache, blobs)
+        header: dict[str, Any] = {"op": "forward", **call}
         if self._kv_dropped:
             header["drop_kv"], self._kv_dropped = self._kv_dropped, []
         prev = self._prev
@@ -423,6 +429,28 @@ class IsolatedCandidate:
         logits = unpack(reply["logits"], back).to(self.device)
         self._prev, self._prev_copy = logits, logits.clone()
         return logits
+
+    def forward_concurrently(self, calls: list[tuple[torch.Tensor, torch.Tensor, Any, Any]]) -> list[torch.Tensor]:
+        """Each (input_ids, positions, ctx, kv_cache) call run at the same time, in a thread of its
+        own in the candidate's process (started together at a barrier), as two callers of one
+        served pass would; their logits in order. Nothing is mirrored back (the inputs the calls
+        changed, earlier outputs): the single-call gates check those."""
+        if self.dead:
+            raise CandidateDied(self.dead)
+        blobs: list[bytes] = []
+        header: dict[str, Any] = {"op": "forward_concurrently",
+                                  "calls": [self._call_header(*c, blobs)[0] for c in calls]}
+        if self._kv_dropped:
+            header["drop_kv"], self._kv_dropped = self._kv_dropped, []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        reply, back = self._call(header, blobs)
+        self.calls += len(calls)
+        self._prev = self._prev_copy = None
+        if not reply.get("ok"):
+            raise CandidateError(reply.get("error", "forward failed"))
+        return [unpack(d, back).to(self.device) if "not_tensor" not in d else _NotATensor(str(d["not_tensor"]))
+                for d in reply["logits"]]
 
     def observe(self) -> dict[str, Any]:
         """What the candidate left in its process: patched functions, threads it started, weights

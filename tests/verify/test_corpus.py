@@ -38,13 +38,14 @@ CORPUS = {
     "odd_batch_sizes": (3, "coverage.shapes"),
     "mixed_step": (3, "coverage.mixed_steps"),
     "sampling_off_greedy_path": (3, "outputs.sampling"),
+    "shared_call_state": (3, "coverage.concurrent_calls"),
     "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
 # Caught by their gate and by no other: every other gate passes them.
-ONLY_THEIR_GATE = {"sampling_off_greedy_path"}
+ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state"}
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 # Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
@@ -73,7 +74,7 @@ def test_every_corpus_candidate_has_a_readme_naming_its_gate():
         assert f"`{gate}`" in readme, f"{name}/README.md does not name {gate}"
 
 
-def _verify(name: str, cfg, weights):
+def _verify(name: str, cfg, weights, only=None):
     path = CANDIDATES / name
     baseline = None
     if name == "weights_touched_when_measured":  # the measured hot reload builds it first
@@ -82,7 +83,7 @@ def _verify(name: str, cfg, weights):
         loaded.module.build(cfg, weights, dict(loaded.recipe))
         loaded.unload()
     return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0),
-                            weights_baseline=baseline)
+                            weights_baseline=baseline, only=only)
 
 
 @pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED) - set(PATCHING)))
@@ -100,6 +101,24 @@ def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     if name in ONLY_THEIR_GATE:
         assert report.failed == [gate], f"{name} failed {report.failed}, not only {gate}"
     print(f"{name}: {gate}: {target.evidence['reason']}")
+
+
+def test_overlapping_calls_are_checked_in_process_too(model, monkeypatch):
+    """Where the candidate shares the verifier's process (CUDA IPC refused; forced here), its
+    overlapping calls run in two threads of this process: the shared per-call state is caught
+    there too, and the good candidate passes."""
+    from shapeshift.engine.verify import gates
+
+    cfg, weights = model
+    monkeypatch.setattr(gates, "_isolation_problem", lambda device: "forced: the candidate shares this process")
+    only = ("coverage.concurrent_calls",)
+    for name, passes in (("shared_call_state", False), ("good_refactored", True)):
+        report = _verify(name, cfg, weights, only=only)
+        assert report.isolation["process"] == "in-process"
+        gate = report.gate("coverage.concurrent_calls")
+        assert gate.passed is passes, str(gate)
+        if not passes:
+            assert gate.evidence["mode"] == "overlapping" and gate.evidence["interleaved_max_logprob_diff"] == 0.0
 
 
 def test_tampered_weights_are_seen_and_never_reach_the_caller(model):
