@@ -390,9 +390,14 @@ def build_compile_rbac(parent: Parent, run: CompileRunSpec) -> list[dict[str, An
     (no Secrets: API keys arrive as environment variables through the kubelet).
 
     Kubernetes cannot narrow `create` by resourceNames (the name is not known when the request
-    is authorized), so a worker may create ForwardPasses of any name. The rollout's trust check
-    (operator/provenance.py) covers it: a pass is rolled out only when its spec.compileRun's
-    status, which only that run's worker may patch, names it with its spec's digest.
+    is authorized), so this Role lets a worker create ForwardPasses of any name. The API server
+    narrows it by content: the chart's ValidatingAdmissionPolicy
+    (charts/shapeshift/templates/admission-policy.yaml, value admissionPolicy.enabled) refuses a
+    ForwardPass created or updated by a ServiceAccount `<run>-compile` unless it is in that
+    account's namespace and its spec.compileRun is `<namespace>/<run>` or `<run>`. Behind it, the
+    rollout's trust check (operator/provenance.py) rolls out a pass only when its spec.compileRun's
+    status, which only that run's worker may patch, names it with its spec's digest: that also
+    holds where the policy is not installed.
     """
     name = compile_account_name(parent.name)
     labels = compile_labels(parent.name, run.deployment_ref.name)

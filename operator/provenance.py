@@ -24,9 +24,11 @@ replaced by an older run's champion) for that alone. The record is written only 
 vouched, so it never makes a hand-written pass trusted.
 
 So a hand-written ForwardPass, a copy of a published one under another name or with another field
-changed, and one created by another run's worker (Kubernetes cannot restrict `create` by
-resourceNames, so every compile worker may create ForwardPasses of any name) are stored but never
-rolled out. What it cannot cover: a run's own worker vouches for what it verified, so a compile
+changed, and one created by another run's worker are never rolled out. (Kubernetes cannot
+restrict `create` by resourceNames, so every compile worker's Role lets it create ForwardPasses of
+any name; the chart's ValidatingAdmissionPolicy refuses to store one whose spec.compileRun is not
+the worker's own run, and this check does not rely on it being installed.)
+What it cannot cover: a run's own worker vouches for what it verified, so a compile
 image that lies about its gates is trusted as much as the image the deployment's editor chose.
 Pure: no I/O.
 """

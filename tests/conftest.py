@@ -18,7 +18,8 @@ Cluster fixtures (tests marked `cluster`):
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
   crds             session: crds/shapeshift.dev_*.yaml applied and served by discovery (pytest's
-                   temporary root added to the artifact roots); yields the cluster.
+                   temporary root added to the artifact roots), and the chart's admission policy
+                   for compile workers enforced; yields the cluster.
   artifact_store   per test: a ReadWriteMany claim `artifacts` in the test's namespace bound to
                    a local folder (harness.kubelet.local_claim); yields the folder, which
                    run_pod_locally(..., pvc_dirs={"artifacts": folder}) mounts.
@@ -267,7 +268,9 @@ def prometheus(tmp_path):
 @pytest.fixture(scope="session")
 def crds(cluster, tmp_path_factory):
     """crds/ as the generator writes it, with pytest's temporary root as a further artifact root
-    (SHAPESHIFT_ARTIFACT_ROOTS, set in pytest_configure); nothing else differs."""
+    (SHAPESHIFT_ARTIFACT_ROOTS, set in pytest_configure); nothing else differs. The chart's
+    admission policy for compile workers is applied with them (harness.chart_operator)."""
+    from harness.chart_operator import apply_admission_policy
     from shapeshift.operator.crdgen import render_all
 
     folder = tmp_path_factory.mktemp("crds")
@@ -275,6 +278,7 @@ def crds(cluster, tmp_path_factory):
     for name, text in sorted(render_all(roots).items()):
         (folder / name).write_text(text)
         cluster.apply(folder / name)  # waits until discovery serves each kind
+    apply_admission_policy(cluster)  # waits until the API server enforces it
     return cluster
 
 

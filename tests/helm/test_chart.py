@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from chart_helpers import CHART, by_kind, helm, one, render, rule_triples, set_args
-from shapeshift.operator.builders import Parent, build_compile_rbac
+from shapeshift.operator.builders import Parent, build_compile_rbac, compile_account_name
 from shapeshift.operator.api import CompileRunSpec
 
 REPO = CHART.parents[1]
@@ -43,7 +43,7 @@ def test_defaults_render_a_standalone_cluster_wide_operator():
     objects = render()
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment",
-                     "ServiceAccount"]
+                     "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -127,6 +127,27 @@ def test_the_operator_holds_every_right_it_grants_a_compile_worker():
     application = rule_triples(one(render(), "ClusterRole", "-application")["rules"])
     missing = rule_triples(role["rules"]) - application
     assert not missing, f"the compile Role grants what the operator lacks: {sorted(missing)}"
+
+
+def test_the_admission_policy_holds_compile_workers_to_their_own_run():
+    """On by default; the CEL itself is exercised by the API server in
+    tests/operator/test_cluster_compile_worker_identity.py."""
+    objects = render()
+    policy, binding = one(objects, "ValidatingAdmissionPolicy"), one(objects, "ValidatingAdmissionPolicyBinding")
+    assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert policy["metadata"]["name"] == binding["spec"]["policyName"] == "ss-shapeshift-compile-forwardpasses"
+    assert binding["spec"]["validationActions"] == ["Deny"] and "matchResources" not in binding["spec"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [{
+        "apiGroups": ["shapeshift.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+        "resources": ["forwardpasses"]}]
+    (condition,) = policy["spec"]["matchConditions"]
+    assert '"system:serviceaccount:"' in condition["expression"] and '"-compile"' in condition["expression"]
+    assert compile_account_name("run") == "run-compile"  # the account name the condition matches
+    assert any("spec.compileRun" in v["messageExpression"] for v in policy["spec"]["validations"])
+
+    kinds = {o["kind"] for o in render({"admissionPolicy.enabled": "false"})}
+    assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 def test_rbac_covers_the_drift_timer():
