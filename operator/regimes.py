@@ -1,7 +1,10 @@
 """The regime library: which verified champion serves which traffic regime, and when to switch.
 
-    observed TrafficProfile --regime_key--> a regime (buckets of median prompt length, prefix-cache
-        hit rate and concurrency: engine/contracts/traffic_regime.py, the champion registry's too)
+    observed TrafficProfile --regime_key--> its bucket (median prompt length, prefix-cache hit rate,
+        concurrency, median output length; for MoE traffic the dominant experts:
+        engine/contracts/traffic_regime.py, the champion registry's too)
+      --place--> the regime it counts in: its bucket's; else one recorded under an older, coarser key
+        that covers it; else the nearest known regime within NEAR_DISTANCE of it; else its bucket (new)
     status.regimes + status.currentRegime (RegimeLibrary), spec.regimes (RegimePolicy), the
         deployment's model, dtype, accelerator and engine env (ServingTarget), the clock
         --decide--> RegimeDecision: Stay | Settling | Switch (to a known regime's verified champion,
@@ -36,13 +39,13 @@ from typing import Any, Literal, Mapping, Sequence
 
 from shapeshift.engine.contracts.engine_env import PERFORMANCE_ENV
 from shapeshift.engine.contracts.traffic_profile import TrafficProfile
-from shapeshift.engine.contracts.traffic_regime import TrafficRegime, hit_rate
+from shapeshift.engine.contracts.traffic_regime import NEAR_DISTANCE, TrafficPoint, TrafficRegime, hit_rate
 from shapeshift.operator.api import (REGIMES_KEPT, CurrentRegime, InferenceDeploymentSpec, InferenceDeploymentStatus,
                                      RegimeChampion, RegimePolicy, RegimeStatus, VerifiedForwardPass)
 from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
-    "RegimeDecision", "RegimeLibrary", "ServingTarget",
+    "Placement", "RegimeDecision", "RegimeLibrary", "ServingTarget", "place", "same_regime",
     "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
     "record_rollback",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
@@ -52,13 +55,53 @@ Kind = Literal["Stay", "Settling", "Switch", "Compile", "CoolingDown", "Pinned",
 
 
 def regime_key(profile: TrafficProfile) -> str:
-    """``p<prompt bucket>-h<hit-rate bucket>-c<concurrency bucket>``: the champion registry's key."""
+    """``p<prompt>-h<hit rate>-c<concurrency>-o<output>[-e<experts>]``: the champion registry's key."""
     return TrafficRegime.of(profile).key
 
 
-def regime_distance(a: str, b: str) -> int:
-    """Buckets apart, summed over the three dimensions."""
-    return TrafficRegime.parse(a).distance(TrafficRegime.parse(b))
+def regime_distance(a: str | TrafficProfile | RegimeStatus, b: str | TrafficProfile | RegimeStatus) -> float:
+    """How far apart two regimes are. Keys: buckets apart, summed over the dimensions both know
+    (TrafficRegime.distance). A profile or a regime with its last observed traffic: bucket widths
+    apart on the continuous axes (TrafficPoint.distance), what ``place`` compares with NEAR_DISTANCE;
+    a regime without observed traffic counts through its key."""
+    if isinstance(a, str) and isinstance(b, str):
+        return TrafficRegime.parse(a).distance(TrafficRegime.parse(b))
+    pa, pb = _point(a), _point(b)
+    if pa is None or pb is None:
+        return TrafficRegime.parse(_key_of(a)).distance(TrafficRegime.parse(_key_of(b)))
+    return pa.distance(pb)
+
+
+def _key_of(x: str | TrafficProfile | RegimeStatus) -> str:
+    return x if isinstance(x, str) else x.name if isinstance(x, RegimeStatus) else regime_key(x)
+
+
+def _parsed(name: str | None) -> TrafficRegime | None:
+    try:
+        return TrafficRegime.parse(name or "")
+    except ValueError:
+        return None
+
+
+def _point(x: str | TrafficProfile | RegimeStatus) -> TrafficPoint | None:
+    if isinstance(x, TrafficProfile):
+        return TrafficPoint.of(x)
+    if isinstance(x, RegimeStatus) and x.prompt_length_p50 is not None:
+        parsed = _parsed(x.name)
+        return TrafficPoint.at(x.prompt_length_p50, x.prefix_cache_hit_rate, x.concurrency, x.output_length_p50,
+                               parsed.experts if parsed is not None else None)
+    return None
+
+
+def same_regime(a: str | None, b: str | None) -> bool:
+    """Whether two names are one regime: equal, or one an older, coarser key (no output or routing
+    bucket) that covers the other, so a regime recorded or pinned under an old key still matches."""
+    if a is None or b is None:
+        return a == b
+    if a == b:
+        return True
+    pa, pb = _parsed(a), _parsed(b)
+    return pa is not None and pb is not None and (pa.covers(pb) or pb.covers(pa))
 
 
 def engine_env_sha256(env: Sequence[Mapping[str, Any]] | None) -> str:
@@ -195,7 +238,7 @@ def _policy(spec: InferenceDeploymentSpec) -> RegimePolicy:
 
 def _champion_for(policy: RegimePolicy, regime: RegimeStatus | None, name: str | None) -> RegimeChampion | None:
     """The pinned champion of regime ``name`` (spec.regimes.champions) or the library's."""
-    pinned = next((p for p in policy.champions or [] if p.regime == name), None)
+    pinned = next((p for p in policy.champions or [] if same_regime(p.regime, name)), None)
     if pinned is not None:
         recorded = regime.champion if regime is not None else None
         if recorded is not None and recorded.forward_pass == pinned.forward_pass:
@@ -205,14 +248,59 @@ def _champion_for(policy: RegimePolicy, regime: RegimeStatus | None, name: str |
 
 
 def _pinned_name(policy: RegimePolicy, name: str | None) -> str | None:
-    return next((p.forward_pass for p in policy.champions or [] if p.regime == name), None)
+    return next((p.forward_pass for p in policy.champions or [] if same_regime(p.regime, name)), None)
+
+
+def _lookup(library: RegimeLibrary, name: str) -> RegimeStatus | None:
+    """The regime ``name`` names: of that name, else one it is the same regime as (same_regime)."""
+    return library.get(name) or next((r for r in library.regimes if same_regime(r.name, name)), None)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The regime a check's traffic counts in."""
+
+    key: str  # a regime of the library, or the traffic's own bucket (a new regime)
+    bucket: str  # the traffic's own bucket (regime_key)
+    distance: float | None = None  # from the regime's last observed traffic, when placed by distance
+
+    @property
+    def note(self) -> str | None:
+        """What the reasons add when the regime is not the traffic's own bucket."""
+        if self.key == self.bucket:
+            return None
+        if self.distance is None:
+            return f"traffic in bucket {self.bucket}, which regime {self.key} (an older key) covers"
+        return (f"traffic in bucket {self.bucket}, {self.distance:.2f} bucket widths from regime {self.key}'s last "
+                f"observed traffic (at most {NEAR_DISTANCE:g})")
+
+
+def place(library: RegimeLibrary, profile: TrafficProfile) -> Placement:
+    """The regime ``profile`` counts in: its bucket's regime; else one recorded under an older,
+    coarser key that covers the bucket (the most recently seen); else the known regime whose last
+    observed traffic is nearest, when at most NEAR_DISTANCE bucket widths away; else its bucket."""
+    bucket = regime_key(profile)
+    if library.get(bucket) is not None:
+        return Placement(bucket, bucket)
+    observed = TrafficRegime.parse(bucket)
+    never = datetime.min.replace(tzinfo=timezone.utc)
+    older = [r for r in library.regimes if (k := _parsed(r.name)) is not None and k.covers(observed)]
+    if older:
+        return Placement(max(older, key=lambda r: r.last_seen or never).name, bucket)
+    point = TrafficPoint.of(profile)
+    near = sorted((point.distance(p), r.name) for r in library.regimes if (p := _point(r)) is not None)
+    if near and near[0][0] <= NEAR_DISTANCE:
+        return Placement(near[0][1], bucket, round(near[0][0], 3))
+    return Placement(bucket, bucket)
 
 
 def observe(library: RegimeLibrary, profile: TrafficProfile, now: datetime,
-            interval: timedelta) -> tuple[RegimeLibrary, str]:
+            interval: timedelta, placement: Placement | None = None) -> tuple[RegimeLibrary, str]:
     """The library after one check observed ``profile``: the regime's entry (first/last seen,
-    dwell, checks, summary) and the observed-regime counter of status.currentRegime."""
-    key = regime_key(profile)
+    dwell, checks, summary) and the observed-regime counter of status.currentRegime. Traffic placed
+    by distance leaves the regime's summary as it was (its anchor: no creeping regime by regime)."""
+    placement = placement or Placement(regime_key(profile), regime_key(profile))
+    key = placement.key
     current = library.current
     entry = library.get(key) or RegimeStatus(name=key, first_seen=now)
     dwell = entry.dwell_seconds
@@ -221,9 +309,11 @@ def observe(library: RegimeLibrary, profile: TrafficProfile, now: datetime,
         dwell += int(min(now - entry.last_seen, 2 * interval).total_seconds())
     else:  # a new visit: one check interval
         dwell += int(interval.total_seconds())
-    entry = entry.model_copy(update={
+    summary = {} if placement.distance is not None else {
         "prompt_length_p50": round(profile.prompt_length.p50, 3), "prefix_cache_hit_rate": round(hit_rate(profile), 6),
-        "concurrency": profile.concurrency, "last_seen": now, "dwell_seconds": max(dwell, 0), "checks": entry.checks + 1,
+        "concurrency": profile.concurrency, "output_length_p50": round(profile.output_length.p50, 3)}
+    entry = entry.model_copy(update={
+        **summary, "last_seen": now, "dwell_seconds": max(dwell, 0), "checks": entry.checks + 1,
         "visits": entry.visits + (0 if current.observed == key else 1),
     })
     if current.observed == key:
@@ -304,14 +394,29 @@ def decide(library: RegimeLibrary, profile: TrafficProfile | None, *, spec: Infe
     max_age = timedelta(seconds=policy.champion_max_age_seconds) if policy.champion_max_age_seconds else None
     if profile is None:
         return RegimeDecision("NoData", library.current.observed, "no traffic observed", library, blocks_compile=False)
-    library, key = observe(library, profile, now, interval)
+    placement = place(library, profile)
+    library, key = observe(library, profile, now, interval, placement)
+    decision = _decide(library, key, spec=spec, policy=policy, target=target, max_age=max_age, now=now,
+                       active_forward_pass=active_forward_pass)
+    note = placement.note
+    if note is None:
+        return decision
+    reason = f"{decision.reason} ({note})"[:1024]
+    current = decision.library.current.model_copy(update={"reason": reason})
+    return replace(decision, reason=reason, library=replace(decision.library, current=current))
+
+
+def _decide(library: RegimeLibrary, key: str, *, spec: InferenceDeploymentSpec, policy: RegimePolicy,
+            target: ServingTarget, max_age: timedelta | None, now: datetime,
+            active_forward_pass: str | None) -> RegimeDecision:
+    """decide, once the check's traffic is counted in regime ``key``."""
     if spec.forward_pass:
         return RegimeDecision("Pinned", key, f"spec.forwardPass pins {spec.forward_pass}; traffic in regime {key}, "
                                              "the library switches nothing",
                               replace(library, current=library.current.model_copy(update={
                                   "reason": f"spec.forwardPass pins {spec.forward_pass}"})), blocks_compile=False)
     if policy.pin:
-        pinned = library.get(policy.pin)
+        pinned = _lookup(library, policy.pin)
         champion = _champion_for(policy, pinned, policy.pin)
         problem = champion_problem(champion, target, now, None) if pinned is not None else "it is not in the library"
         if champion is not None and problem is None:
@@ -493,7 +598,8 @@ def target_forward_pass(spec: InferenceDeploymentSpec, status: InferenceDeployme
     policy = _policy(spec)
     if policy.pin:  # the pinned regime's champion, pinned or recorded, whatever finished since
         pinned = _pinned_name(policy, policy.pin)
-        recorded = next((r.champion for r in status.regimes or [] if r.name == policy.pin and r.champion), None)
+        recorded = next((r.champion for r in status.regimes or [] if same_regime(r.name, policy.pin) and r.champion),
+                        None)
         if pinned is not None or recorded is not None:
             return pinned or recorded.forward_pass  # type: ignore[union-attr]
     if current is not None and current.name is not None:

@@ -259,22 +259,20 @@ class ClusterRegistry:
         for o in objs:
             labels = o.get("metadata", {}).get("labels", {})
             spec = o.get("spec", {})
-            regime_key = labels.get(LABEL_REGIME, "p0-h0-c0")
-            try:
-                p, h, c = (int(part[1:]) for part in regime_key.split("-"))
+            try:  # a label written before the output and routing buckets parses with them unknown
+                reg = TrafficRegime.parse(labels.get(LABEL_REGIME, "p0-h0-c0"))
             except ValueError:
-                p, h, c = 0, 0, 0
+                reg = TrafficRegime(0, 0, 0)
             if spec.get("traffic"):
                 try:
                     reg = TrafficRegime.of(TrafficProfile.model_validate(spec["traffic"]))
-                    p, h, c = reg.prompt, reg.hit, reg.concurrency
                 except Exception:  # noqa: BLE001 - keep the label's regime
                     pass
             out.append(ChampionEntry(
                 name=o["metadata"]["name"], signature=labels.get(LABEL_MODEL_SIGNATURE, ""),
                 model=spec.get("model", {}).get("name", ""), family=labels.get(LABEL_FAMILY, ""),
                 hardware=labels.get(LABEL_HARDWARE, spec.get("hardware", {}).get("accelerator", "")),
-                regime={"prompt": p, "hit": h, "concurrency": c},
+                regime=reg.to_dict(),
                 bundle_digest=spec.get("artifact", {}).get("sha256", ""), recipe=spec.get("recipe", {}) or {},
                 bundle_path=spec.get("artifact", {}).get("uri", ""), speedup=spec.get("metrics", {}).get("speedup"),
                 verification=spec.get("verification", {}), profile=spec.get("traffic"), parent=spec.get("parent"),

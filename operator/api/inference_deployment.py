@@ -219,14 +219,18 @@ class RolloutSpec(WireModel):
     )
 
 
-REGIME_NAME = r"^p[0-9]+-h[0-9]+-c[0-9]+$"  # shapeshift.operator.regimes.regime_key: prompt, hit-rate, concurrency buckets
+# shapeshift.operator.regimes.regime_key: prompt, hit-rate, concurrency, output buckets, MoE routing
+# signature; names written before the output and routing buckets (p1-h0-c2) stay valid
+REGIME_NAME = r"^p[0-9]+-h[0-9]+-c[0-9]+(-o[0-9]+)?(-e(u|[0-9]+([.][0-9]+)?))?$"
 REGIMES_KEPT = 16
 
 
 class RegimeChampionPin(WireModel):
     """The ForwardPass to serve in one regime, whatever the library says."""
 
-    regime: str = Field(max_length=32, pattern=REGIME_NAME, description="Regime name, e.g. p1-h0-c2.")
+    regime: str = Field(max_length=32, pattern=REGIME_NAME,
+                        description="Regime name, e.g. p1-h0-c2-o0 (an older name without the output bucket, "
+                                    "p1-h0-c2, names every output bucket of its cell).")
     forward_pass: str = Field(max_length=253, description="ForwardPass to roll out while traffic is in that regime.")
 
 
@@ -456,10 +460,12 @@ class RegimeChampion(StatusModel):
 class RegimeStatus(StatusModel):
     """One traffic regime the deployment has seen."""
 
-    name: str = Field(max_length=32, description="Regime name: prompt-length, hit-rate and concurrency buckets.")
+    name: str = Field(max_length=32, description="Regime name: prompt-length, hit-rate, concurrency and output-length "
+                                                 "buckets, and for MoE traffic the dominant experts.")
     prompt_length_p50: float | None = Field(default=None, ge=0, description="Median prompt tokens last seen in it.")
     prefix_cache_hit_rate: float | None = Field(default=None, ge=0, le=1, description="Hit rate last seen in it.")
     concurrency: float | None = Field(default=None, ge=0, description="Concurrency last seen in it.")
+    output_length_p50: float | None = Field(default=None, ge=0, description="Median output tokens last seen in it.")
     first_seen: datetime | None = Field(default=None, description="First drift check that observed it.")
     last_seen: datetime | None = Field(default=None, description="Last drift check that observed it.")
     dwell_seconds: int = Field(default=0, ge=0, description="How long traffic sat in it, over all visits.")

@@ -23,14 +23,14 @@ Data flow under test:
       -> a real Prometheus scrapes their /metrics (pod/namespace/deployment labels)
     harness.loop_timeline.RegimeLoad: the traffic, never stopped from the first request to the last;
         every request is recorded and none may fail, through three hot swaps on each pod
-    A: prompts of 160-232 tokens, one at a time per pod (regime p0-h0-c0)
+    A: prompts of 160-232 tokens, one at a time per pod (regime p0-h0-c0-o0)
         -> the drift timer: the deployment assumed chat traffic (spec.trafficProfile), A is far from
            it: Drifting, Compile -> CompileRun (annotated with A's regime, spec.compilation.template)
         -> Job -> pod on the CPU pool -> the real `shapeshift compile --compile-run ns/run` with a
            token of the pod's own ServiceAccount -> a verified ForwardPass whose archive is in the store
         -> the rollout: the canary pod hot-reloads it (its /metrics says the new sha256, the other
            pod still the stock one), analysis in Prometheus, promotion: every pod on A's champion
-    B: prompts of 12-24 tokens, 12 at a time per pod (regime p0-h0-c2)
+    B: prompts of 12-24 tokens, 12 at a time per pod (regime p0-h0-c2-o0)
         -> a CompileRun within two checks of the drift being seen -> B's champion, canary, promotion
     A again -> the library: Settling, then Switch to A's champion (event RegimeSwitched), no
         CompileRun -> canary, promotion: every pod on A's champion again
@@ -104,7 +104,7 @@ CHECK_INTERVAL = 10  # the smallest check interval the CRD allows
 DEPLOYED = {"dtype": "float32", "maxModelLen": 256, "maxBatchSize": 2, "maxNumBatchedTokens": 16, "kvBlockSize": 16}
 A = Shape("A: 160-232-token prompts, 1 at a time per pod", prompt=(160, 232), max_tokens=8, burst=1)
 B = Shape("B: 12-24-token prompts, 12 at a time per pod", prompt=(12, 24), max_tokens=64, burst=12)
-REGIME_A, REGIME_B = "p0-h0-c0", "p0-h0-c2"
+REGIME_A, REGIME_B = "p0-h0-c0-o0", "p0-h0-c2-o0"
 TRIALS = 4
 TTFT_SLO_S = 0.04
 MIN_SPEEDUP = 1.05

@@ -53,7 +53,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GROUP, VERSION = "shapeshift.dev", "v1alpha1"
 NAME = "llama"
-KEY_A, KEY_B, KEY_C = "p0-h0-c0", "p1-h0-c0", "p2-h0-c0"
+KEY_A, KEY_B, KEY_C = "p0-h0-c0-o0", "p1-h0-c0-o0", "p2-h0-c0-o0"
 SPEEDUP, BASELINE = 1.3, 100.0  # the champions' measured speedup and baseline output tokens/s (one accelerator)
 
 

@@ -74,11 +74,12 @@ def test_regime_keys_are_the_champion_registrys():
         assert regime_key(traffic) == TrafficRegime.of(traffic).key
     assert KEY_A != KEY_B
     assert regime_distance(KEY_A, KEY_B) == TrafficRegime.of(A).distance(TrafficRegime.of(B)) == 4
-    # The buckets themselves: median prompt <=256/1k/4k/16k/64k, hit rate <=0.2/0.6, concurrency <=1/8/32/128.
-    assert regime_key(profile(5000, 0.3, 64)) == "p3-h1-c3"
-    assert regime_key(profile(70000, 1.0, 500)) == "p5-h2-c4"
-    assert regime_key(profile(1, 0.2, 1)) == "p0-h0-c0"
-    assert TrafficRegime.parse("p3-h1-c3") == TrafficRegime.of(profile(5000, 0.3, 64))
+    # The buckets themselves: median prompt <=256/1k/4k/16k/64k, hit rate <=0.2/0.6, concurrency
+    # <=1/8/32/128, median output <=64/256/1k/4k (16 tokens here: o0).
+    assert regime_key(profile(5000, 0.3, 64)) == "p3-h1-c3-o0"
+    assert regime_key(profile(70000, 1.0, 500)) == "p5-h2-c4-o0"
+    assert regime_key(profile(1, 0.2, 1)) == "p0-h0-c0-o0"
+    assert TrafficRegime.parse("p3-h1-c3-o0") == TrafficRegime.of(profile(5000, 0.3, 64))
     with pytest.raises(ValueError, match="not like p1-h0-c2"):
         TrafficRegime.parse("chat")
 
