@@ -30,7 +30,8 @@ class GateSettings:
     max_prompt_len: int = 70
     long_prompt_len: int = 200
     # Decode batch sizes: None -> every size from 1 to max_batch_size, the graph buckets and the
-    # engine's largest batch (odd sizes between buckets take other code paths than the buckets).
+    # engine's largest batch, and three sizes between each bucket past max_batch_size and the next
+    # (odd sizes between buckets take other code paths than the buckets).
     batch_sizes: tuple[int, ...] | None = None
     max_batch_size: int = 12
     graph_buckets: tuple[int, ...] = ()
@@ -66,7 +67,15 @@ class GateSettings:
     def decode_batch_sizes(self) -> list[int]:
         if self.batch_sizes is not None:
             return sorted(set(self.batch_sizes))
-        return sorted(set(range(1, self.max_batch_size + 1)) | set(self.graph_buckets))
+        sizes = set(range(1, self.max_batch_size + 1)) | set(self.graph_buckets)
+        # Past max_batch_size, between each bucket and the next: just above the bucket, an odd size
+        # mid-way and just below the next (an eager step runs them as they are; 17, 25, 31, 33, 41
+        # and 47 for buckets 16, 32 and 48).
+        points = sorted({self.max_batch_size} | {b for b in self.graph_buckets if b > self.max_batch_size})
+        for low, high in zip(points, points[1:]):
+            if high - low > 1:
+                sizes |= {low + 1, (low + high) // 2 | 1, high - 1}
+        return sorted(sizes)
 
     def odd(self) -> tuple[int, ...]:
         b = self.block_size

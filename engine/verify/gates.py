@@ -31,8 +31,9 @@ Gates (names are stable; reports and tests refer to them):
                               blocks freed by it, and never contain the canary
   kv.swap_compatibility       same declared cache format -> each pass reads the other's cache;
                               different format -> the engine flushes on swap (recorded)
-  coverage.shapes             every decode batch size up to the largest batch and every graph
-                              bucket, odd prompt lengths for prefill, chunked prefill
+  coverage.shapes             every decode batch size up to the largest batch, every graph
+                              bucket and sizes between the buckets past it, odd prompt lengths
+                              for prefill, chunked prefill
   coverage.long_context       contexts at the deployment's max model length and at the replayed
                               traffic's prompt lengths (p50, p90, p99; else one drawn from the
                               upper half), over a KV pool they fill

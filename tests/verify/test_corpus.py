@@ -39,13 +39,17 @@ CORPUS = {
     "mixed_step": (3, "coverage.mixed_steps"),
     "sampling_off_greedy_path": (3, "outputs.sampling"),
     "shared_call_state": (3, "coverage.concurrent_calls"),
+    "odd_batch_above_16": (3, "coverage.shapes"),
     "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
 }
 # Caught by their gate and by no other: every other gate passes them.
-ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state"}
+ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state", "odd_batch_above_16"}
+# Verified with the serving coverage of a deployment (EngineConfig fields): its graph buckets and
+# largest batch, as the compile loop's promotion check verifies (promotion.serving_coverage).
+DEPLOYMENT = {"odd_batch_above_16": {"max_num_seqs": 48}}
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 # Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
@@ -82,8 +86,14 @@ def _verify(name: str, cfg, weights, only=None):
         loaded = load_bundle(path, allow_unmanifested=True)
         loaded.module.build(cfg, weights, dict(loaded.recipe))
         loaded.unload()
-    return verify_candidate(path, cfg, weights, settings=GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0),
-                            weights_baseline=baseline, only=only)
+    serving = {}
+    if name in DEPLOYMENT:
+        from shapeshift.engine.compile.promotion import serving_coverage
+        from shapeshift.engine.core.config import EngineConfig
+
+        serving = serving_coverage(EngineConfig(device="cpu", max_model_len=512, **DEPLOYMENT[name]))
+    settings = GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0, **serving)
+    return verify_candidate(path, cfg, weights, settings=settings, weights_baseline=baseline, only=only)
 
 
 @pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED) - set(PATCHING)))
@@ -101,6 +111,22 @@ def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     if name in ONLY_THEIR_GATE:
         assert report.failed == [gate], f"{name} failed {report.failed}, not only {gate}"
     print(f"{name}: {gate}: {target.evidence['reason']}")
+
+
+def test_batch_coverage_reaches_between_the_buckets_past_16():
+    """The promotion check's decode batch sizes: every size to 16, every graph bucket up to the
+    deployment's max_num_seqs, and three between each bucket past 16 and the next."""
+    from shapeshift.engine.compile.promotion import serving_coverage
+    from shapeshift.engine.core.config import EngineConfig
+
+    def sizes(**engine):
+        return GateSettings(**serving_coverage(EngineConfig(device="cpu", **engine))).decode_batch_sizes()
+
+    assert sizes(max_num_seqs=48) == list(range(1, 18)) + [25, 31, 32, 33, 41, 47, 48]
+    assert [n for n in sizes(max_num_seqs=256) if n > 16] == [17, 25, 31, 32, 33, 49, 63, 64, 65, 97, 127, 128,
+                                                              129, 193, 255, 256]
+    assert sizes(max_num_seqs=16) == list(range(1, 17))
+    assert sizes(max_num_seqs=48, cuda_graph_batch_sizes=[8, 24]) == list(range(1, 18)) + [21, 23, 24, 25, 37, 47, 48]
 
 
 def test_overlapping_calls_are_checked_in_process_too(model, monkeypatch):
