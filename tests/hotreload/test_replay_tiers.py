@@ -61,10 +61,13 @@ def test_end_to_end_per_user_speed_counts_the_queue():
 
     narrow = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=256, num_kv_blocks=192))
     requests = [ReplayRequest(prompt_token_ids=[5 + i, 9, 13, 17], max_tokens=24) for i in range(8)]
+    run_once(narrow, requests[:2], concurrency=2)  # warm-up: the first steps of a new engine are slow
     queued = run_once(narrow, requests, concurrency=8)
     # decode-only: everyone decodes at the speed of a batch of <= 2
-    # end to end: the last ones waited for three batches ahead of them
-    assert queued.per_user_e2e_tokens_per_s_p90 < 0.5 * queued.per_user_tokens_per_s_p90
+    # end to end: the last ones waited for three batches ahead of them (about a quarter of the
+    # decode speed; measured 0.19-0.24 of the median decode speed, 0.25-0.45 of its slow tail,
+    # which a busy machine moves most)
+    assert queued.per_user_e2e_tokens_per_s_p90 < 0.5 * queued.per_user_tokens_per_s_p50
     alone = run_once(narrow, requests[:2], concurrency=2)
     assert alone.per_user_e2e_tokens_per_s_p90 > 2 * queued.per_user_e2e_tokens_per_s_p90
 
