@@ -129,10 +129,19 @@ def _pytest_temp_root(config) -> str:
 _SHARED_SESSION_FIXTURES = (("cluster", "cluster"), ("server", "model-server"), ("reference_engine", "model-server"))
 
 
+# The cluster tests in two groups, each with its control plane on its own worker (about half of
+# their time each; their waits overlap the other worker's CPU-bound tests): the end-to-end, drift,
+# regime and fault tests that run engine pods, and the rest.
+_SECOND_CLUSTER_GROUP = ("tests/e2e/", "tests/drift/", "tests/operator/test_regime_switch_",
+                         "tests/operator/test_rollout_faults")
+
+
 def xdist_group_of(nodeid: str, fixturenames) -> str:
     """The worker group of a test: one per costly session fixture, else its file."""
     for fixture, group in _SHARED_SESSION_FIXTURES:
         if fixture in fixturenames:
+            if group == "cluster" and nodeid.startswith(_SECOND_CLUSTER_GROUP):
+                return "cluster-engines"
             return group
     return nodeid.split("::", 1)[0]
 
