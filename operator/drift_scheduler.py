@@ -212,6 +212,10 @@ class DriftScheduler:
         """One apply, in its timer call's context, with what its key's read_shared() gave (or
         raised); its slot is free again when the future is done."""
         try:
+            if registration.stopped():  # its timer stopped meanwhile (deleted, or the replica paused)
+                with self._lock:
+                    slot.running = False
+                return
             value = None if shared is None else (shared.exception() or shared.result())
             registration.context.run(registration.apply, observed, at, value)
         except BaseException as err:  # noqa: BLE001 - one deployment's failure is its own

@@ -9,7 +9,11 @@ Usage:
 
 `--standalone` skips kopf's peering (one operator replica; no kopf.dev peering
 CRDs needed). Without it, replicas coordinate through KopfPeering /
-ClusterKopfPeering objects, whose CRDs must then be installed. The liveness
+ClusterKopfPeering objects, whose CRDs must then be installed
+(crds/kopf.dev_peerings.yaml) along with the peering object itself: the live
+replica with the highest `--priority` acts, the others pause their handlers,
+timers and the drift scheduler until its keep-alive (`--peering-lifetime`)
+lapses. The liveness
 endpoint (default http://0.0.0.0:8080/healthz) answers 200 while the operator's
 watch loops run; point the pod's livenessProbe at it.
 
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import sys
 from typing import Sequence
 
@@ -40,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run without peering (a single replica; kopf peering CRDs not needed)")
     parser.add_argument("--peering", default="shapeshift", metavar="NAME",
                         help="peering object name when not standalone (default: %(default)s)")
+    parser.add_argument("--priority", type=int, default=None, metavar="N",
+                        help="peering priority: the live replica with the highest one acts, the others pause"
+                             " (default: random, so that replicas of one Deployment differ)")
+    parser.add_argument("--peering-lifetime", type=int, default=30, metavar="S",
+                        help="seconds a replica's peering keep-alive stays valid: a killed leader's successor"
+                             " resumes within about this long (default: %(default)s)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
                         help="health endpoint to serve (default: %(default)s; 'none' disables it)")
     parser.add_argument("--resync-seconds", type=float, default=None, metavar="S",
@@ -65,9 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     liveness = None if args.liveness.lower() == "none" else args.liveness
+    settings = kopf.OperatorSettings()
+    settings.peering.lifetime = args.peering_lifetime
+    # Equal priorities pause every replica (kopf cannot tell which one should act), hence random.
+    priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     try:
         kopf.run(
+            settings=settings,
             standalone=args.standalone,
+            priority=priority,
             # kopf makes peering mandatory whenever a name is given, overriding standalone.
             peering_name=None if args.standalone else args.peering,
             clusterwide=bool(args.all_namespaces),

@@ -17,7 +17,8 @@ Cluster fixtures (tests marked `cluster`):
                    pvc_dirs={"claim": folder} mounts a claim as that local folder.
   prometheus       per test: prometheus(scrape_configs) starts a Prometheus on loopback
                    (see harness.prometheus.static_job); stopped at teardown.
-  crds             session: crds/shapeshift.dev_*.yaml applied and served by discovery (pytest's
+  crds             session: crds/shapeshift.dev_*.yaml and kopf's peering CRDs
+                   (crds/kopf.dev_peerings.yaml) applied and served by discovery (pytest's
                    temporary root added to the artifact roots), and the chart's admission policy
                    for compile workers enforced; yields the cluster.
   artifact_store   per test: a ReadWriteMany claim `artifacts` in the test's namespace bound to
@@ -287,6 +288,7 @@ def crds(cluster, tmp_path_factory):
     for name, text in sorted(render_all(roots).items()):
         (folder / name).write_text(text)
         cluster.apply(folder / name)  # waits until discovery serves each kind
+    cluster.apply(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "crds", "kopf.dev_peerings.yaml"))  # for replicas
     apply_admission_policy(cluster)  # waits until the API server enforces it
     return cluster
 

@@ -60,14 +60,12 @@ class _NoPrometheusAddress(TrafficQueryError):
     reason = "PrometheusUnreachable"
 
 
-@kopf.on.startup()
-def start_drift_scheduler(**_: Any) -> None:
-    """The operator-wide drift scheduler (operator/drift_scheduler.py): one thread, batched reads."""
-    SCHEDULER.start()
-
-
 @kopf.on.cleanup()
 def stop_drift_scheduler(**_: Any) -> None:
+    """The operator-wide drift scheduler (operator/drift_scheduler.py): one thread, batched reads.
+    It starts with the first registration (drift_check below), not at startup: a replica that
+    peering pauses runs no timers, so it never starts the thread, and the registrations of a
+    replica paused later stop with its timers (kopf sets their `stopped`) and leave the scheduler."""
     SCHEDULER.stop()
 
 

@@ -4,7 +4,8 @@
         --> `shapeshift operator --namespace NS --standalone --resync-seconds 2
              --liveness http://127.0.0.1:PORT/healthz` (the admin kubeconfig unless one is given,
              e.g. a ServiceAccount token's: harness.chart_operator; `env` added to this process's;
-             own process group, stdout and stderr appended to `log`)
+             own process group, stdout and stderr appended to `log`; `peering`, e.g.
+             ["--peering", "shapeshift", "--priority", "2"], replaces --standalone)
     operator_healthy(port)   its liveness endpoint answers 200
     stop_operator(process)   SIGTERM to the group, SIGKILL after a grace period
 """
@@ -22,9 +23,10 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def start_operator(cluster, namespace: str, log: Path, port: int, *, kubeconfig: Path | None = None,
-                   env: dict[str, str] | None = None) -> subprocess.Popen:
+                   env: dict[str, str] | None = None, peering: list[str] | None = None) -> subprocess.Popen:
     env = {**os.environ, **(env or {}), "KUBECONFIG": str(kubeconfig or cluster.kubeconfig), "PYTHONSAFEPATH": "1"}
-    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace, "--standalone",
+    cmd = [str(VENV_BIN / "shapeshift"), "operator", "--namespace", namespace,
+           *(["--standalone"] if peering is None else peering),
            "--resync-seconds", "2", "--liveness", f"http://127.0.0.1:{port}/healthz"]
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

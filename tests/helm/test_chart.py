@@ -89,8 +89,11 @@ def test_options_render_namespaced_rbac_peering_and_a_service_monitor():
     assert {"sourceLabels": ["__meta_kubernetes_pod_label_shapeshift_dev_inference_deployment"],
             "targetLabel": "shapeshift_deployment"} in relabel
     assert {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "kubernetes_namespace"} in relabel
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["SHAPESHIFT_PROMETHEUS_DEPLOYMENT_LABEL"] == "shapeshift_deployment"
+    # peering: the pod's name is its kopf identity, and the keep-alive lifetime is passed
+    assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "--peering-lifetime=30" in container["args"]
 
 
 def test_service_monitor_selects_the_services_the_operator_creates():

@@ -81,7 +81,7 @@ def test_importing_the_package_registers_every_handler_with_the_settings_interva
     assert {key.split("/")[0] for key in ours} == {
         "configure", "login", "inference_deployment_reconcile", "inference_deployment_observe",
         "compile_run_start", "compile_run_observe", "drift_check", "rollout_tick", "forget_deleted_deployment",
-        "start_drift_scheduler", "stop_drift_scheduler"}
+        "stop_drift_scheduler"}
     timers = registered_timers()
     assert ours["inference_deployment_observe"].interval == timers.resync_seconds
     assert ours["compile_run_observe"].interval == timers.resync_seconds
