@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy the generated CRDs into the Helm chart:
-#   crds/shapeshift.dev_*.yaml (hack/gen_crds.py) --> charts/shapeshift/crds/
+#   crds/shapeshift.dev_*.yaml (hack/gen_crds.py) and crds/kopf.dev_*.yaml --> charts/shapeshift/crds/
 # Helm installs charts/<chart>/crds/ before the templates (and never upgrades or deletes them).
 #   hack/sync-chart-crds.sh          copy
 #   hack/sync-chart-crds.sh --check  copy nothing; exit 1 naming the files that differ
@@ -17,7 +17,7 @@ case "${1:-}" in
 esac
 
 shopt -s nullglob
-sources=("$SRC"/shapeshift.dev_*.yaml)
+sources=("$SRC"/shapeshift.dev_*.yaml "$SRC"/kopf.dev_*.yaml)  # ours, and kopf's peering CRDs (--peering)
 if (( ${#sources[@]} == 0 )); then
   echo "error: no CRDs in $SRC; run hack/gen_crds.py first" >&2
   exit 1

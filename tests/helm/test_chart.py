@@ -94,6 +94,17 @@ def test_options_render_namespaced_rbac_peering_and_a_service_monitor():
     # peering: the pod's name is its kopf identity, and the keep-alive lifetime is passed
     assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert "--peering-lifetime=30" in container["args"]
+    # the peering object the replicas elect through: one per watched namespace
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")) == ["team-a", "team-b"]
+    assert {p["metadata"]["name"] for p in by_kind(objects, "KopfPeering")} == {"shapeshift"}
+
+
+def test_peering_object_is_cluster_wide_when_every_namespace_is_watched_and_absent_without_peering():
+    clusterwide = render({"watch.allNamespaces": "true", "peering.enabled": "true", "replicaCount": "3"})
+    assert [p["metadata"]["name"] for p in by_kind(clusterwide, "ClusterKopfPeering")] == ["shapeshift"]
+    assert not by_kind(clusterwide, "KopfPeering")
+    standalone = render(None)
+    assert not by_kind(standalone, "ClusterKopfPeering") and not by_kind(standalone, "KopfPeering")
 
 
 def test_service_monitor_selects_the_services_the_operator_creates():
@@ -231,11 +242,14 @@ def test_chart_crds_match_the_generated_ones():
     result = subprocess.run(["bash", str(REPO / "hack" / "sync-chart-crds.sh"), "--check"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    generated = sorted(p.name for p in (REPO / "crds").glob("shapeshift.dev_*.yaml"))
+    generated = sorted(p.name for pattern in ("shapeshift.dev_*.yaml", "kopf.dev_*.yaml")
+                       for p in (REPO / "crds").glob(pattern))
     assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == generated
     crds = [o for o in render(include_crds=True) if o["kind"] == "CustomResourceDefinition"]
-    assert sorted(c["metadata"]["name"] for c in crds) == [
+    names = sorted(c["metadata"]["name"] for c in crds)
+    assert [n for n in names if n.endswith(".shapeshift.dev")] == [
         "compileruns.shapeshift.dev", "forwardpasses.shapeshift.dev", "inferencedeployments.shapeshift.dev"]
+    assert any(n.endswith("peerings.kopf.dev") for n in names), names  # the chart's peering.enabled needs them
 
 
 def test_sync_check_notices_a_stale_chart_crd(tmp_path):
