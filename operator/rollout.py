@@ -23,6 +23,8 @@ Phases (HotReload):
     Canary --every canary pod reports the target--> Analyzing (the window starts)
     Canary --a canary pod still not on the target after the load timeout--> RolledBack
     Canary --a canary pod refused the target (digest mismatch, invalid bundle)--> RolledBack
+    Canary/Analyzing --a canary pod gone or no longer ready--> RolledBack (a canary that stopped
+        serving is not judged on the traffic it served before it stopped)
     Analyzing --window over, canary within the allowed regression--> Promoting: every pod
     Analyzing --window over, canary regressed--> RolledBack: canary pods back to the previous one
     Analyzing --no canary traffic for 3 windows--> RolledBack (never promote on no evidence)
@@ -203,6 +205,12 @@ def step(
         # A newer champion arrived mid-rollout: start over from what is active.
         return _start(policy, state, target, active, pods, now)
     assert state.desired is not None
+
+    if state.phase in ("Canary", "Analyzing"):
+        stopped = [name for name in state.canary_pods if by_name.get(name) is None or not by_name[name].ready]
+        if stopped:
+            return _rolled_back(state, now, f"canary {', '.join(stopped)} stopped serving {state.desired.name} "
+                                            "(pod gone or not ready)")
 
     if state.phase == "Canary":
         canary = [by_name.get(name) for name in state.canary_pods]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Literal, Mapping
 from shapeshift.engine.contracts.pod_annotations import (
     RESULT_DIGEST_MISMATCH,
     RESULT_REFUSED,
+    RESULT_UNREADABLE,
     STOCK_FORWARD_PASS,
     DesiredForwardPass,
 )
@@ -79,7 +80,9 @@ __all__ = [
 ]
 
 CONDITION = "ForwardPassRolledOut"
-REFUSALS = (RESULT_DIGEST_MISMATCH, RESULT_REFUSED)  # final for these annotations; fetch errors may pass
+# Final for these annotations; fetch errors may pass. An unreadable artifact stays so until someone
+# changes the store's file modes: the rollout does not wait the load timeout for that.
+REFUSALS = (RESULT_DIGEST_MISMATCH, RESULT_REFUSED, RESULT_UNREADABLE)
 EVENT_REASONS = {"Canary": "CanaryStarted", "Analyzing": "CanaryInSync", "Promoting": "Promoting",
                  "Complete": "RolledOut", "RolledBack": "RolledBack", "Failed": "RolloutFailed"}
 

@@ -70,7 +70,8 @@ RESULT_SUCCESS = "success"  # the desired pass is active (loaded or re-activated
 RESULT_DIGEST_MISMATCH = "digest_mismatch"  # the artifact's digest is not the annotation's sha256
 RESULT_FETCH_ERROR = "fetch_error"  # the artifact could not be fetched (missing, HTTP error, timeout, too large)
 RESULT_REFUSED = "refused"  # the bundle or the annotations are invalid, or the pass failed import/build/smoke
-RELOAD_RESULTS = (RESULT_SUCCESS, RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED)
+RESULT_UNREADABLE = "unreadable"  # the artifact is there, but the engine's user may not read it (file modes)
+RELOAD_RESULTS = (RESULT_SUCCESS, RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_UNREADABLE)
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 

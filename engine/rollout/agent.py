@@ -39,7 +39,8 @@ from shapeshift.engine.forward_pass.bundle import MAX_BUNDLE_BYTES, BundleError,
 from shapeshift.engine.forward_pass.importer import ReloadError
 from shapeshift.engine.forward_pass.swap import ForwardPassManager
 from shapeshift.engine.contracts.pod_annotations import (RESULT_DIGEST_MISMATCH, RESULT_FETCH_ERROR, RESULT_REFUSED, RESULT_SUCCESS,
-                               DesiredForwardPass, DownwardAPIFormatError, parse_downward_api_map)
+                               RESULT_UNREADABLE, DesiredForwardPass, DownwardAPIFormatError,
+                               parse_downward_api_map)
 
 logger = logging.getLogger("shapeshift.engine.rollout")
 
@@ -82,6 +83,12 @@ class AttemptFailed(Exception):
         self.result = result
 
 
+def unreadable(artifact: str, exc: PermissionError) -> AttemptFailed:
+    """The artifact (or a file or folder of it) is there, but this process may not read it."""
+    return AttemptFailed(RESULT_UNREADABLE, f"artifact {artifact}: {exc.strerror or exc}: {exc.filename} (the "
+                                            f"engine runs as uid {os.getuid()}; make the store readable to it)")
+
+
 # ---------------------------------------------------------------------- fetching
 
 
@@ -115,14 +122,20 @@ class ArtifactFetcher:
                                             "on a shared volume, file:///path, or an http(s):// URL of a .tar.gz")
 
     def _local(self, path: Path, artifact: str) -> Path:
-        if not path.exists():
-            raise AttemptFailed(RESULT_FETCH_ERROR, f"artifact {artifact}: {path} does not exist (is the shared "
-                                                    "volume mounted in the engine container?)")
-        if path.is_file():
-            size = path.stat().st_size
-            if size > self.settings.max_artifact_bytes:
-                raise AttemptFailed(RESULT_FETCH_ERROR, f"artifact {artifact}: {size} bytes, more than the "
-                                                        f"limit {self.settings.max_artifact_bytes}")
+        try:
+            if not path.exists():
+                raise AttemptFailed(RESULT_FETCH_ERROR, f"artifact {artifact}: {path} does not exist (is the shared "
+                                                        "volume mounted in the engine container?)")
+            if path.is_file():
+                size = path.stat().st_size
+                if size > self.settings.max_artifact_bytes:
+                    raise AttemptFailed(RESULT_FETCH_ERROR, f"artifact {artifact}: {size} bytes, more than the "
+                                                            f"limit {self.settings.max_artifact_bytes}")
+                path.open("rb").close()
+            else:
+                os.listdir(path)
+        except PermissionError as exc:
+            raise unreadable(artifact, exc) from exc
         return path
 
     def cached_path(self, sha256: str) -> Path:
@@ -366,6 +379,8 @@ class RolloutAgent:
             path, source = stock_bundle_dir(), "the engine's stock bundle"
         try:  # opening verifies every file and the digest before any of the bundle's code is imported
             prepared = self.manager.prepare(path, digest, resource=resource)
+        except PermissionError as exc:  # a file of a bundle folder this process may not read
+            raise unreadable(source, exc) from exc
         except ReloadError as exc:
             bundle_error = exc.__cause__ if exc.stage == "open" else None
             if fetched and isinstance(bundle_error, BundleTamperedError):

@@ -164,6 +164,26 @@ def test_unusable_artifact_locations(tmp_path, artifact, result):
     assert err.value.result == result
 
 
+def test_a_local_artifact_this_process_may_not_read_is_unreadable(tmp_path, monkeypatch):
+    """What file modes do to a non-root engine (the cluster test runs one: test_rollout_faults.py)."""
+    archive = tmp_path / "fp.tar.gz"
+    archive.write_bytes(b"x")
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "open", denied)
+    with pytest.raises(AttemptFailed) as err:
+        fetcher(tmp_path).fetch(str(archive), "ab" * 32)
+    assert err.value.result == "unreadable"
+    assert f"artifact {archive}: Permission denied: {archive}" in str(err.value)
+    monkeypatch.undo()
+    monkeypatch.setattr("os.listdir", denied)
+    with pytest.raises(AttemptFailed, match="make the store readable") as err:
+        fetcher(tmp_path).fetch(str(tmp_path), "ab" * 32)
+    assert err.value.result == "unreadable"
+
+
 def test_local_paths_are_used_in_place(tmp_path):
     archive = tmp_path / "fp.tar.gz"
     archive.write_bytes(b"x")

@@ -188,3 +188,20 @@ def test_latency_differences_below_the_resolution_are_not_regressions():
     real = CanaryAnalysis(canary=metrics(p90=0.0735), baseline=metrics(p90=0.001), latency_resolution_seconds=0.002)
     verdict = judge(real, allowed_regression=0.5)
     assert verdict.promote is False and "p90 latency 1.0 ms -> 73.5 ms" in verdict.reasons[0]
+
+
+def test_a_canary_that_stops_serving_is_rolled_back_not_judged_on_its_earlier_traffic():
+    state = advance(RolloutState(), now=T0, running={"e-0": STOCK, "e-1": STOCK})
+    analyzing = advance(state, now=T0 + timedelta(minutes=1), running={"e-0": FAST, "e-1": STOCK})
+    good = CanaryAnalysis(canary=metrics(p90=0.040, tps=130), baseline=metrics())
+    later = T0 + timedelta(minutes=7)  # the window is over and its traffic would promote
+    for before in (state, analyzing):
+        for pods_now in ([PodView("e-0", False, FAST), PodView("e-1", True, STOCK)],  # its engine died
+                         [PodView("e-1", True, STOCK)]):  # its pod is gone
+            after = step(policy=POLICY, state=before, target=FAST, active=STOCK, pods=pods_now, analysis=good,
+                         now=later)
+            assert after.phase == "RolledBack" and after.phase_since == later, (before.phase, pods_now)
+            assert "canary e-0 stopped serving llama-fp-2 (pod gone or not ready)" in after.message
+            assert desired_per_pod(after, pods_now, STOCK) == {p.name: STOCK for p in pods_now}
+    # Its canary still ready: the analysis decides.
+    assert advance(analyzing, now=later, running={"e-0": FAST, "e-1": STOCK}, analysis=good).phase == "Promoting"

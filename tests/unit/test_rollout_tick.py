@@ -195,6 +195,8 @@ def test_refusals_count_only_for_the_current_target_and_phase():
     assert pod_views([pod("e-0")], {"e-0": fresh}, state)[0].load_refused is None
     fetch = PodReport(**{**fresh.__dict__, "last_reload_result": "fetch_error"})  # may pass: not a refusal
     assert pod_views([pod("e-0", annotations=asking)], {"e-0": fetch}, state)[0].load_refused is None
+    unreadable = PodReport(**{**fresh.__dict__, "last_reload_result": "unreadable"})  # file modes: final
+    assert pod_views([pod("e-0", annotations=asking)], {"e-0": unreadable}, state)[0].load_refused == "unreadable"
     # no report at all: not running anything known, not ready when the pod is not
     assert pod_views([pod("e-1", ready=False)], {}, state) == [PodView("e-1", False, None, None)]
 
