@@ -4,6 +4,7 @@
       -> prometheus --web.listen-address=127.0.0.1:<free port>
                     --storage.tsdb.path=<workdir>/data      (thrown away with workdir)
       -> scrapes the test's targets -> HTTP API /api/v1/query -> query() / wait_for()
+    restart(): stop, then the same port and data folder again (a Prometheus outage)
 
 The binary is Debian's prometheus (2.42), found by harness.tools. Its defaults point at
 /var/lib and 0.0.0.0:9090, so both are always overridden here. Ready takes well under a
@@ -74,10 +75,19 @@ class Prometheus:
         return self.workdir / "prometheus.log"
 
     def start(self, timeout_s: float = 30.0) -> Prometheus:
+        return self._launch(free_port(), timeout_s)
+
+    def restart(self, timeout_s: float = 30.0) -> Prometheus:
+        """Stop, then start again on the same port with the same data folder: the samples scraped
+        before stay queryable (the TSDB replays its write-ahead log), and clients keep their URL."""
+        self.stop()
+        return self._launch(self.port, timeout_s)
+
+    def _launch(self, port: int, timeout_s: float) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.port = free_port()
+        self.port = port
         argv = [
             str(tools.prometheus()),
             f"--config.file={config_path}",
