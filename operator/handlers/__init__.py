@@ -17,7 +17,9 @@ right. Children carry controller owner references: deleting a parent is left to 
 collector (no finalizers).
 
 Retries go through kopf's error types: TemporaryError for what time can fix, PermanentError
-for specs the models reject. Timer intervals come from operator/settings.py, read once when
+for specs the models reject. A timer that raises anything else (an unreachable API server: the
+client's connection errors are no ApiException) runs again after its own interval (backoff), not
+after kopf's default of 60 s. Timer intervals come from operator/settings.py, read once when
 this package is imported; `kopf run -m shapeshift.operator.handlers` and `shapeshift
 operator` register every handler by importing it.
 """

@@ -150,7 +150,7 @@ def _observe_run(body: kopf.Body, kube: Kube) -> None:
         (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason, message=message)
 
 
-@kopf.timer(*CRUN, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5.0))
+@kopf.timer(*CRUN, interval=RESYNC_SECONDS, initial_delay=min(RESYNC_SECONDS, 5.0), backoff=RESYNC_SECONDS)
 def compile_run_observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Resync: the Job's conditions and the pod's scheduling become phase and conditions."""
     current: CompileRunStatus = parse_status(COMPILE_RUN, body.get("status"))

@@ -108,7 +108,7 @@ def inference_deployment_reconcile(body: kopf.Body, spec: kopf.Spec, memo: kopf.
     api_errors(lambda: _observe_engine(body, parsed, kube, read))
 
 
-@kopf.timer(*IDEP, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+@kopf.timer(*IDEP, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, backoff=RESYNC_SECONDS)
 def inference_deployment_observe(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo,
                                  logger: logging.Logger, **_: Any) -> None:
     """Resync: recreate a missing child, then status from what is really running."""

@@ -81,7 +81,8 @@ def _reports(url: str | None, settings: OperatorSettings, namespace: str, name: 
         return None, {}, str(err)
 
 
-@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0)
+@kopf.timer(GROUP, VERSION, INFERENCE_DEPLOYMENT.plural, interval=TIMER_SECONDS, initial_delay=1.0,
+            backoff=TIMER_SECONDS)
 def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Advance the rollout of the deployment's desired ForwardPass by one observation."""
     kube = kube_of(memo)

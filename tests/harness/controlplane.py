@@ -15,6 +15,9 @@ Data flow of `ControlPlane.start()`:
                      workload is run by harness.kubelet, which reports the exit)
     node pools    -> v1.Node objects created through the API (H200 GPUs, Trainium2, CPU)
 
+`restart_apiserver()` stops kube-apiserver and starts it again on the same port, certificates
+and etcd (fault tests: the other parts and the operator must reconnect).
+
 Every binary comes from $SHAPESHIFT_BIN (see harness.tools). Processes are tracked by
 PID and stopped in reverse start order, also when startup fails half way.
 
@@ -628,6 +631,60 @@ class ControlPlane:
         self.pids.clear()
         if self.state_file.exists():
             self.state_file.unlink()
+
+    def restart_apiserver(self, timeout_s: float = 90.0, grace_s: float = 3.0) -> float:
+        """Stop kube-apiserver (SIGTERM, SIGKILL after `grace_s`: it stops listening at once, then its
+        graceful shutdown can hang for longer) and start it again with the same flags,
+        port, certificates and etcd, so every client (operator, controller-manager, scheduler, kwok,
+        kubelets) reconnects to the same address; return the seconds it took.
+
+        Returns once /readyz answers, discovery serves every CustomResourceDefinition's served
+        versions again, and the rest of the plane passes the start's checks (default ServiceAccount,
+        scheduler health, pool nodes Ready): a shared plane stays usable for the tests after.
+        Admission policies load asynchronously and are not waited for here."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        name = "kube-apiserver"
+        stop_pids({name: self.pids[name]}, grace_s=grace_s)
+        old = self._children.pop(name, None)
+        if old is not None:
+            try:
+                old.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._start_apiserver()
+        if self.state_file.exists():
+            self._save_state()
+        self._wait(deadline, name, lambda: self._get("/readyz") == 200)
+        client = self.api_client()
+        try:
+            self._wait(deadline, name, lambda: self._crds_discovered(client), "CRDs in discovery")
+            self._wait_ready(client, deadline)
+        finally:
+            client.close()
+        return time.monotonic() - started
+
+    def _crds_discovered(self, client) -> bool:
+        """Every served version of every Established CRD is listed by API discovery."""
+        import kubernetes
+        import urllib3
+
+        try:
+            crds = kubernetes.client.ApiextensionsV1Api(client).list_custom_resource_definition().items
+        except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError):
+            return False
+        for crd in crds:
+            conditions = {c.type: c.status for c in (crd.status.conditions or [])} if crd.status else {}
+            if conditions.get("Established") != "True":
+                return False
+            for version in (v.name for v in crd.spec.versions if v.served):
+                try:
+                    listing = kubernetes.client.CustomObjectsApi(client).get_api_resources(crd.spec.group, version)
+                except (kubernetes.client.ApiException, urllib3.exceptions.HTTPError):
+                    return False
+                if not any(resource.name == crd.spec.names.plural for resource in listing.resources):
+                    return False
+        return True
 
     def __enter__(self) -> ControlPlane:
         return self.start()
