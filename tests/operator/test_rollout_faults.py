@@ -89,7 +89,10 @@ class Stage:
 
     def start_operator(self) -> None:
         self.operator = start_operator(self.cluster, self.namespace, self.log, self.operator_port,
-                                       env={"SHAPESHIFT_ROLLOUT_MIN_REQUESTS": "5"})
+                                       env={"SHAPESHIFT_ROLLOUT_MIN_REQUESTS": "5",
+                                            # the faults, not the analysis, decide here: a canary at
+                                            # the stock pass's speed is never judged slower on noise
+                                            "SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS": "0.05"})
         wait_until(lambda: operator_healthy(self.operator_port), 60, "the operator's health endpoint")
 
     def kill_operator(self) -> None:
@@ -148,7 +151,7 @@ def stage(crds, tmp_path_factory):
     try:
         st.start_operator()
         deployment(crds, namespace, 2, artifacts={"pvc": {"claimName": "artifacts"}})
-        patch_spec(crds, namespace, {"rollout": {"analysisWindowSeconds": 10}})
+        patch_spec(crds, namespace, {"rollout": {"analysisWindowSeconds": 10, "allowedRegression": 1.0}})
         st.urls = serve_engine_pods(crds, namespace, NAME, 2, run_pod_locally=st.run_pod, prometheus=st.prometheus,
                                     cache_dir=root / "engine-cache", pvc_dirs={"artifacts": store})
         (st.stock,) = set(served(st).values())
