@@ -278,6 +278,11 @@ def test_operator_killed_mid_canary_resumes_from_status_and_completes_once(stage
         patch_spec(stage.cluster, stage.namespace, {"forwardPass": "fp-killed-operator"})
         analyzing = wait_until(in_phase(stage, "Analyzing", target="fp-killed-operator"), 90,
                                "the canary on the candidate", interval_s=0.5)
+        # The transition's event follows its status write: killed between the two, the operator
+        # loses that one event (the status, which the resume reads, is written). Killed after it here,
+        # so the counts below can say that nothing is posted twice.
+        wait_until(lambda: event_counts(stage, since).get("CanaryInSync"), 15, "the CanaryInSync event",
+                   interval_s=0.2)
         stage.kill_operator()
         assert not operator_healthy(stage.operator_port)
         (canary,) = analyzing["rollout"]["canaryPods"]
