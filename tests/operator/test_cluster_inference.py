@@ -203,7 +203,10 @@ def test_a_child_the_api_server_refuses_is_reported_and_cleared_once_fixed(crds,
                                                                       "nodeSelector": {"not a label!": "x"}}}})
     cond = wait_until(refused("nodeSelector"), 60, "ChildrenApplied=False for a node selector key no node can have")
     assert "not a label!" in cond["message"], cond
-    events = [e for e in crds.core.list_namespaced_event(namespace).items if e.reason == "ChildRefused"]
+    # the event follows the status write: wait for the second refusal's, not only its condition
+    events = wait_until(lambda: (lambda es: es if len(es) >= 2 else None)(
+        [e for e in crds.core.list_namespaced_event(namespace).items if e.reason == "ChildRefused"]),
+        20, "a Warning event per refusal", interval_s=0.5)
     assert {e.type for e in events} == {"Warning"} and len(events) >= 2
     crds.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama",
                                                {"spec": {"hardware": {"nodeSelector": None}}})
