@@ -26,6 +26,7 @@ import time
 import pytest
 
 from harness.cluster import wait_until
+from harness.drift_stage import drifting_deployment, scrape_engine
 from metrics_exporter import exporter_process, observe
 
 os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")  # only effective if imported first
@@ -62,30 +63,12 @@ def test_prometheus_outage_mid_drift_compiles_nothing_then_exactly_once_after_re
         crds, namespace, engine_metrics, prometheus, monkeypatch):
     from kopf.testing import KopfRunner
 
-    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
+    from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 
-    server = prometheus([{
-        "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
-        "static_configs": [{"targets": [engine_metrics], "labels": {"namespace": namespace, "deployment": "llama"}}],
-    }])
-    server.wait_for(f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})', lambda v: v >= 40, timeout_s=30)
+    server = scrape_engine(prometheus, namespace, engine_metrics)
 
-    short = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=24, p90=30, p99=32),
-                           output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
     custom = crds.custom
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
-        "spec": {
-            "model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0,
-            "prometheusUrl": server.url,
-            "compilation": {"policy": "OnDrift", "cooldownSeconds": 0,
-                            "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": CHECK_INTERVAL,
-                                      "windowSeconds": 60, "promptLengthRelativeChange": 0.3,
-                                      "prefixHitRateAbsoluteChange": 0.15}},
-        },
-    })
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "inferencedeployments", "llama",
-                                                 {"status": {"compiledFor": short.to_dict()}})
+    drifting_deployment(crds, namespace, server.url, replicas=0, cooldown_s=0, check_interval_s=CHECK_INTERVAL)
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
     import shapeshift.operator.handlers  # noqa: F401  (the core handlers: CompileRun -> Job)

@@ -26,6 +26,7 @@ import time
 import pytest
 
 from harness.cluster import wait_until
+from harness.drift_stage import drifting_deployment
 from metrics_exporter import exporter_process, observe
 
 os.environ.setdefault("SHAPESHIFT_DRIFT_TIMER_SECONDS", "2")  # only effective if imported first
@@ -72,7 +73,7 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
         crds, namespace, engine_metrics, prometheus, monkeypatch):
     from kopf.testing import KopfRunner
 
-    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
+    from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 
     server = prometheus([{
         "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
@@ -84,21 +85,8 @@ def test_long_prompts_trigger_one_compile_run_and_a_stopped_prometheus_triggers_
         time.sleep(0.05)
     server.wait_for(f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})', lambda v: v >= 40)
 
-    short = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=24, p90=30, p99=32),
-                           output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
     custom = crds.custom
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
-        "spec": {
-            "model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 1,
-            "prometheusUrl": server.url,
-            "compilation": {"policy": "OnDrift", "cooldownSeconds": 3600,
-                            "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": 10, "windowSeconds": 60,
-                                      "promptLengthRelativeChange": 0.3, "prefixHitRateAbsoluteChange": 0.15}},
-        },
-    })
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "inferencedeployments", "llama",
-                                                 {"status": {"compiledFor": short.to_dict()}})
+    drifting_deployment(crds, namespace, server.url, replicas=1, cooldown_s=3600, check_interval_s=10)
 
     monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))
     from shapeshift.operator.handlers import drift as drift_handlers  # registers the timer

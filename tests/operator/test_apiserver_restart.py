@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 import pytest
 from harness.chart_operator import apply_admission_policy
 from harness.cluster import wait_until
+from harness.drift_stage import drifting_deployment, scrape_engine
 from harness.controlplane import free_port
 from harness.operator_process import operator_healthy, start_operator, stop_operator
 from test_cluster_compile import bound_pod, event_reasons, jobs, run_status, stand_in_worker
@@ -95,29 +96,11 @@ def _utc(text: str) -> datetime:
 
 def test_operator_carries_on_across_apiserver_restarts_mid_drift_and_mid_run(
         crds, namespace, kube, engine_metrics, prometheus, restart_apiserver, run_pod_locally, tmp_path):
-    from shapeshift.engine.contracts.traffic_profile import LengthDistribution, TrafficProfile
+    from shapeshift.engine.contracts.traffic_profile import TrafficProfile
 
-    server = prometheus([{
-        "job_name": "engine", "scrape_interval": "1s", "scrape_timeout": "1s",
-        "static_configs": [{"targets": [engine_metrics], "labels": {"namespace": namespace, "deployment": "llama"}}],
-    }])
-    server.wait_for(f'sum(shapeshift_prompt_tokens_count{{namespace="{namespace}"}})', lambda v: v >= 40, timeout_s=30)
-    short = TrafficProfile(name="short", prompt_length=LengthDistribution(p50=24, p90=30, p99=32),
-                           output_length=LengthDistribution(p50=8, p90=8, p99=8), prefix_cache_hit_rate=0.5)
+    server = scrape_engine(prometheus, namespace, engine_metrics)
     custom = crds.custom
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments", {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceDeployment", "metadata": {"name": "llama"},
-        "spec": {
-            "model": {"preset": "tiny-llama"}, "hardware": {"accelerator": "cpu"}, "replicas": 0,
-            "prometheusUrl": server.url,
-            "compilation": {"policy": "OnDrift", "cooldownSeconds": 3600,
-                            "drift": {"consecutiveChecks": 2, "checkIntervalSeconds": CHECK_INTERVAL,
-                                      "windowSeconds": 60, "promptLengthRelativeChange": 0.3,
-                                      "prefixHitRateAbsoluteChange": 0.15}},
-        },
-    })
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, "inferencedeployments", "llama",
-                                                 {"status": {"compiledFor": short.to_dict()}})
+    drifting_deployment(crds, namespace, server.url, replicas=0, cooldown_s=3600, check_interval_s=CHECK_INTERVAL)
 
     def status() -> dict:
         return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "inferencedeployments",
