@@ -13,7 +13,9 @@
         -> build_compile_job       Job        <run>-compile     `shapeshift compile --compile-run ns/run`;
                                    the deployment's spec.artifacts.pvc mounted read-write at
                                    ARTIFACT_MOUNT, named by $SHAPESHIFT_ARTIFACT_DIR, where the
-                                   worker writes the champion as <sha256>.tar.gz
+                                   worker writes the champion as <sha256>.tar.gz, and its folder
+                                   compile-runs/<run uid> mounted as the run's output folder (board,
+                                   report), so that a retried pod resumes the board
 
 The artifact store sits at the same path in compile and engine pods, so the file path the
 worker records in the ForwardPass is the path the engine's rollout agent opens.
@@ -267,6 +269,27 @@ def _artifact_volumes(spec: InferenceDeploymentSpec, *, writable: bool
     return [{"name": "artifacts", "persistentVolumeClaim": claim}], [mount]
 
 
+RUN_FOLDERS = "compile-runs"  # on the artifact store: one folder per CompileRun (uid), its board and report
+
+
+def _run_folder_mount(parent: Parent, spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """The run's output folder on the artifact store, where the worker writes it.
+
+    The worker writes its board, report and champion bundle to $SHAPESHIFT_WORK_DIR/<run name>
+    (engine/compile/worker.py job_request). The work folder is the pod's emptyDir, which a retried
+    pod (the Job's backoffLimit) does not get back; mounted there from the store instead, the folder
+    outlives the pod, and the retry resumes the board (trials already on it are not measured
+    again). Keyed by the run's uid, so a new run of the same name starts afresh; the rest of the
+    work folder (an agent's API key file) stays in the emptyDir. No store: nothing is mounted and a
+    retry starts over."""
+    store = spec.artifacts.pvc if spec.artifacts is not None else None
+    if store is None:
+        return []
+    folder = f"{RUN_FOLDERS}/{parent.uid}"
+    return [{"name": "artifacts", "mountPath": f"{WORK_MOUNT}/{parent.name}",
+             "subPath": f"{store.sub_path}/{folder}" if store.sub_path else folder}]
+
+
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": timeout,
             "failureThreshold": failures}
@@ -475,6 +498,7 @@ def build_compile_job(parent: Parent, run: CompileRunSpec, deployment: Inference
             {"name": "work", "mountPath": WORK_MOUNT},
             *model_mounts,
             *artifact_mounts,
+            *_run_folder_mount(parent, deployment),
         ],
     }
     pod_spec: dict[str, Any] = {

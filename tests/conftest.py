@@ -132,9 +132,9 @@ _SHARED_SESSION_FIXTURES = (("cluster", "cluster"), ("server", "model-server"), 
 
 # The cluster tests in two groups, each with its control plane on its own worker (about half of
 # their time each; their waits overlap the other worker's CPU-bound tests): the end-to-end, drift,
-# regime and fault tests that run engine pods, and the rest.
+# regime and fault tests that run engine pods or compile workers, and the rest.
 _SECOND_CLUSTER_GROUP = ("tests/e2e/", "tests/drift/", "tests/operator/test_regime_switch_",
-                         "tests/operator/test_rollout_faults")
+                         "tests/operator/test_rollout_faults", "tests/operator/test_compile_faults")
 
 
 def xdist_group_of(nodeid: str, fixturenames) -> str:

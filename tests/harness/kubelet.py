@@ -44,8 +44,16 @@ volumes_root=folder); off by default):
                                                      files (items: only those, at their paths)
     and argv parts and env values naming a path under mountPath are rewritten, as above.
 
+A mount inside another mount (a claim's folder at /var/lib/shapeshift/run inside the emptyDir at
+/var/lib/shapeshift) is a symlink at that place in the outer mount's folder (link_nested_mounts), so
+a process that composes the path from the outer one ($SHAPESHIFT_WORK_DIR/<run>) reaches the inner
+one, as it does in a container.
+
 `flag_overrides` ({"--port": "18001"}) replaces the value after a flag in the command line, or
 appends the flag: several pods of one Deployment, each given its own loopback port.
+
+`kill()` SIGKILLs the containers' process groups (the OOM killer, a node's end) and reports exit
+code 137, as a runtime does.
 
 Not modelled: images (the process runs from the local PATH, so a container must set
 `command`), other volumes, probes and restarts: an exit is final, whatever restartPolicy says.
@@ -374,6 +382,26 @@ def pvc_mounts(pod: V1Pod, container, pvc_dirs: dict[str, Path]) -> dict[str, Pa
     return mounts
 
 
+def link_nested_mounts(mounts: dict[str, Path]) -> None:
+    """Each mount that lies inside another one: a symlink to its folder at that place in the outer
+    mount's folder (a container sees the inner volume there). A real folder already in that place
+    is refused: a container would not see it, a local process would."""
+    for inner, folder in mounts.items():
+        inner = inner.rstrip("/")
+        outers = [m for m in mounts if inner.startswith(m.rstrip("/") + "/")]
+        if not outers:
+            continue
+        outer = max(outers, key=len)
+        link = mounts[outer] / inner[len(outer.rstrip("/")) + 1:]
+        if link.is_symlink() and link.resolve() == Path(folder).resolve():
+            continue
+        if link.exists() or link.is_symlink():
+            raise PodSpecError(f"mount {inner} lies inside mount {outer}, whose folder {mounts[outer]} already "
+                               f"holds {link}")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(folder, target_is_directory=True)
+
+
 def local_claim(api_client: kubernetes.client.ApiClient, namespace: str, claim: str, folder: Path,
                 access_mode: str = "ReadWriteMany") -> str:
     """A PersistentVolume backed by `folder` (hostPath) and the claim `claim` bound to it.
@@ -464,6 +492,7 @@ class LocalPod:
             mounts = {**self.downward_api.mounts_of(container), **pvc_mounts(pod, container, self.pvc_dirs)}
             if self.volumes_root is not None:
                 mounts.update(local_volume_mounts(self.core, pod, container, self.volumes_root))
+            link_nested_mounts(mounts)
             env = {**base, **resolve_env(self.core, pod, container), **self.extra_env}
             env = {key: rewrite_paths(value, mounts) for key, value in env.items()}
             argv = [rewrite_paths(expand(part, env), mounts) for part in [*container.command, *(container.args or [])]]
@@ -520,6 +549,14 @@ class LocalPod:
         if not self.reported:
             self.report()
         return self.exit_codes
+
+    def kill(self) -> dict[str, int]:
+        """SIGKILL every container's process group, as the OOM killer or a lost node does (no
+        grace period), then report the exits (137)."""
+        for run in self.containers:
+            if run.process.poll() is None:
+                os.killpg(run.process.pid, signal.SIGKILL)
+        return self.stop(grace_s=5)
 
     @property
     def exit_codes(self) -> dict[str, int]:

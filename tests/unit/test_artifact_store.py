@@ -84,6 +84,23 @@ def test_compile_job_writes_and_engines_read_the_store_at_the_same_path():
     assert mount == {"name": "artifacts", "mountPath": ARTIFACT_MOUNT, "subPath": "team-a/llama", "readOnly": True}
 
 
+def test_compile_job_keeps_the_run_folder_on_the_store_for_a_retried_pod():
+    """The worker's output folder ($SHAPESHIFT_WORK_DIR/<run>: board, report) is the store's
+    compile-runs/<run uid>, so a retried pod resumes the board; the rest of the work folder stays
+    in the emptyDir. Without a store the folder is the emptyDir's (a retry starts over)."""
+    r = CompileRunSpec.model_validate({"deploymentRef": {"name": "llama"}})
+    for sub_path, expected in (("team-a/llama", "team-a/llama/compile-runs/uid-run"), (None, "compile-runs/uid-run")):
+        job = builders.build_compile_job(RUN, r, with_store(sub_path))
+        (container,) = pod_spec(job)["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = [m for m in container["volumeMounts"] if m["name"] == "artifacts"]
+        assert mounts[1:] == [{"name": "artifacts", "mountPath": f"{env['SHAPESHIFT_WORK_DIR']}/llama-run",
+                               "subPath": expected}], mounts
+        assert {"name": "work", "mountPath": env["SHAPESHIFT_WORK_DIR"]} in container["volumeMounts"]
+    (container,) = pod_spec(builders.build_compile_job(RUN, r, spec()))["containers"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["engine-config", "work"]
+
+
 def test_without_a_store_nothing_is_mounted_and_the_worker_gets_no_artifact_dir():
     job = builders.build_compile_job(RUN, CompileRunSpec.model_validate({"deploymentRef": {"name": "llama"}}),
                                      spec())
