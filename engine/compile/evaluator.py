@@ -16,12 +16,17 @@ Data flow:
         carries engine.json, the EngineConfig overrides (batch size, chunk budget, prefix
         caching, graph buckets) the candidate was measured with
 
-Each tier keeps one persistent engine (weights loaded once). Engine knobs of a candidate
-(``engine.*``: batch size, chunk budget, prefix caching, graph buckets) are applied to the
-idle engine by rebuilding only its scheduler and block manager over the same KV cache and
-re-capturing graphs; should that not be possible, a new engine is built. Before every
-repeat the prefix cache is emptied, so no repeat is served from blocks an earlier one
-left behind: prefix hits come only from sharing inside the replayed traffic.
+Each tier keeps one persistent engine (weights loaded once) that never runs candidate code.
+Each candidate is measured in a process of its own (engine/verify/measured_engine.py, the
+default wherever it can run: the host, and CUDA where IPC works): an engine there, over the
+tier engine's weights, with the candidate's engine knobs (``engine.*``: batch size, chunk
+budget, prefix caching, graph buckets) and its pass hot-reloaded; this process drives the
+replay and reads the clock (wall, or that process's CPU time from outside). In-process
+measurement (``isolate_measurement`` False) hot-reloads the candidate into the tier engine and
+applies engine knobs by rebuilding its scheduler and block manager over the same KV cache and
+re-capturing graphs. Before every repeat the prefix cache is emptied, so no repeat is served
+from blocks an earlier one left behind: prefix hits come only from sharing inside the replayed
+traffic.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import dataclasses
 import gc
 import json
 import logging
-import math
 import shutil
 import statistics
 import tempfile
@@ -40,7 +44,7 @@ from typing import Any, Callable
 
 from shapeshift.engine.forward_pass import patch_guard  # first: the clocks, before any candidate
 from shapeshift.engine.forward_pass.bundle import ENGINE_SETTINGS_FILE  # engine.json: the EngineConfig overrides a candidate was measured with
-from shapeshift.engine.replay.driver import ReplayRun, run_once
+from shapeshift.engine.replay.driver import ReplayRun, fresh_engine_cache, run_once
 from shapeshift.engine.replay.requests import ReplayRequest, requests_from_profile
 from shapeshift.engine.replay import routing as replay_routing
 from shapeshift.engine.contracts.expert_routing import REPRESENTATIVE_TV
@@ -50,6 +54,7 @@ from shapeshift.engine.compile.candidate import Candidate
 from shapeshift.engine.compile.measure import DEFAULT_NOISE_FLOOR, FAST, FULL, Measurement, Verification
 from shapeshift.engine.compile.search_space import SearchSpace, build_search_space, engine_overrides, split_recipe
 from shapeshift.engine.compile.source_edits import SourceEditError, apply_edits
+from shapeshift.engine.verify.measured import check_measured_outputs
 
 log = logging.getLogger(__name__)
 # What a candidate hot-reloaded into this process could patch to pass or to look faster, besides the
@@ -110,6 +115,9 @@ class EvaluatorSettings:
     # MoE: a measured replay whose expert routing is further than this (max over layers of the total
     # variation) from the profile's expertRouting is marked not representative (engine/replay/routing.py).
     routing_threshold: float = REPRESENTATIVE_TV
+    # Each candidate measured in a process of its own (its engine there, the replay and the clocks
+    # here: engine/verify/measured_engine.py); None: wherever it can run (the host; CUDA with IPC).
+    isolate_measurement: bool | None = None
 
     @property
     def closing_pairs(self) -> int:
@@ -141,31 +149,6 @@ def replay(engine: Any, requests: list[ReplayRequest], concurrency: int | None,
     finally:
         if gc_was_enabled:
             gc.enable()
-
-
-def _zero_if_nan(value: float) -> float:
-    """run_once reports a percentile of no values (every request one token long) as NaN; the
-    board and the per-user veto read it as 0 (no per-user data)."""
-    return 0.0 if math.isnan(value) else value
-
-
-def check_measured_outputs(out: list[Measurement], tokens: dict[int, list[list[int]] | None],
-                           dtype: Any = None) -> None:
-    """One repeat's tokens against the reference's on the same requests: the last candidate of a
-    pair is the incumbent (compare, screen_paired, compare_final), the others are checked against
-    it, and a measured run whose outputs diverge is not a result (engine/verify/measured.py, at
-    the prefix floor of the tier's `dtype`)."""
-    from shapeshift.engine.verify.measured import measured_outputs_agree
-
-    ref = len(out) - 1
-    if ref < 1 or tokens.get(ref) is None or out[ref].error is not None:
-        return
-    for i in range(ref):
-        if out[i].error is None and tokens.get(i) is not None:
-            ev = measured_outputs_agree(tokens[i], tokens[ref], dtype)
-            out[i].details["measured_outputs"] = ev
-            if not ev["ok"]:
-                out[i].error = f"measured.outputs: {ev['reason']}"
 
 
 class EngineEvaluator:
@@ -202,6 +185,12 @@ class EngineEvaluator:
         # scaled by calibrate_tier_slo to the stock pass's speed on that tier)
         self._tier_slo: dict[str, SLO] = {}
         self._bandwidth: float | None = None  # bytes/s of a device copy, measured before any candidate ran
+        self._isolation: tuple[bool, str] | None = None  # (isolated?, why not) once decided
+        from shapeshift.engine.verify.measured_engine import MeasuringProcesses
+
+        self._processes = MeasuringProcesses(keep=3 if not self.on_cuda else 2,
+                                             build_timeout_s=settings.reload_timeout_s,
+                                             step_timeout_s=settings.reload_timeout_s)
         from shapeshift.engine.verify.anticheat import HARNESS_MODULES as VERIFIER
 
         patch_guard.capture_harness(VERIFIER + HARNESS_MODULES)  # before any candidate is hot-reloaded here
@@ -281,6 +270,8 @@ class EngineEvaluator:
         s = self.settings
         free, total = torch.cuda.mem_get_info(torch.device(s.device))
         share = s.fast_tier_memory if tier == FAST else s.full_tier_memory
+        if self.isolated():  # the tier engine and up to `keep` measuring processes, each with its KV cache
+            share /= 1 + self._processes.keep
         return min(0.95, (total - free) / total + share)
 
     def _reconfigure(self, tier: str, overrides: dict[str, Any]) -> None:
@@ -292,24 +283,22 @@ class EngineEvaluator:
         eng.config = new_config
         eng.runner.config = new_config
         self._engine_knobs[tier] = dict(overrides)
-        self._fresh_cache(eng)
+        fresh_engine_cache(eng)
         eng.runner.capture_cudagraphs()
 
     @staticmethod
     def _fresh_cache(eng: Any) -> None:
-        """An empty prefix cache: a new block manager and scheduler over the same KV tensors."""
-        from shapeshift.engine.core.block_manager import BlockManager
-        from shapeshift.engine.core.scheduler import Scheduler
+        """An empty prefix cache (in the candidate's process, for an engine measured there)."""
+        (eng.fresh_cache if hasattr(eng, "fresh_cache") else lambda: fresh_engine_cache(eng))()
 
-        if eng.has_unfinished_requests():
-            raise RuntimeError("cannot reset the KV cache of an engine with requests in flight")
-        old_bm, old_sched = eng.block_manager, eng.scheduler
-        bm = BlockManager(old_bm.num_blocks, old_bm.block_size, eng.config.enable_prefix_caching,
-                          tag=getattr(old_bm, "tag", ""))
-        eng.block_manager = bm
-        eng.scheduler = Scheduler(bm, eng.config.max_num_seqs, eng.config.max_num_batched_tokens,
-                                  eng.config.max_model_len, tokenizer=old_sched.tokenizer,
-                                  eos_token_ids=sorted(old_sched.eos_token_ids))
+    def isolated(self) -> bool:
+        """Whether candidates are measured in processes of their own (decided once)."""
+        if self._isolation is None:
+            from shapeshift.engine.verify.measured_engine import isolation_problem
+
+            why = isolation_problem(self.settings.isolate_measurement, self.settings.device)
+            self._isolation = (not why, why)
+        return self._isolation[0]
 
     # ------------------------------------------------------------------ bundles
     def space(self) -> SearchSpace:
@@ -351,8 +340,13 @@ class EngineEvaluator:
         return out
 
     def _activate(self, tier: str, cand: Candidate) -> Any:
-        """Engine of `tier` with the candidate's engine knobs and forward pass active."""
+        """Engine of `tier` with the candidate's engine knobs and forward pass active: in the
+        candidate's own process where measurement is isolated, else the tier engine here."""
         _, engine_knobs, _ = split_recipe(cand.recipe)
+        if self.isolated():
+            ref = self._engine(tier, {})
+            config = self._base_config(tier, engine_overrides(engine_knobs), ref.config.gpu_memory_utilization)
+            return self._processes.engine(tier, ref, config, self.materialize(cand))
         eng = self._engine(tier, engine_overrides(engine_knobs))
         path = self.materialize(cand)
         if self._loaded.get(tier) != str(path):
@@ -366,11 +360,15 @@ class EngineEvaluator:
             self.fitted = fit_profile(self.profile, self.settings.max_model_len, self.settings.length_scale)
         return self.fitted
 
-    def _clock(self) -> Any:
-        # The clocks captured before any candidate loaded (patch_guard): a candidate that patches
-        # time.* cannot speed up its own measurement, nor leave a later one timed by its clock.
+    def _clock(self, eng: Any = None) -> Any:
+        """What times `eng`'s replays: on the host, an engine in its own process by that process's
+        CPU time read from here; else the clocks captured before any candidate loaded
+        (patch_guard), so a candidate that patches time.* cannot speed up its own measurement."""
+        timer = self.timer()
+        if timer != "wall" and getattr(eng, "cpu_clock", None) is not None:
+            return eng.cpu_clock
         return {"wall": patch_guard.perf_counter, "process": patch_guard.process_time,
-                "thread": patch_guard.thread_time}[self.timer()]
+                "thread": patch_guard.thread_time}[timer]
 
     def timer(self) -> str:
         timer = self.settings.timer
@@ -437,7 +435,6 @@ class EngineEvaluator:
             import torch
 
             torch.set_num_threads(self.settings.cpu_threads)
-        clock = self._clock()
         profile = self._profile()
         out = [Measurement(noise_floor=self.noise_floor, details={"tier": tier, "requests": requests,
                                                                   "profile": profile.name}) for _ in cands]
@@ -467,9 +464,10 @@ class EngineEvaluator:
                     self._guard(m)
                     spent[i] += patch_guard.perf_counter() - t0
                     continue
+                run_clock = self._clock(eng)
                 if prompts is None:
                     if profile.arrival_rate and self.settings.open_loop_load and tier not in self._arrival_scale:
-                        self._calibrate_arrivals(tier, eng, profile, requests, clock)
+                        self._calibrate_arrivals(tier, eng, profile, requests, run_clock)
                     drawn_from = profile
                     if profile.arrival_rate and self._arrival_scale.get(tier, 1.0) != 1.0:
                         drawn_from = profile.model_copy(
@@ -482,10 +480,10 @@ class EngineEvaluator:
                 try:
                     self._fresh_cache(eng)
                     if rep < 0:
-                        replay(eng, warm_up, concurrency, clock)
+                        replay(eng, warm_up, concurrency, run_clock)
                     else:
                         routed_before = replay_routing.routing_snapshot(eng)  # outside the timed replay
-                        run = replay(eng, prompts, concurrency, clock, slo)
+                        run = replay(eng, prompts, concurrency, run_clock, slo)
                         tokens[i] = run.output_token_ids
                         check = replay_routing.check_routing(
                             getattr(profile, "expert_routing", None),
@@ -496,27 +494,12 @@ class EngineEvaluator:
                         faster_than_light = self._faster_than_light(eng, run, concurrency or len(prompts))
                         if faster_than_light:
                             m.error = f"speed of light: {faster_than_light}"
-                        m.throughput.append(run.output_tokens_per_s)
-                        if slo is not None:
-                            m.slo_attainment.append(run.slo_attainment)
-                            m.slo_missed_ttft.append(run.slo_missed_ttft)
-                            m.slo_missed_per_user.append(run.slo_missed_per_user)
-                            if not run.goodput_tokens_per_s > 0:  # a measured outcome, not a crash: the engine stays
-                                m.error = (f"no request met the SLO ({slo.describe()}): goodput 0; "
-                                           "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")
-                                m.missed_slo = True
-                        m.samples.append(run.output_tokens_per_s if slo is None
-                                         else run.goodput_tokens_per_s)
-                        m.per_user_p50.append(_zero_if_nan(run.per_user_tokens_per_s_p50))
-                        # "p90 per-user speed": the speed that 90% of users get at least (10th percentile).
-                        m.per_user_p90.append(_zero_if_nan(run.per_user_tokens_per_s_p90))
-                        m.e2e_per_user_p90.append(_zero_if_nan(run.per_user_e2e_tokens_per_s_p90))
-                        m.ttft_p50.append(_zero_if_nan(run.ttft_s_p50))
-                        m.ttft_p90.append(_zero_if_nan(run.ttft_s_p90))
+                        m.record(run, slo)
                 except Exception as exc:  # noqa: BLE001 - a candidate that crashes mid-replay is a failed trial
                     log.warning("candidate %s failed during replay on the %s tier: %s", cand.short, tier, exc)
-                    self._recover(tier)
+                    self._recover(tier, eng)
                     m.error = f"failed during replay: {type(exc).__name__}: {exc}"
+                self._check_process(tier, eng, m)
                 self._check_weights(tier, m)
                 self._guard(m)
                 spent[i] += patch_guard.perf_counter() - t0
@@ -620,8 +603,19 @@ class EngineEvaluator:
             log.warning("put back %s, patched outside any measurement", ", ".join(patched[:6]))
         return patched
 
-    def _recover(self, tier: str) -> None:
-        """Drop the tier's engine after a candidate broke it mid-run (rebuilt on next use)."""
+    def _check_process(self, tier: str, eng: Any, m: Measurement) -> None:
+        """After a replay in the candidate's own process: what voids it (measured_engine.py)."""
+        problems = self._processes.check(tier, eng)
+        if problems:
+            m.error = "; ".join(([m.error] if m.error else []) + problems)
+
+    def _recover(self, tier: str, eng: Any = None) -> None:
+        """After a candidate broke its engine mid-run: its own process closed where it had one, else
+        the tier's engine dropped (rebuilt on next use)."""
+        if hasattr(eng, "tells"):
+            self._processes.discard(tier, eng)
+            return
+        self._processes.close(tier)
         self._weights.pop(tier, None)
         self._engines.pop(tier, None)
         self._managers.pop(tier, None)
@@ -674,6 +668,8 @@ class EngineEvaluator:
         return {"model": s.model, "device": str(eng.device) if eng is not None else s.device,
                 "dtype": str(eng.dtype) if eng is not None else s.dtype, "fast_layers": self.fast_layers(),
                 "profile": self.profile.name, "fitted_profile": self._profile().name, "timer": self.timer(),
+                "measurement": ("in the candidate's own process" if self._isolation and self._isolation[0]
+                                else f"in this process ({self._isolation[1]})" if self._isolation else "not yet"),
                 "cpu_threads": s.cpu_threads, "engine_base": dict(s.engine_base), "base_recipe": dict(s.base_recipe),
                 "verify": {"prompts": s.verify_prompts, "steps": s.verify_steps},
                 "screen": {"requests": s.screen_requests, "repeats": s.screen_repeats},
@@ -694,5 +690,6 @@ class EngineEvaluator:
         return "cpu"
 
     def close(self) -> None:
+        self._processes.close()
         self._engines.clear()
         self._managers.clear()

@@ -124,6 +124,28 @@ class Measurement:
             out["speedup"] = self.mean / baseline.mean
         return out
 
+    def record(self, run: Any, slo: Any = None) -> None:
+        """One measured replay (engine/replay/driver.py ReplayRun) appended: the objective (goodput
+        under `slo`, else output tokens/s) and the latencies. A replay where no request met the SLO
+        is a measured outcome, not a crash: the measurement fails as missed_slo."""
+        self.throughput.append(run.output_tokens_per_s)
+        if slo is not None:
+            self.slo_attainment.append(run.slo_attainment)
+            self.slo_missed_ttft.append(run.slo_missed_ttft)
+            self.slo_missed_per_user.append(run.slo_missed_per_user)
+            if not run.goodput_tokens_per_s > 0:
+                self.error = (f"no request met the SLO ({slo.describe()}): goodput 0; "
+                              "loosen the SLO (--slo-ttft-p90, --slo-per-user-p90)")
+                self.missed_slo = True
+        self.samples.append(run.output_tokens_per_s if slo is None else run.goodput_tokens_per_s)
+        # NaN (a percentile of no values: every request one token long) reads as 0, no per-user data
+        for name, value in (("per_user_p50", run.per_user_tokens_per_s_p50),
+                            # "p90 per-user speed": the speed that 90% of users get at least (10th percentile)
+                            ("per_user_p90", run.per_user_tokens_per_s_p90),
+                            ("e2e_per_user_p90", run.per_user_e2e_tokens_per_s_p90),
+                            ("ttft_p50", run.ttft_s_p50), ("ttft_p90", run.ttft_s_p90)):
+            getattr(self, name).append(0.0 if math.isnan(value) else value)
+
     @classmethod
     def from_metrics(cls, metrics: dict[str, Any], noise_floor: float = DEFAULT_NOISE_FLOOR) -> "Measurement":
         """Rebuild from a board entry (resume): samples are kept there."""

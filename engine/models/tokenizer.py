@@ -125,6 +125,16 @@ class Tokenizer:
         return cls(tok, chat_template=CHATML_TEMPLATE, bos_token=None, eos_token="<|im_end|>",
                    eos_token_ids=[tok.token_to_id("<|endoftext|>")])
 
+    def to_wire(self) -> dict[str, Any]:
+        """Everything this tokenizer is, as JSON (for a process of the engine's own, from_wire)."""
+        return {"tokenizer": self._tok.to_str(), "chat_template": self.chat_template, "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "eos_token_ids": list(self.eos_token_ids)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_str(d["tokenizer"]), chat_template=d.get("chat_template"),
+                   bos_token=d.get("bos_token"), eos_token=d.get("eos_token"), eos_token_ids=d.get("eos_token_ids"))
+
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (HF layout) into ``folder``."""
         folder = Path(folder)

@@ -110,6 +110,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def fresh_engine_cache(engine: Any) -> None:
+    """An empty prefix cache on an idle engine: a new block manager and scheduler over the same KV
+    tensors (the blocks a replay left cached, and their counts, are forgotten)."""
+    from shapeshift.engine.core.block_manager import BlockManager
+    from shapeshift.engine.core.scheduler import Scheduler
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("cannot reset the KV cache of an engine with requests in flight")
+    old_bm, old_sched = engine.block_manager, engine.scheduler
+    bm = BlockManager(old_bm.num_blocks, old_bm.block_size, engine.config.enable_prefix_caching,
+                      tag=getattr(old_bm, "tag", ""))
+    engine.block_manager = bm
+    engine.scheduler = Scheduler(bm, engine.config.max_num_seqs, engine.config.max_num_batched_tokens,
+                                 engine.config.max_model_len, tokenizer=old_sched.tokenizer,
+                                 eos_token_ids=sorted(old_sched.eos_token_ids))
+
+
 def _flush_prefix_cache(engine: Any) -> None:
     bm = getattr(engine, "block_manager", None)
     if bm is not None and hasattr(bm, "set_tag"):

@@ -25,6 +25,9 @@ from shapeshift.engine.core.expert_routing import counts_of
 
 def routing_snapshot(engine: Any) -> dict[int, list[int]] | None:
     """The active pass's routing counts now (one device-to-host copy), or None where it has none."""
+    remote = getattr(engine, "routing_snapshot", None)  # an engine in another process asks it there
+    if callable(remote):
+        return remote()
     counts = counts_of(getattr(engine, "forward_pass", None))
     return None if counts is None else counts.snapshot()
 

@@ -6,7 +6,8 @@ kernels, never runs candidate code) --fork per request--> child_main: init (map 
 load_bundle, build) | kv (map a KV cache) | forward (inputs -> fp.forward -> logits, the inputs it
 changed, the previous output if it changed, seconds) | forward_concurrently (several calls, each in
 a thread of its own released at one barrier -> their logits) | observe (patched functions, new threads,
-replaced weights) | probe (CUDA IPC check); every reply JSON + raw bytes (engine/verify/wire.py).
+replaced weights) | probe (CUDA IPC check) | engine.* (the measured engine:
+engine/verify/measured_child.py); every reply JSON + raw bytes (engine/verify/wire.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def zygote_main(fd: int) -> None:
     from shapeshift.engine.forward_pass import patch_guard  # noqa: F401,I001  (captures the references first)
     from shapeshift.engine.core import attention, config  # noqa: F401
     from shapeshift.engine.forward_pass import importer  # noqa: F401
+    from shapeshift.engine.verify.anticheat import HARNESS_MODULES as VERIFIER
 
+    # The verifier's modules as they are before any candidate runs in a child (measured_child.py
+    # reports what a candidate changed of them: a measurement in such a process is no result).
+    patch_guard.capture_harness(VERIFIER)
     _warm_up()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     while True:
@@ -114,6 +119,9 @@ class _Child:
         self.last_sent: torch.Tensor | None = None
         self.device = torch.device("cpu")
         self.threads_before = {t.ident for t in threading.enumerate()}
+        from shapeshift.engine.verify.measured_child import MeasuredEngineChild
+
+        self.engine = MeasuredEngineChild()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -121,25 +129,30 @@ class _Child:
 
             _cuda_synchronize(self.device)
 
-    def init(self, h: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        from shapeshift.engine.core.config import ModelConfig
-        from shapeshift.engine.forward_pass.importer import load_bundle
-
+    def map_weights(self, h: dict[str, Any], fds: list[int]) -> None:
+        """Select the device and map the verifier's weights (a memfd copy, or CUDA IPC handles)."""
         self.device = torch.device(h["device"])
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda": set_device needs an index (torch raises ValueError)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         w = h["weights"]
-        if w["kind"] == "memfd":
-            base = map_fd(fds[0], w["nbytes"])
-            os.close(fds[0])
-            for name, (offset, shape, dtype) in w["tensors"].items():
-                self.weights[name] = view(base, offset, shape, DTYPES[dtype])
-        else:
-            for name, d in w["tensors"].items():
-                self.weights[name] = from_cuda_handle(d)
+        with torch.inference_mode(False):  # plain tensors, as an engine's weights are where it serves
+            if w["kind"] == "memfd":
+                base = map_fd(fds[0], w["nbytes"])
+                os.close(fds[0])
+                for name, (offset, shape, dtype) in w["tensors"].items():
+                    self.weights[name] = view(base, offset, shape, DTYPES[dtype])
+            else:
+                for name, d in w["tensors"].items():
+                    self.weights[name] = from_cuda_handle(d)
         self.mapped = {n: t.data_ptr() for n, t in self.weights.items()}
+
+    def init(self, h: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        from shapeshift.engine.core.config import ModelConfig
+        from shapeshift.engine.forward_pass.importer import load_bundle
+
+        self.map_weights(h, fds)
         model_config = ModelConfig(**h["model_config"])
         stage = "open"
         try:
@@ -306,6 +319,12 @@ def child_main(fd: int, threads: int) -> None:
                     reply, back = child.forward_concurrently(h, blobs)
                 elif op == "observe":
                     reply = child.observe()
+                elif op.startswith("engine."):  # the measured engine (engine/verify/measured_child.py)
+                    if op == "engine.init":
+                        child.map_weights(h, fds)
+                    reply = child.engine.handle(op, h, child.weights if op == "engine.init" else None, sock)
+                    if reply is None:  # it answered for itself
+                        continue
                 elif op == "probe":  # CUDA IPC works here: read the verifier's tensor, write it
                     t = from_cuda_handle(h["tensor"])
                     reply = {"ok": True, "sum": float(t.sum())}

@@ -39,6 +39,7 @@ change a logit the verifier compares or a byte of the weights it hashes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -49,7 +50,7 @@ import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -301,8 +302,10 @@ class IsolatedCandidate:
         self.cache_format = str(reply.get("cache_format", ""))
         self.name = str(reply.get("name") or self.name)
 
-    def _call(self, header: dict[str, Any], blobs: list[bytes] = (), fds: list[int] = (), timeout_s: float = 0.0,
-              what: str = "forward") -> tuple[dict[str, Any], list[bytes]]:
+    @contextlib.contextmanager
+    def _wire(self, what: str, timeout_s: float = 0.0) -> Iterator[socket.socket]:
+        """The socket, for one exchange with the candidate's process: a hang past the deadline, a
+        death or a malformed message kills the process and raises (DeadlineExceeded, CandidateDied)."""
         with self.lock:
             if self.dead:
                 raise CandidateDied(self.dead)
@@ -310,8 +313,7 @@ class IsolatedCandidate:
             timeout = timeout_s or self.timeout_s
             self.sock.settimeout(timeout)
             try:
-                send(self.sock, header, list(blobs), list(fds))
-                return recv(self.sock)[:2]
+                yield self.sock
             except (socket.timeout, TimeoutError):
                 self._kill(f"{what} did not finish within {timeout:.1f} s (hung?)")
                 raise DeadlineExceeded(f"{what} did not finish within {timeout:.1f} s (hung?): the candidate's "
@@ -324,6 +326,12 @@ class IsolatedCandidate:
                 self._kill(f"the candidate's process sent a malformed message during {what}")
                 raise CandidateDied(f"the candidate's process sent a malformed message during {what} "
                                     f"({type(exc).__name__}: {exc}); it was killed") from None
+
+    def _call(self, header: dict[str, Any], blobs: list[bytes] = (), fds: list[int] = (), timeout_s: float = 0.0,
+              what: str = "forward") -> tuple[dict[str, Any], list[bytes]]:
+        with self._wire(what, timeout_s) as sock:
+            send(sock, header, list(blobs), list(fds))
+            return recv(sock)[:2]
 
     def _tail(self) -> str:
         try:

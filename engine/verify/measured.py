@@ -139,3 +139,20 @@ def measured_speed_possible(output_tokens_per_s: float, model_config: Any, weigh
                         f"{limit:.1f} tokens/s the device allows ({bound['bytes'] / 1e6:.1f} MB a step at "
                         f"{slack:g} x the measured {bandwidth_bytes_per_s / 1e9:.1f} GB/s): a measurement fault")
     return ev
+
+
+def check_measured_outputs(out: list[Any], tokens: dict[int, list[list[int]] | None],
+                           dtype: Any = None) -> None:
+    """One repeat's tokens against the reference's on the same requests: the last candidate of a
+    pair is the incumbent (compare, screen_paired, compare_final), the others are checked against
+    it, and a measured run whose outputs diverge is not a result (engine/verify/measured.py, at
+    the prefix floor of the tier's `dtype`)."""
+    ref = len(out) - 1
+    if ref < 1 or tokens.get(ref) is None or out[ref].error is not None:
+        return
+    for i in range(ref):
+        if out[i].error is None and tokens.get(i) is not None:
+            ev = measured_outputs_agree(tokens[i], tokens[ref], dtype)
+            out[i].details["measured_outputs"] = ev
+            if not ev["ok"]:
+                out[i].error = f"measured.outputs: {ev['reason']}"

@@ -40,10 +40,11 @@ def test_embedded_default_finds_or_honestly_fails(tmp_path: Path, capsys, caplog
     rc = main(["--budget-trials", "12", "--out", str(out), "--registry", str(tmp_path / "registry")])
     assert rc == 0
     printed = capsys.readouterr().out
-    # The candidates' hot reloads are debug chatter in a compile run; one leaderboard, and the
-    # last line says what was found and where the report is.
+    # The candidates' hot reloads happen in their own measuring processes, not in this one (none
+    # logged here at INFO or above); one leaderboard, and the last line says what was found and
+    # where the report is.
     swaps = [r for r in caplog.records if r.name == "shapeshift.engine.forward_pass.swap" and "active" in r.message]
-    assert swaps and all(r.levelno == logging.DEBUG for r in swaps)
+    assert all(r.levelno == logging.DEBUG for r in swaps), [r.getMessage() for r in swaps]
     assert printed.count("Leaderboard") == 1, printed
     assert "report" in printed.strip().splitlines()[-1]
     report = json.loads((out / "report.json").read_text())

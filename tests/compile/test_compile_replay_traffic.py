@@ -94,7 +94,7 @@ def test_a_replay_faster_than_the_device_allows_is_a_measurement_fault(tmp_path)
     base = Candidate(chat.space().default(), None, "baseline", "")
     honest = chat.screen(base)
     assert honest.ok, honest.error
-    chat._clock = lambda: (lambda: time.thread_time() / 1_000_000)
+    chat._clock = lambda eng=None: (lambda: time.thread_time() / 1_000_000)
     slowed = chat.screen(base)
     assert not slowed.ok and slowed.error.startswith("speed of light: measured "), slowed.error
     assert "a measurement fault" in slowed.error

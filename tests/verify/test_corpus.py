@@ -2,11 +2,13 @@
 class of hole: each known-bad candidate must be rejected by the gate named here, with a reason.
 
 Class 1 (tampering with the verifier from inside its process) is closed by running every
-candidate in a process of its own (engine/verify/isolated.py): what the candidate edits there
-is not what judges it. The compile worker still imports each candidate it measures (hot reload):
-there the evaluator times with the clocks captured before any candidate loaded and, after every
-measurement, checks and puts back the verifier's functions, thresholds and tables
-(forward_pass/patch_guard.py, `measured.no_patching`).
+candidate in a process of its own, to be verified (engine/verify/isolated.py) and to be measured
+(engine/verify/measured_engine.py): what the candidate edits there is not what judges or times
+it. A candidate that patches the clocks or the harness there anyway is caught after the replay
+(`measured.no_patching`, from that process's own record of the harness before it ran); with
+measurement in the worker's process (isolate_measurement off) the evaluator times with the
+clocks captured before any candidate loaded and puts back what it changed
+(forward_pass/patch_guard.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CORPUS = {
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
     "unwatched_thread_clock": (5, "anti_cheat.no_patching"),
+    "work_in_another_process": (5, "measured.no_processes"),
 }
 # Caught by their gate and by no other: every other gate passes them.
 ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state", "odd_batch_above_16"}
@@ -54,6 +57,8 @@ DEPLOYMENT = {"odd_batch_above_16": {"max_num_seqs": 48}}
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 # Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
 PATCHING = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.no_patching")
+# Hide work from the measuring clock: caught after their measurement.
+HIDING = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.no_processes")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,7 @@ def _verify(name: str, cfg, weights, only=None):
     return verify_candidate(path, cfg, weights, settings=settings, weights_baseline=baseline, only=only)
 
 
-@pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED) - set(PATCHING)))
+@pytest.mark.parametrize("name", sorted(set(CORPUS) - set(MEASURED) - set(PATCHING) - set(HIDING)))
 def test_corpus_candidate_rejected_by_its_gate(model, verifier_state, name):
     cfg, weights = model
     weights = {k: w.clone() for k, w in weights.items()}  # weights tampering stays in this copy
@@ -210,25 +215,45 @@ def test_measured_outputs_checked_against_the_incumbent(evaluator, name):
     cfg = evaluator.model_config()
     weights = evaluator._engine("full", {}).weights
     report = verify_candidate(CANDIDATES / name, cfg, weights, settings=GateSettings(gate_timeout_s=30.0))
-    if name == "lazy_off_gate_thread":
-        # The candidate's process calls forward on its main thread, as measurement does: the
-        # thread no longer tells verification apart, so verification refuses it too.
-        assert not report.gate("outputs.agreement").passed
-    else:
-        assert report.passed  # its tell is the call stack, still there (the child's serve loop)
+    # Its tell (the serving loop's thread, or a caller frame of the verifier) says "verified" there:
+    # verification alone passes it; only the measured replays, which run as serving does, catch it.
+    assert report.passed, report.failed
 
 
-def test_weights_touched_while_measured_discard_the_engine(evaluator):
-    """The measured hot reload is where weights_touched_when_measured writes: that measurement is
-    not a result, the engine is rebuilt from the checkpoint, and its weights are the pristine ones."""
+def test_weights_touched_while_measured_never_reach_the_worker(evaluator):
+    """The measured hot reload is where weights_touched_when_measured writes: in the candidate's own
+    process, on that process's copy of the weights. The measurement is not a result (the reload's
+    weights check refuses it, naming the tensor), the worker's engine and its weights are the same
+    objects with the same contents, and the incumbent measured beside it is judged as before."""
     from shapeshift.engine.compile.candidate import Candidate
     from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
 
     space = evaluator.space()
+    eng = evaluator._engine("full", {})
+    before = weights_fingerprint(eng.weights)
+    stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
+    source = (CANDIDATES / "weights_touched_when_measured" / "forward.py").read_text()
+    cand_m, stock_m = evaluator.compare(Candidate(space.default(), source, "test", "tamper"), stock, repeats=1)
+    assert evaluator.describe()["measurement"] == "in the candidate's own process"
+    assert cand_m.error and "modified the engine's shared weights" in cand_m.error, cand_m.error
+    assert "model.norm.weight" in cand_m.error and not cand_m.samples
+    assert stock_m.error is None and stock_m.samples
+    assert evaluator._engine("full", {}) is eng and weights_fingerprint(eng.weights) == before
+
+
+def test_weights_touched_in_process_discard_the_engine(evaluator, monkeypatch):
+    """Measured in the worker's process (isolate_measurement off), the same write reaches the tier
+    engine's weights: that measurement is not a result, the engine is rebuilt from the checkpoint,
+    and its weights are the pristine ones."""
+    from shapeshift.engine.compile.candidate import Candidate
+    from shapeshift.engine.forward_pass.weights_guard import weights_fingerprint
+
+    monkeypatch.setattr(evaluator, "_isolation", (False, "off for this test"))
+    space = evaluator.space()
     before = weights_fingerprint(evaluator._engine("full", {}).weights)
     stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
     source = (CANDIDATES / "weights_touched_when_measured" / "forward.py").read_text()
-    cand_m, _ = evaluator.compare(Candidate(space.default(), source, "test", "tamper"), stock, repeats=1)
+    cand_m, _ = evaluator.compare(Candidate(space.default(), source, "test", "tamper-in-process"), stock, repeats=1)
     assert cand_m.error and cand_m.error.startswith("weights: the candidate changed the engine's weights"), cand_m.error
     assert "model.norm.weight" in cand_m.error
     after = {k: v[1:] for k, v in weights_fingerprint(evaluator._engine("full", {}).weights).items()}
@@ -338,3 +363,20 @@ def test_the_evaluator_times_with_the_captured_clocks(evaluator, monkeypatch):
     [m] = evaluator.measure_together([stock], repeats=1)
     assert m.error is None and m.samples, m.error
     assert time.perf_counter is patch_guard.perf_counter  # put back before the measurement
+
+
+@pytest.mark.parametrize("name", HIDING)
+def test_work_hidden_from_the_measuring_clock_is_no_result(evaluator, name):
+    """A candidate that starts a process of its own (work there would escape the CPU clock of the
+    process being measured): its measurement is no result, saying why; its measuring process is
+    closed; the incumbent measured beside it is judged as before."""
+    from shapeshift.engine.compile.candidate import Candidate
+
+    space = evaluator.space()
+    stock = Candidate(space.default(), evaluator.stock_source, "test", "stock")
+    cand = Candidate(space.default(), (CANDIDATES / name / "forward.py").read_text(), "test", name)
+    cand_m, stock_m = evaluator.compare(cand, stock, repeats=1)
+    assert cand_m.error and cand_m.error.startswith("measured.no_processes: the candidate started process"), \
+        cand_m.error
+    assert not cand_m.samples and stock_m.error is None and stock_m.samples
+    print(f"{name}: {cand_m.error}")

@@ -4,7 +4,7 @@ floor is lower in half precision, where a change of schedule alone changes the r
 
 from __future__ import annotations
 
-from shapeshift.engine.compile.evaluator import check_measured_outputs
+from shapeshift.engine.verify.measured import check_measured_outputs
 from shapeshift.engine.compile.measure import Measurement
 from shapeshift.engine.verify.measured import (MIN_PREFIX_AGREEMENT, MIN_PREFIX_AGREEMENT_HALF,
                                                measured_outputs_agree, min_prefix_agreement)

@@ -58,7 +58,7 @@ def test_a_measured_replay_faster_than_light_is_not_a_result(tmp_path, monkeypat
     [honest] = evaluator.measure_together([stock], repeats=1)
     assert honest.error is None and honest.samples, honest.error
     start = patch_guard.perf_counter()
-    monkeypatch.setattr(evaluator, "_clock", lambda: lambda: start + (patch_guard.perf_counter() - start) * 1e-6)
+    monkeypatch.setattr(evaluator, "_clock", lambda eng=None: lambda: start + (patch_guard.perf_counter() - start) * 1e-6)
     [faked] = evaluator.measure_together([stock], repeats=1)
     assert faked.error and faked.error.startswith("speed of light: measured "), faked.error
     assert "a measurement fault" in faked.error
