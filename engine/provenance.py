@@ -31,7 +31,7 @@ def package_version() -> str:
 RESULT_BENCHMARKS = (
     "agreement", "agreement-gate", "compile", "decode", "decode-curve", "decode-profile", "kernels",
     "kernels-quick", "kernels-tune", "kernels-quick-tune", "layer-tail", "parallel", "regimes", "reload",
-    "serving", "operator-scale", "expert-routing", "compile-repeat",
+    "serving", "operator-scale", "expert-routing", "compile-repeat", "measured-isolation",
 )
 _SLUG = r"[a-z0-9]+(?:[.-][a-z0-9]+)*"
 # <benchmark>-<model>-<hardware>-<UTC stamp>, then -2, -3, ... for a second run started in the
