@@ -32,7 +32,10 @@ def test_evaluator_on_cuda(tmp_path: Path) -> None:
     cand = ev.screen(tuned)
     assert base.ok and cand.ok, (base.error, cand.error)
     paired, inc = ev.compare(tuned, stock)
-    assert paired.ok and inc.ok
+    assert paired.ok and inc.ok, (paired.error, inc.error)
+    # each candidate measured in a process of its own, its engine over the worker's weights (CUDA IPC)
+    assert ev.describe()["measurement"] == "in the candidate's own process"
+    print(f"measuring-process starts (s): {[round(t, 2) for t in ev._processes.starts]}")
     gain, low, high = paired_gain(paired, inc)
     print(f"fast tier: stock {base.mean:.0f} tok/s, tuned {cand.mean:.0f} tok/s; "
           f"full tier paired gain {gain:.3f} [{low:.3f}, {high:.3f}]")
