@@ -40,6 +40,8 @@ def test_evaluator_on_cuda(tmp_path: Path) -> None:
     print(f"fast tier: stock {base.mean:.0f} tok/s, tuned {cand.mean:.0f} tok/s; "
           f"full tier paired gain {gain:.3f} [{low:.3f}, {high:.3f}]")
     verdict = ev.verify(tuned)
-    assert verdict.passed, verdict.failed_gates()
+    reasons = {g["name"]: (g.get("reason"), str(g.get("evidence"))[:400]) for g in verdict.report.get("gates", [])
+               if not g.get("passed")}
+    assert verdict.passed, reasons
     exported = ev.export(tuned, tmp_path / "champion")
     assert len(exported["digest"]) == 64
