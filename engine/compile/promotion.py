@@ -28,8 +28,11 @@ def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, st
     long-context gate decodes at besides the engine's limit."""
     from shapeshift.engine.verify import GateSettings, verify_candidate
 
+    coverage = serving_coverage(engine.config)
+    pool = getattr(getattr(engine, "block_manager", None), "num_blocks", 0)
+    coverage["pool_blocks"] = int(pool or coverage["pool_blocks"])
     settings = GateSettings(num_prompts=prompts, steps=steps, block_size=engine.kv_cache.block_size,
-                            **serving_coverage(engine.config), prompt_tokens=_replay_text(engine),
+                            **coverage, prompt_tokens=_replay_text(engine),
                             traffic_prompt_lens=tuple(traffic_prompt_lens))
     report = verify_candidate(candidate_path, engine.model_config, engine.weights, dtype=engine.dtype,
                               device=engine.device, settings=settings, weights_baseline=weights_baseline)
@@ -49,12 +52,14 @@ def verify_for_promotion(engine: Any, candidate_path: Path, prompts: int = 4, st
 def serving_coverage(cfg: Any) -> dict[str, Any]:
     """The GateSettings fields for the serving paths an EngineConfig takes: every decode batch
     size up to 16, every graph bucket up to its largest batch and the sizes between the buckets
-    past 16 (GateSettings.decode_batch_sizes), contexts up to its max model length, and a KV pool
-    that holds its largest batch."""
+    past 16 (GateSettings.decode_batch_sizes), contexts up to its max model length, a KV pool
+    that holds its largest batch, and its configured pool (num_kv_blocks; verify_for_promotion
+    puts the engine's own pool there) for coverage.block_pool."""
     buckets = tuple(b for b in (cfg.cuda_graph_batch_sizes or ()) if b <= cfg.max_num_seqs) + (cfg.max_num_seqs,)
     most = max((min(cfg.max_num_seqs, 16),) + buckets)
     return {"max_batch_size": min(cfg.max_num_seqs, 16), "graph_buckets": buckets,
-            "max_model_len": cfg.max_model_len, "num_blocks": max(96, 3 * most + 8)}
+            "max_model_len": cfg.max_model_len, "num_blocks": max(96, 3 * most + 8),
+            "pool_blocks": int(cfg.num_kv_blocks or 0)}
 
 
 def _replay_text(engine: Any) -> tuple[int, ...] | None:

@@ -55,10 +55,23 @@ class PagedDriver:
         self.free: list[int] = list(range(num_blocks))  # LIFO: freed blocks are reused first
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed)
-        for block in range(num_blocks + 1):
-            self._poison(block)
+        self._poison_all()
 
     # ------------------------------------------------------------------ blocks
+    def _poison_all(self) -> None:
+        """Every block, the null block included: one draw per layer and tensor."""
+        for layer in range(len(self.kv.k)):
+            for cache in (self.kv.k[layer], self.kv.v[layer]):
+                garbage = torch.randn(cache.shape, generator=self.gen) * POISON_SCALE
+                cache.copy_(garbage.to(cache.dtype))
+
+    def place(self, blocks: list[int]) -> None:
+        """Hand out these free block ids next, in this order (to put sequences anywhere in the pool)."""
+        chosen = set(blocks)
+        free = set(self.free)
+        if len(chosen) != len(blocks) or not chosen <= free:
+            raise ValueError("place() takes distinct free block ids")
+        self.free = [b for b in self.free if b not in chosen] + list(reversed(blocks))
     def _poison(self, block: int) -> None:
         for layer in range(len(self.kv.k)):
             for cache in (self.kv.k[layer], self.kv.v[layer]):
@@ -106,6 +119,42 @@ class PagedDriver:
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n
         return logits
+
+    def graph_decode_step(self, fp: Any, seqs: list[Seq], bucket: int, width: int, fill: Any) -> torch.Tensor:
+        """One decode step (the next token of each sequence) shaped as the engine's CUDA-graph
+        replay of the bucket that holds the batch (engine/core/runner.py ``_copy_inputs``,
+        ``_graph_context``): ``bucket`` rows, those past the batch padded (a token written to the
+        null slot, one token of context, a block-table row left from an earlier step), block
+        tables ``width`` blocks wide whose unused columns hold stale block ids, and no host copies
+        of the lengths. ``fill`` (a random.Random) draws the padding, so two passes given equal
+        ``fill`` see equal steps. Returns float32 logits [len(seqs), V] of the real rows."""
+        n = len(seqs)
+        if not 1 <= n <= bucket:
+            raise ValueError(f"a batch of {n} does not fit bucket {bucket}")
+        input_ids, positions, ctx = self.build_step(seqs, [1] * n)
+        bs, pool = self.block_size, self.kv.num_blocks
+        table = torch.tensor([[fill.randrange(pool) for _ in range(width)] for _ in range(bucket)], dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            if len(seq.blocks) > width:
+                raise ValueError(f"a sequence of {len(seq.blocks)} blocks is wider than the graph's {width}")
+            table[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        for row in range(n, bucket):  # a padded row keeps the table of a row served earlier
+            table[row] = table[fill.randrange(n)]
+        pad = bucket - n
+        dev = self.device
+        ids = torch.cat([input_ids, torch.tensor([fill.randrange(self.model_config.vocab_size) for _ in range(pad)],
+                                                 dtype=torch.int64, device=dev)])
+        pos = torch.cat([positions, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        slots = torch.cat([ctx.slot_mapping, torch.full((pad,), self.kv.null_slot, dtype=torch.int64, device=dev)])
+        lens = torch.cat([ctx.context_lens, torch.ones(pad, dtype=torch.int32, device=dev)])
+        graph_ctx = AttentionContext(
+            is_prefill=False, slot_mapping=slots, block_tables=table.to(dev), context_lens=lens,
+            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=dev), max_query_len=1,
+            max_context_len=width * bs, last_token_indices=torch.arange(bucket, dtype=torch.int64, device=dev))
+        logits = fp.forward(ids, pos, graph_ctx, self.kv)
+        for seq in seqs:
+            seq.num_computed += 1
+        return logits[:n]
 
     def greedy(self, fp: Any, seqs: list[Seq], steps: int, decode_fp: Any | None = None,
                prefill_chunk: int | None = None, forced: list[list[int]] | None = None

@@ -45,6 +45,10 @@ class GateSettings:
     odd_lengths: tuple[int, ...] | None = None  # None -> derived from the block size
     block_size: int = 16
     num_blocks: int = 96
+    # coverage.block_pool: the serving engine's KV pool (blocks; 0: num_blocks), which that gate's
+    # drivers match up to pool_bytes_max each (their KV caches; the evidence says when capped).
+    pool_blocks: int = 0
+    pool_bytes_max: int = 256 << 20
     gate_timeout_s: float = 120.0
     build_timeout_s: float = 120.0
     logprob_atol: float | None = None  # None -> TOLERANCES[dtype]

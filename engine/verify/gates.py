@@ -1,6 +1,6 @@
 """Verification gates: named checks that a candidate forward pass must pass before it is served;
 this module runs them in order (the gates themselves live in outputs.py, sampling_gate.py,
-kv_isolation.py, concurrency.py and anti_cheat_gates.py, their common ground in context.py, the
+kv_isolation.py, concurrency.py, serving_paths.py and anti_cheat_gates.py, their common ground in context.py, the
 report types in report.py).
 
 Data flow:
@@ -42,6 +42,12 @@ Gates (names are stable; reports and tests refer to them):
   coverage.concurrent_calls   two request groups decoded by the candidate on two KV caches, their
                               calls interleaved and then overlapping (two threads at once) ==
                               each group decoded alone by the reference
+  coverage.padded_batches     decode steps shaped as CUDA-graph replays (batches padded to their
+                              bucket, padded rows on the null slot, tables max_model_len wide, no
+                              host copies) == the reference on the same steps; no KV slot written
+                              outside the step's own
+  coverage.block_pool         sequences on block ids across the serving engine's whole KV pool
+                              (its last block, block 0, the rest drawn; capped by memory, said so)
   anti_cheat.fresh_inputs     reused input buffers with new contents, same tokens in new contexts
   anti_cheat.poisoned_outputs returned logits are not changed after return; poisoned previous
                               outputs never leak into new ones
@@ -79,6 +85,7 @@ from shapeshift.engine.verify.outputs import (calibrate, gate_agreement, gate_co
                                              gate_mixed_steps, gate_smoke)
 from shapeshift.engine.verify.report import GATE_NAMES, GateReport, GateSuiteReport
 from shapeshift.engine.verify.sampling_gate import gate_sampling
+from shapeshift.engine.verify.serving_paths import gate_block_pool, gate_padded_batches
 
 
 def _run_gate(name: str, fn: Callable[[], dict[str, Any]], timeout_s: float) -> GateReport:
@@ -203,6 +210,8 @@ def verify_candidate(candidate: str | Path | LoadedBundle, model_config: Any, we
         ("coverage.long_context", lambda: gate_long_context(ctx)),
         ("coverage.mixed_steps", lambda: gate_mixed_steps(ctx)),
         ("coverage.concurrent_calls", lambda: gate_concurrent_calls(ctx)),
+        ("coverage.padded_batches", lambda: gate_padded_batches(ctx)),
+        ("coverage.block_pool", lambda: gate_block_pool(ctx)),
         ("anti_cheat.fresh_inputs", lambda: gate_fresh_inputs(ctx)),
         ("anti_cheat.poisoned_outputs", lambda: gate_poisoned_outputs(ctx)),
         ("anti_cheat.inputs_unchanged", lambda: gate_inputs_unchanged(ctx, weights_before, by_content=True)),

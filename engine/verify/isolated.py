@@ -84,8 +84,7 @@ class SharedKVDriver(PagedDriver):
         self.free = list(range(num_blocks))
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed)
-        for block in range(num_blocks + 1):
-            self._poison(block)
+        self._poison_all()
 
 
 # ------------------------------------------------------------------ the zygote

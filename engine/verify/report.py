@@ -15,7 +15,8 @@ from typing import Any
 GATE_NAMES = (
     "smoke", "outputs.finite", "outputs.agreement", "outputs.sampling", "kv.prefix_hit_equals_miss",
     "kv.batched_equals_alone", "kv.canary_isolation", "kv.swap_compatibility", "coverage.shapes",
-    "coverage.long_context", "coverage.mixed_steps", "coverage.concurrent_calls",
+    "coverage.long_context", "coverage.mixed_steps", "coverage.concurrent_calls", "coverage.padded_batches",
+    "coverage.block_pool",
     "anti_cheat.fresh_inputs",
     "anti_cheat.poisoned_outputs", "anti_cheat.inputs_unchanged", "anti_cheat.speed_of_light",
     "anti_cheat.no_patching",

@@ -1,9 +1,10 @@
 """A gate that tests itself: a short form of the adversarial corpus, run when a compile worker starts.
 
-Data flow: seven small candidates written here (six known-bad, each aimed at one gate: one
+Data flow: eight small candidates written here (seven known-bad, each aimed at one gate: one
 widening the verifier's tolerance table from inside, which only a candidate in a process of its
 own cannot do; one exact only off the main thread, as verification used to call it; one wrong
-only on mixed prefill+decode steps; and the stock pass with a comment added) --verify_candidate
+only on mixed prefill+decode steps; one whose CUDA-graph padding rows write a live block; and
+the stock pass with a comment added) --verify_candidate
 on the tiny-llama preset, float32 on the host, only the gate each targets--> SelfTestReport(passed,
 results, seconds). A worker whose gates let a known-bad candidate through, or reject the good
 one, must not publish anything: engine/compile/cli.py asks this before the search and reports
@@ -100,6 +101,17 @@ time.thread_time = lambda: _real() * 0.5
 def build(model_config, weights, recipe):
     return stock.build(model_config, weights, recipe)
 ''', "anti_cheat.no_patching"),
+    "padded_rows_on_live_cache": ('import dataclasses\n' + _HEAD + '''
+
+class WrappedSlots(stock.StockForwardPass):
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        slots = ctx.slot_mapping % (kv_cache.num_blocks * kv_cache.block_size)
+        return super().forward(input_ids, positions, dataclasses.replace(ctx, slot_mapping=slots), kv_cache)
+
+
+def build(model_config, weights, recipe):
+    return WrappedSlots(model_config, weights, recipe)
+''', "coverage.padded_batches"),
     "stock_with_a_comment": (_HEAD + '''
 # the stock pass, one comment longer: must pass
 

@@ -42,6 +42,10 @@ CORPUS = {
     "sampling_off_greedy_path": (3, "outputs.sampling"),
     "shared_call_state": (3, "coverage.concurrent_calls"),
     "odd_batch_above_16": (3, "coverage.shapes"),
+    "padded_rows_wrap_slot": (3, "coverage.padded_batches"),
+    "padded_batch_lazy": (3, "coverage.padded_batches"),
+    "compact_block_table": (3, "coverage.block_pool"),
+    "high_blocks_lazy": (3, "coverage.block_pool"),
     "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
@@ -49,10 +53,12 @@ CORPUS = {
     "work_in_another_process": (5, "measured.no_processes"),
 }
 # Caught by their gate and by no other: every other gate passes them.
-ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state", "odd_batch_above_16"}
+ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state", "odd_batch_above_16", "padded_rows_wrap_slot",
+                   "padded_batch_lazy", "compact_block_table", "high_blocks_lazy"}
 # Verified with the serving coverage of a deployment (EngineConfig fields): its graph buckets and
 # largest batch, as the compile loop's promotion check verifies (promotion.serving_coverage).
-DEPLOYMENT = {"odd_batch_above_16": {"max_num_seqs": 48}}
+DEPLOYMENT = {"odd_batch_above_16": {"max_num_seqs": 48}, "compact_block_table": {"num_kv_blocks": 1024},
+              "high_blocks_lazy": {"num_kv_blocks": 1024}}
 # Exact while verified by design: caught where they are measured (the compile loop's replays).
 MEASURED = sorted(n for n, (_, gate) in CORPUS.items() if gate == "measured.outputs")
 # Tamper with the measuring process they are hot-reloaded into: caught there, after their measurement.
