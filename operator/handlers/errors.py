@@ -1,6 +1,8 @@
 """How failures inside a handler become kopf's retry decisions.
 
     ApiException 409, 429, 5xx  --api_errors-->   kopf.TemporaryError (retried in 5 s)
+    API server unreachable      --api_errors-->   kopf.TemporaryError (retried in 2 s; one log line,
+                                                  not the connection's traceback)
     a spec the models reject    --parse_or_fail--> status phase Failed + Ready False, kopf.PermanentError
     any other ApiException      --api_message-->  the API server's message, for a condition
 """
@@ -11,6 +13,7 @@ import json
 from typing import Any, Callable, TypeVar
 
 import kopf
+import urllib3
 from kubernetes.client import ApiException
 from pydantic import ValidationError
 
@@ -20,15 +23,24 @@ from shapeshift.operator.status import StatusUpdate
 
 T = TypeVar("T")
 
+RECONNECT_DELAY_S = 2.0  # an unreachable API server (restarting, a network blip): soon, and often
 
-def api_errors(call: Callable[[], T]) -> T:
-    """Turn retryable API errors into kopf.TemporaryError (conflicts, throttling, server errors)."""
+
+def api_errors(call: Callable[[], T], retry_s: float | None = None) -> T:
+    """Turn retryable API errors into kopf.TemporaryError (conflicts, throttling, server errors,
+    an API server that cannot be reached); ``retry_s`` (a timer's own interval) replaces both
+    delays."""
     try:
         return call()
     except ApiException as error:
         if error.status in (409, 429) or (error.status or 0) >= 500:
-            raise kopf.TemporaryError(f"API server answered {error.status} {error.reason}; retrying", delay=5)
+            raise kopf.TemporaryError(f"API server answered {error.status} {error.reason}; retrying",
+                                      delay=retry_s or 5)
         raise
+    except (urllib3.exceptions.HTTPError, ConnectionError) as error:
+        reason = getattr(error, "reason", None) or error
+        raise kopf.TemporaryError(f"API server unreachable ({type(reason).__name__}); retrying",
+                                  delay=retry_s or RECONNECT_DELAY_S) from None
 
 
 def api_message(error: ApiException) -> str:

@@ -43,6 +43,7 @@ from shapeshift.operator.api import (
 )
 from shapeshift.operator.drift_check import selector_for
 from shapeshift.operator.handlers.children import ensure_engine_deployment
+from shapeshift.operator.handlers.errors import api_errors
 from shapeshift.operator.kube import MERGE_PATCH, Kube, kube_of
 from shapeshift.operator.provenance import publishing_run
 from shapeshift.operator.prometheus import PrometheusTraffic, TrafficQueryError
@@ -85,6 +86,10 @@ def _reports(url: str | None, settings: OperatorSettings, namespace: str, name: 
             backoff=TIMER_SECONDS)
 def rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Advance the rollout of the deployment's desired ForwardPass by one observation."""
+    api_errors(lambda: _rollout_tick(name, namespace, memo, logger), retry_s=TIMER_SECONDS)
+
+
+def _rollout_tick(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger) -> None:
     kube = kube_of(memo)
     # Read fresh: the timer's body can lag behind this timer's own last status write.
     body = kube.get_custom(INFERENCE_DEPLOYMENT, namespace, name)

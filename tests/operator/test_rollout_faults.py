@@ -12,8 +12,7 @@ killed mid-canary, the artifact store unreadable when a rollout starts.
     archives <sha256>.tar.gz in the store.
 
 One operator, one store and one set of engines serve the whole module (module-scoped: starting
-them costs most of the time; the file takes about 65 s on 2 cores, the control plane's start
-included); each test starts from whatever every pod serves then:
+them costs most of the time); each test starts from whatever every pod serves then:
 
 1. The operator is SIGKILLed while the canary runs the candidate (phase Analyzing) and started
    again: the rollout resumes from status.rollout (same canary, same start, the analysis window
@@ -27,6 +26,10 @@ included); each test starts from whatever every pod serves then:
    canary's engine reports it `unreadable` (Permission denied, in its log), the rollout is rolled
    back at once (not after the load timeout) with a condition naming that, and every pod keeps
    serving its pass, none reloading.
+4. The API server is restarted (harness.controlplane.ControlPlane.restart_apiserver) while the
+   canary runs the candidate: the operator, never restarted, completes the rollout once after it.
+5. Two peered replicas replace the standalone operator and the leader is SIGKILLed mid-canary: the
+   follower resumes within the peering lifetime plus a slack and completes the rollout once.
 
 Each ends with one ForwardPass per archive, status.rollout consistent with status.pods and with
 what each pod's /metrics reports (shapeshift_forward_pass_info's sha256), and every request to a
@@ -400,3 +403,112 @@ def test_unreadable_artifact_store_refuses_the_rollout_and_the_serving_pass_stay
     refusal = wait_until(lambda: (status_of_pass(stage, "fp-unreadable").get("refusals") or [None])[0], 15,
                          "fp-unreadable's refusal")
     assert refusal["reason"] == "RolledBack" and "(unreadable)" in refusal["message"]
+
+
+def test_apiserver_restarted_mid_canary_the_rollout_completes_once(stage, tmp_path):
+    """The API server restarts while the canary runs the candidate (phase Analyzing): the operator,
+    never restarted, carries on once it is back: the rollout completes on its one canary, each pod
+    reloads once, one event per phase, and every request is answered (the engines never talk to
+    the API server)."""
+    plane = stage.cluster.control_plane
+    if plane is None:
+        pytest.skip("restarting the API server needs the local control plane (not $SHAPESHIFT_TEST_KUBECONFIG)")
+    from harness.chart_operator import apply_admission_policy
+
+    before = settled(stage)
+    _, digest = stored_pass(stage, tmp_path, {"gemv_max_rows": 8}, "fp-apiserver-restart")
+    assert digest not in before.values()
+    reloaded = reloads(stage)
+    since = time.time() - 1
+    with DeploymentLoad(list(stage.urls.values()), model=MODEL) as load:
+        patch_spec(stage.cluster, stage.namespace, {"forwardPass": "fp-apiserver-restart"})
+        analyzing = wait_until(in_phase(stage, "Analyzing", target="fp-apiserver-restart"), 90,
+                               "the canary on the candidate", interval_s=0.5)
+        wait_until(lambda: event_counts(stage, since).get("CanaryInSync"), 15, "the CanaryInSync event",
+                   interval_s=0.2)
+        outage = plane.restart_apiserver()
+        apply_admission_policy(stage.cluster)
+        assert stage.operator.poll() is None, stage.log.read_text(errors="replace")[-4000:]
+        done = wait_until(in_phase(stage, "Complete", "RolledBack", target="fp-apiserver-restart"), 120,
+                          "the rollout to finish after the restart", interval_s=0.5)
+    print(f"API server down and back in {outage:.1f} s")
+    assert done["rollout"]["phase"] == "Complete", done["rollout"]
+    assert load.statuses.count(200) >= 10 and set(load.statuses) == {200}, load.errors[:5]
+    kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
+    assert {key: done["rollout"].get(key) for key in kept} == kept
+    assert_consistent(stage, "Complete", digest)
+    assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
+    counts = event_counts(stage, since)
+    assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
+        == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
+    assert "will try again in 60" not in stage.log.read_text(errors="replace")
+
+
+PEERING = "shapeshift"
+LIFETIME_S = 10
+TAKEOVER_SLACK_S = 10
+RESUMED = "Resuming operations after the pause"
+
+
+def test_leader_killed_mid_canary_the_other_replica_completes_the_rollout_once(stage, tmp_path):
+    """Two peered replicas (kopf peering, priorities 200 and 100, keep-alives valid LIFETIME_S) in
+    place of the module's standalone operator; the leader is SIGKILLed while the canary runs the
+    candidate: the follower resumes within LIFETIME_S + TAKEOVER_SLACK_S and completes the rollout
+    from status.rollout, once (same canary and start, one reload per pod, one event per phase)."""
+    before = settled(stage)
+    stop_operator(stage.operator)
+    stage.cluster.apply({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}},
+                        stage.namespace)
+    env = {"SHAPESHIFT_ROLLOUT_MIN_REQUESTS": "5", "SHAPESHIFT_ROLLOUT_LATENCY_RESOLUTION_SECONDS": "0.05"}
+    replicas = {}
+    try:
+        for name, priority in (("replica-a", 200), ("replica-b", 100)):
+            port, log = free_port(), tmp_path / f"{name}.log"
+            replicas[name] = (start_operator(stage.cluster, stage.namespace, log, port, env={**env, "POD_ID": name},
+                                             peering=["--peering", PEERING, "--priority", str(priority),
+                                                      "--peering-lifetime", str(LIFETIME_S)]), port, log)
+            wait_until(lambda: operator_healthy(port), 60, f"{name}'s health endpoint")
+        (leader, _, leader_log), (follower, _, follower_log) = replicas["replica-a"], replicas["replica-b"]
+        wait_until(lambda: RESUMED in leader_log.read_text(errors="replace"), 30, "the leader to resume")
+        assert RESUMED not in follower_log.read_text(errors="replace")
+
+        _, digest = stored_pass(stage, tmp_path, {"fuse_qkv": True, "gemv_max_rows": 8}, "fp-leader-killed")
+        assert digest not in before.values()
+        reloaded = reloads(stage)
+        since = time.time() - 1
+        with DeploymentLoad(list(stage.urls.values()), model=MODEL) as load:
+            patch_spec(stage.cluster, stage.namespace, {"forwardPass": "fp-leader-killed"})
+            analyzing = wait_until(in_phase(stage, "Analyzing", target="fp-leader-killed"), 90,
+                                   "the canary on the candidate", interval_s=0.5)
+            wait_until(lambda: event_counts(stage, since).get("CanaryInSync"), 15, "the CanaryInSync event",
+                       interval_s=0.2)
+            os.killpg(leader.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            leader.wait(timeout=10)
+            wait_until(lambda: RESUMED in follower_log.read_text(errors="replace"),
+                       LIFETIME_S + TAKEOVER_SLACK_S + 10, "the follower to resume")
+            takeover_s = time.monotonic() - killed
+            done = wait_until(in_phase(stage, "Complete", "RolledBack", target="fp-leader-killed"), 120,
+                              "the follower to finish the rollout", interval_s=0.5)
+        print(f"takeover {takeover_s:.1f} s after the SIGKILL (lifetime {LIFETIME_S} s)")
+        assert takeover_s <= LIFETIME_S + TAKEOVER_SLACK_S, takeover_s
+        assert done["rollout"]["phase"] == "Complete", done["rollout"]
+        assert load.statuses.count(200) >= 10 and set(load.statuses) == {200}, load.errors[:5]
+        kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
+        assert {key: done["rollout"].get(key) for key in kept} == kept
+        assert_consistent(stage, "Complete", digest)
+        assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
+        counts = event_counts(stage, since)
+        assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
+            == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
+        # the follower acted only after it resumed
+        assert "kopf.objects" not in follower_log.read_text(errors="replace").split(RESUMED)[0], "acted while paused"
+    finally:
+        for process, _, _ in replicas.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        stage.start_operator()  # the module's standalone operator again, for whatever runs after
+    for _, _, log in replicas.values():
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text, text[-4000:]
