@@ -8,8 +8,12 @@
         measured speedup and baseline tokens/s per accelerator (spec.metrics, spec.hardware.count),
         the deployment's accelerators (replicas x per pod)
       --regimes.economics (the formula)--> accelerator-hours saved per day, payback hours
-      --> CompileRun status.economics (CompileEconomics), written once: a later call reads it back
-          and gives the same numbers, so the run and the regime library say the same
+      --> CompileRun status.economics (CompileEconomics), written when the champion is recorded: a
+          later call reads it back and gives the same numbers, so the run and the regime library
+          say the same
+    while traffic is in the champion's regime, every SHAPESHIFT_SAVINGS_REFRESH_SECONDS
+    (refreshed_economics): the served rate read again, saved and payback recomputed from it (spent,
+    the baseline and the speedup as recorded) --> status.economics and the library's champion
 
 Called where the drift timer records a regime's champion (operator/handlers/drift.py
 _record_champions). Prometheus unreachable, refused or without the series leaves the saved
@@ -35,7 +39,7 @@ from shapeshift.operator.served_rate import served_tokens_per_second
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings
 from shapeshift.operator.status import StatusUpdate
 
-__all__ = ["baseline_per_accelerator", "champion_economics", "job_times", "of_record"]
+__all__ = ["baseline_per_accelerator", "champion_economics", "job_times", "of_record", "refreshed_economics"]
 
 
 def job_times(job: Mapping[str, Any] | None, run_status: Mapping[str, Any]) -> tuple[datetime | None, datetime | None, str | None]:
@@ -73,6 +77,20 @@ def of_record(record: CompileEconomics) -> Economics:
                      serving_accelerators=record.serving_accelerators or 0)
 
 
+def _served_rate(spec: InferenceDeploymentSpec, deployment: str, namespace: str, settings: OperatorSettings,
+                 now: datetime) -> tuple[Any, str | None]:
+    """(the deployment's served output tokens/s now, or None; why not)."""
+    url = spec.prometheus_url or settings.prometheus_url
+    if url is None:
+        return None, f"served tokens/s unknown: {NO_PROMETHEUS_ADDRESS}"
+    try:
+        return served_tokens_per_second(
+            url, selector_for(namespace, deployment, spec, settings), thresholds_of(spec).window_seconds, at=now,
+            timeout_seconds=settings.prometheus_timeout_seconds, allowed_cidrs=settings.outbound_allowed_cidrs), None
+    except TrafficQueryError as err:
+        return None, f"served tokens/s unknown: {err}"
+
+
 def _measure(kube: Kube, run: Mapping[str, Any], forward_pass: Mapping[str, Any], spec: InferenceDeploymentSpec,
              deployment: str, namespace: str, settings: OperatorSettings, now: datetime) -> CompileEconomics:
     run_spec = run.get("spec") or {}
@@ -85,17 +103,9 @@ def _measure(kube: Kube, run: Mapping[str, Any], forward_pass: Mapping[str, Any]
     started, completed, note = job_times(job, run.get("status") or {})
     notes = [note] if note else []
     window = thresholds_of(spec).window_seconds
-    served = None
-    url = spec.prometheus_url or settings.prometheus_url
-    if url is None:
-        notes.append(f"served tokens/s unknown: {NO_PROMETHEUS_ADDRESS}")
-    else:
-        try:
-            served = served_tokens_per_second(
-                url, selector_for(namespace, deployment, spec, settings), window, at=now,
-                timeout_seconds=settings.prometheus_timeout_seconds, allowed_cidrs=settings.outbound_allowed_cidrs)
-        except TrafficQueryError as err:
-            notes.append(f"served tokens/s unknown: {err}")
+    served, why = _served_rate(spec, deployment, namespace, settings, now)
+    if why:
+        notes.append(why)
     rate = round(served.tokens_per_second, 6) if served else None  # what is stored is what is computed from
     baseline = baseline_per_accelerator(forward_pass)
     baseline = round(baseline, 6) if baseline is not None else None
@@ -136,3 +146,36 @@ def champion_economics(kube: Kube, run: Mapping[str, Any], forward_pass: Mapping
         raise kopf.TemporaryError(f"writing the economics of CompileRun {run['metadata']['name']} failed "
                                   f"({err.status} {err.reason})", delay=15) from err
     return of_record(record)
+
+
+def refreshed_economics(kube: Kube, run: Mapping[str, Any], spec: InferenceDeploymentSpec, deployment: str,
+                        namespace: str, *, settings: OperatorSettings | None = None,
+                        now: datetime | None = None) -> CompileEconomics | None:
+    """``run``'s status.economics with the served rate read again now and saved and payback
+    recomputed from it (spent, the baseline and the speedup as recorded), written back; None where
+    the run has no economics yet or the rate cannot be read now (the record stays as it is)."""
+    stored = (run.get("status") or {}).get("economics")
+    if not stored:
+        return None
+    record = CompileEconomics.model_validate(stored)
+    settings = settings or OperatorSettings.from_environ()
+    at = (now or datetime.now(timezone.utc)).replace(microsecond=0)
+    served, _why = _served_rate(spec, deployment, namespace, settings, at)
+    if served is None:
+        return None
+    rate = round(served.tokens_per_second, 6)
+    cost = economics(started=record.job_start_time, completed=record.job_completion_time,
+                     compile_accelerators=record.accelerators, speedup=record.speedup, served_tokens_per_second=rate,
+                     baseline_tokens_per_second_per_accelerator=record.baseline_tokens_per_second_per_accelerator,
+                     serving_accelerators=record.serving_accelerators or 0)
+    notes = [n for n in (record.message or "").split("; ") if n and not n.startswith("served tokens/s unknown")]
+    fresh = record.model_copy(update={
+        "served_tokens_per_second": rate, "served_window_seconds": thresholds_of(spec).window_seconds,
+        "measured_at": served.at, "saved_accelerator_hours_per_day": cost.saved_accelerator_hours_per_day,
+        "payback_hours": cost.payback_hours, "message": "; ".join(notes)[:1024] or None})
+    try:
+        kube.write_status(COMPILE_RUN, namespace, run["metadata"]["name"], StatusUpdate({"economics": fresh.to_wire()}))
+    except ApiException as err:
+        raise kopf.TemporaryError(f"writing the economics of CompileRun {run['metadata']['name']} failed "
+                                  f"({err.status} {err.reason})", delay=15) from err
+    return fresh

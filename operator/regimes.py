@@ -46,7 +46,7 @@ from shapeshift.operator.rollout_target import champion_of
 
 __all__ = [
     "Placement", "RegimeDecision", "RegimeLibrary", "ServingTarget", "place", "same_regime",
-    "Economics", "champion_problem", "decide", "economics", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
+    "Economics", "champion_problem", "decide", "economics", "refresh_savings", "engine_env_sha256", "expected_payback", "newest_champion", "pending_champions", "record_champion",
     "record_rollback",
     "record_compile_run", "regime_distance", "regime_key", "target_forward_pass",
 ]
@@ -543,6 +543,18 @@ def economics(*, started: datetime | None, completed: datetime | None, compile_a
     )
 
 
+def refresh_savings(library: RegimeLibrary, regime: str, cost: Economics, measured_at: datetime) -> RegimeLibrary:
+    """The library with ``regime``'s champion's saved and payback as ``cost`` says at the load read
+    at ``measured_at`` (its spent unchanged)."""
+    entry = library.get(regime)
+    if entry is None or entry.champion is None:
+        return library
+    champion = entry.champion.model_copy(update={
+        "saved_accelerator_seconds_per_hour": cost.saved_accelerator_seconds_per_hour,
+        "payback_seconds": cost.payback_seconds, "savings_measured_at": measured_at})
+    return library.put(entry.model_copy(update={"champion": champion}))
+
+
 def record_rollback(library: RegimeLibrary, forward_pass: str, when: datetime, why: str | None) -> RegimeLibrary:
     """The library after the deployment's rollout rolled ``forward_pass`` back: every regime whose
     champion it is keeps it, marked, so that no switch goes back to a pass the rollout will not retry
@@ -558,10 +570,11 @@ def record_rollback(library: RegimeLibrary, forward_pass: str, when: datetime, w
 
 def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[str, Any], compile_run: str,
                     completed: datetime | None, cost: Economics | None = None,
-                    engine_image: str | None = None) -> RegimeLibrary:
+                    engine_image: str | None = None, measured_at: datetime | None = None) -> RegimeLibrary:
     """The library after ``forward_pass`` (a ForwardPass object the rollout's trust rules accepted)
-    was published by ``compile_run`` for ``regime``; ``cost``: what that compile cost and saves;
-    ``engine_image``: the deployment's spec.engine.image it was recorded under."""
+    was published by ``compile_run`` for ``regime``; ``cost``: what that compile cost and saves
+    (at the load read at ``measured_at``); ``engine_image``: the deployment's spec.engine.image it
+    was recorded under."""
     spec = forward_pass.get("spec") or {}
     engine = spec.get("engine")
     champion = RegimeChampion(
@@ -580,6 +593,7 @@ def record_champion(library: RegimeLibrary, regime: str, forward_pass: Mapping[s
         compile_accelerator_seconds=cost.compile_accelerator_seconds if cost else None,
         saved_accelerator_seconds_per_hour=cost.saved_accelerator_seconds_per_hour if cost else None,
         payback_seconds=cost.payback_seconds if cost else None,
+        savings_measured_at=measured_at,
     )
     entry = library.get(regime) or RegimeStatus(name=regime, first_seen=completed, last_seen=completed)
     return library.put(entry.model_copy(update={"champion": champion}))

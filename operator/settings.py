@@ -53,6 +53,9 @@ class OperatorSettings:
     # SHAPESHIFT_DRIFT_BATCH_SECONDS: the drift scheduler's tick (operator/drift_scheduler.py): the
     # deployments whose check fell due since the last tick are observed in one batch.
     drift_batch_seconds: float = 1.0
+    # SHAPESHIFT_SAVINGS_REFRESH_SECONDS: how old the served load behind the current regime's champion's
+    # saved-per-day and payback may get before a drift check reads it again from Prometheus.
+    savings_refresh_seconds: float = 900.0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -77,6 +80,7 @@ class OperatorSettings:
             outbound_allowed_cidrs=_cidrs(env.get("SHAPESHIFT_OUTBOUND_ALLOWED_CIDRS") or ""),
             handler_workers=max(1, int(env.get("SHAPESHIFT_HANDLER_WORKERS") or 32)),
             drift_batch_seconds=float(env.get("SHAPESHIFT_DRIFT_BATCH_SECONDS") or 1.0),
+            savings_refresh_seconds=float(env.get("SHAPESHIFT_SAVINGS_REFRESH_SECONDS") or 900.0),
         )
 
 

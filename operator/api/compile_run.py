@@ -258,9 +258,11 @@ class TrialCounts(StatusModel):
 
 
 class CompileEconomics(StatusModel):
-    """What the run spent and what its champion saves, written once by the operator when it records
-    the champion (operator/compile_economics.py): spent from the Job's times, saved from the
-    deployment's served tokens/s in Prometheus at that moment and the champion's measured speedup."""
+    """What the run spent and what its champion saves, written by the operator when it records the
+    champion (operator/compile_economics.py): spent from the Job's times, saved from the
+    deployment's served tokens/s in Prometheus at that moment and the champion's measured speedup;
+    the served rate, saved and payback read again while traffic is in the champion's regime
+    (every SHAPESHIFT_SAVINGS_REFRESH_SECONDS), spent never."""
 
     accelerators: int = Field(ge=0, description="Accelerators the compile Job held.")
     job_start_time: datetime | None = Field(default=None, description="The compile Job's status.startTime.")

@@ -447,10 +447,14 @@ class RegimeChampion(StatusModel):
     saved_accelerator_seconds_per_hour: float | None = Field(
         default=None, ge=0,
         description="Serving accelerator-seconds it saves per hour in its regime at the load served when it was "
-                    "recorded: 3600 x (accelerators busy serving the Prometheus-measured output tokens/s at the old "
+                    "last measured (savingsMeasuredAt): 3600 x (accelerators busy serving the Prometheus-measured output tokens/s at the old "
                     "speed) x (1 - 1/speedup); its CompileRun's status.economics says the same per day.")
     payback_seconds: float | None = Field(
         default=None, ge=0, description="Serving time in its regime after which the compile paid for itself.")
+    savings_measured_at: datetime | None = Field(
+        default=None, description="When the served load behind savedAcceleratorSecondsPerHour and paybackSeconds "
+                                  "was read; while traffic is in its regime it is read again every "
+                                  "SHAPESHIFT_SAVINGS_REFRESH_SECONDS (default 900).")
     rolled_back_at: datetime | None = Field(
         default=None, description="When this deployment's rollout rolled it back; the library no longer switches "
                                   "to it, and traffic in its regime compiles again.")

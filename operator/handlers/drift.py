@@ -25,7 +25,7 @@ settings (address, target label names, timeout, minimum requests) are operator/s
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import kopf
@@ -42,13 +42,13 @@ from shapeshift.operator.api import (
     parse_time,
 )
 from shapeshift.operator.builders import Parent
-from shapeshift.operator.compile_economics import champion_economics
+from shapeshift.operator.compile_economics import champion_economics, of_record, refreshed_economics
 from shapeshift.operator.drift_scheduler import DriftScheduler, Registration
 from shapeshift.operator.drift_check import active_compile_run, check_drift, selector_for, thresholds_of
 from shapeshift.operator.kube import Kube, kube_of
 from shapeshift.operator.prometheus import ObservedTraffic, TrafficQueryError
 from shapeshift.operator.provenance import publishing_run
-from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion
+from shapeshift.operator.regimes import RegimeLibrary, pending_champions, record_champion, refresh_savings
 from shapeshift.operator.rollout_target import resolve_target
 from shapeshift.operator.settings import NO_PROMETHEUS_ADDRESS, OperatorSettings, registered_timers
 
@@ -153,6 +153,7 @@ def _apply(kube: Kube, settings: OperatorSettings, typed_spec: InferenceDeployme
         return observed
 
     library = _record_champions(kube, body, typed_spec, typed_status, runs, logger)
+    library = _refresh_savings(kube, body, typed_spec, library, runs, settings, now, logger)
     check = check_drift(spec=typed_spec, status=typed_status, parent=Parent.from_body(body), observe=observe,
                         active_compile_run=active_compile_run(runs, name), settings=settings, now=now,
                         library=library)
@@ -201,8 +202,10 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
         completed = parse_time(run["status"].get("completionTime"))
         # spent from the Job's times, saved from the served tokens/s in Prometheus; also the run's status.economics
         cost = champion_economics(kube, run, forward_pass, spec, body["metadata"]["name"], body["metadata"]["namespace"])
+        stored = (run.get("status") or {}).get("economics") or {}
+        measured = parse_time(stored.get("measuredAt")) if stored else datetime.now(timezone.utc).replace(microsecond=0)
         library = record_champion(library, regime, forward_pass, run["metadata"]["name"], completed, cost,
-                                  engine_image=spec.engine.image)
+                                  engine_image=spec.engine.image, measured_at=measured)
         kopf.info(body, reason="RegimeChampionRecorded",
                   message=f"regime {regime}: champion {champion} of CompileRun {run['metadata']['name']} "
                           f"(speedup {(forward_pass.get('spec') or {}).get('metrics', {}).get('speedup')}; compile "
@@ -210,6 +213,34 @@ def _record_champions(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec
                           f"{cost.saved_accelerator_hours_per_day} accelerator-hours a day at the served load, pays "
                           f"back after {cost.payback_hours} h)"[:1000])
     return library
+
+
+def _refresh_savings(kube: Kube, body: kopf.Body, spec: InferenceDeploymentSpec, library: RegimeLibrary,
+                     runs: list[dict[str, Any]], settings: OperatorSettings, now: datetime,
+                     logger: logging.Logger) -> RegimeLibrary:
+    """The library with the current regime's champion's saved and payback at the load served now,
+    where the load behind them is older than settings.savings_refresh_seconds (its CompileRun's
+    status.economics rewritten too); as it was where Prometheus cannot say."""
+    regime = library.current.name
+    entry = library.get(regime)
+    champ = entry.champion if entry is not None else None
+    if champ is None or champ.compile_run is None or champ.rolled_back_at is not None:
+        return library
+    last = champ.savings_measured_at or champ.verified_at
+    if last is not None and (now - last).total_seconds() < settings.savings_refresh_seconds:
+        return library
+    run = next((r for r in runs if r["metadata"]["name"] == champ.compile_run), None)
+    if run is None:
+        return library
+    fresh = refreshed_economics(kube, run, spec, body["metadata"]["name"], body["metadata"]["namespace"],
+                                settings=settings, now=now)
+    if fresh is None:
+        logger.debug("regime %s: served load not read again (no economics or no rate)", regime)
+        return library
+    logger.info("regime %s: champion %s saves %s accelerator-hours a day at %s output tokens/s (payback %s h)",
+                regime, champ.forward_pass, fresh.saved_accelerator_hours_per_day, fresh.served_tokens_per_second,
+                fresh.payback_hours)
+    return refresh_savings(library, regime, of_record(fresh), fresh.measured_at or now)
 
 
 def _create_compile_run(kube: Kube, body: dict[str, Any]) -> str:

@@ -12,7 +12,9 @@ scraped by Prometheus.
                                         status.economics (and the champion's) against a hand
                                         calculation from the Job's real times and the served rate
                                         asked of Prometheus again; `kubectl get compileruns` shows them,
-                                        `kubectl get infd -o wide` the current regime's
+                                        `kubectl get infd -o wide` the current regime's; with a 5 s
+                                        refresh, more A traffic: saved and payback read again (run and
+                                        library), spent unchanged
     traffic B (prompts ~600 tokens)  -> a CompileRun for regime B; fp-b written by hand (no run vouches
                                         for it) is not recorded; published by the run, it is
     traffic A again                  -> a switch to fp-a within two checks, no CompileRun, an event
@@ -217,6 +219,33 @@ def test_traffic_back_in_a_known_regime_switches_to_its_champion_without_compili
         assert columns["REGIME"] == KEY_A, columns
         assert float(columns["SAVED/DAY"]) == pytest.approx(econ["savedAcceleratorHoursPerDay"], rel=1e-3)
         assert float(columns["PAYBACK"]) == pytest.approx(econ["paybackHours"], rel=1e-3)
+
+        # the saved figure follows the load: with a 5 s refresh, a later check reads the served rate
+        # again (more A traffic now) and rewrites saved and payback, in the run and in the library; spent stays
+        assert recorded["savingsMeasuredAt"] == econ["measuredAt"]
+        monkeypatch.setenv("SHAPESHIFT_SAVINGS_REFRESH_SECONDS", "5")
+        send(engine_metrics, 80, 90, 120)
+        fresh = wait_until(lambda: (lambda c: c if c and c.get("savingsMeasuredAt") != recorded["savingsMeasuredAt"]
+                                    else None)(regime(KEY_A).get("champion")), timeout_s=30 + 4 * tick,
+                           what="regime A's savings read again")
+        monkeypatch.setenv("SHAPESHIFT_SAVINGS_REFRESH_SECONDS", "1000000")
+        again = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "compileruns", run_name)["status"]["economics"]
+        assert again["measuredAt"] == fresh["savingsMeasuredAt"] and again["measuredAt"] > econ["measuredAt"]
+        assert again["acceleratorSeconds"] == econ["acceleratorSeconds"]
+        measured_at = datetime.fromisoformat(again["measuredAt"].replace("Z", "+00:00"))
+        rate = float(server.api("query", time=measured_at.timestamp(), query=(
+            f'sum(rate(shapeshift_generated_tokens_total{{namespace="{namespace}",deployment="{NAME}"}}[60s]))'
+        ))["result"][0]["value"][1])
+        assert again["servedTokensPerSecond"] == pytest.approx(rate, rel=0.02)
+        assert again["servedTokensPerSecond"] != econ["servedTokensPerSecond"]
+        busy = min(1.0, rate / BASELINE)
+        saved_per_second = busy - busy / SPEEDUP
+        assert again["savedAcceleratorHoursPerDay"] == pytest.approx(24 * saved_per_second, rel=0.02)
+        assert again["paybackHours"] == pytest.approx(wall / saved_per_second / 3600, rel=0.02)
+        assert fresh["savedAcceleratorSecondsPerHour"] == pytest.approx(again["savedAcceleratorHoursPerDay"] * 150,
+                                                                         abs=1e-3)
+        assert fresh["paybackSeconds"] == pytest.approx(again["paybackHours"] * 3600, abs=1e-2)
+        assert fresh["compileAcceleratorSeconds"] == recorded["compileAcceleratorSeconds"]
 
         # B: compiled, its champion recorded
         send(engine_metrics, 100, 550, 700)
