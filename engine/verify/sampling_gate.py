@@ -12,12 +12,15 @@ Data flow: settings.sampling rows (temperature, top-p, top-k; a fresh seed each)
 row's seeded generator; the candidate decodes teacher-forced on those tokens, its own logits
 sampled with a generator seeded the same (the same noise) and by the device sampler with the
 same per-step seeds as the reference's -> a sampled token that differs is a flip unless it was a
-near-tie of the sampler's race (argmax of log p - log E) under the reference's logits; with
-compare() on every step's logits -> evidence.
+near-tie of the sampler's race (argmax of log p - log E) under the reference's logits, or of the
+edge of the top-k/top-p set (the two kept sets differ only where the row's logit error moves the
+edge, and the candidate's token won the reference's race over its own set within the margin);
+with compare() on every step's logits -> evidence.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -44,12 +47,47 @@ def _host_noise(state: torch.Tensor, vocab: int, device: torch.device) -> torch.
     return torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=g)
 
 
+def _kept(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The tokens a row's top-k and top-p leave to the race (both samplers filter so)."""
+    return torch.isfinite(apply_top_k_top_p(scaled[None], torch.tensor([p.top_k], device=scaled.device),
+                                            torch.tensor([p.top_p], device=scaled.device))[0])
+
+
+def _on_the_edge(row: torch.Tensor, p: SamplingParams, tokens: torch.Tensor, delta: float) -> bool:
+    """Whether every one of ``tokens`` (ids) sits where a logit error of ``delta`` can move the
+    edge of the reference row's kept set: within 2 delta of the k-th logit, or (top-p) with a mass
+    of more likely tokens within a factor exp(2 delta / T) of top_p."""
+    scaled = row / p.temperature
+    vocab = row.shape[-1]
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    ordered, order = torch.sort(scaled, descending=True)
+    near = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+    if k < vocab:
+        kth = float(ordered[k - 1]) * p.temperature
+        near |= (row - kth).abs() <= 2 * delta
+    if p.top_p < 1.0:
+        masked = ordered.masked_fill(torch.arange(vocab, device=row.device) >= k, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs
+        factor = math.exp(2 * delta / p.temperature) * (1 + 1e-6)
+        window = (before >= p.top_p / factor) & (before <= p.top_p * factor) & torch.isfinite(masked)
+        near |= torch.zeros_like(near).scatter(0, order, window)
+    return bool(near[tokens].all())
+
+
 def _near_tie(ref_row: torch.Tensor, p: SamplingParams, noise: torch.Tensor | None, ref_tok: int, cand_tok: int,
-              tie: float) -> tuple[bool, float]:
+              tie: float, cand_row: torch.Tensor | None = None) -> tuple[bool, float]:
     """Whether the candidate's token, drawn with the reference's noise, lost the reference's race
     by no more than the near-tie margin (tie logits / temperature), and by how much it lost. A
     token outside the reference's top-k/top-p set counts only when its logit is within the
-    margin of the set's edge (a logit error of that size moves the edge)."""
+    margin of the set's edge (a logit error of that size moves the edge).
+
+    With top-k or top-p, the candidate's own kept set (``cand_row``'s) can differ from the
+    reference's at the edge: a token the reference kept the candidate may have cut, so the
+    candidate's race was run over other tokens. Such a draw is a near-tie when every token the two
+    sets disagree on sits where the row's measured logit error (at most the margin) moves the
+    edge, and the candidate's token lost the reference's race over the candidate's set by no more
+    than the margin."""
     row = ref_row.float()
     if p.argmax or noise is None:
         deficit = float(row[ref_tok] - row[cand_tok])
@@ -58,8 +96,16 @@ def _near_tie(ref_row: torch.Tensor, p: SamplingParams, noise: torch.Tensor | No
     race = scaled - noise.log()  # log p - log E up to the row's constant
     deficit = float(race[ref_tok] - race[cand_tok])
     if p.top_k > 0 or p.top_p < 1.0:
-        kept = torch.isfinite(apply_top_k_top_p(scaled[None], torch.tensor([p.top_k], device=row.device),
-                                                torch.tensor([p.top_p], device=row.device))[0])
+        kept = _kept(scaled, p)
+        if cand_row is not None:
+            theirs = _kept(cand_row.float() / p.temperature, p)
+            differ = (kept ^ theirs).nonzero().flatten()
+            if bool(theirs[cand_tok]) and differ.numel():
+                delta = min(tie, float((cand_row.float() - row)[kept | theirs].abs().max()))
+                best = float(race.masked_fill(~theirs, float("-inf")).max())
+                shifted = best - float(race[cand_tok])
+                if shifted <= tie / p.temperature and _on_the_edge(row, p, differ, delta):
+                    return True, shifted
         if not bool(kept[cand_tok]) and float(row[cand_tok]) < float(row[kept].min()) - tie:
             return False, deficit
     return deficit <= tie / p.temperature, deficit
@@ -106,7 +152,7 @@ def gate_sampling(ctx: GateContext) -> dict[str, Any]:
                     noise = _host_noise(states[i], vocab, device) if states[i] is not None else None
                 else:
                     noise = -torch.log(hashed_uniforms(seeds[i:i + 1], vocab)[0])
-                tied, deficit = _near_tie(r[i], p, noise, a, b, tie)
+                tied, deficit = _near_tie(r[i], p, noise, a, b, tie, cand_row=c[i])
                 if tied:
                     forgiven += 1
                 else:
