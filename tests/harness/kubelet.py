@@ -514,7 +514,9 @@ class LocalPod:
         for run in self.containers:
             remaining = max(0.0, deadline - time.monotonic())
             try:
-                run.exit_code = run.process.wait(timeout=remaining)
+                code = run.process.wait(timeout=remaining)
+                # A signal shows as a negative return code; runtimes report 128 + signal (137: SIGKILL).
+                run.exit_code = 128 - code if code < 0 else code
             except subprocess.TimeoutExpired:
                 self.stop()
                 raise TimeoutError(
@@ -543,8 +545,7 @@ class LocalPod:
                 run.process.wait()
             if run.exit_code is None:
                 code = run.process.returncode
-                # A signal shows as a negative return code; runtimes report 128 + signal.
-                run.exit_code = 128 - code if code < 0 else code
+                run.exit_code = 128 - code if code < 0 else code  # as in wait()
                 run.finished_at = _now()
         if not self.reported:
             self.report()
