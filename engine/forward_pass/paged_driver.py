@@ -156,6 +156,42 @@ class PagedDriver:
             seq.num_computed += 1
         return logits[:n]
 
+    def graph_mixed_step(self, fp: Any, seqs: list[Seq], num_new: list[int], tokens: int, rows: int,
+                         width: int) -> torch.Tensor:
+        """One step of any mix (prefill chunks beside decodes) shaped as the engine's replay of a
+        mixed-step graph of ``tokens`` x ``rows`` (engine/core/mixed_graphs.py
+        ``fill_mixed_inputs``): tokens past the step's are padding (id 0, position 0, the null
+        slot) and belong to no sequence, rows past the batch have no tokens and no context, block
+        tables are ``width`` blocks wide and zero past each table, and no host copies. Returns
+        float32 logits [len(seqs), V] of the real rows' last tokens."""
+        n, total = len(seqs), sum(num_new)
+        if n > rows or total > tokens:
+            raise ValueError(f"a step of {n} sequences and {total} tokens does not fit ({tokens}, {rows})")
+        input_ids, positions, ctx = self.build_step(seqs, num_new)
+        dev, pad = self.device, tokens - total
+        table = torch.zeros((rows, width), dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            if len(seq.blocks) > width:
+                raise ValueError(f"a sequence of {len(seq.blocks)} blocks is wider than the graph's {width}")
+            table[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        qsl = ctx.query_start_loc.tolist() + [total] * (rows - n)
+        last = ctx.last_token_indices.tolist() + [max(total - 1, 0)] * (rows - n)
+        graph_ctx = AttentionContext(
+            is_prefill=True,
+            slot_mapping=torch.cat([ctx.slot_mapping, torch.full((pad,), self.kv.null_slot, dtype=torch.int64,
+                                                                 device=dev)]),
+            block_tables=table.to(dev),
+            context_lens=torch.cat([ctx.context_lens, torch.zeros(rows - n, dtype=torch.int32, device=dev)]),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev), max_query_len=tokens,
+            max_context_len=width * self.block_size,
+            last_token_indices=torch.tensor(last, dtype=torch.int64, device=dev))
+        ids = torch.cat([input_ids, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        pos = torch.cat([positions, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        logits = fp.forward(ids, pos, graph_ctx, self.kv)
+        for seq, k in zip(seqs, num_new):
+            seq.num_computed += k
+        return logits[:n]
+
     def greedy(self, fp: Any, seqs: list[Seq], steps: int, decode_fp: Any | None = None,
                prefill_chunk: int | None = None, forced: list[list[int]] | None = None
                ) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -6,7 +6,8 @@ sequence, host copies of the lengths, blocks from a pool of about a hundred. Ser
 two ways a candidate can be wrong about:
 
 - **Graph replays.** On CUDA a decode batch of n sequences replays the graph of the smallest
-  bucket holding it (engine/core/runner.py): the rows past n are padding (their token is written
+  bucket holding it (engine/core/runner.py; mixed steps likewise with mixed_cuda_graphs,
+  engine/core/mixed_graphs.py): the rows past n are padding (their token is written
   to the cache's null slot, one token of context, a block-table row left from an earlier step),
   every block table is max_model_len wide, and the context carries no host copies. A pass that
   maps the null slot onto a live block, or takes another path when padding is present, is exact
@@ -17,10 +18,13 @@ two ways a candidate can be wrong about:
 
 Data flow:
   coverage.padded_batches: for batch sizes between the graph buckets (and one bucket exactly):
-    prompts -> both passes prefill them eagerly (one at a time), then decode in graph-shaped steps with the same
-    padding (PagedDriver.graph_decode_step, a shared seed) -> compare() the real rows; after every
-    candidate step the KV pool is diffed against a copy taken before it: a slot written outside the
-    step's own slots (and the null block) fails the gate, whatever the logits say.
+    prompts -> both passes prefill them eagerly (one at a time), then decode in graph-shaped steps
+    with the same padding (PagedDriver.graph_decode_step, a shared seed) -> compare() the real
+    rows; then a decode row, a prefill and a prefill chunk in two steps shaped as a mixed-step
+    graph replays them (PagedDriver.graph_mixed_step: padding tokens, a row with no tokens) ->
+    compare(). After every candidate step the KV pool is diffed against a copy taken before it: a
+    slot written outside the step's own slots (and the null block) fails the gate, whatever the
+    logits say.
   coverage.block_pool: a driver with as many blocks as the serving engine's pool
     (GateSettings.pool_blocks, capped at pool_bytes_max: the evidence says when) -> sequences
     placed on block ids across the whole range (the last block, block 0, the middle, the rest drawn)
@@ -138,8 +142,60 @@ def gate_padded_batches(ctx: GateContext) -> dict[str, Any]:
             raise GateFailure(f"a graph-shaped step of {n} sequences in bucket {bucket} differs", batch_size=n,
                               bucket=bucket, **ev)
         checked.append([n, bucket])
-    return {"batch_in_bucket": checked, "table_width": width,
+    mixed = _padded_mixed_step(ctx, width)
+    return {"batch_in_bucket": checked, "table_width": width, "mixed_step": mixed,
             "buckets_from": "settings" if s.graph_buckets else f"fallback {list(FALLBACK_BUCKETS)}"}
+
+
+def _padded_mixed_step(ctx: GateContext, width: int) -> dict[str, Any]:
+    """A decode row, a prefill and a prefill chunk in one step shaped as a mixed-step graph
+    replays it (PagedDriver.graph_mixed_step: padding tokens on the null slot, a row with no
+    tokens, tables ``width`` wide, no host copies), on one schedule for both passes, then a
+    graph-shaped decode of all three; the KV pool diffed around the candidate's steps."""
+    s = ctx.settings
+    bs = s.block_size
+    donor = ctx.prompt(bs + ctx.rng.randint(1, bs - 1))
+    fresh = ctx.prompt(ctx.rng.randint(2, bs))
+    chunked = ctx.prompt(2 * bs + 5)
+    chunk = bs + 1
+    news = [1, len(fresh), chunk]
+    tokens = -(-(sum(news) + 3) // bs) * bs  # the bucket: tokens rounded up past the step's own
+    runs: dict[str, list[torch.Tensor]] = {}
+    forced: list[int] = []
+    for label, fp in (("reference", ctx.reference), ("candidate", ctx.candidate)):
+        d = ctx.driver()
+        watch = label == "candidate"
+        a, b, c = Seq(list(donor)), Seq(list(fresh)), Seq(list(chunked))
+        out = [d.step(fp, [a])]
+        if label == "reference":
+            forced.append(int(out[0][0].argmax()))
+        a.tokens.append(forced[0])
+        seqs = [a, b, c]
+        for seq, k in zip(seqs, news):
+            d.allocate(seq, seq.num_computed + k)
+        allowed = _step_slots(seqs, news, bs)
+        before = _snapshot(d) if watch else None
+        out.append(d.graph_mixed_step(fp, seqs, news, tokens=tokens, rows=len(seqs) + 1, width=width)[:2])
+        if watch:
+            _require_own_writes(d, before, allowed, len(seqs), tokens, "mixed")
+        if label == "reference":
+            forced += [int(out[1][0].argmax()), int(out[1][1].argmax())]
+        a.tokens.append(forced[1])
+        b.tokens.append(forced[2])
+        rest = len(c.tokens) - c.num_computed  # the chunk's remainder, then decodes
+        news2 = [1, 1, rest]
+        for seq, k in zip(seqs, news2):
+            d.allocate(seq, seq.num_computed + k)
+        allowed = _step_slots(seqs, news2, bs)
+        before = _snapshot(d) if watch else None
+        out.append(d.graph_mixed_step(fp, seqs, news2, tokens=tokens, rows=len(seqs) + 1, width=width))
+        if watch:
+            _require_own_writes(d, before, allowed, len(seqs), tokens, "mixed")
+        runs[label] = out
+    ev = compare(runs["reference"], runs["candidate"], ctx.tol, s.top_k_compare)
+    if not ev["ok"]:
+        raise GateFailure("a mixed step shaped as a mixed-step graph replays it differs", tokens_bucket=tokens, **ev)
+    return {"tokens_bucket": tokens, "rows_bucket": 4, "new_tokens": [news, news2]}
 
 
 def pool_size(ctx: GateContext) -> tuple[int, int]:

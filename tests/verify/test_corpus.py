@@ -46,6 +46,7 @@ CORPUS = {
     "padded_batch_lazy": (3, "coverage.padded_batches"),
     "compact_block_table": (3, "coverage.block_pool"),
     "high_blocks_lazy": (3, "coverage.block_pool"),
+    "mixed_graph_lazy": (3, "coverage.padded_batches"),
     "weights_swap_keeps_sum": (4, "anti_cheat.inputs_unchanged"),
     "weights_touched_when_measured": (4, "anti_cheat.inputs_unchanged"),
     "thread_named_shapeshift": (5, "anti_cheat.no_patching"),
@@ -54,7 +55,7 @@ CORPUS = {
 }
 # Caught by their gate and by no other: every other gate passes them.
 ONLY_THEIR_GATE = {"sampling_off_greedy_path", "shared_call_state", "odd_batch_above_16", "padded_rows_wrap_slot",
-                   "padded_batch_lazy", "compact_block_table", "high_blocks_lazy"}
+                   "padded_batch_lazy", "compact_block_table", "high_blocks_lazy", "mixed_graph_lazy"}
 # Verified with the serving coverage of a deployment (EngineConfig fields): its graph buckets and
 # largest batch, as the compile loop's promotion check verifies (promotion.serving_coverage).
 DEPLOYMENT = {"odd_batch_above_16": {"max_num_seqs": 48}, "compact_block_table": {"num_kv_blocks": 1024},
