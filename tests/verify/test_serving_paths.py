@@ -73,3 +73,33 @@ def test_a_pool_too_large_for_memory_is_capped_and_says_so(model):
     assert gate.evidence["pool_blocks"] == 10 ** 7 and gate.evidence["capped"] is True
     assert gate.evidence["blocks"] == (2 << 20) // per_block
     assert gate.evidence["highest_block"] == gate.evidence["blocks"] - 1
+
+
+RAISES_ON_MIXED_GRAPHS = '''from shapeshift.engine.forward_pass.importer import import_stock_module
+
+stock = import_stock_module()
+CACHE_FORMAT_VERSION = stock.CACHE_FORMAT_VERSION
+
+
+class EagerMixedOnly(stock.StockForwardPass):
+    def forward(self, input_ids, positions, ctx, kv_cache):
+        if ctx.is_prefill and ctx.query_start_loc_cpu is None:
+            raise RuntimeError("this pass needs host copies for a mixed step")
+        return super().forward(input_ids, positions, ctx, kv_cache)
+
+
+def build(model_config, weights, recipe):
+    return EagerMixedOnly(model_config, weights, recipe)
+'''
+
+
+def test_a_pass_that_raises_on_a_graph_shaped_mixed_step_is_not_judged_on_it(model, tmp_path):
+    """The engine runs such a pass's mixed steps eagerly (it tries a static mixed step before it
+    captures any): the gate passes it on the rest and says why the mixed step was not judged."""
+    cfg, weights = model
+    (tmp_path / "forward.py").write_text(RAISES_ON_MIXED_GRAPHS)
+    report = verify_candidate(tmp_path, cfg, weights, settings=GateSettings(gate_timeout_s=30.0, build_timeout_s=30.0),
+                              only=("coverage.padded_batches",))
+    gate = report.gate("coverage.padded_batches")
+    assert gate.passed, str(gate)
+    assert "needs host copies" in gate.evidence["mixed_step"]["skipped"]
