@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import kopf
+import urllib3
 from kubernetes.client import ApiException
 
 from shapeshift.operator.api import (
@@ -129,6 +130,10 @@ def _failed(registration: Registration, err: BaseException) -> None:
     """A check that failed (API errors): due again after a drift timer tick."""
     if isinstance(err, (kopf.TemporaryError, kopf.PermanentError)):
         LOG.warning("drift check of %s failed: %s", registration.name, err)
+    elif isinstance(err, (urllib3.exceptions.HTTPError, ConnectionError)):  # the API server unreachable
+        reason = getattr(err, "reason", None) or err
+        LOG.warning("drift check of %s failed: API server unreachable (%s); retrying", registration.name,
+                    type(reason).__name__)
     else:
         LOG.error("drift check of %s failed", registration.name, exc_info=err)
 
