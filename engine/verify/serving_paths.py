@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from shapeshift.engine.core.kv_cache import bytes_per_token
 from shapeshift.engine.forward_pass.paged_driver import PagedDriver, Seq
 from shapeshift.engine.verify.context import GateContext, GateFailure, compare
 from shapeshift.engine.verify.isolated import CandidateDied, CandidateError
@@ -218,10 +219,9 @@ def _mixed_run(ctx: GateContext, label: str, fp: Any, donor: list[int], fresh: l
 def pool_size(ctx: GateContext) -> tuple[int, int]:
     """(the serving pool's blocks, the blocks this gate's drivers get): the pool, or as much of it
     as pool_bytes_max holds, never fewer than num_blocks."""
-    s, cfg = ctx.settings, ctx.model_config
+    s = ctx.settings
     pool = max(s.pool_blocks or s.num_blocks, s.num_blocks)
-    elem = torch.empty((), dtype=ctx.dtype).element_size()
-    per_block = 2 * cfg.num_hidden_layers * s.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    per_block = bytes_per_token(ctx.model_config, ctx.dtype) * s.block_size
     return pool, max(s.num_blocks, min(pool, s.pool_bytes_max // per_block))
 
 

@@ -29,7 +29,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import kopf
-import urllib3
 from kubernetes.client import ApiException
 
 from shapeshift.operator.api import (
@@ -44,6 +43,7 @@ from shapeshift.operator.api import (
 )
 from shapeshift.operator.builders import Parent
 from shapeshift.operator.compile_economics import champion_economics, of_record, refreshed_economics
+from shapeshift.operator.handlers.errors import UNREACHABLE, unreachable
 from shapeshift.operator.drift_scheduler import DriftScheduler, Registration
 from shapeshift.operator.drift_check import active_compile_run, check_drift, selector_for, thresholds_of
 from shapeshift.operator.kube import Kube, kube_of
@@ -130,10 +130,8 @@ def _failed(registration: Registration, err: BaseException) -> None:
     """A check that failed (API errors): due again after a drift timer tick."""
     if isinstance(err, (kopf.TemporaryError, kopf.PermanentError)):
         LOG.warning("drift check of %s failed: %s", registration.name, err)
-    elif isinstance(err, (urllib3.exceptions.HTTPError, ConnectionError)):  # the API server unreachable
-        reason = getattr(err, "reason", None) or err
-        LOG.warning("drift check of %s failed: API server unreachable (%s); retrying", registration.name,
-                    type(reason).__name__)
+    elif isinstance(err, UNREACHABLE):
+        LOG.warning("drift check of %s failed: %s; retrying", registration.name, unreachable(err))
     else:
         LOG.error("drift check of %s failed", registration.name, exc_info=err)
 

@@ -37,10 +37,17 @@ def api_errors(call: Callable[[], T], retry_s: float | None = None) -> T:
             raise kopf.TemporaryError(f"API server answered {error.status} {error.reason}; retrying",
                                       delay=retry_s or 5)
         raise
-    except (urllib3.exceptions.HTTPError, ConnectionError) as error:
-        reason = getattr(error, "reason", None) or error
-        raise kopf.TemporaryError(f"API server unreachable ({type(reason).__name__}); retrying",
-                                  delay=retry_s or RECONNECT_DELAY_S) from None
+    except UNREACHABLE as error:
+        raise kopf.TemporaryError(f"{unreachable(error)}; retrying", delay=retry_s or RECONNECT_DELAY_S) from None
+
+
+UNREACHABLE = (urllib3.exceptions.HTTPError, ConnectionError)  # what the client raises with no API server
+
+
+def unreachable(error: BaseException) -> str:
+    """One line for an error in UNREACHABLE, naming its cause (not its traceback)."""
+    reason = getattr(error, "reason", None) or error
+    return f"API server unreachable ({type(reason).__name__})"
 
 
 def api_message(error: ApiException) -> str:
