@@ -267,6 +267,19 @@ def assert_consistent(stage: Stage, phase: str, sha256: str) -> dict:
     return st
 
 
+def assert_completed_once(stage: Stage, analyzing: dict, done: dict, digest: str, reloaded: dict[str, float],
+                          since: float) -> None:
+    """The rollout resumed, not started again (the same target, canary and start), completed on
+    every pod with one reload each and one event per phase."""
+    kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
+    assert {key: done["rollout"].get(key) for key in kept} == kept
+    assert_consistent(stage, "Complete", digest)
+    assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
+    counts = event_counts(stage, since)
+    assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
+        == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
+
+
 # ---- tests -----------------------------------------------------------------------------------
 
 
@@ -298,17 +311,9 @@ def test_operator_killed_mid_canary_resumes_from_status_and_completes_once(stage
                           "the resumed rollout to complete", interval_s=0.5)
     assert load.statuses.count(200) >= 10 and set(load.statuses) == {200}, load.errors[:5]
 
-    # Resumed, not started again: the same target, canary and start.
-    kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
-    assert {key: done["rollout"].get(key) for key in kept} == kept
     assert done["activeForwardPass"]["name"] == "fp-killed-operator" and done["activeForwardPass"]["sha256"] == digest
-    assert_consistent(stage, "Complete", digest)
-    # Each engine loaded the candidate once (the canary kept it through the promotion).
-    assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
-    counts = event_counts(stage, since)
-    assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
-        == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
-
+    # resumed, not started again; each engine loaded the candidate once (the canary kept it through the promotion)
+    assert_completed_once(stage, analyzing, done, digest, reloaded, since)
 
 def test_canary_engine_killed_mid_canary_rolls_back_and_the_other_pod_keeps_its_pass(stage, tmp_path):
     before = settled(stage)
@@ -434,13 +439,7 @@ def test_apiserver_restarted_mid_canary_the_rollout_completes_once(stage, tmp_pa
     print(f"API server down and back in {outage:.1f} s")
     assert done["rollout"]["phase"] == "Complete", done["rollout"]
     assert load.statuses.count(200) >= 10 and set(load.statuses) == {200}, load.errors[:5]
-    kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
-    assert {key: done["rollout"].get(key) for key in kept} == kept
-    assert_consistent(stage, "Complete", digest)
-    assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
-    counts = event_counts(stage, since)
-    assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
-        == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
+    assert_completed_once(stage, analyzing, done, digest, reloaded, since)
     assert "will try again in 60" not in stage.log.read_text(errors="replace")
 
 
@@ -494,13 +493,7 @@ def test_leader_killed_mid_canary_the_other_replica_completes_the_rollout_once(s
         assert takeover_s <= LIFETIME_S + TAKEOVER_SLACK_S, takeover_s
         assert done["rollout"]["phase"] == "Complete", done["rollout"]
         assert load.statuses.count(200) >= 10 and set(load.statuses) == {200}, load.errors[:5]
-        kept = {key: analyzing["rollout"].get(key) for key in ("desired", "previous", "canaryPods", "startTime")}
-        assert {key: done["rollout"].get(key) for key in kept} == kept
-        assert_consistent(stage, "Complete", digest)
-        assert {pod: n - reloaded[pod] for pod, n in reloads(stage).items()} == {pod: 1 for pod in stage.urls}
-        counts = event_counts(stage, since)
-        assert {reason: counts.get(reason) for reason in ("CanaryStarted", "CanaryInSync", "Promoting", "RolledOut")} \
-            == {"CanaryStarted": 1, "CanaryInSync": 1, "Promoting": 1, "RolledOut": 1}, counts
+        assert_completed_once(stage, analyzing, done, digest, reloaded, since)
         # the follower acted only after it resumed
         assert "kopf.objects" not in follower_log.read_text(errors="replace").split(RESUMED)[0], "acted while paused"
     finally:
